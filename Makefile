@@ -1,0 +1,31 @@
+# The two commands of the README: `make demo` and `make test`. Each creates .venv when it is missing.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# torch is pinned to the CPU build that lies on this machine's disk; a bare `torch` would pull a multi-GB CUDA build.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: demo test lint venv clean
+
+$(BIN)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_PIN)"
+	$(BIN)/python -m pip install --quiet -e ".[train,test]"
+	touch $@
+
+venv: $(BIN)/.installed
+
+test: venv
+	$(BIN)/python -m ruff check seqnorm tests scripts
+	$(BIN)/python -m pytest
+
+lint: venv
+	$(BIN)/python -m ruff check seqnorm tests scripts
+	$(BIN)/python -m ruff format --check seqnorm tests scripts
+
+demo: venv
+	$(BIN)/python scripts/demo.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

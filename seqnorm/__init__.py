@@ -1,0 +1,13 @@
+"""seqnorm: normalized recurrent networks for PyTorch.
+
+``LSTMCell``/``GRUCell`` do one step with ``norm=`` none | layer | rms | weight | batch | batch_renorm;
+``LSTM``/``GRU`` are drop-ins for ``torch.nn.LSTM``/``GRU`` with the same norms, ``lengths`` and a stepping interface.
+"""
+
+from seqnorm.cells import GRUCell, LSTMCell
+from seqnorm.init import INITS
+from seqnorm.layers import GRU, LSTM, RecurrentState
+from seqnorm.norms import NORMS
+
+__all__ = ["GRU", "INITS", "LSTM", "NORMS", "GRUCell", "LSTMCell", "RecurrentState"]
+__version__ = "0.1.0"

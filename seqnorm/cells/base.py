@@ -1,0 +1,173 @@
+"""The shared body of the normalized cells: parameters in torch's layout, norms from the registry, input checks."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.utils import parametrizations, parametrize
+
+from seqnorm.init import init_recurrent_, resolve_init
+from seqnorm.norms import NormContext, NormScheme, SmallBatchPolicy, get_norm
+
+__all__ = ["RecurrentCell", "check_positive_int"]
+
+
+def check_positive_int(owner: str, name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{owner}: expected {name} to be a positive int, got {value!r}")
+    return value
+
+
+class RecurrentCell(nn.Module):
+    """Base of :class:`~seqnorm.LSTMCell` and :class:`~seqnorm.GRUCell`; a subclass declares its gates and step.
+
+    Parameters follow ``torch.nn.LSTMCell``/``GRUCell`` exactly (``weight_ih``, ``weight_hh``, ``bias_ih``,
+    ``bias_hh`` in torch's gate order); norms are submodules ``norm_ih``, ``norm_hh`` and, for LSTMs, ``norm_c``.
+    """
+
+    num_gates: ClassVar[int]
+    has_cell_state: ClassVar[bool]
+    forget_gate: ClassVar[int | None] = None  # index of the forget gate block, if the cell has one
+
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        bias: bool = True,
+        *,
+        norm: str = "none",
+        max_steps: int = 100,
+        init: str = "default",
+        forget_bias: float | None = None,
+        eps: float = 1e-5,
+        momentum: float = 0.1,
+        small_batch: SmallBatchPolicy = "error",
+        norm_options: Mapping[str, Any] | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        self.input_size = check_positive_int(owner, "input_size", input_size)
+        self.hidden_size = check_positive_int(owner, "hidden_size", hidden_size)
+        self.max_steps = check_positive_int(owner, "max_steps", max_steps)
+        self.bias = bool(bias)
+        self.scheme: NormScheme = get_norm(norm, owner, norm_options)
+        self.norm = norm
+        self.init = resolve_init(init, owner)
+        if forget_bias is None and norm != "none" and self.forget_gate is not None:
+            forget_bias = 1.0
+        if forget_bias is not None and (self.forget_gate is None or not bias):
+            warnings.warn(f"{owner}: forget_bias={forget_bias} has no effect without a forget gate bias", stacklevel=2)
+            forget_bias = None
+        self.forget_bias = forget_bias
+
+        factory = {"device": device, "dtype": dtype}
+        gate_size = self.num_gates * hidden_size
+        self.weight_ih = nn.Parameter(torch.empty(gate_size, input_size, **factory))
+        self.weight_hh = nn.Parameter(torch.empty(gate_size, hidden_size, **factory))
+        if bias:
+            self.bias_ih = nn.Parameter(torch.empty(gate_size, **factory))
+            self.bias_hh = nn.Parameter(torch.empty(gate_size, **factory))
+        else:
+            self.register_parameter("bias_ih", None)
+            self.register_parameter("bias_hh", None)
+
+        context = NormContext(owner, max_steps, eps, momentum, small_batch, dict(norm_options or {}), device, dtype)
+        self.norm_ih: nn.Module | None = self.scheme.build(gate_size, "gate", context)
+        self.norm_hh: nn.Module | None = self.scheme.build(gate_size, "gate", context)
+        self.norm_c: nn.Module | None = (
+            self.scheme.build(hidden_size, "state", context) if self.has_cell_state else None
+        )
+        if self.scheme.weight_norm:
+            # W = g * v / ||v|| per output row (dim=0): parameters `parametrizations.weight_ih.original0/1`.
+            parametrizations.weight_norm(self, "weight_ih", dim=0)
+            parametrizations.weight_norm(self, "weight_hh", dim=0)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Initialize weights with ``init``, set the forget bias and reset every norm (running statistics too)."""
+        weight_ih = torch.empty_like(self.weight_ih)
+        weight_hh = torch.empty_like(self.weight_hh)
+        biases = [bias.data for bias in (self.bias_ih, self.bias_hh) if bias is not None]
+        init_recurrent_(self.init, weight_ih, weight_hh, biases, self.num_gates)
+        if self.forget_bias is not None and self.bias_ih is not None and self.bias_hh is not None:
+            forget = slice(self.forget_gate * self.hidden_size, (self.forget_gate + 1) * self.hidden_size)
+            with torch.no_grad():
+                self.bias_ih[forget] = self.forget_bias
+                self.bias_hh[forget] = 0.0
+        with torch.no_grad():
+            # Assigning through a weight-norm parametrization sets g = ||w|| and v = w (its right inverse).
+            if parametrize.is_parametrized(self):
+                self.weight_ih = weight_ih
+                self.weight_hh = weight_hh
+            else:
+                self.weight_ih.copy_(weight_ih)
+                self.weight_hh.copy_(weight_hh)
+        for norm in (self.norm_ih, self.norm_hh, self.norm_c):
+            if norm is not None:
+                norm.reset_parameters()
+
+    def extra_repr(self) -> str:
+        text = f"{self.input_size}, {self.hidden_size}, norm={self.norm!r}, init={self.init!r}"
+        if not self.bias:
+            text += ", bias=False"
+        if self.forget_bias is not None:
+            text += f", forget_bias={self.forget_bias}"
+        if self.scheme.batch_statistics:
+            text += f", max_steps={self.max_steps}"
+        return text
+
+    # --- one time step -------------------------------------------------------------------------------------------
+
+    def gate_terms(self, x: Tensor, h: Tensor, step: int, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The (normalized) input and recurrent terms ``N(W_ih x) + b_ih`` and ``N(W_hh h) + b_hh``."""
+        input_term = F.linear(x, self.weight_ih)
+        recurrent_term = F.linear(h, self.weight_hh)
+        if self.norm_ih is not None:
+            input_term = self.norm_ih(input_term, step, mask)
+        if self.norm_hh is not None:
+            recurrent_term = self.norm_hh(recurrent_term, step, mask)
+        if self.bias_ih is not None:
+            input_term = input_term + self.bias_ih
+            recurrent_term = recurrent_term + self.bias_hh
+        return input_term, recurrent_term
+
+    def initial_state(self, batch_size: int, like: Tensor) -> Any:
+        """The zero state for ``batch_size`` rows, on ``like``'s device and in its dtype."""
+        raise NotImplementedError
+
+    def step_unchecked(
+        self, x: Tensor, state: Any, step: int, mask: Tensor | None, recurrent_mask: Tensor | None = None
+    ) -> Any:
+        """One step without input checks (the layers call this in their time loop).
+
+        ``recurrent_mask`` ``(B, H)`` is a variational dropout mask (already scaled by ``1/(1-p)``) applied to the
+        state where it enters the recurrent term.
+        """
+        raise NotImplementedError
+
+    # --- input checks --------------------------------------------------------------------------------------------
+
+    def check_input(self, x: Tensor, mask: Tensor | None) -> None:
+        owner = type(self).__name__
+        if not isinstance(x, Tensor) or x.dim() != 2 or x.shape[1] != self.input_size:
+            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"{owner}: expected input of shape (batch, {self.input_size}), got {got}")
+        if mask is not None and (
+            not isinstance(mask, Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != (x.shape[0],)
+        ):
+            got = f"{tuple(mask.shape)} {mask.dtype}" if isinstance(mask, Tensor) else type(mask).__name__
+            raise ValueError(f"{owner}: expected mask of shape ({x.shape[0]},) and dtype torch.bool, got {got}")
+
+    def check_state_tensor(self, name: str, tensor: object, batch_size: int) -> Tensor:
+        expected = (batch_size, self.hidden_size)
+        if not isinstance(tensor, Tensor) or tuple(tensor.shape) != expected:
+            got = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
+            raise ValueError(f"{type(self).__name__}: expected {name} of shape {expected}, got {got}")
+        return tensor

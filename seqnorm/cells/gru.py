@@ -1,0 +1,69 @@
+"""GRU cell with a selectable normalization."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from seqnorm.cells.base import RecurrentCell
+
+__all__ = ["GRUCell"]
+
+
+class GRUCell(RecurrentCell):
+    r"""A gated recurrent unit with LayerNorm, RMSNorm, WeightNorm or per-timestep (re)BatchNorm.
+
+    .. math::
+        \begin{array}{ll}
+        (a_r, a_z, a_n) = N_{ih}(W_{ih} x) + b_{ih}, \quad (u_r, u_z, u_n) = N_{hh}(W_{hh} h) + b_{hh} \\
+        r = \sigma(a_r + u_r), \quad z = \sigma(a_z + u_z) \\
+        n = \tanh(a_n + r \odot u_n) \\
+        h' = (1 - z) \odot n + z \odot h
+        \end{array}
+
+    With ``N`` the identity (``norm="none"``) this is exactly ``torch.nn.GRUCell``. LayerNorm / RMSNorm normalize the
+    ``3H`` input and recurrent terms separately (Ba et al. 2016, LN-GRU); ``"batch"``/``"batch_renorm"`` apply
+    per-timestep BN to the same two terms (γ₀ = 0.1, β = 0, following Cooijmans et al.'s LSTM recipe); ``"weight"``
+    reparametrizes ``W_ih`` and ``W_hh``. A GRU has no cell state, so there is no ``N_c``.
+
+    Args: as :class:`~seqnorm.LSTMCell` (``forget_bias`` does not apply: a GRU has no forget gate).
+
+    Inputs: ``x, h=None, *, step=0, mask=None`` with ``x`` ``(B, input_size)`` and ``h`` ``(B, hidden_size)``;
+    ``mask`` as for :class:`~seqnorm.LSTMCell` (padding rows keep their state).
+
+    Outputs: ``h'`` ``(B, hidden_size)``.
+
+    Example::
+
+        >>> cell = seqnorm.GRUCell(10, 20, norm="rms")
+        >>> h = cell(torch.randn(3, 10))
+        >>> h = cell(torch.randn(3, 10), h, step=1)
+    """
+
+    num_gates = 3
+    has_cell_state = False
+
+    def forward(self, x: Tensor, state: Tensor | None = None, *, step: int = 0, mask: Tensor | None = None) -> Tensor:
+        self.check_input(x, mask)
+        if state is None:
+            state = self.initial_state(x.shape[0], x)
+        else:
+            state = self.check_state_tensor("h", state, x.shape[0])
+        return self.step_unchecked(x, state, step, mask)
+
+    def initial_state(self, batch_size: int, like: Tensor) -> Tensor:
+        return like.new_zeros(batch_size, self.hidden_size)
+
+    def step_unchecked(
+        self, x: Tensor, state: Tensor, step: int, mask: Tensor | None, recurrent_mask: Tensor | None = None
+    ) -> Tensor:
+        h_prev = state
+        h_in = h_prev if recurrent_mask is None else h_prev * recurrent_mask
+        input_term, recurrent_term = self.gate_terms(x, h_in, step, mask)
+        a_r, a_z, a_n = input_term.chunk(3, dim=1)
+        u_r, u_z, u_n = recurrent_term.chunk(3, dim=1)
+        r = torch.sigmoid(a_r + u_r)
+        z = torch.sigmoid(a_z + u_z)
+        n = torch.tanh(a_n + r * u_n)
+        h = (1 - z) * n + z * h_prev
+        return h if mask is None else torch.where(mask.unsqueeze(1), h, h_prev)

@@ -1,0 +1,109 @@
+"""LSTM cell with a selectable normalization."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from seqnorm.cells.base import RecurrentCell
+
+__all__ = ["LSTMCell"]
+
+
+class LSTMCell(RecurrentCell):
+    r"""A long short-term memory cell with LayerNorm, RMSNorm, WeightNorm or per-timestep (re)BatchNorm.
+
+    .. math::
+        \begin{array}{ll}
+        (i, f, g, o) = N_{ih}(W_{ih} x) + b_{ih} + N_{hh}(W_{hh} h) + b_{hh} \\
+        c' = \sigma(f) \odot c + \sigma(i) \odot \tanh(g) \\
+        h' = \sigma(o) \odot \tanh(N_c(c'))
+        \end{array}
+
+    ``N`` is the identity for ``norm="none"`` (exactly ``torch.nn.LSTMCell``) and ``"weight"`` (``W = g v/||v||``
+    per row; with ``norm_options={"mean_only_bn": True}`` ``N_{ih}, N_{hh}`` subtract per-timestep batch means);
+    LayerNorm / RMSNorm over the ``4H`` gate features and the ``H`` state features for ``"layer"``/``"rms"``
+    (Ba et al. 2016); per-timestep BatchNorm with γ initialized to 0.1 and β fixed at 0 on the gate terms for
+    ``"batch"`` (Cooijmans et al. 2016), with Ioffe's r/d correction for ``"batch_renorm"``. The carried cell state
+    ``c'`` stays unnormalized; only its path to ``h'`` is normalized.
+
+    Args:
+        input_size: features of ``x``.
+        hidden_size: features of ``h`` and ``c``.
+        bias: use ``b_ih`` and ``b_hh``. Default: ``True``.
+        norm: ``"none" | "layer" | "rms" | "weight" | "batch" | "batch_renorm"``. Default: ``"none"``.
+        max_steps: time steps with their own batch statistics; later steps reuse the last. Default: 100.
+        init: ``"default" | "xavier" | "kaiming" | "orthogonal" | "identity"`` (see :mod:`seqnorm.init`).
+        forget_bias: value of the forget gate bias after initialization. Default: 1.0 for normalized cells,
+            ``None`` (torch's initialization untouched) for ``norm="none"``.
+        eps: epsilon of every norm. Default: 1e-5.
+        momentum: running-statistics momentum of the batch norms. Default: 0.1.
+        small_batch: ``"error"`` (default) or ``"running"``: what a batch norm does in training at a step with
+            fewer than 2 active rows (batch size 1): raise, or normalize with the running statistics of the step.
+        norm_options: norm-specific options: ``r_max, d_max, warmup, r_max_steps, d_max_steps`` for
+            ``"batch_renorm"``; ``mean_only_bn`` for ``"weight"``.
+        device, dtype: of the parameters.
+
+    Inputs: ``x, state=None, *, step=0, mask=None``
+        - **x** ``(B, input_size)``.
+        - **state** ``(h, c)``, each ``(B, hidden_size)``; zeros when ``None``.
+        - **step** the time index, which selects per-timestep statistics.
+        - **mask** ``(B,)`` bool: ``False`` rows are padding at this step. They enter no batch statistics and keep
+          their state unchanged, so a loop over a padded batch ends with each row's state at its last real step.
+
+    Outputs: ``(h', c')``, each ``(B, hidden_size)``.
+
+    Example::
+
+        >>> cell = seqnorm.LSTMCell(10, 20, norm="layer")
+        >>> x = torch.randn(5, 3, 10)  # (T, B, I)
+        >>> state = None
+        >>> for t in range(5):
+        ...     state = cell(x[t], state, step=t)
+        >>> state[0].shape
+        torch.Size([3, 20])
+    """
+
+    num_gates = 4
+    has_cell_state = True
+    forget_gate = 1
+
+    def forward(
+        self, x: Tensor, state: tuple[Tensor, Tensor] | None = None, *, step: int = 0, mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        self.check_input(x, mask)
+        if state is None:
+            state = self.initial_state(x.shape[0], x)
+        elif not isinstance(state, (tuple, list)) or len(state) != 2:
+            raise ValueError(f"LSTMCell: expected state to be a tuple (h, c), got {type(state).__name__}")
+        else:
+            state = (
+                self.check_state_tensor("h", state[0], x.shape[0]),
+                self.check_state_tensor("c", state[1], x.shape[0]),
+            )
+        return self.step_unchecked(x, state, step, mask)
+
+    def initial_state(self, batch_size: int, like: Tensor) -> tuple[Tensor, Tensor]:
+        zeros = like.new_zeros(batch_size, self.hidden_size)
+        return zeros, zeros
+
+    def step_unchecked(
+        self,
+        x: Tensor,
+        state: tuple[Tensor, Tensor],
+        step: int,
+        mask: Tensor | None,
+        recurrent_mask: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        h_prev, c_prev = state
+        h_in = h_prev if recurrent_mask is None else h_prev * recurrent_mask
+        input_term, recurrent_term = self.gate_terms(x, h_in, step, mask)
+        i, f, g, o = (input_term + recurrent_term).chunk(4, dim=1)
+        c = torch.sigmoid(f) * c_prev + torch.sigmoid(i) * torch.tanh(g)
+        c_out = c if self.norm_c is None else self.norm_c(c, step, mask)
+        h = torch.sigmoid(o) * torch.tanh(c_out)
+        if mask is not None:
+            keep = mask.unsqueeze(1)
+            h = torch.where(keep, h, h_prev)
+            c = torch.where(keep, c, c_prev)
+        return h, c

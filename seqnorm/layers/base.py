@@ -1,0 +1,372 @@
+"""The time loop shared by :class:`~seqnorm.LSTM` and :class:`~seqnorm.GRU`: stacking, direction, lengths, packing.
+
+Cells do one step; this module owns time. Variable lengths are explicit: at step ``t`` the rows with
+``t >= lengths[b]`` are masked, so they enter no batch statistics, keep their state (the final state is each
+sequence's state at its last real step) and output zeros. A reverse direction runs over each sequence's real part
+reversed (padding stays at the end), as ``torch.nn.LSTM`` does with packed sequences.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
+
+from seqnorm.cells.base import RecurrentCell, check_positive_int
+from seqnorm.norms import SmallBatchPolicy
+
+__all__ = ["RecurrentLayer", "RecurrentState", "reverse_padded"]
+
+# torch.nn.LSTM's parameter names: `weight_ih_l0`, `bias_hh_l1_reverse`; norms follow the same rule, `norm_ih_l0.weight`.
+_TORCH_KEY = re.compile(r"(?P<name>[A-Za-z_]\w*?)_l(?P<layer>\d+)(?P<reverse>_reverse)?(?P<rest>\..*)?")
+
+
+class RecurrentState(NamedTuple):
+    """State carried by :meth:`RecurrentLayer.step` between calls.
+
+    Attributes:
+        h: ``(num_layers, B, H)``.
+        c: ``(num_layers, B, H)`` for LSTMs, ``None`` for GRUs.
+        step: index of the next time step (selects per-timestep batch statistics).
+    """
+
+    h: Tensor
+    c: Tensor | None
+    step: int
+
+
+def reverse_padded(x: Tensor, lengths: Tensor | None) -> Tensor:
+    """Reverse ``x`` ``(T, B, *)`` along time within each sequence's first ``lengths[b]`` steps; padding stays."""
+    if lengths is None:
+        return x.flip(0)
+    steps = torch.arange(x.shape[0], device=x.device).unsqueeze(1)  # (T, 1)
+    real = lengths.to(x.device).unsqueeze(0)  # (1, B)
+    index = torch.where(steps < real, real - 1 - steps, steps)  # (T, B)
+    return x.gather(0, index.view(*index.shape, *([1] * (x.dim() - 2))).expand_as(x))
+
+
+class RecurrentLayer(nn.Module):
+    """Base of the multi-layer, optionally bidirectional recurrent layers; subclasses name their cell class."""
+
+    cell_class: ClassVar[type[RecurrentCell]]
+
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        num_layers: int = 1,
+        bias: bool = True,
+        batch_first: bool = False,
+        dropout: float = 0.0,
+        bidirectional: bool = False,
+        *,
+        recurrent_dropout: float = 0.0,
+        norm: str = "none",
+        max_steps: int = 100,
+        init: str = "default",
+        forget_bias: float | None = None,
+        eps: float = 1e-5,
+        momentum: float = 0.1,
+        small_batch: SmallBatchPolicy = "error",
+        norm_options: Mapping[str, Any] | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        self.input_size = check_positive_int(owner, "input_size", input_size)
+        self.hidden_size = check_positive_int(owner, "hidden_size", hidden_size)
+        self.num_layers = check_positive_int(owner, "num_layers", num_layers)
+        for name, rate in (("dropout", dropout), ("recurrent_dropout", recurrent_dropout)):
+            if not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0:
+                raise ValueError(f"{owner}: expected {name} in [0, 1), got {rate!r}")
+        self.bias = bool(bias)
+        self.batch_first = bool(batch_first)
+        self.dropout = float(dropout)
+        self.recurrent_dropout = float(recurrent_dropout)
+        self.bidirectional = bool(bidirectional)
+        self.proj_size = 0  # torch.nn.LSTM attribute; projections are not supported yet
+        self.norm = norm
+        directions = 2 if bidirectional else 1
+        self.cells = nn.ModuleList(
+            self.cell_class(
+                input_size if layer == 0 else hidden_size * directions,
+                hidden_size,
+                bias,
+                norm=norm,
+                max_steps=max_steps,
+                init=init,
+                forget_bias=forget_bias,
+                eps=eps,
+                momentum=momentum,
+                small_batch=small_batch,
+                norm_options=norm_options,
+                device=device,
+                dtype=dtype,
+            )
+            for layer in range(num_layers)
+            for _ in range(directions)
+        )
+        self.register_state_dict_post_hook(_to_torch_keys)
+        self.register_load_state_dict_pre_hook(_from_torch_keys)
+
+    @property
+    def num_directions(self) -> int:
+        return 2 if self.bidirectional else 1
+
+    def extra_repr(self) -> str:
+        text = f"{self.input_size}, {self.hidden_size}, num_layers={self.num_layers}"
+        for name in ("batch_first", "bidirectional"):
+            if getattr(self, name):
+                text += f", {name}=True"
+        for name in ("dropout", "recurrent_dropout"):
+            if getattr(self, name):
+                text += f", {name}={getattr(self, name)}"
+        return text
+
+    def reset_parameters(self) -> None:
+        for cell in self.cells:
+            cell.reset_parameters()
+
+    def _cell_suffix(self, index: int) -> str:
+        layer, direction = divmod(index, self.num_directions)
+        return f"_l{layer}" + ("_reverse" if direction else "")
+
+    def __getattr__(self, name: str) -> Any:
+        # torch.nn.LSTM exposes `weight_ih_l0` etc. as attributes; resolve them to the cell that holds them.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            match = _TORCH_KEY.fullmatch(name)
+            if match is None or match["rest"]:
+                raise
+            index = int(match["layer"]) * self.num_directions + (1 if match["reverse"] else 0)
+            cells = self._modules["cells"]
+            if index >= len(cells) or (match["reverse"] and not self.bidirectional):
+                raise
+            return getattr(cells[index], match["name"])
+
+    # --- whole sequences -----------------------------------------------------------------------------------------
+
+    def forward(
+        self, input: Tensor | PackedSequence, hx: Any = None, lengths: Tensor | list[int] | None = None
+    ) -> tuple[Tensor | PackedSequence, Any]:
+        owner = type(self).__name__
+        packed = isinstance(input, PackedSequence)
+        if packed:
+            if lengths is not None:
+                raise ValueError(f"{owner}: expected lengths=None with a PackedSequence input, got lengths")
+            x, lengths = pad_packed_sequence(input)  # (T, B, I), original batch order
+            unbatched = False
+        else:
+            if not isinstance(input, Tensor) or input.dim() not in (2, 3):
+                got = f"shape {tuple(input.shape)}" if isinstance(input, Tensor) else type(input).__name__
+                layout = "(batch, seq, features)" if self.batch_first else "(seq, batch, features)"
+                raise ValueError(f"{owner}: expected a 3-D input {layout} or 2-D (seq, features), got {got}")
+            unbatched = input.dim() == 2
+            x = input.unsqueeze(1) if unbatched else (input.transpose(0, 1) if self.batch_first else input)
+        if x.shape[-1] != self.input_size:
+            raise ValueError(f"{owner}: expected input with {self.input_size} features, got {x.shape[-1]}")
+        steps, batch = x.shape[0], x.shape[1]
+        if steps == 0:
+            raise ValueError(f"{owner}: expected at least one time step, got an input of length 0")
+        lengths = self._check_lengths(lengths, steps, batch)
+        h0, c0 = self._initial_state(hx, batch, x, unbatched)
+        output, h_n, c_n = self._run(x, h0, c0, lengths)
+        state: Any = h_n if c_n is None else (h_n, c_n)
+        if packed:
+            return _repack(output, lengths, input), state
+        if unbatched:
+            return output.squeeze(1), (h_n.squeeze(1) if c_n is None else (h_n.squeeze(1), c_n.squeeze(1)))
+        return (output.transpose(0, 1) if self.batch_first else output), state
+
+    def _run(self, x: Tensor, h0: Tensor, c0: Tensor | None, lengths: Tensor | None) -> tuple[Tensor, ...]:
+        """The reference time loop over ``x`` ``(T, B, I)``; returns output ``(T, B, D*H)``, ``h_n``, ``c_n``."""
+        steps, batch = x.shape[0], x.shape[1]
+        masks: list[Tensor | None] = [None] * steps
+        if lengths is not None:
+            active = (torch.arange(steps).unsqueeze(1) < lengths.unsqueeze(0)).to(x.device)  # (T, B)
+            counts = (lengths.unsqueeze(0) > torch.arange(steps).unsqueeze(1)).sum(1).tolist()
+            # Steps where every row is real need no mask (and no per-step count of active rows).
+            masks = [None if count == batch else active[t] for t, count in enumerate(counts)]
+            steps = int(lengths.max())  # steps past every sequence's end are all padding: not run at all
+        h_n: list[Tensor] = []
+        c_n: list[Tensor] = []
+        layer_input = x[:steps]
+        for layer in range(self.num_layers):
+            outputs = []
+            for direction in range(self.num_directions):
+                index = layer * self.num_directions + direction
+                cell = self.cells[index]
+                sequence = layer_input if direction == 0 else reverse_padded(layer_input, lengths)
+                state = h0[index] if c0 is None else (h0[index], c0[index])
+                output, state = self._run_direction(cell, sequence, state, masks)
+                outputs.append(output if direction == 0 else reverse_padded(output, lengths))
+                if c0 is None:
+                    h_n.append(state)
+                else:
+                    h_n.append(state[0])
+                    c_n.append(state[1])
+            layer_input = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+            if self.dropout and self.training and layer < self.num_layers - 1:
+                layer_input = F.dropout(layer_input, self.dropout, training=True)
+        output = layer_input
+        if lengths is not None:
+            output = output * active[:steps].unsqueeze(2).to(output.dtype)
+            if steps < x.shape[0]:
+                output = F.pad(output, (0, 0, 0, 0, 0, x.shape[0] - steps))
+        return output, torch.stack(h_n), (torch.stack(c_n) if c_n else None)
+
+    def _run_direction(
+        self, cell: RecurrentCell, sequence: Tensor, state: Any, masks: list[Tensor | None]
+    ) -> tuple[Tensor, Any]:
+        recurrent_mask = None
+        if self.recurrent_dropout and self.training:
+            # Variational dropout (Gal & Ghahramani 2016): one mask per sequence, the same at every step.
+            keep = 1.0 - self.recurrent_dropout
+            h = state if isinstance(state, Tensor) else state[0]
+            recurrent_mask = torch.bernoulli(torch.full_like(h, keep)) / keep
+        outputs = []
+        # unbind, not x[t]: indexing makes every step's backward write a full-size gradient.
+        for t, x_t in enumerate(sequence.unbind(0)):
+            state = cell.step_unchecked(x_t, state, t, masks[t], recurrent_mask)
+            outputs.append(state if isinstance(state, Tensor) else state[0])
+        return torch.stack(outputs), state
+
+    # --- one step at a time ----------------------------------------------------------------------------------------
+
+    def step(self, x: Tensor, state: RecurrentState | None = None) -> tuple[Tensor, RecurrentState]:
+        """Advance every layer by one time step, for streaming and generation (batch size 1 included).
+
+        Args:
+            x: ``(B, input_size)``, the input at the next time step.
+            state: what the previous call returned, or ``None`` to start from zeros at step 0.
+
+        Returns:
+            ``(output, state)``: the top layer's ``h`` ``(B, hidden_size)`` and the new :class:`RecurrentState`,
+            whose ``step`` has advanced by one. Inter-layer dropout applies in training; recurrent dropout does not
+            (it needs one mask for a whole sequence).
+        """
+        owner = type(self).__name__
+        if self.bidirectional:
+            raise ValueError(f"{owner}: expected a unidirectional layer for step(), got bidirectional=True")
+        first = self.cells[0]
+        first.check_input(x, None)
+        batch = x.shape[0]
+        if state is None:
+            h = x.new_zeros(self.num_layers, batch, self.hidden_size)
+            state = RecurrentState(h, h if first.has_cell_state else None, 0)
+        elif not isinstance(state, RecurrentState):
+            raise ValueError(f"{owner}: expected state to be the RecurrentState step() returned, got {type(state)}")
+        else:
+            self._check_state_shape("state.h", state.h, (self.num_layers, batch, self.hidden_size))
+            if first.has_cell_state:
+                self._check_state_shape("state.c", state.c, (self.num_layers, batch, self.hidden_size))
+        h_next, c_next = [], []
+        layer_input = x
+        for layer, cell in enumerate(self.cells):
+            cell_state = state.h[layer] if state.c is None else (state.h[layer], state.c[layer])
+            cell_state = cell.step_unchecked(layer_input, cell_state, state.step, None)
+            h = cell_state if isinstance(cell_state, Tensor) else cell_state[0]
+            h_next.append(h)
+            if not isinstance(cell_state, Tensor):
+                c_next.append(cell_state[1])
+            layer_input = h
+            if self.dropout and self.training and layer < self.num_layers - 1:
+                layer_input = F.dropout(layer_input, self.dropout, training=True)
+        c = torch.stack(c_next) if c_next else None
+        return h_next[-1], RecurrentState(torch.stack(h_next), c, state.step + 1)
+
+    # --- checks ----------------------------------------------------------------------------------------------------
+
+    def _check_lengths(self, lengths: Tensor | list[int] | None, steps: int, batch: int) -> Tensor | None:
+        if lengths is None:
+            return None
+        owner = type(self).__name__
+        values = torch.as_tensor(lengths).detach().cpu() if not isinstance(lengths, Tensor) else lengths.detach().cpu()
+        if values.dim() != 1 or values.numel() != batch:
+            raise ValueError(f"{owner}: expected lengths of shape ({batch},), got {tuple(values.shape)}")
+        if values.dtype.is_floating_point or values.dtype == torch.bool or values.is_complex():
+            raise ValueError(f"{owner}: expected integer lengths, got dtype {values.dtype}")
+        low, high = int(values.min()), int(values.max())
+        if low < 1 or high > steps:
+            raise ValueError(f"{owner}: expected lengths in [1, {steps}] (the input's time steps), got {low}..{high}")
+        return values.to(torch.long)
+
+    def _check_state_shape(self, name: str, tensor: object, expected: tuple[int, ...]) -> Tensor:
+        if not isinstance(tensor, Tensor) or tuple(tensor.shape) != expected:
+            got = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
+            raise ValueError(f"{type(self).__name__}: expected {name} of shape {expected}, got {got}")
+        return tensor
+
+    def _initial_state(self, hx: Any, batch: int, x: Tensor, unbatched: bool) -> tuple[Tensor, Tensor | None]:
+        has_c = self.cell_class.has_cell_state
+        layers = self.num_layers * self.num_directions
+        expected = (layers, self.hidden_size) if unbatched else (layers, batch, self.hidden_size)
+        if hx is None:
+            h0 = x.new_zeros(layers, batch, self.hidden_size)
+            return h0, (h0 if has_c else None)
+        if has_c:
+            if not isinstance(hx, (tuple, list)) or len(hx) != 2:
+                raise ValueError(f"{type(self).__name__}: expected hx to be a tuple (h_0, c_0), got {type(hx)}")
+            h0 = self._check_state_shape("h_0", hx[0], expected)
+            c0 = self._check_state_shape("c_0", hx[1], expected)
+            return (h0.unsqueeze(1), c0.unsqueeze(1)) if unbatched else (h0, c0)
+        h0 = self._check_state_shape("h_0", hx, expected)
+        return (h0.unsqueeze(1) if unbatched else h0), None
+
+    @classmethod
+    def _from_torch(cls, module: nn.Module, expected: type[nn.Module], **kwargs: Any) -> RecurrentLayer:
+        if not isinstance(module, expected):
+            raise ValueError(f"{cls.__name__}.from_torch: expected a torch.nn.{expected.__name__}, got {type(module)}")
+        if getattr(module, "proj_size", 0):
+            raise ValueError(f"{cls.__name__}.from_torch: expected proj_size=0, got {module.proj_size}")
+        weight = module.weight_ih_l0
+        layer = cls(
+            module.input_size,
+            module.hidden_size,
+            module.num_layers,
+            module.bias,
+            module.batch_first,
+            module.dropout,
+            module.bidirectional,
+            norm="none",
+            device=weight.device,
+            dtype=weight.dtype,
+            **kwargs,
+        )
+        layer.load_state_dict(module.state_dict())
+        return layer
+
+
+def _repack(output: Tensor, lengths: Tensor, like: PackedSequence) -> PackedSequence:
+    """Pack ``output`` ``(T, B, F)`` (original batch order) with the batch layout of the input ``like``."""
+    if like.sorted_indices is not None:
+        output = output.index_select(1, like.sorted_indices)
+        lengths = lengths.index_select(0, like.sorted_indices.cpu())
+    data = pack_padded_sequence(output, lengths, enforce_sorted=True).data
+    return PackedSequence(data, like.batch_sizes, like.sorted_indices, like.unsorted_indices)
+
+
+def _to_torch_keys(module: RecurrentLayer, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """State-dict post-hook: `cells.0.weight_ih` -> torch's `weight_ih_l0` (`cells.1...` -> `..._l0_reverse`)."""
+    head = prefix + "cells."
+    for key in [key for key in state_dict if key.startswith(head)]:
+        index, _, name = key[len(head) :].partition(".")
+        first, dot, rest = name.partition(".")
+        state_dict[f"{prefix}{first}{module._cell_suffix(int(index))}{dot}{rest}"] = state_dict.pop(key)
+
+
+def _from_torch_keys(module: RecurrentLayer, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """Load-state-dict pre-hook: the inverse of :func:`_to_torch_keys` (so torch state dicts load as they are)."""
+    for key in [key for key in state_dict if key.startswith(prefix)]:
+        match = _TORCH_KEY.fullmatch(key[len(prefix) :])
+        if match is None or "." in match["name"]:
+            continue
+        index = int(match["layer"]) * module.num_directions + (1 if match["reverse"] else 0)
+        state_dict[f"{prefix}cells.{index}.{match['name']}{match['rest'] or ''}"] = state_dict.pop(key)

@@ -1,0 +1,235 @@
+"""Per-timestep batch normalization for recurrent networks (Cooijmans et al. 2016) and Batch Renormalization
+(Ioffe 2017).
+
+Recurrent BN keeps separate running statistics for every time step ``t < max_steps`` (rows of the
+``running_mean``/``running_var`` buffers) and shares its affine parameters across steps. Steps ``t >= max_steps`` use
+the statistics of step ``max_steps - 1``: in evaluation they read that row, and in training they update it, so the
+last row summarizes every long-range step.
+
+In training, batch statistics are taken over the *active* rows only (``mask``), so padding never enters them. A step
+with fewer than 2 active rows has no batch variance; by default that is a ``ValueError`` (batch size 1 is the common
+cause). ``small_batch="running"`` is the documented fallback: such a step is normalized with its running statistics,
+as in evaluation, and does not update them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["SmallBatchPolicy", "TimestepBatchNorm", "TimestepBatchRenorm"]
+
+SmallBatchPolicy = Literal["error", "running"]
+
+
+class TimestepBatchNorm(nn.Module):
+    r"""Batch normalization with per-time-step statistics.
+
+    .. math::
+        y = \gamma \odot \frac{x - \mu_t}{\sqrt{\sigma_t^2 + \epsilon}} + \beta
+
+    where :math:`\mu_t, \sigma^2_t` are the batch moments over the active rows at step ``t`` in training and the
+    running moments of step ``min(t, max_steps - 1)`` in evaluation.
+
+    Args:
+        num_features: feature size ``F``.
+        max_steps: number of time steps with their own statistics. Default: 100.
+        eps: added to the variance. Default: 1e-5.
+        momentum: weight of the new batch in the running moments. Default: 0.1.
+        gain: initial value of :math:`\gamma` (Cooijmans et al. use 0.1). Default: 0.1.
+        center: learn :math:`\beta`. The gate terms of a cell use ``False`` (β fixed at 0, the cell bias follows).
+        scale: divide by the standard deviation; ``False`` gives mean-only BN (Salimans & Kingma 2016).
+        small_batch: ``"error"`` or ``"running"``, what a training step with fewer than 2 active rows does.
+        owner: name used in error messages (the cell that holds this norm).
+
+    Inputs: ``x`` of shape ``(B, F)``, ``step`` (int), ``mask`` ``(B,)`` bool or ``None`` (all rows active).
+
+    Attributes:
+        running_mean, running_var: buffers of shape ``(max_steps, F)``.
+        num_batches_tracked: buffer ``(max_steps,)``, training batches seen per step.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        max_steps: int = 100,
+        *,
+        eps: float = 1e-5,
+        momentum: float = 0.1,
+        gain: float = 0.1,
+        center: bool = True,
+        scale: bool = True,
+        small_batch: SmallBatchPolicy = "error",
+        owner: str = "TimestepBatchNorm",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        name = type(self).__name__
+        if max_steps < 1:
+            raise ValueError(f"{name}: expected max_steps >= 1, got {max_steps}")
+        if not 0.0 <= momentum <= 1.0:
+            raise ValueError(f"{name}: expected momentum in [0, 1], got {momentum}")
+        if small_batch not in ("error", "running"):
+            raise ValueError(f"{name}: expected small_batch to be 'error' or 'running', got {small_batch!r}")
+        factory = {"device": device, "dtype": dtype}
+        self.num_features = num_features
+        self.max_steps = max_steps
+        self.eps = eps
+        self.momentum = momentum
+        self.gain_init = gain
+        self.scale = scale
+        self.small_batch = small_batch
+        self.owner = owner
+        self.weight = nn.Parameter(torch.empty(num_features, **factory)) if scale else None
+        self.bias = nn.Parameter(torch.empty(num_features, **factory)) if center else None
+        self.register_buffer("running_mean", torch.zeros(max_steps, num_features, **factory))
+        self.register_buffer("running_var", torch.ones(max_steps, num_features, **factory))
+        self.register_buffer("num_batches_tracked", torch.zeros(max_steps, dtype=torch.long, device=device))
+        self.reset_parameters()
+
+    def reset_running_stats(self) -> None:
+        self.running_mean.zero_()
+        self.running_var.fill_(1.0)
+        self.num_batches_tracked.zero_()
+
+    def reset_parameters(self) -> None:
+        self.reset_running_stats()
+        if self.weight is not None:
+            nn.init.constant_(self.weight, self.gain_init)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_features}, max_steps={self.max_steps}, eps={self.eps}, momentum={self.momentum}, "
+            f"gain={self.gain_init}, center={self.bias is not None}, scale={self.scale}, "
+            f"small_batch={self.small_batch!r}"
+        )
+
+    def forward(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:
+        t = min(step, self.max_steps - 1)
+        if self.training:
+            active = x.shape[0] if mask is None else int(mask.sum())
+            if active >= 2:
+                mean, var = _masked_moments(x, mask, active)
+                x_hat = self._normalize_batch(x, mean, var, t)
+                self._update_running(mean, var, active, t)
+                return self._affine(x_hat)
+            if self.small_batch == "error":
+                raise ValueError(
+                    f"{self.owner}: expected at least 2 active (non-padding) rows at step {step} to form per-timestep "
+                    f"batch statistics in training, got {active} (batch size {x.shape[0]}). The batch variance of a "
+                    'single sample is undefined; use norm="layer" (or "rms"/"weight"), which works at batch size 1, '
+                    'or pass small_batch="running" to normalize such steps with their running statistics.'
+                )
+        return self._affine(self._normalize_running(x, t))
+
+    def _normalize_running(self, x: Tensor, t: int) -> Tensor:
+        centered = x - self.running_mean[t]
+        return centered * torch.rsqrt(self.running_var[t] + self.eps) if self.scale else centered
+
+    def _normalize_batch(self, x: Tensor, mean: Tensor, var: Tensor, t: int) -> Tensor:
+        centered = x - mean
+        return centered * torch.rsqrt(var + self.eps) if self.scale else centered
+
+    def _affine(self, x_hat: Tensor) -> Tensor:
+        if self.weight is not None:
+            x_hat = x_hat * self.weight
+        return x_hat if self.bias is None else x_hat + self.bias
+
+    @torch.no_grad()
+    def _update_running(self, mean: Tensor, var: Tensor, active: int, t: int) -> None:
+        # Running variance is the unbiased estimate, as in torch.nn.BatchNorm1d.
+        self.running_mean[t].lerp_(mean.to(self.running_mean.dtype), self.momentum)
+        unbiased = var * (active / (active - 1))
+        self.running_var[t].lerp_(unbiased.to(self.running_var.dtype), self.momentum)
+        self.num_batches_tracked[t] += 1
+
+
+class TimestepBatchRenorm(TimestepBatchNorm):
+    r"""Per-timestep Batch Renormalization (Ioffe 2017).
+
+    In training, :math:`\hat x = \frac{x - \mu_B}{\sigma_B} r + d` with
+    :math:`r = \mathrm{clip}_{[1/r_{max}, r_{max}]}(\sigma_B / \sigma_t)` and
+    :math:`d = \mathrm{clip}_{[-d_{max}, d_{max}]}((\mu_B - \mu_t) / \sigma_t)`, both treated as constants in the
+    backward pass, where :math:`\mu_t, \sigma_t` are the running moments of the step. Evaluation is BN with running
+    moments, so training and evaluation agree once ``r`` and ``d`` are unclipped.
+
+    Schedule (per step, counted in training batches ``n`` of that step, as in the paper): plain BN
+    (``r_max = 1``, ``d_max = 0``) for ``n < warmup``; then ``r_max`` grows linearly to its final value over
+    ``r_max_steps`` batches and ``d_max`` over ``d_max_steps`` batches.
+
+    Args:
+        r_max: final bound of ``r``. Default: 3.0.
+        d_max: final bound of ``d``. Default: 5.0.
+        warmup: batches of plain BN before the correction starts. Default: 5000 (the paper's value).
+        r_max_steps: batches over which ``r_max`` ramps from 1. Default: 40000.
+        d_max_steps: batches over which ``d_max`` ramps from 0. Default: 25000.
+        **kwargs: as for :class:`TimestepBatchNorm`.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        max_steps: int = 100,
+        *,
+        r_max: float = 3.0,
+        d_max: float = 5.0,
+        warmup: int = 5000,
+        r_max_steps: int = 40000,
+        d_max_steps: int = 25000,
+        **kwargs: object,
+    ) -> None:
+        super().__init__(num_features, max_steps, **kwargs)  # type: ignore[arg-type]
+        name = type(self).__name__
+        if r_max < 1.0:
+            raise ValueError(f"{name}: expected r_max >= 1, got {r_max}")
+        if d_max < 0.0:
+            raise ValueError(f"{name}: expected d_max >= 0, got {d_max}")
+        if warmup < 0 or r_max_steps < 1 or d_max_steps < 1:
+            raise ValueError(
+                f"{name}: expected warmup >= 0 and r_max_steps, d_max_steps >= 1, "
+                f"got warmup={warmup}, r_max_steps={r_max_steps}, d_max_steps={d_max_steps}"
+            )
+        self.r_max = r_max
+        self.d_max = d_max
+        self.warmup = warmup
+        self.r_max_steps = r_max_steps
+        self.d_max_steps = d_max_steps
+
+    def extra_repr(self) -> str:
+        return (
+            f"{super().extra_repr()}, r_max={self.r_max}, d_max={self.d_max}, warmup={self.warmup}, "
+            f"r_max_steps={self.r_max_steps}, d_max_steps={self.d_max_steps}"
+        )
+
+    def limits(self, t: int) -> tuple[Tensor, Tensor]:
+        """The current ``(r_max, d_max)`` of step ``t`` (tensors, so reading them never synchronizes a device)."""
+        seen = (self.num_batches_tracked[min(t, self.max_steps - 1)] - self.warmup).clamp(min=0).float()
+        r_max = 1.0 + (self.r_max - 1.0) * (seen / self.r_max_steps).clamp(max=1.0)
+        d_max = self.d_max * (seen / self.d_max_steps).clamp(max=1.0)
+        return r_max, d_max
+
+    def _normalize_batch(self, x: Tensor, mean: Tensor, var: Tensor, t: int) -> Tensor:
+        r_max, d_max = (limit.to(x.dtype) for limit in self.limits(t))
+        std_batch = torch.sqrt(var + self.eps)
+        std_running = torch.sqrt(self.running_var[t] + self.eps)
+        r = (std_batch / std_running).detach().clamp(min=1.0 / r_max, max=r_max)
+        d = ((mean - self.running_mean[t]) / std_running).detach().clamp(min=-d_max, max=d_max)
+        if not self.scale:
+            return x - mean + d * std_running
+        return (x - mean) / std_batch * r + d
+
+
+def _masked_moments(x: Tensor, mask: Tensor | None, active: int) -> tuple[Tensor, Tensor]:
+    """Mean and biased variance over the rows of ``x`` where ``mask`` is true (all rows when ``mask`` is None)."""
+    if mask is None:
+        var, mean = torch.var_mean(x, dim=0, correction=0)
+        return mean, var
+    weights = mask.to(x.dtype).unsqueeze(1)
+    mean = (x * weights).sum(0) / active
+    var = ((x - mean).square() * weights).sum(0) / active
+    return mean, var

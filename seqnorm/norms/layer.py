@@ -1,0 +1,60 @@
+"""Per-sample normalizations: LayerNorm (Ba et al. 2016) and RMSNorm (Zhang & Sennrich 2019).
+
+Both normalize each row over its features, so they behave identically in training and evaluation and at any batch
+size, including 1. They share the recurrent norm interface ``norm(x, step=0, mask=None)`` with the per-timestep batch
+norms; ``step`` and ``mask`` are accepted and ignored because a row's output never depends on other rows or steps.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["LayerNorm", "RMSNorm"]
+
+
+class _RowNorm(nn.Module):
+    """Shared parameters and repr of the row-wise norms: a gain (``weight``) and an optional shift (``bias``)."""
+
+    def __init__(
+        self,
+        num_features: int,
+        *,
+        eps: float = 1e-5,
+        gain: float = 1.0,
+        center: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_features = num_features
+        self.eps = eps
+        self.gain_init = gain
+        self.weight = nn.Parameter(torch.empty(num_features, device=device, dtype=dtype))
+        # The gate terms are followed by the cell's own bias, so their shift would be redundant: ``center=False``.
+        self.bias = nn.Parameter(torch.empty(num_features, device=device, dtype=dtype)) if center else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.constant_(self.weight, self.gain_init)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_features}, eps={self.eps}, gain={self.gain_init}, center={self.bias is not None}"
+
+
+class LayerNorm(_RowNorm):
+    r"""LayerNorm over the last dimension: :math:`y = \gamma \odot (x - \mu) / \sqrt{\sigma^2 + \epsilon} + \beta`."""
+
+    def forward(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:
+        return F.layer_norm(x, (self.num_features,), self.weight, self.bias, self.eps)
+
+
+class RMSNorm(_RowNorm):
+    r"""RMSNorm over the last dimension: :math:`y = \gamma \odot x / \sqrt{\overline{x^2} + \epsilon} + \beta`."""
+
+    def forward(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:
+        y = F.rms_norm(x, (self.num_features,), self.weight, self.eps)
+        return y if self.bias is None else y + self.bias

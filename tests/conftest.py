@@ -1,0 +1,27 @@
+"""Shared fixtures and helpers for the seqnorm test suite."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import seqnorm
+
+NORMS = list(seqnorm.NORMS)
+BATCH_NORMS = [name for name, scheme in seqnorm.NORMS.items() if scheme.batch_statistics]
+ROW_NORMS = [name for name in NORMS if name not in BATCH_NORMS]
+CELLS = {"lstm": seqnorm.LSTMCell, "gru": seqnorm.GRUCell}
+LAYERS = {"lstm": seqnorm.LSTM, "gru": seqnorm.GRU}
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+def perturb_norm_parameters(module: torch.nn.Module) -> None:
+    """Move every norm gain/shift and running statistic away from its initial value, so tests can see them."""
+    with torch.no_grad():
+        for name, tensor in module.state_dict().items():
+            if "norm_" in name and tensor.is_floating_point():
+                tensor.add_(torch.rand_like(tensor) * 0.5)

@@ -1,0 +1,136 @@
+"""norm="none" is torch.nn.LSTM / GRU / LSTMCell / GRUCell: outputs and gradients in float64, and state dicts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+from torch.testing import assert_close
+
+import seqnorm
+
+TORCH_CELLS = {"lstm": (nn.LSTMCell, seqnorm.LSTMCell), "gru": (nn.GRUCell, seqnorm.GRUCell)}
+TORCH_LAYERS = {"lstm": (nn.LSTM, seqnorm.LSTM), "gru": (nn.GRU, seqnorm.GRU)}
+
+
+def _grads(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: param.grad for name, param in module.state_dict(keep_vars=True).items()}
+
+
+def _flat(output: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return output if isinstance(output, tuple) else (output,)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_cell_matches_torch(kind: str, bias: bool) -> None:
+    torch_cls, ours_cls = TORCH_CELLS[kind]
+    reference = torch_cls(5, 7, bias=bias, dtype=torch.float64)
+    cell = ours_cls(5, 7, bias=bias, dtype=torch.float64)
+    cell.load_state_dict(reference.state_dict())
+    x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    h = torch.randn(4, 7, dtype=torch.float64, requires_grad=True)
+    state = (h, torch.randn(4, 7, dtype=torch.float64)) if kind == "lstm" else h
+    results = []
+    for module in (reference, cell):
+        output = _flat(module(x, state))
+        loss = sum((t * torch.linspace(-1, 1, t.numel(), dtype=t.dtype).view_as(t)).sum() for t in output)
+        results.append((output, torch.autograd.grad(loss, [x, h, *module.parameters()])))
+    (expected, expected_grads), (got, grads) = results
+    assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    assert_close(grads, expected_grads, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_cell_state_dict_is_torch_state_dict(kind: str) -> None:
+    torch_cls, ours_cls = TORCH_CELLS[kind]
+    ours = ours_cls(3, 4)
+    assert list(ours.state_dict()) == list(torch_cls(3, 4).state_dict())
+    reference = torch_cls(3, 4)
+    reference.load_state_dict(ours.state_dict())  # and the other way round
+    x = torch.randn(2, 3)
+    assert_close(ours(x), reference(x))
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize(
+    ("num_layers", "bidirectional", "batch_first", "bias"),
+    [(1, False, False, True), (2, True, False, True), (3, False, True, False), (2, True, True, True)],
+)
+def test_layer_matches_torch(kind: str, num_layers: int, bidirectional: bool, batch_first: bool, bias: bool) -> None:
+    torch_cls, ours_cls = TORCH_LAYERS[kind]
+    reference = torch_cls(
+        4, 6, num_layers, bias=bias, batch_first=batch_first, bidirectional=bidirectional, dtype=torch.float64
+    )
+    layer = ours_cls.from_torch(reference)
+    assert list(layer.state_dict()) == list(reference.state_dict())
+    directions = 2 if bidirectional else 1
+    x = torch.randn((3, 5, 4) if batch_first else (5, 3, 4), dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(num_layers * directions, 3, 6, dtype=torch.float64)
+    hx = (h0, torch.randn_like(h0)) if kind == "lstm" else h0
+    expected_out, expected_state = reference(x, hx)
+    out, state = layer(x, hx)
+    assert_close(out, expected_out, rtol=1e-12, atol=1e-12)
+    assert_close(state, expected_state, rtol=1e-12, atol=1e-12)
+    weights = torch.randn_like(out)
+    expected_grads = torch.autograd.grad((expected_out * weights).sum(), [x, *reference.parameters()])
+    grads = torch.autograd.grad((out * weights).sum(), [x, *layer.parameters()])
+    assert len(grads) == len(expected_grads)
+    # parameters() order differs (torch: per layer ih, hh, bias; ours: per cell) -> compare by state-dict name
+    assert_close(grads[0], expected_grads[0], rtol=1e-12, atol=1e-12)
+    ours_by_name = dict(zip(layer.state_dict(), grads[1:], strict=True))
+    for name, grad in zip(reference.state_dict(), expected_grads[1:], strict=True):
+        assert_close(ours_by_name[name], grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_packed_sequence_matches_torch(kind: str, bidirectional: bool) -> None:
+    torch_cls, ours_cls = TORCH_LAYERS[kind]
+    reference = torch_cls(4, 6, 2, bidirectional=bidirectional, dtype=torch.float64)
+    layer = ours_cls.from_torch(reference)
+    lengths = torch.tensor([3, 7, 1, 5, 7])
+    x = torch.randn(7, 5, 4, dtype=torch.float64, requires_grad=True)
+    packed = pack_padded_sequence(x, lengths, enforce_sorted=False)
+    expected_out, expected_state = reference(packed)
+    out, state = layer(packed)
+    assert isinstance(out, torch.nn.utils.rnn.PackedSequence)
+    assert torch.equal(out.batch_sizes, expected_out.batch_sizes)
+    assert torch.equal(out.sorted_indices, expected_out.sorted_indices)
+    assert_close(out.data, expected_out.data, rtol=1e-12, atol=1e-12)
+    assert_close(state, expected_state, rtol=1e-12, atol=1e-12)
+    (grad_expected,) = torch.autograd.grad(expected_out.data.sum(), x, retain_graph=True)
+    (grad,) = torch.autograd.grad(out.data.sum(), x)
+    assert_close(grad, grad_expected, rtol=1e-12, atol=1e-12)
+    # the lengths path gives the same as the packed path, with zeros at padding
+    padded_out, state_from_lengths = layer(x, lengths=lengths)
+    expected_padded, _ = pad_packed_sequence(expected_out, total_length=7)
+    assert_close(padded_out, expected_padded, rtol=1e-12, atol=1e-12)
+    assert_close(state_from_lengths, expected_state, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_unbatched_input_matches_torch(kind: str) -> None:
+    torch_cls, ours_cls = TORCH_LAYERS[kind]
+    reference = torch_cls(4, 6, 2, dtype=torch.float64)
+    layer = ours_cls.from_torch(reference)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    assert_close(layer(x), reference(x), rtol=1e-12, atol=1e-12)
+
+
+def test_torch_attribute_names_resolve_to_cells() -> None:
+    layer = seqnorm.LSTM(3, 4, num_layers=2, bidirectional=True)
+    assert layer.weight_ih_l1_reverse is layer.cells[3].weight_ih
+    assert layer.bias_hh_l0 is layer.cells[0].bias_hh
+    with pytest.raises(AttributeError):
+        _ = layer.weight_ih_l2
+    with pytest.raises(AttributeError):
+        _ = seqnorm.LSTM(3, 4).weight_ih_l0_reverse
+
+
+def test_from_torch_rejects_wrong_module() -> None:
+    with pytest.raises(ValueError, match=r"LSTM.from_torch: expected a torch.nn.LSTM, got"):
+        seqnorm.LSTM.from_torch(nn.GRU(3, 4))
+    with pytest.raises(ValueError, match=r"expected proj_size=0, got 2"):
+        seqnorm.LSTM.from_torch(nn.LSTM(3, 4, proj_size=2))
