@@ -83,8 +83,6 @@ def resolve_init(name: str, owner: str) -> str:
 
 
 @torch.no_grad()
-def init_recurrent_(
-    name: str, weight_ih: Tensor, weight_hh: Tensor, biases: list[Tensor], num_gates: int
-) -> None:
+def init_recurrent_(name: str, weight_ih: Tensor, weight_hh: Tensor, biases: list[Tensor], num_gates: int) -> None:
     """Fill the recurrent parameters in place with scheme ``name`` (see the module docstring)."""
     INITS[resolve_init(name, "init_recurrent_")](weight_ih, weight_hh, biases, num_gates)

@@ -14,13 +14,25 @@ from torch.nn.utils import parametrizations, parametrize
 from seqnorm.init import init_recurrent_, resolve_init
 from seqnorm.norms import NormContext, NormScheme, SmallBatchPolicy, get_norm
 
-__all__ = ["RecurrentCell", "check_positive_int"]
+__all__ = ["RecurrentCell", "check_options", "check_positive_int"]
 
 
 def check_positive_int(owner: str, name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{owner}: expected {name} to be a positive int, got {value!r}")
     return value
+
+
+def check_options(
+    owner: str, norm: str, init: str, max_steps: int, small_batch: str, norm_options: Mapping[str, Any] | None
+) -> tuple[NormScheme, str]:
+    """Validate the options cells and layers share, naming ``owner``; returns the norm scheme and the init name."""
+    scheme = get_norm(norm, owner, norm_options)
+    init = resolve_init(init, owner)
+    check_positive_int(owner, "max_steps", max_steps)
+    if small_batch not in ("error", "running"):
+        raise ValueError(f"{owner}: expected small_batch to be 'error' or 'running', got {small_batch!r}")
+    return scheme, init
 
 
 class RecurrentCell(nn.Module):
@@ -55,11 +67,10 @@ class RecurrentCell(nn.Module):
         owner = type(self).__name__
         self.input_size = check_positive_int(owner, "input_size", input_size)
         self.hidden_size = check_positive_int(owner, "hidden_size", hidden_size)
-        self.max_steps = check_positive_int(owner, "max_steps", max_steps)
+        self.scheme, self.init = check_options(owner, norm, init, max_steps, small_batch, norm_options)
+        self.max_steps = max_steps
         self.bias = bool(bias)
-        self.scheme: NormScheme = get_norm(norm, owner, norm_options)
         self.norm = norm
-        self.init = resolve_init(init, owner)
         if forget_bias is None and norm != "none" and self.forget_gate is not None:
             forget_bias = 1.0
         if forget_bias is not None and (self.forget_gate is None or not bias):

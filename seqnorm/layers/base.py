@@ -17,12 +17,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
-from seqnorm.cells.base import RecurrentCell, check_positive_int
+from seqnorm.cells.base import RecurrentCell, check_options, check_positive_int
 from seqnorm.norms import SmallBatchPolicy
 
 __all__ = ["RecurrentLayer", "RecurrentState", "reverse_padded"]
 
-# torch.nn.LSTM's parameter names: `weight_ih_l0`, `bias_hh_l1_reverse`; norms follow the same rule, `norm_ih_l0.weight`.
+# torch.nn.LSTM's parameter names (`weight_ih_l0`, `bias_hh_l1_reverse`); norms follow suit: `norm_ih_l0.weight`.
 _TORCH_KEY = re.compile(r"(?P<name>[A-Za-z_]\w*?)_l(?P<layer>\d+)(?P<reverse>_reverse)?(?P<rest>\..*)?")
 
 
@@ -82,6 +82,7 @@ class RecurrentLayer(nn.Module):
         self.input_size = check_positive_int(owner, "input_size", input_size)
         self.hidden_size = check_positive_int(owner, "hidden_size", hidden_size)
         self.num_layers = check_positive_int(owner, "num_layers", num_layers)
+        check_options(owner, norm, init, max_steps, small_batch, norm_options)
         for name, rate in (("dropout", dropout), ("recurrent_dropout", recurrent_dropout)):
             if not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0:
                 raise ValueError(f"{owner}: expected {name} in [0, 1), got {rate!r}")
@@ -120,7 +121,7 @@ class RecurrentLayer(nn.Module):
         return 2 if self.bidirectional else 1
 
     def extra_repr(self) -> str:
-        text = f"{self.input_size}, {self.hidden_size}, num_layers={self.num_layers}"
+        text = f"{self.input_size}, {self.hidden_size}, num_layers={self.num_layers}, norm={self.norm!r}"
         for name in ("batch_first", "bidirectional"):
             if getattr(self, name):
                 text += f", {name}=True"
@@ -217,7 +218,7 @@ class RecurrentLayer(nn.Module):
                 layer_input = F.dropout(layer_input, self.dropout, training=True)
         output = layer_input
         if lengths is not None:
-            output = output * active[:steps].unsqueeze(2).to(output.dtype)
+            output = torch.where(active[:steps].unsqueeze(2), output, 0.0)
             if steps < x.shape[0]:
                 output = F.pad(output, (0, 0, 0, 0, 0, x.shape[0] - steps))
         return output, torch.stack(h_n), (torch.stack(c_n) if c_n else None)

@@ -229,7 +229,8 @@ def _masked_moments(x: Tensor, mask: Tensor | None, active: int) -> tuple[Tensor
     if mask is None:
         var, mean = torch.var_mean(x, dim=0, correction=0)
         return mean, var
-    weights = mask.to(x.dtype).unsqueeze(1)
-    mean = (x * weights).sum(0) / active
-    var = ((x - mean).square() * weights).sum(0) / active
+    keep = mask.unsqueeze(1)
+    # where, not multiplication by the mask: an inf or NaN in a padded row must not reach the statistics
+    mean = torch.where(keep, x, 0.0).sum(0) / active
+    var = torch.where(keep, x - mean, 0.0).square().sum(0) / active
     return mean, var

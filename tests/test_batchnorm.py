@@ -1,0 +1,133 @@
+"""Per-timestep batch normalization and batch renormalization: statistics per step, batch size 1, r/d correction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import seqnorm
+from seqnorm.norms import TimestepBatchNorm, TimestepBatchRenorm
+from tests.conftest import BATCH_NORMS, CELLS, LAYERS
+
+
+def test_running_statistics_update_only_their_step() -> None:
+    bn = TimestepBatchNorm(3, max_steps=4, momentum=0.25)
+    x = torch.randn(10, 3) * 2 + 5
+    bn(x, step=1)
+    assert_close(bn.running_mean[1], 0.25 * x.mean(0))
+    assert_close(bn.running_var[1], 0.75 + 0.25 * x.var(0, unbiased=True))
+    assert torch.equal(bn.running_mean[[0, 2, 3]], torch.zeros(3, 3))
+    assert torch.equal(bn.running_var[[0, 2, 3]], torch.ones(3, 3))
+    assert bn.num_batches_tracked.tolist() == [0, 1, 0, 0]
+    bn(x, step=9)  # beyond max_steps: trains the last step's statistics
+    assert bn.num_batches_tracked.tolist() == [0, 1, 0, 1]
+
+
+@pytest.mark.parametrize("norm", BATCH_NORMS)
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_per_timestep_statistics_after_training(kind: str, norm: str) -> None:
+    layer = LAYERS[kind](3, 8, norm=norm, max_steps=4, momentum=0.5)
+    with torch.no_grad():
+        for _ in range(10):  # step-dependent inputs: step t has mean t and scale t + 1
+            x = torch.randn(12, 16, 3) * torch.arange(1.0, 13.0).view(12, 1, 1) + torch.arange(12.0).view(12, 1, 1)
+            layer(x)
+    cell = layer.cells[0].eval()
+    x = torch.randn(5, 3)
+    state = cell.initial_state(5, x)
+    outputs = {step: cell(x, state, step=step) for step in (0, 1, 3, 4, 7, 100)}
+    h = {step: out[0] if kind == "lstm" else out for step, out in outputs.items()}
+    assert not torch.allclose(h[0], h[3], atol=1e-3)
+    assert not torch.allclose(h[0], h[1], atol=1e-3)
+    for late in (4, 7, 100):
+        assert torch.equal(h[late], h[3])
+
+
+@pytest.mark.parametrize("norm", BATCH_NORMS)
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_batch_size_one_in_training_is_a_clear_error(kind: str, norm: str) -> None:
+    layer = LAYERS[kind](3, 4, norm=norm)
+    with pytest.raises(ValueError, match=r"expected at least 2 active .* got 1 \(batch size 1\).*norm=\"layer\""):
+        layer(torch.randn(5, 1, 3))
+    cell = CELLS[kind](3, 4, norm=norm)
+    with pytest.raises(ValueError, match=rf"^{type(cell).__name__}: expected at least 2 active"):
+        cell(torch.randn(1, 3))
+    with pytest.raises(ValueError, match=r"got 1 \(batch size 4\)"):
+        cell(torch.randn(4, 3), mask=torch.tensor([False, True, False, False]))
+    layer.eval()  # population statistics need no batch
+    output, _ = layer(torch.randn(5, 1, 3))
+    assert torch.isfinite(output).all()
+
+
+@pytest.mark.parametrize("norm", BATCH_NORMS)
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_small_batch_running_fallback(kind: str, norm: str) -> None:
+    layer = LAYERS[kind](3, 4, norm=norm, small_batch="running")
+    layer(torch.randn(6, 8, 3) * 3 + 1)  # gives the running statistics something to hold
+    buffers = {name: tensor.clone() for name, tensor in layer.state_dict().items()}
+    x = torch.randn(6, 1, 3)
+    output, _ = layer(x)
+    assert torch.isfinite(output).all() and output.abs().sum() > 0
+    for name, tensor in layer.state_dict().items():
+        assert torch.equal(tensor, buffers[name]), f"{name} changed on a fallback step"
+    layer.eval()
+    assert_close(output, layer(x)[0])  # the fallback is exactly the population statistics
+    # mixed: steps with >= 2 active rows use the batch, the tail with one active row falls back
+    layer.train()
+    mixed, _ = layer(torch.randn(6, 3, 3), lengths=torch.tensor([6, 2, 3]))
+    assert torch.isfinite(mixed).all()
+    tracked = layer.cells[0].norm_ih.num_batches_tracked[:6].tolist()
+    assert tracked == [2, 2, 2, 1, 1, 1]
+
+
+def test_renorm_is_batch_norm_during_warmup() -> None:
+    renorm = TimestepBatchRenorm(4, max_steps=3, warmup=10, gain=1.0)
+    bn = TimestepBatchNorm(4, max_steps=3, gain=1.0)
+    for _ in range(3):
+        x = torch.randn(8, 4) * 3 + 2
+        assert_close(renorm(x, step=0), bn(x, step=0))
+    assert_close(renorm.running_mean, bn.running_mean)
+
+
+def test_renorm_schedule() -> None:
+    renorm = TimestepBatchRenorm(2, max_steps=2, r_max=3.0, d_max=5.0, warmup=10, r_max_steps=20, d_max_steps=40)
+    schedule = []
+    for tracked in (0, 10, 20, 30, 50, 1000):
+        renorm.num_batches_tracked[1] = tracked
+        r_max, d_max = renorm.limits(1)
+        schedule.append((round(float(r_max), 6), round(float(d_max), 6)))
+    assert schedule == [(1.0, 0.0), (1.0, 0.0), (2.0, 1.25), (3.0, 2.5), (3.0, 5.0), (3.0, 5.0)]
+
+
+def test_renorm_correction_matches_the_paper() -> None:
+    renorm = TimestepBatchRenorm(4, max_steps=2, r_max=1.5, d_max=0.5, warmup=0, r_max_steps=1, d_max_steps=1)
+    renorm.momentum = 0.0  # keep the running moments fixed to check the formula
+    with torch.no_grad():
+        renorm.running_mean[0] = torch.tensor([0.0, 1.0, -3.0, 0.2])
+        renorm.running_var[0] = torch.tensor([1.0, 0.1, 9.0, 1.0])
+        renorm.weight.copy_(torch.tensor([1.0, 2.0, 0.5, 1.0]))
+    renorm.num_batches_tracked[0] = 5
+    x = torch.randn(16, 4) * torch.tensor([1.0, 2.0, 1.0, 0.5]) + torch.tensor([0.0, 1.5, -3.0, 0.0])
+    x.requires_grad_()
+    y = renorm(x, step=0)
+    mean, var = x.mean(0), x.var(0, unbiased=False)
+    std, running_std = torch.sqrt(var + renorm.eps), torch.sqrt(renorm.running_var[0] + renorm.eps)
+    r = (std / running_std).clamp(1 / 1.5, 1.5).detach()
+    d = ((mean - renorm.running_mean[0]) / running_std).clamp(-0.5, 0.5).detach()
+    expected = ((x - mean) / std * r + d) * renorm.weight
+    assert_close(y, expected)
+    assert not torch.allclose(r, torch.ones(4)) and not torch.allclose(d, torch.zeros(4))  # the correction acted
+    weights = torch.randn(16, 4)
+    assert_close(torch.autograd.grad((y * weights).sum(), x)[0], torch.autograd.grad((expected * weights).sum(), x)[0])
+    renorm.eval()  # evaluation is plain BN with the running moments
+    assert_close(renorm(x, step=0), (x - renorm.running_mean[0]) / running_std * renorm.weight)
+
+
+def test_cooijmans_initialization() -> None:
+    cell = seqnorm.LSTMCell(3, 4, norm="batch")
+    assert torch.equal(cell.norm_ih.weight, torch.full((16,), 0.1))
+    assert cell.norm_ih.bias is None and cell.norm_hh.bias is None  # β of the gate terms is fixed at 0
+    assert torch.equal(cell.norm_c.weight, torch.full((4,), 0.1))
+    assert torch.equal(cell.norm_c.bias, torch.zeros(4))
+    assert cell.norm_ih.running_mean.shape == (100, 16)
+    assert torch.equal(cell.bias_ih[4:8] + cell.bias_hh[4:8], torch.ones(4))  # forget bias 1.0

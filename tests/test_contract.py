@@ -1,0 +1,132 @@
+"""The contract every cell x norm keeps: shapes, dtype, backward, gradcheck, state-dict round trip, train/eval."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.func import functional_call
+from torch.testing import assert_close
+
+from tests.conftest import BATCH_NORMS, CELLS, LAYERS, NORMS, perturb_norm_parameters
+
+
+def _state(kind: str, batch: int, hidden: int, dtype: torch.dtype) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    h = torch.randn(batch, hidden, dtype=dtype)
+    return (h, torch.randn(batch, hidden, dtype=dtype)) if kind == "lstm" else h
+
+
+def _h(output: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return output[0] if isinstance(output, tuple) else output
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_cell_contract(kind: str, norm: str, dtype: torch.dtype) -> None:
+    cell = CELLS[kind](5, 6, norm=norm, max_steps=4, dtype=dtype)
+    x = torch.randn(3, 5, dtype=dtype)
+    output = cell(x, _state(kind, 3, 6, dtype), step=2)
+    outputs = output if kind == "lstm" else (output,)
+    for tensor in outputs:
+        assert tensor.shape == (3, 6)
+        assert tensor.dtype == dtype
+        assert torch.isfinite(tensor).all()
+    sum(t.square().sum() for t in outputs).backward()
+    for name, param in cell.named_parameters():
+        assert param.grad is not None and torch.isfinite(param.grad).all(), name
+        assert param.grad.abs().sum() > 0, f"{name} gets no gradient"
+    # state=None is zeros
+    zero_state = _state(kind, 3, 6, dtype)
+    zero_state = tuple(torch.zeros_like(t) for t in zero_state) if kind == "lstm" else torch.zeros_like(zero_state)
+    assert_close(cell(x, None, step=1), cell(x, zero_state, step=1))
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_cell_state_dict_round_trip_includes_running_statistics(kind: str, norm: str) -> None:
+    cell = CELLS[kind](4, 5, norm=norm, max_steps=3)
+    for step in range(5):  # training updates per-step running statistics
+        cell(torch.randn(8, 4) * (step + 1), step=step)
+    perturb_norm_parameters(cell)
+    copy = CELLS[kind](4, 5, norm=norm, max_steps=3)
+    copy.load_state_dict(cell.state_dict())
+    for name, tensor in cell.state_dict().items():
+        assert torch.equal(copy.state_dict()[name], tensor), name
+    cell.eval()
+    copy.eval()
+    x = torch.randn(2, 4)
+    for step in range(4):
+        assert torch.equal(_h(copy(x, step=step)), _h(cell(x, step=step)))
+    if norm in BATCH_NORMS:
+        assert cell.norm_ih.num_batches_tracked.tolist() == [1, 1, 3]
+        assert not torch.equal(cell.norm_ih.running_mean[0], cell.norm_ih.running_mean[2])
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_train_eval_switch_batch_vs_population_statistics(kind: str, norm: str) -> None:
+    cell = CELLS[kind](4, 5, norm=norm)
+    x = torch.randn(6, 4) * 3 + 1
+    train_output = _h(cell(x))
+    cell.eval()
+    eval_output = _h(cell(x))
+    if norm in BATCH_NORMS:
+        assert not torch.allclose(train_output, eval_output)  # running statistics have seen one batch
+    else:
+        assert_close(train_output, eval_output)
+
+
+def _gradcheck_cell(cell: torch.nn.Module, kind: str, mask: torch.Tensor | None) -> None:
+    names = [name for name, _ in cell.named_parameters()]
+    params = [param.detach().clone().requires_grad_() for _, param in cell.named_parameters()]
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    h = torch.randn(4, 2, dtype=torch.float64, requires_grad=True)
+    c = torch.randn(4, 2, dtype=torch.float64, requires_grad=True)
+
+    def run(x: torch.Tensor, h: torch.Tensor, c: torch.Tensor, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        state = (h, c) if kind == "lstm" else h
+        output = functional_call(cell, dict(zip(names, values, strict=True)), (x, state), {"step": 1, "mask": mask})
+        return output if isinstance(output, tuple) else (output,)
+
+    assert torch.autograd.gradcheck(run, (x, h, c, *params), eps=1e-6, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_cell_gradcheck_inputs_state_and_parameters(kind: str, norm: str, training: bool) -> None:
+    cell = CELLS[kind](3, 2, norm=norm, dtype=torch.float64)
+    perturb_norm_parameters(cell)  # away from γ = 0.1 / β = 0 so every parameter's path is exercised
+    cell.train(training)
+    mask = torch.tensor([True, True, False, True])  # a padded row: statistics over the other three
+    _gradcheck_cell(cell, kind, mask)
+
+
+def test_weight_norm_mean_only_bn_gradcheck() -> None:
+    cell = CELLS["lstm"](3, 2, norm="weight", norm_options={"mean_only_bn": True}, dtype=torch.float64)
+    assert cell.norm_ih is not None and not cell.norm_ih.scale
+    _gradcheck_cell(cell, "lstm", None)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_layer_contract(kind: str, norm: str) -> None:
+    layer = LAYERS[kind](4, 5, num_layers=2, bidirectional=True, batch_first=True, norm=norm, max_steps=3)
+    x = torch.randn(3, 6, 4)
+    lengths = torch.tensor([6, 5, 6])  # >= 2 active rows at every step, as training batch norms need
+    output, state = layer(x, lengths=lengths)
+    assert output.shape == (3, 6, 10)
+    h_n = state[0] if kind == "lstm" else state
+    assert h_n.shape == (4, 3, 5)
+    assert torch.equal(output[1, 5], torch.zeros(10))
+    output.square().sum().backward()
+    for name, param in layer.named_parameters():
+        assert param.grad is not None and torch.isfinite(param.grad).all(), name
+    keys = list(layer.state_dict())
+    assert all(key.split(".")[0].rsplit("_l", 1)[1] in {"0", "1", "0_reverse", "1_reverse"} for key in keys)
+    perturb_norm_parameters(layer)
+    copy = LAYERS[kind](4, 5, num_layers=2, bidirectional=True, batch_first=True, norm=norm, max_steps=3)
+    copy.load_state_dict(layer.state_dict())
+    layer.eval()
+    copy.eval()
+    assert torch.equal(copy(x, lengths=lengths)[0], layer(x, lengths=lengths)[0])
