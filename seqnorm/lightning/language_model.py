@@ -1,0 +1,131 @@
+"""``LanguageModel``: a thin LightningModule around :class:`~seqnorm.models.RNNLanguageModel`."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from seqnorm.lightning.base import TaskModule
+from seqnorm.models import CellName, RNNLanguageModel
+from seqnorm.norms import NormName
+
+__all__ = ["LanguageModel"]
+
+
+class LanguageModel(TaskModule):
+    """Character- or word-level language modelling over variable-length sequences.
+
+    Logs ``train/loss`` (nats per token, each step), ``val/loss`` and ``val/bpc`` (bits per character, character
+    level) or ``val/ppl`` (perplexity, word level), and the ``test/`` twins. Padding is ignored by the loss.
+
+    Args:
+        vocab_size: number of token ids; linked from the DataModule by the CLI.
+        pad_index: the padding id; linked from the DataModule.
+        level: ``"char"`` (reports bpc) or ``"word"`` (reports perplexity); linked from the DataModule.
+        cell: ``"lstm"`` or ``"gru"``.
+        norm: normalization inside every cell (see :class:`seqnorm.LSTMCell`).
+        hidden_size: recurrent state size.
+        embedding_dim: token embedding size.
+        num_layers: stacked recurrent layers.
+        dropout: dropout on embeddings, between layers and before the output projection.
+        recurrent_dropout: variational dropout on the recurrent state.
+        init: weight initialization scheme (see :mod:`seqnorm.init`).
+        max_steps: time steps with their own batch-norm statistics (per-timestep BN only).
+        small_batch: what per-timestep BN does at a step with fewer than 2 active rows: ``"error"`` or
+            ``"running"`` (normalize with running statistics). With variable-length batches the tail of the longest
+            sequence is such a step, so BN runs on text usually need ``"running"``.
+        tie_weights: share the embedding and output matrices (``embedding_dim`` must equal ``hidden_size``).
+        lr: Adam learning rate (the CLI's ``--optimizer`` replaces Adam entirely).
+        weight_decay: Adam weight decay.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        pad_index: int = 0,
+        level: Literal["char", "word"] = "char",
+        cell: CellName = "lstm",
+        norm: NormName = "layer",
+        hidden_size: int = 256,
+        embedding_dim: int = 64,
+        num_layers: int = 1,
+        dropout: float = 0.0,
+        recurrent_dropout: float = 0.0,
+        init: str = "default",
+        max_steps: int = 100,
+        small_batch: Literal["error", "running"] = "error",
+        tie_weights: bool = False,
+        lr: float = 2e-3,
+        weight_decay: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if level not in ("char", "word"):
+            raise ValueError(f"LanguageModel: expected level to be 'char' or 'word', got {level!r}")
+        self.save_hyperparameters()
+        self.model = RNNLanguageModel(
+            vocab_size,
+            embedding_dim,
+            hidden_size,
+            cell,
+            num_layers,
+            dropout,
+            pad_index,
+            tie_weights,
+            norm=norm,
+            recurrent_dropout=recurrent_dropout,
+            init=init,
+            max_steps=max_steps,
+            small_batch=small_batch,
+        )
+        self._init_metrics("loss")
+
+    def forward(self, inputs: Tensor, lengths: Tensor | None = None) -> Tensor:
+        return self.model(inputs, lengths)
+
+    def _loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """Mean loss per real target token, and the number of those tokens."""
+        logits = self(batch["inputs"], batch["lengths"])
+        loss = F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), ignore_index=self.hparams.pad_index)
+        return loss, batch["lengths"].sum()
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss, tokens = self._loss(batch)
+        self.log("train/loss", loss, prog_bar=True, batch_size=int(tokens))
+        return loss
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        loss, tokens = self._loss(batch)
+        self._update_metric("val", "loss", loss, tokens)
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        loss, tokens = self._loss(batch)
+        self._update_metric("test", "loss", loss, tokens)
+
+    def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        """Per-sequence loss in nats per token (padding excluded), in the order of the predict dataloader."""
+        logits = self(batch["inputs"], batch["lengths"])
+        losses = F.cross_entropy(
+            logits.transpose(1, 2), batch["targets"], ignore_index=self.hparams.pad_index, reduction="none"
+        )
+        return losses.sum(1) / batch["lengths"].to(losses.dtype)
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_epoch("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_epoch("test")
+
+    def _log_epoch(self, stage: str) -> None:
+        values = self._epoch_values(stage)
+        if "loss" not in values:
+            return
+        loss = values["loss"]
+        logged: dict[str, Any] = {f"{stage}/loss": loss}
+        if self.hparams.level == "char":
+            logged[f"{stage}/bpc"] = loss / math.log(2)
+        else:
+            logged[f"{stage}/ppl"] = loss.exp()
+        self.log_dict(logged, prog_bar=stage == "val")

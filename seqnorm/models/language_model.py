@@ -1,0 +1,67 @@
+"""A recurrent language model: embedding -> seqnorm LSTM/GRU -> projection to the vocabulary."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from seqnorm.layers import RecurrentState
+from seqnorm.models.rnn import build_rnn
+
+__all__ = ["RNNLanguageModel"]
+
+
+class RNNLanguageModel(nn.Module):
+    """Next-token prediction over padded batches of variable-length sequences.
+
+    Args:
+        vocab_size: number of token ids (embedding rows and output classes).
+        embedding_dim: size of the token embedding.
+        hidden_size: recurrent state size.
+        cell: ``"lstm"`` or ``"gru"``.
+        num_layers: stacked recurrent layers.
+        dropout: dropout on the embedding, between layers and before the projection.
+        pad_index: the padding id (its embedding is kept at zero).
+        tie_weights: share the embedding with the output projection (needs ``embedding_dim == hidden_size``).
+        **rnn_kwargs: ``norm``, ``init``, ``max_steps``, ``recurrent_dropout``, ... of :class:`~seqnorm.LSTM`.
+
+    Inputs: ``inputs`` ``(B, T)`` token ids and ``lengths`` ``(B,)``. Output: logits ``(B, T, vocab_size)``.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        embedding_dim: int = 64,
+        hidden_size: int = 256,
+        cell: str = "lstm",
+        num_layers: int = 1,
+        dropout: float = 0.0,
+        pad_index: int = 0,
+        tie_weights: bool = False,
+        **rnn_kwargs: Any,
+    ) -> None:
+        super().__init__()
+        if tie_weights and embedding_dim != hidden_size:
+            raise ValueError(
+                f"RNNLanguageModel: expected embedding_dim == hidden_size with tie_weights, "
+                f"got {embedding_dim} and {hidden_size}"
+            )
+        self.embedding = nn.Embedding(vocab_size, embedding_dim, padding_idx=pad_index)
+        self.rnn = build_rnn(cell, embedding_dim, hidden_size, num_layers=num_layers, dropout=dropout, **rnn_kwargs)
+        self.dropout = nn.Dropout(dropout)
+        self.projection = nn.Linear(hidden_size, vocab_size)
+        if tie_weights:
+            self.projection.weight = self.embedding.weight
+
+    def forward(self, inputs: Tensor, lengths: Tensor | None = None) -> Tensor:
+        embedded = self.dropout(self.embedding(inputs))  # (B, T, E)
+        output, _ = self.rnn(embedded, lengths=lengths)  # (B, T, H), zero at padding
+        return self.projection(self.dropout(output))  # (B, T, V)
+
+    @torch.no_grad()
+    def step(self, tokens: Tensor, state: RecurrentState | None = None) -> tuple[Tensor, RecurrentState]:
+        """Logits ``(B, vocab_size)`` for the next token after ``tokens`` ``(B,)``, and the new state."""
+        output, state = self.rnn.step(self.embedding(tokens), state)
+        return self.projection(output), state

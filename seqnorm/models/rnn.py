@@ -1,0 +1,19 @@
+"""Building the recurrent layer of a task model from plain, config-friendly arguments."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from seqnorm.layers import GRU, LSTM, RecurrentLayer
+
+__all__ = ["CellName", "build_rnn"]
+
+CellName = Literal["lstm", "gru"]
+_LAYERS: dict[str, type[RecurrentLayer]] = {"lstm": LSTM, "gru": GRU}
+
+
+def build_rnn(cell: str, input_size: int, hidden_size: int, **kwargs: Any) -> RecurrentLayer:
+    """A batch-first :class:`~seqnorm.LSTM` or :class:`~seqnorm.GRU`; ``kwargs`` go to the layer."""
+    if cell not in _LAYERS:
+        raise ValueError(f"build_rnn: expected cell to be one of {', '.join(map(repr, _LAYERS))}, got {cell!r}")
+    return _LAYERS[cell](input_size, hidden_size, batch_first=True, **kwargs)

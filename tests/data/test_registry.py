@@ -1,0 +1,180 @@
+"""The dataset registry: real checksums, refusal without one, and downloads served from a loopback HTTP server.
+
+Nothing here reaches the internet: the server runs on 127.0.0.1 in a thread and serves files from ``tmp_path``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import re
+import threading
+import zipfile
+from collections.abc import Iterator
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from seqnorm.data import DATASETS, DataError, DatasetSpec, Download, SplitFile, TextCorpus, fetch_dataset
+from seqnorm.data.registry import _ptb_char_to_text, default_cache_dir
+
+CORPUS = "".join(f"the quick brown fox {i}\n" for i in range(30))
+
+
+class _QuietHandler(SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, Path]]:
+    """``(base_url, served_dir)`` of an HTTP server on 127.0.0.1, stopped after the test."""
+    served = tmp_path / "served"
+    served.mkdir()
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")  # a proxy must not intercept loopback requests
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), partial(_QuietHandler, directory=str(served)))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}", served
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=5)
+
+
+def _register(monkeypatch: pytest.MonkeyPatch, spec: DatasetSpec) -> None:
+    monkeypatch.setitem(DATASETS, spec.name, spec)
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_registered_checksums_are_well_formed() -> None:
+    assert {"ptb_char", "ptb_word", "wikitext2", "tiny_shakespeare", "text8"} <= set(DATASETS)
+    for spec in DATASETS.values():
+        assert "train" in spec.splits
+        for download in spec.downloads:
+            assert download.url.startswith(("http://", "https://"))
+            if download.known_hash is None:
+                continue
+            assert re.fullmatch(r"[0-9a-f]{64}|md5:[0-9a-f]{32}", download.known_hash), download
+            assert download.hash_source
+
+
+def test_dataset_without_checksum_is_refused_before_any_download(tmp_path: Path) -> None:
+    corpus = TextCorpus(dataset="text8", cache_dir=str(tmp_path))
+    assert corpus.level == "char" and corpus.unit == "window"
+    with pytest.raises(DataError, match=r"--data\.dataset_hash"):
+        corpus.prepare_data()
+    assert not any(tmp_path.rglob("*.zip"))
+
+
+def test_dataset_defaults_can_be_overridden() -> None:
+    assert TextCorpus(dataset="ptb_word").level == "word"
+    assert TextCorpus(dataset="ptb_word", level="char").level == "char"
+    assert TextCorpus(dataset="tiny_shakespeare").unit == "paragraph"
+
+
+def test_checksum_mismatch_leaves_no_partial_file(
+    server: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base_url, served = server
+    (served / "corpus.txt").write_text(CORPUS)
+    wrong = _sha256(b"something else")
+    _register(
+        monkeypatch, DatasetSpec("local", "test", {"train": SplitFile(Download(f"{base_url}/corpus.txt", wrong))})
+    )
+    cache = tmp_path / "cache"
+    corpus = TextCorpus(dataset="local", cache_dir=str(cache), batch_size=2)
+    with pytest.raises(DataError) as caught:
+        _ = corpus.vocab_size
+    message = str(caught.value)
+    assert "checksum mismatch" in message and "holds no partial file" in message and "corpus.txt" in message
+    assert [path for path in cache.rglob("*") if path.is_file()] == []
+    # A stale cached copy that fails the check is not kept either.
+    (cache / "local").mkdir(parents=True, exist_ok=True)
+    (cache / "local" / "corpus.txt").write_text("stale")
+    with pytest.raises(DataError, match="checksum mismatch"):
+        fetch_dataset("local", cache)
+    assert [path for path in cache.rglob("*") if path.is_file()] == []
+
+
+def test_verified_download_loads_as_a_corpus_and_is_cached(
+    server: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base_url, served = server
+    (served / "corpus.txt").write_text(CORPUS)
+    download = Download(f"{base_url}/corpus.txt", _sha256(CORPUS.encode()), "computed in this test")
+    _register(monkeypatch, DatasetSpec("local", "test", {"train": SplitFile(download)}, level="word"))
+    cache = tmp_path / "cache"
+    corpus = TextCorpus(dataset="local", cache_dir=str(cache), batch_size=4)
+    corpus.prepare_data()
+    assert (cache / "local" / "corpus.txt").read_text() == CORPUS
+    assert corpus.vocab.tokens[4:8] == ["brown", "fox", "quick", "the"]
+    assert {split: len(d) for split, d in corpus.datasets.items()} == {"train": 24, "val": 3, "test": 3}
+    (served / "corpus.txt").unlink()  # a second run uses the verified cached copy
+    assert fetch_dataset("local", cache) == {"train": cache / "local" / "corpus.txt"}
+
+
+def test_archive_members_become_splits(
+    server: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base_url, served = server
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for name in ("train", "valid", "test"):
+            archive.writestr(f"corpus/{name}.txt", f"{name} text\n" * 5)
+    (served / "corpus.zip").write_bytes(buffer.getvalue())
+    download = Download(f"{base_url}/corpus.zip", f"md5:{hashlib.md5(buffer.getvalue()).hexdigest()}", "test")
+    splits = {"train": "train", "val": "valid", "test": "test"}
+    spec = DatasetSpec(
+        "zipped", "test", {split: SplitFile(download, f"corpus/{name}.txt") for split, name in splits.items()}
+    )
+    _register(monkeypatch, spec)
+    paths = fetch_dataset("zipped", tmp_path / "cache")
+    assert {split: path.read_text().split("\n")[0] for split, path in paths.items()} == {
+        "train": "train text", "val": "valid text", "test": "test text"}  # fmt: skip
+    corpus = TextCorpus(dataset="zipped", cache_dir=str(tmp_path / "cache"), level="word", batch_size=5)
+    assert [len(corpus.datasets[split]) for split in ("train", "val", "test")] == [5, 5, 5]
+    assert not list((tmp_path / "cache").rglob("*.part"))
+
+
+def test_explicit_hash_allows_a_dataset_without_one(
+    server: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base_url, served = server
+    (served / "corpus.txt").write_text(CORPUS)
+    _register(
+        monkeypatch, DatasetSpec("nohash", "test", {"train": SplitFile(Download(f"{base_url}/corpus.txt", None))})
+    )
+    with pytest.raises(DataError, match="no published checksum"):
+        fetch_dataset("nohash", tmp_path)
+    sha = f"sha256:{_sha256(CORPUS.encode())}"
+    corpus = TextCorpus(dataset="nohash", cache_dir=str(tmp_path), dataset_hash=sha, batch_size=2)
+    assert corpus.vocab_size > 4
+
+
+def test_unreachable_server_is_a_data_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    # Port 9 (discard) on loopback: nothing listens, so the connection is refused at once.
+    _register(
+        monkeypatch, DatasetSpec("dead", "test", {"train": SplitFile(Download("http://127.0.0.1:9/x.txt", "0" * 64))})
+    )
+    with pytest.raises(DataError, match="could not download"):
+        fetch_dataset("dead", tmp_path)
+    assert [path for path in tmp_path.rglob("*") if path.is_file()] == []
+
+
+def test_ptb_char_files_become_plain_text() -> None:
+    assert _ptb_char_to_text(" a e r _ b a n k \n n o _ i t \n") == "aer bank\nno it\n"
+
+
+def test_cache_dir_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("SEQNORM_CACHE", str(tmp_path))
+    assert default_cache_dir() == tmp_path
+    monkeypatch.delenv("SEQNORM_CACHE")
+    assert default_cache_dir() == Path.home() / ".cache" / "seqnorm"
