@@ -14,7 +14,7 @@ from torch.nn.utils import parametrizations, parametrize
 from seqnorm.init import init_recurrent_, resolve_init
 from seqnorm.norms import NormContext, NormScheme, SmallBatchPolicy, get_norm
 
-__all__ = ["RecurrentCell", "check_options", "check_positive_int"]
+__all__ = ["RecurrentCell", "StepObserver", "check_options", "check_positive_int"]
 
 
 def check_positive_int(owner: str, name: str, value: object) -> int:
@@ -33,6 +33,26 @@ def check_options(
     if small_batch not in ("error", "running"):
         raise ValueError(f"{owner}: expected small_batch to be 'error' or 'running', got {small_batch!r}")
     return scheme, init
+
+
+class StepObserver(nn.Module):
+    """A tap through which a cell shows each step's intermediates — only while someone has hooked it.
+
+    Observers (e.g. :class:`seqnorm.callbacks.HiddenStateStats`) use the standard torch API,
+    ``cell.observer.register_forward_hook(fn)``; ``fn(module, (record,), None)`` then receives, at every step, a
+    dict with ``step`` (int), ``mask`` (``(B,)`` bool or ``None``: all rows real), ``input_raw`` / ``recurrent_raw``
+    (``W_ih x`` and ``W_hh h`` before their norms), ``input_term`` / ``recurrent_term`` (after norm and bias),
+    ``gates`` (the activated gates, ``(B, G*H)`` in torch's gate order), ``h`` and, for LSTMs, ``c`` and
+    ``c_out`` (the cell state as it enters the output ``tanh``, after ``norm_c``). Without hooks the cell builds
+    no record at all, and layers may use faster paths that never call the cell step by step.
+    """
+
+    def forward(self, record: dict[str, Any]) -> None:
+        return None
+
+    @property
+    def active(self) -> bool:
+        return bool(self._forward_hooks or self._forward_pre_hooks)
 
 
 class RecurrentCell(nn.Module):
@@ -95,6 +115,7 @@ class RecurrentCell(nn.Module):
         self.norm_c: nn.Module | None = (
             self.scheme.build(hidden_size, "state", context) if self.has_cell_state else None
         )
+        self.observer = StepObserver()
         if self.scheme.weight_norm:
             # W = g * v / ||v|| per output row (dim=0): parameters `parametrizations.weight_ih.original0/1`.
             parametrizations.weight_norm(self, "weight_ih", dim=0)
@@ -136,17 +157,26 @@ class RecurrentCell(nn.Module):
 
     # --- one time step -------------------------------------------------------------------------------------------
 
-    def gate_terms(self, x: Tensor, h: Tensor, step: int, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    def gate_terms(
+        self, x: Tensor, h: Tensor, step: int, mask: Tensor | None, record: dict[str, Any] | None = None
+    ) -> tuple[Tensor, Tensor]:
         """The (normalized) input and recurrent terms ``N(W_ih x) + b_ih`` and ``N(W_hh h) + b_hh``."""
-        input_term = F.linear(x, self.weight_ih)
-        recurrent_term = F.linear(h, self.weight_hh)
-        if self.norm_ih is not None:
-            input_term = self.norm_ih(input_term, step, mask)
-        if self.norm_hh is not None:
-            recurrent_term = self.norm_hh(recurrent_term, step, mask)
+        input_raw = F.linear(x, self.weight_ih)
+        recurrent_raw = F.linear(h, self.weight_hh)
+        input_term = input_raw if self.norm_ih is None else self.norm_ih(input_raw, step, mask)
+        recurrent_term = recurrent_raw if self.norm_hh is None else self.norm_hh(recurrent_raw, step, mask)
         if self.bias_ih is not None:
             input_term = input_term + self.bias_ih
             recurrent_term = recurrent_term + self.bias_hh
+        if record is not None:
+            record.update(
+                step=step,
+                mask=mask,
+                input_raw=input_raw,
+                recurrent_raw=recurrent_raw,
+                input_term=input_term,
+                recurrent_term=recurrent_term,
+            )
         return input_term, recurrent_term
 
     def initial_state(self, batch_size: int, like: Tensor) -> Any:

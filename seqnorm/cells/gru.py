@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -59,11 +61,17 @@ class GRUCell(RecurrentCell):
     ) -> Tensor:
         h_prev = state
         h_in = h_prev if recurrent_mask is None else h_prev * recurrent_mask
-        input_term, recurrent_term = self.gate_terms(x, h_in, step, mask)
+        record: dict[str, Any] | None = {} if self.observer.active else None
+        input_term, recurrent_term = self.gate_terms(x, h_in, step, mask, record)
         a_r, a_z, a_n = input_term.chunk(3, dim=1)
         u_r, u_z, u_n = recurrent_term.chunk(3, dim=1)
         r = torch.sigmoid(a_r + u_r)
         z = torch.sigmoid(a_z + u_z)
         n = torch.tanh(a_n + r * u_n)
         h = (1 - z) * n + z * h_prev
-        return h if mask is None else torch.where(mask.unsqueeze(1), h, h_prev)
+        if mask is not None:
+            h = torch.where(mask.unsqueeze(1), h, h_prev)
+        if record is not None:
+            record.update(gates=torch.cat([r, z, n], dim=1), h=h)
+            self.observer(record)
+        return h

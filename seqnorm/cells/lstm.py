@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -97,13 +99,18 @@ class LSTMCell(RecurrentCell):
     ) -> tuple[Tensor, Tensor]:
         h_prev, c_prev = state
         h_in = h_prev if recurrent_mask is None else h_prev * recurrent_mask
-        input_term, recurrent_term = self.gate_terms(x, h_in, step, mask)
+        record: dict[str, Any] | None = {} if self.observer.active else None
+        input_term, recurrent_term = self.gate_terms(x, h_in, step, mask, record)
         i, f, g, o = (input_term + recurrent_term).chunk(4, dim=1)
-        c = torch.sigmoid(f) * c_prev + torch.sigmoid(i) * torch.tanh(g)
+        i, f, g, o = torch.sigmoid(i), torch.sigmoid(f), torch.tanh(g), torch.sigmoid(o)
+        c = f * c_prev + i * g
         c_out = c if self.norm_c is None else self.norm_c(c, step, mask)
-        h = torch.sigmoid(o) * torch.tanh(c_out)
+        h = o * torch.tanh(c_out)
         if mask is not None:
             keep = mask.unsqueeze(1)
             h = torch.where(keep, h, h_prev)
             c = torch.where(keep, c, c_prev)
+        if record is not None:
+            record.update(gates=torch.cat([i, f, g, o], dim=1), h=h, c=c, c_out=c_out)
+            self.observer(record)
         return h, c
