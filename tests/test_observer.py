@@ -24,7 +24,7 @@ def test_observer_sees_every_real_step(kind: str, norm: str) -> None:
     lengths = torch.tensor([4, 2, 3])  # step 4 and 5 are padding everywhere: not run, not observed
     output, _ = layer(x, lengths=lengths)
     gates = 4 if kind == "lstm" else 3
-    for index, cell_records in records.items():
+    for cell_records in records.values():
         assert [record["step"] for record in cell_records] == [0, 1, 2, 3]
         assert cell_records[0]["mask"] is None  # every row real
         assert cell_records[3]["mask"].tolist() == [True, False, False]
@@ -47,7 +47,7 @@ def test_observer_record_matches_layer_output() -> None:
     records: list[dict[str, Any]] = []
     layer.cells[0].observer.register_forward_hook(lambda module, args, output: records.append(args[0]))
     x = torch.randn(5, 2, 3)
-    output, (h_n, c_n) = layer(x)
+    output, (_, c_n) = layer(x)
     assert_close(torch.stack([record["h"] for record in records]), output)
     assert_close(records[-1]["c"], c_n[0])
     post = records[0]["input_term"] - layer.cells[0].bias_ih  # LayerNorm of W_ih x, before the bias
