@@ -45,8 +45,9 @@ DEFAULT_CALLBACKS: list[dict[str, Any]] = [
             "save_on_exception": True,
         },
     },
-    {"class_path": "lightning.pytorch.callbacks.RichProgressBar"},
 ]
+# The progress bar is Lightning's default RichProgressBar (rich is a dependency), so
+# `--trainer.enable_progress_bar false` still works.
 
 
 class SeqnormCLI(LightningCLI):

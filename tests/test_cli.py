@@ -1,0 +1,165 @@
+"""The `seqnorm` command end to end on small files the tests write: train, watch, stop, resume, generate."""
+
+from __future__ import annotations
+
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from seqnorm.cli import main
+
+QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+TINY_LM = ["--model.hidden_size", "48", "--model.embedding_dim", "16", "--model.lr", "0.01"]
+WORDS = ["the", "cat", "dog", "sat", "ran", "on", "under", "a", "mat", "log", "big", "small", "red", "blue"]
+
+
+def _scalars(run: Path) -> dict[str, list[tuple[int, float]]]:
+    accumulator = EventAccumulator(str(run))
+    accumulator.Reload()
+    return {
+        tag: [(event.step, event.value) for event in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]
+    }
+
+
+@pytest.fixture
+def story(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A small text file (one sentence per line) in a fresh working directory."""
+    monkeypatch.chdir(tmp_path)
+    rng = random.Random(0)
+    lines = (" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8))) for _ in range(600))
+    path = tmp_path / "story.txt"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_char_lm_on_own_file_trains_resumes_and_generates(story: Path, capsys: pytest.CaptureFixture) -> None:
+    base = ["--model", "LanguageModel", "--data", "TextCorpus", "--data.path", str(story), "--data.batch_size", "16"]
+    main(["fit", *base, *TINY_LM, *QUIET, "--trainer.max_steps", "90", "--trainer.log_every_n_steps", "10"])
+    run = Path("lightning_logs/version_0")
+    last = run / "checkpoints" / "last.ckpt"
+    assert last.is_file() and list((run / "checkpoints").glob("best-*.ckpt"))
+    scalars = _scalars(run)
+    assert {"train/loss", "val/loss", "val/bpc"} <= set(scalars)
+    first_bpc, final_bpc = scalars["val/bpc"][0][1], scalars["val/bpc"][-1][1]
+    # uniform over the ~20 symbols is 4.3 bits; the text's own entropy is about 0.9 bits per character
+    assert final_bpc < 1.25, scalars["val/bpc"]
+    assert final_bpc < first_bpc
+    assert scalars["val/loss"][-1][1] == pytest.approx(final_bpc * torch.log(torch.tensor(2.0)).item(), rel=1e-5)
+    checkpoint = torch.load(last, weights_only=False)
+    assert checkpoint["global_step"] == 90
+    assert checkpoint["seqnorm_data"]["level"] == "char"
+
+    # stop, then resume from last.ckpt: the step count and the optimizer state continue
+    main(["fit", *base, *TINY_LM, *QUIET, "--trainer.max_steps", "120", "--ckpt_path", str(last)])
+    resumed = Path("lightning_logs/version_1")
+    resumed_checkpoint = torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=False)
+    assert resumed_checkpoint["global_step"] == 120
+    adam_steps = {float(state["step"]) for state in resumed_checkpoint["optimizer_states"][0]["state"].values()}
+    assert adam_steps == {120.0}
+    assert min(step for step, _ in _scalars(resumed)["val/loss"]) >= 90
+
+    # generate at batch size 1 from the checkpoint: characters of the training text only
+    capsys.readouterr()
+    main(["generate", "--ckpt_path", str(last), "--prompt", "the ", "--length", "60", "--seed", "0"])
+    text = capsys.readouterr().out.rstrip("\n")
+    assert len(text.replace("\n", "")) + text.count("\n") == 60
+    assert set(text) <= set(story.read_text()) | {"\n"}
+    capsys.readouterr()
+    main(["generate", "--ckpt_path", str(last), "--prompt", "the ", "--length", "60", "--seed", "0"])
+    assert capsys.readouterr().out.rstrip("\n") == text  # seeded: reproducible
+
+    # test and validate read the same checkpoint
+    main(["test", *base, *TINY_LM, *QUIET, "--ckpt_path", str(last)])
+    tested = _scalars(Path("lightning_logs/version_2"))
+    assert {"test/loss", "test/bpc"} <= set(tested)
+
+
+def test_word_lm_reports_perplexity(story: Path) -> None:
+    args = ["--model", "LanguageModel", "--data", "TextCorpus", "--data.path", str(story), "--data.level", "word"]
+    main(["fit", *args, *TINY_LM, *QUIET, "--trainer.max_steps", "40", "--data.batch_size", "16"])
+    scalars = _scalars(Path("lightning_logs/version_0"))
+    assert "val/ppl" in scalars and "val/bpc" not in scalars
+    # 14 words + <eos> + specials: a trained model is far below the uniform perplexity
+    assert scalars["val/ppl"][-1][1] < 14
+
+
+def test_classifier_on_own_tsv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    rng = random.Random(1)
+    rows = []
+    for _ in range(400):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(3, 12))]
+        label = "pets" if {"cat", "dog"} & set(words) else "other"
+        rows.append(f"{label}\t{' '.join(words)}")
+    (tmp_path / "train.tsv").write_text("\n".join(rows) + "\n", encoding="utf-8")
+    base = ["--model", "SequenceClassifier", "--data", "LabeledText", "--data.train_path", "train.tsv"]
+    options = ["--model.hidden_size", "32", "--model.embedding_dim", "16", "--model.lr", "0.01"]
+    main(["fit", *base, *options, *QUIET, "--trainer.max_epochs", "8", "--data.batch_size", "16"])
+    scalars = _scalars(Path("lightning_logs/version_0"))
+    assert scalars["val/acc"][-1][1] >= 0.9, scalars["val/acc"]
+    assert {"train/loss", "val/loss"} <= set(scalars)
+
+
+def test_fit_with_no_data_arguments_trains_the_embedded_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    short = [*QUIET, "--trainer.max_steps", "20", "--trainer.limit_val_batches", "2"]
+    short += ["--trainer.val_check_interval", "10"]
+    main(["fit", "--model", "LanguageModel", "--data", "TextCorpus", *TINY_LM, *short])
+    main(["fit", "--model", "SequenceClassifier", "--data", "LabeledText", "--model.hidden_size", "16", *short])
+    assert "val/bpc" in _scalars(Path("lightning_logs/version_0"))
+    assert "val/acc" in _scalars(Path("lightning_logs/version_1"))
+    assert Path("lightning_logs/version_1/checkpoints/last.ckpt").is_file()
+
+
+def test_print_config(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--model", "LanguageModel", "--data", "TextCorpus", "--model.norm", "rms", "--print_config"])
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out
+    assert "class_path: seqnorm.lightning.LanguageModel" in printed and "norm: rms" in printed
+    assert re.search(r"^\s+(vocab_size|pad_index):", printed, re.MULTILINE) is None  # linked from the data
+
+
+@pytest.mark.parametrize(
+    ("make_file", "flag_args", "expected"),
+    [
+        (None, ["--data.path", "missing.txt"], "missing.txt"),
+        (lambda p: p.write_bytes(b"caf\xe9 au lait\n" * 50), ["--data.path", "latin1.txt"], "UTF-8 at byte 3"),
+        (lambda p: p.write_text(""), ["--data.path", "empty.txt"], "empty.txt"),
+        (None, ["--data.dataset", "imagenet"], "ptb_char"),
+    ],
+)
+def test_user_errors_are_one_message_and_exit_code_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, make_file, flag_args, expected
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    if make_file is not None:
+        make_file(tmp_path / flag_args[1])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--model", "LanguageModel", "--data", "TextCorpus", *flag_args, *QUIET])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert expected in error and "Traceback" not in error
+
+
+def test_generate_rejects_a_missing_checkpoint(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--ckpt_path", "nowhere.ckpt"])
+    assert exit_info.value.code == 2
+    assert "--ckpt_path nowhere.ckpt: no such checkpoint file" in capsys.readouterr().err
+
+
+def test_console_script_exit_code_and_no_traceback(tmp_path: Path) -> None:
+    (tmp_path / "bad.tsv").write_text("positive\tgood film\nno label here\n", encoding="utf-8")
+    command = [sys.executable, "-m", "seqnorm.cli", "fit", "--model", "SequenceClassifier", "--data", "LabeledText"]
+    result = subprocess.run(
+        [*command, "--data.train_path", "bad.tsv"], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 2
+    assert "bad.tsv:2" in result.stderr and "Traceback" not in result.stderr
