@@ -36,7 +36,7 @@ DATAMODULES = (TextCorpus, LabeledText)
 
 DEFAULT_CALLBACKS: list[dict[str, Any]] = [
     {  # best by validation loss, plus last.ckpt (also written on an exception or interrupt) for --ckpt_path resume
-        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+        "class_path": "seqnorm.lightning.checkpoint.ResumableCheckpoint",
         "init_args": {
             "monitor": "val/loss",
             "mode": "min",

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import random
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from seqnorm.cli import main
@@ -78,6 +80,41 @@ def test_char_lm_on_own_file_trains_resumes_and_generates(story: Path, capsys: p
     main(["test", *base, *TINY_LM, *QUIET, "--ckpt_path", str(last)])
     tested = _scalars(Path("lightning_logs/version_2"))
     assert {"test/loss", "test/bpc"} <= set(tested)
+
+
+class InterruptAt(Callback):
+    """Raises KeyboardInterrupt (what Ctrl-C does) after training step ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args: object) -> None:
+        if trainer.global_step == self.step:
+            raise KeyboardInterrupt
+
+
+def test_interrupted_run_resumes_from_last_checkpoint(story: Path) -> None:
+    base = ["--model", "LanguageModel", "--data", "TextCorpus", "--data.path", str(story), *TINY_LM, *QUIET]
+    sigint = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit):  # Lightning's graceful shutdown after Ctrl-C
+            main(
+                [
+                    "fit",
+                    *base,
+                    "--trainer.max_steps",
+                    "50",
+                    "--trainer.callbacks+=tests.test_cli.InterruptAt",
+                    "--trainer.callbacks.step",
+                    "12",
+                ]
+            )
+    finally:
+        signal.signal(signal.SIGINT, sigint)  # Lightning ignores further Ctrl-C while shutting down
+    last = Path("lightning_logs/version_0/checkpoints/last.ckpt")
+    assert torch.load(last, weights_only=False)["global_step"] == 12
+    main(["fit", *base, "--trainer.max_steps", "20", "--ckpt_path", str(last)])
+    assert torch.load(Path("lightning_logs/version_1/checkpoints/last.ckpt"), weights_only=False)["global_step"] == 20
 
 
 def test_word_lm_reports_perplexity(story: Path) -> None:
