@@ -80,6 +80,7 @@ def test_char_lm_on_own_file_trains_resumes_and_generates(story: Path, capsys: p
     main(["test", *base, *TINY_LM, *QUIET, "--ckpt_path", str(last)])
     tested = _scalars(Path("lightning_logs/version_2"))
     assert {"test/loss", "test/bpc"} <= set(tested)
+    assert tested["test/bpc"][0][1] < 1.3
 
 
 class InterruptAt(Callback):

@@ -193,6 +193,42 @@ class RecurrentCell(nn.Module):
         """
         raise NotImplementedError
 
+    # --- the fast path: a whole sequence's input terms at once, then lean recurrent steps --------------------------
+
+    def input_terms(self, x: Tensor, mask: Tensor | None = None, counts: list[int] | None = None) -> Tensor:
+        """``N_ih(W_ih x) + b`` for every step of ``x`` ``(T, B, input_size)`` at once: one matmul, one norm.
+
+        ``mask`` ``(T, B)`` and its per-step sums ``counts`` mark the real rows for per-timestep batch statistics.
+        Which biases are folded in is the subclass's choice (:meth:`folded_bias`), matching its
+        :meth:`recurrent_step`.
+        """
+        weight_ih = self.weight_ih  # a weight-norm parametrization computes it here, once for all steps
+        if self.norm_ih is None:
+            return F.linear(x, weight_ih, self.folded_bias())
+        terms = self.norm_ih.forward_sequence(F.linear(x, weight_ih), mask, counts)
+        bias = self.folded_bias()
+        return terms if bias is None else terms + bias
+
+    def folded_bias(self) -> Tensor | None:
+        """The bias added to the input term by :meth:`input_terms` (``b_ih``, plus what of ``b_hh`` may move there)."""
+        return self.bias_ih
+
+    def recurrent_step(
+        self,
+        input_term: Tensor,
+        state: Any,
+        step: int,
+        mask: Tensor | None,
+        recurrent_mask: Tensor | None,
+        weight_hh_t: Tensor,
+    ) -> Any:
+        """One step from a precomputed input term (:meth:`input_terms`) and ``W_hh^T`` computed once per sequence.
+
+        The same function as :meth:`step_unchecked`, with fewer operations per step; it records nothing, so the
+        layers use it only while no observer is hooked.
+        """
+        raise NotImplementedError
+
     # --- input checks --------------------------------------------------------------------------------------------
 
     def check_input(self, x: Tensor, mask: Tensor | None) -> None:

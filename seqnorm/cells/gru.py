@@ -75,3 +75,31 @@ class GRUCell(RecurrentCell):
             record.update(gates=torch.cat([r, z, n], dim=1), h=h)
             self.observer(record)
         return h
+
+    def recurrent_step(
+        self,
+        input_term: Tensor,
+        state: Tensor,
+        step: int,
+        mask: Tensor | None,
+        recurrent_mask: Tensor | None,
+        weight_hh_t: Tensor,
+    ) -> Tensor:
+        h_prev = state
+        h_in = h_prev if recurrent_mask is None else h_prev * recurrent_mask
+        # b_hh stays on the recurrent side: its candidate part is gated by r.
+        if self.norm_hh is None:
+            recurrent_term = (
+                torch.mm(h_in, weight_hh_t) if self.bias_hh is None else torch.addmm(self.bias_hh, h_in, weight_hh_t)
+            )
+        else:
+            recurrent_term = self.norm_hh(torch.mm(h_in, weight_hh_t), step, mask)
+            if self.bias_hh is not None:
+                recurrent_term = recurrent_term + self.bias_hh
+        hidden = self.hidden_size
+        r, z = torch.sigmoid(input_term[:, : 2 * hidden] + recurrent_term[:, : 2 * hidden]).chunk(2, dim=1)
+        n = torch.tanh(input_term[:, 2 * hidden :] + r * recurrent_term[:, 2 * hidden :])
+        h = (1 - z) * n + z * h_prev
+        if mask is not None:
+            h = torch.where(mask.unsqueeze(1), h, h_prev)
+        return h

@@ -114,3 +114,32 @@ class LSTMCell(RecurrentCell):
             record.update(gates=torch.cat([i, f, g, o], dim=1), h=h, c=c, c_out=c_out)
             self.observer(record)
         return h, c
+
+    def folded_bias(self) -> Tensor | None:
+        # Both biases are added to the same pre-activations, so the input term carries their sum.
+        return None if self.bias_ih is None else self.bias_ih + self.bias_hh
+
+    def recurrent_step(
+        self,
+        input_term: Tensor,
+        state: tuple[Tensor, Tensor],
+        step: int,
+        mask: Tensor | None,
+        recurrent_mask: Tensor | None,
+        weight_hh_t: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        h_prev, c_prev = state
+        h_in = h_prev if recurrent_mask is None else h_prev * recurrent_mask
+        if self.norm_hh is None:
+            gates = torch.addmm(input_term, h_in, weight_hh_t)
+        else:
+            gates = input_term + self.norm_hh(torch.mm(h_in, weight_hh_t), step, mask)
+        i, f, g, o = gates.chunk(4, dim=1)
+        c = torch.sigmoid(f) * c_prev + torch.sigmoid(i) * torch.tanh(g)
+        c_out = c if self.norm_c is None else self.norm_c(c, step, mask)
+        h = torch.sigmoid(o) * torch.tanh(c_out)
+        if mask is not None:
+            keep = mask.unsqueeze(1)
+            h = torch.where(keep, h, h_prev)
+            c = torch.where(keep, c, c_prev)
+        return h, c

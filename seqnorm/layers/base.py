@@ -4,6 +4,10 @@ Cells do one step; this module owns time. Variable lengths are explicit: at step
 ``t >= lengths[b]`` are masked, so they enter no batch statistics, keep their state (the final state is each
 sequence's state at its last real step) and output zeros. A reverse direction runs over each sequence's real part
 reversed (padding stays at the end), as ``torch.nn.LSTM`` does with packed sequences.
+
+The loop written here is the plain reference. By default (``impl="auto"``) layers run a faster path with the same
+results — torch's fused kernel when nothing is normalized, otherwise the input side of all steps at once and a lean
+loop — chosen in one place, :func:`seqnorm.layers.fast.choose_path`; ``impl="reference"`` forces this loop.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from seqnorm.cells.base import RecurrentCell, check_options, check_positive_int
+from seqnorm.layers.fast import IMPLS, Impl, choose_path, run_fast, run_fused, step_cell
 from seqnorm.norms import SmallBatchPolicy
 
 __all__ = ["RecurrentLayer", "RecurrentState", "reverse_padded"]
@@ -74,11 +79,15 @@ class RecurrentLayer(nn.Module):
         momentum: float = 0.1,
         small_batch: SmallBatchPolicy = "error",
         norm_options: Mapping[str, Any] | None = None,
+        impl: Impl = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         owner = type(self).__name__
+        if impl not in IMPLS:
+            raise ValueError(f"{owner}: expected impl to be one of {', '.join(map(repr, IMPLS))}, got {impl!r}")
+        self.impl: Impl = impl
         self.input_size = check_positive_int(owner, "input_size", input_size)
         self.hidden_size = check_positive_int(owner, "hidden_size", hidden_size)
         self.num_layers = check_positive_int(owner, "num_layers", num_layers)
@@ -128,6 +137,8 @@ class RecurrentLayer(nn.Module):
         for name in ("dropout", "recurrent_dropout"):
             if getattr(self, name):
                 text += f", {name}={getattr(self, name)}"
+        if self.impl != "auto":
+            text += f", impl={self.impl!r}"
         return text
 
     def reset_parameters(self) -> None:
@@ -187,6 +198,17 @@ class RecurrentLayer(nn.Module):
         return (output.transpose(0, 1) if self.batch_first else output), state
 
     def _run(self, x: Tensor, h0: Tensor, c0: Tensor | None, lengths: Tensor | None) -> tuple[Tensor, ...]:
+        """Run ``x`` ``(T, B, I)`` on the path :func:`~seqnorm.layers.fast.choose_path` picks; output, h_n, c_n."""
+        path = choose_path(self, lengths, x.shape[1])
+        if path == "fused":
+            return run_fused(self, x, h0, c0, lengths)
+        if path == "fast":
+            return run_fast(self, x, h0, c0, lengths)
+        return self._run_reference(x, h0, c0, lengths)
+
+    def _run_reference(
+        self, x: Tensor, h0: Tensor, c0: Tensor | None, lengths: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
         """The reference time loop over ``x`` ``(T, B, I)``; returns output ``(T, B, D*H)``, ``h_n``, ``c_n``."""
         steps, batch = x.shape[0], x.shape[1]
         masks: list[Tensor | None] = [None] * steps
@@ -272,7 +294,7 @@ class RecurrentLayer(nn.Module):
         layer_input = x
         for layer, cell in enumerate(self.cells):
             cell_state = state.h[layer] if state.c is None else (state.h[layer], state.c[layer])
-            cell_state = cell.step_unchecked(layer_input, cell_state, state.step, None)
+            cell_state = step_cell(self, cell, layer_input, cell_state, state.step)
             h = cell_state if isinstance(cell_state, Tensor) else cell_state[0]
             h_next.append(h)
             if not isinstance(cell_state, Tensor):

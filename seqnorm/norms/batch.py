@@ -10,6 +10,10 @@ In training, batch statistics are taken over the *active* rows only (``mask``), 
 with fewer than 2 active rows has no batch variance; by default that is a ``ValueError`` (batch size 1 is the common
 cause). ``small_batch="running"`` is the documented fallback: such a step is normalized with its running statistics,
 as in evaluation, and does not update them.
+
+:meth:`TimestepBatchNorm.forward_sequence` normalizes a whole sequence ``(T, B, F)`` in one vectorized pass (the
+layers' fast path uses it for the input term): the same outputs and buffer updates as calling ``forward`` step by
+step, without a Python loop over the steps that own a row of statistics.
 """
 
 from __future__ import annotations
@@ -119,13 +123,84 @@ class TimestepBatchNorm(nn.Module):
                 self._update_running(mean, var, active, t)
                 return self._affine(x_hat)
             if self.small_batch == "error":
-                raise ValueError(
-                    f"{self.owner}: expected at least 2 active (non-padding) rows at step {step} to form per-timestep "
-                    f"batch statistics in training, got {active} (batch size {x.shape[0]}). The batch variance of a "
-                    'single sample is undefined; use norm="layer" (or "rms"/"weight"), which works at batch size 1, '
-                    'or pass small_batch="running" to normalize such steps with their running statistics.'
-                )
+                raise self._small_batch_error(step, active, x.shape[0])
         return self._affine(self._normalize_running(x, t))
+
+    def forward_sequence(self, x: Tensor, mask: Tensor | None = None, counts: list[int] | None = None) -> Tensor:
+        """Steps ``0..T-1`` of ``x`` ``(T, B, F)`` at once, equal to ``forward(x[t], t, mask[t])`` for every ``t``.
+
+        ``mask`` ``(T, B)`` bool marks the real rows; ``counts`` (optional) is its per-step sum, which callers that
+        already know it pass to avoid a device synchronization. Buffers end up as after the step-by-step calls.
+        """
+        steps, batch = x.shape[0], x.shape[1]
+        if counts is None:
+            counts = [batch] * steps if mask is None else mask.sum(1).tolist()
+        # Steps below max_steps own a row of statistics: vectorized. Later steps share the last row and (renorm) read
+        # what the previous step wrote there, so they run one at a time, exactly as forward does.
+        head = min(steps, self.max_steps)
+        outputs = [self._forward_rows(x[:head], None if mask is None else mask[:head], counts[:head])]
+        if head < steps:
+            tail_masks = [None] * (steps - head) if mask is None else mask[head:].unbind(0)
+            for offset, (x_t, mask_t) in enumerate(zip(x[head:].unbind(0), tail_masks, strict=True)):
+                step = head + offset
+                outputs.append(self.forward(x_t, step, None if counts[step] == batch else mask_t).unsqueeze(0))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    def _forward_rows(self, x: Tensor, mask: Tensor | None, counts: list[int]) -> Tensor:
+        """``forward_sequence`` for steps ``0..T-1`` with ``T <= max_steps``: each step owns row ``t``."""
+        steps, batch = x.shape[0], x.shape[1]
+        running_mean = self.running_mean[:steps].unsqueeze(1)  # (T, 1, F)
+        running_var = self.running_var[:steps].unsqueeze(1)
+        if not self.training:
+            return self._affine(self._normalize_running_steps(x, running_mean, running_var))
+        use_batch = [count >= 2 for count in counts]
+        if not all(use_batch) and self.small_batch == "error":
+            step = use_batch.index(False)
+            raise self._small_batch_error(step, counts[step], batch)
+        active = torch.tensor(counts, dtype=x.dtype, device=x.device).view(steps, 1, 1)
+        if mask is None:
+            var, mean = torch.var_mean(x, dim=1, keepdim=True, correction=0)
+        else:
+            keep = mask.unsqueeze(2)
+            mean = torch.where(keep, x, 0.0).sum(1, keepdim=True) / active
+            var = torch.where(keep, x - mean, 0.0).square().sum(1, keepdim=True) / active
+        x_hat = self._normalize_batch_steps(x, mean, var, steps)
+        if not all(use_batch):
+            fallback = self._normalize_running_steps(x, running_mean, running_var)
+            x_hat = torch.where(torch.tensor(use_batch, device=x.device).view(steps, 1, 1), x_hat, fallback)
+        self._update_running_steps(mean, var, active, use_batch)
+        return self._affine(x_hat)
+
+    def _normalize_running_steps(self, x: Tensor, running_mean: Tensor, running_var: Tensor) -> Tensor:
+        centered = x - running_mean
+        return centered * torch.rsqrt(running_var + self.eps) if self.scale else centered
+
+    def _normalize_batch_steps(self, x: Tensor, mean: Tensor, var: Tensor, steps: int) -> Tensor:
+        return self._normalize_batch(x, mean, var, 0)  # plain BN ignores the step
+
+    @torch.no_grad()
+    def _update_running_steps(self, mean: Tensor, var: Tensor, active: Tensor, use_batch: list[bool]) -> None:
+        steps = len(use_batch)
+        unbiased = var * (active / (active - 1))  # inf/NaN on fallback steps (1 row): discarded below
+        new_mean = torch.lerp(self.running_mean[:steps], mean.squeeze(1).to(self.running_mean.dtype), self.momentum)
+        new_var = torch.lerp(self.running_var[:steps], unbiased.squeeze(1).to(self.running_var.dtype), self.momentum)
+        if all(use_batch):
+            self.running_mean[:steps] = new_mean
+            self.running_var[:steps] = new_var
+            self.num_batches_tracked[:steps] += 1
+            return
+        keep = torch.tensor(use_batch, device=mean.device)
+        self.running_mean[:steps] = torch.where(keep.unsqueeze(1), new_mean, self.running_mean[:steps])
+        self.running_var[:steps] = torch.where(keep.unsqueeze(1), new_var, self.running_var[:steps])
+        self.num_batches_tracked[:steps] += keep.long()
+
+    def _small_batch_error(self, step: int, active: int, batch: int) -> ValueError:
+        return ValueError(
+            f"{self.owner}: expected at least 2 active (non-padding) rows at step {step} to form per-timestep "
+            f"batch statistics in training, got {active} (batch size {batch}). The batch variance of a "
+            'single sample is undefined; use norm="layer" (or "rms"/"weight"), which works at batch size 1, '
+            'or pass small_batch="running" to normalize such steps with their running statistics.'
+        )
 
     def _normalize_running(self, x: Tensor, t: int) -> Tensor:
         centered = x - self.running_mean[t]
@@ -206,9 +281,13 @@ class TimestepBatchRenorm(TimestepBatchNorm):
             f"r_max_steps={self.r_max_steps}, d_max_steps={self.d_max_steps}"
         )
 
-    def limits(self, t: int) -> tuple[Tensor, Tensor]:
-        """The current ``(r_max, d_max)`` of step ``t`` (tensors, so reading them never synchronizes a device)."""
-        seen = (self.num_batches_tracked[min(t, self.max_steps - 1)] - self.warmup).clamp(min=0).float()
+    def limits(self, t: int | slice) -> tuple[Tensor, Tensor]:
+        """The current ``(r_max, d_max)`` of step ``t`` (tensors, so reading them never synchronizes a device).
+
+        A ``slice`` of steps below ``max_steps`` gives one value per step.
+        """
+        row = t if isinstance(t, slice) else min(t, self.max_steps - 1)
+        seen = (self.num_batches_tracked[row] - self.warmup).clamp(min=0).float()
         r_max = 1.0 + (self.r_max - 1.0) * (seen / self.r_max_steps).clamp(max=1.0)
         d_max = self.d_max * (seen / self.d_max_steps).clamp(max=1.0)
         return r_max, d_max
@@ -219,6 +298,19 @@ class TimestepBatchRenorm(TimestepBatchNorm):
         std_running = torch.sqrt(self.running_var[t] + self.eps)
         r = (std_batch / std_running).detach().clamp(min=1.0 / r_max, max=r_max)
         d = ((mean - self.running_mean[t]) / std_running).detach().clamp(min=-d_max, max=d_max)
+        if not self.scale:
+            return x - mean + d * std_running
+        return (x - mean) / std_batch * r + d
+
+    def _normalize_batch_steps(self, x: Tensor, mean: Tensor, var: Tensor, steps: int) -> Tensor:
+        # As _normalize_batch, with each step's own limits and running moments (rows 0..T-1, before this update).
+        r_max, d_max = (limit.to(x.dtype).view(steps, 1, 1) for limit in self.limits(slice(0, steps)))
+        std_batch = torch.sqrt(var + self.eps)
+        std_running = torch.sqrt(self.running_var[:steps].unsqueeze(1) + self.eps)
+        r = torch.minimum(torch.maximum((std_batch / std_running).detach(), 1.0 / r_max), r_max)
+        d = torch.minimum(
+            torch.maximum(((mean - self.running_mean[:steps].unsqueeze(1)) / std_running).detach(), -d_max), d_max
+        )
         if not self.scale:
             return x - mean + d * std_running
         return (x - mean) / std_batch * r + d
