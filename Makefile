@@ -29,3 +29,8 @@ demo: venv
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+.PHONY: bench
+# Speed and memory against torch.nn's fused LSTM/GRU (Markdown tables for BENCHMARKS.md); ARGS=--quick for a short run.
+bench: venv
+	$(BIN)/python scripts/bench.py $(ARGS)

@@ -224,8 +224,8 @@ class RecurrentCell(nn.Module):
     ) -> Any:
         """One step from a precomputed input term (:meth:`input_terms`) and ``W_hh^T`` computed once per sequence.
 
-        The same function as :meth:`step_unchecked`, with fewer operations per step; it records nothing, so the
-        layers use it only while no observer is hooked.
+        The same function as :meth:`step_unchecked`, with fewer operations per step (norms through their
+        ``forward_step``); it records nothing, so the layers use it only while no observer is hooked.
         """
         raise NotImplementedError
 

@@ -93,7 +93,7 @@ class GRUCell(RecurrentCell):
                 torch.mm(h_in, weight_hh_t) if self.bias_hh is None else torch.addmm(self.bias_hh, h_in, weight_hh_t)
             )
         else:
-            recurrent_term = self.norm_hh(torch.mm(h_in, weight_hh_t), step, mask)
+            recurrent_term = self.norm_hh.forward_step(torch.mm(h_in, weight_hh_t), step, mask)
             if self.bias_hh is not None:
                 recurrent_term = recurrent_term + self.bias_hh
         hidden = self.hidden_size

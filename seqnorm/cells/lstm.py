@@ -133,10 +133,10 @@ class LSTMCell(RecurrentCell):
         if self.norm_hh is None:
             gates = torch.addmm(input_term, h_in, weight_hh_t)
         else:
-            gates = input_term + self.norm_hh(torch.mm(h_in, weight_hh_t), step, mask)
+            gates = input_term + self.norm_hh.forward_step(torch.mm(h_in, weight_hh_t), step, mask)
         i, f, g, o = gates.chunk(4, dim=1)
         c = torch.sigmoid(f) * c_prev + torch.sigmoid(i) * torch.tanh(g)
-        c_out = c if self.norm_c is None else self.norm_c(c, step, mask)
+        c_out = c if self.norm_c is None else self.norm_c.forward_step(c, step, mask)
         h = torch.sigmoid(o) * torch.tanh(c_out)
         if mask is not None:
             keep = mask.unsqueeze(1)

@@ -23,6 +23,9 @@ class LSTM(RecurrentLayer):
             sequence and layer, the same at every step; Gal & Ghahramani 2016). Default: 0.
         norm, max_steps, init, forget_bias, eps, momentum, small_batch, norm_options, device, dtype: as
             :class:`~seqnorm.LSTMCell`, for every cell.
+        impl: ``"auto"`` (default): the fastest path with the reference's results (torch's fused kernel when
+            nothing is normalized, else hoisted input terms and a lean loop; see :mod:`seqnorm.layers.fast`);
+            ``"reference"``: the plain per-step loop. Observers hooked to a cell always get the reference loop.
 
     Inputs: ``input, hx=None, lengths=None``
         - **input** ``(L, N, H_in)`` (``(N, L, H_in)`` with ``batch_first``), ``(L, H_in)`` unbatched, or a

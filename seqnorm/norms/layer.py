@@ -44,6 +44,10 @@ class _RowNorm(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.num_features}, eps={self.eps}, gain={self.gain_init}, center={self.bias is not None}"
 
+    def forward_step(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:
+        """``forward`` without the module-call overhead (the layers' fast path calls it at every step)."""
+        return self.forward(x)
+
     def forward_sequence(self, x: Tensor, mask: Tensor | None = None, counts: list[int] | None = None) -> Tensor:
         """All steps of ``x`` ``(T, B, F)`` at once (the interface of the per-timestep norms); rows are independent."""
         return self(x)

@@ -1,0 +1,206 @@
+"""Speed and memory of seqnorm's layers against torch.nn's fused LSTM/GRU and against seqnorm's own reference loop.
+
+Everything is measured in one process, interleaved (every repeat runs every variant once, in turn, on the same
+inputs) and summarized by the median, so a load that comes and goes touches all variants alike. Printed as Markdown
+tables, ready for BENCHMARKS.md:
+
+- **training step**: forward + backward of ``output.sum()`` for a ``(T, B, I)`` input; ms, tokens/s (``T*B`` per
+  step) and the ratio to ``torch.nn.LSTM``/``GRU``. ``reference ×`` is the same layer with ``impl="reference"``: the
+  straightforward per-step Python loop over the normalized cell.
+- **activation memory**: bytes of the tensors autograd saves for backward during one forward (every saved tensor's
+  storage counted once, parameters excluded), via ``torch.autograd.graph.saved_tensors_hooks``. On a CPU this is the
+  memory a training step holds between forward and backward, the part that grows with ``T`` and ``B``; process-level
+  peaks (RSS) are dominated by the allocator and would not separate the variants.
+- **generation step**: batch size 1, ``no_grad``, eval mode, one ``layer.step()`` against one ``torch.nn.LSTMCell``
+  (``GRUCell``) call; µs per step.
+
+Usage: ``python scripts/bench.py`` (the sizes of issue 7), ``--quick`` (seconds), ``--sizes 100x32x128x256,...``,
+``--cells lstm``, ``--norms layer,batch``, ``--repeats 7``, ``--threads 2``, ``--no-reference`` (skip the slow loop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from datetime import date
+
+import torch
+from torch import nn
+
+import seqnorm
+
+TORCH_LAYERS: dict[str, type[nn.Module]] = {"lstm": nn.LSTM, "gru": nn.GRU}
+TORCH_CELLS: dict[str, type[nn.Module]] = {"lstm": nn.LSTMCell, "gru": nn.GRUCell}
+LAYERS: dict[str, type[seqnorm.layers.RecurrentLayer]] = {"lstm": seqnorm.LSTM, "gru": seqnorm.GRU}
+DEFAULT_SIZES = "100x32x128x256,100x64x256x512,50x16x512x1024,100x1x128x256"
+QUICK_SIZES = "20x8x32x64,20x1x32x64"
+
+
+def parse_sizes(text: str) -> list[tuple[int, int, int, int]]:
+    sizes = []
+    for item in text.split(","):
+        parts = [int(part) for part in item.lower().split("x")]
+        if len(parts) != 4:
+            raise SystemExit(f"bench.py: expected sizes as TxBxIxH[,TxBxIxH...], got {item!r}")
+        sizes.append((parts[0], parts[1], parts[2], parts[3]))
+    return sizes
+
+
+def training_step(module: nn.Module, x: torch.Tensor) -> Callable[[], None]:
+    def run() -> None:
+        for param in module.parameters():
+            param.grad = None
+        output, _ = module(x)
+        output.sum().backward()
+
+    return run
+
+
+def saved_bytes(module: nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd saves for backward during one forward (parameters excluded)."""
+    params = {param.untyped_storage().data_ptr() for param in module.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        output, _ = module(x)
+    del output
+    return sum(storages.values())
+
+
+def interleaved(variants: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+    """Median seconds per call of each variant; one warm-up call each, then ``repeats`` rounds in turn."""
+    for run in variants.values():
+        run()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, run in variants.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def bench_training(args: argparse.Namespace, size: tuple[int, int, int, int]) -> list[str]:
+    steps, batch, input_size, hidden = size
+    rows = []
+    for kind in args.cells:
+        torch.manual_seed(0)
+        x = torch.randn(steps, batch, input_size)
+        baseline = TORCH_LAYERS[kind](input_size, hidden)
+        variants = {"torch": training_step(baseline, x)}
+        memory = {"torch": saved_bytes(baseline, x)}
+        layers = {}
+        for norm in args.norms:
+            if batch < 2 and seqnorm.NORMS[norm].batch_statistics:
+                continue  # per-timestep batch statistics cannot train at batch size 1
+            layer = LAYERS[kind](input_size, hidden, norm=norm)
+            layers[norm] = layer
+            variants[norm] = training_step(layer, x)
+            memory[norm] = saved_bytes(layer, x)
+            if args.reference:
+                reference = LAYERS[kind](input_size, hidden, norm=norm, impl="reference")
+                reference.load_state_dict(layer.state_dict())
+                variants[f"{norm}/reference"] = training_step(reference, x)
+        seconds = interleaved(variants, args.repeats)
+        base = seconds["torch"]
+        tokens = steps * batch
+        label = f"{kind} {steps}x{batch}x{input_size}x{hidden}"
+        rows.append(
+            f"| {label} | torch.nn.{TORCH_LAYERS[kind].__name__} | {base * 1e3:.1f} | {tokens / base:,.0f} | 1.00 | "
+            f"| 1.00 |"
+        )
+        for norm in layers:
+            reference_ratio = f"{seconds[f'{norm}/reference'] / base:.2f}" if args.reference else "-"
+            rows.append(
+                f"| {label} | {norm} | {seconds[norm] * 1e3:.1f} | {tokens / seconds[norm]:,.0f} | "
+                f"{seconds[norm] / base:.2f} | {reference_ratio} | {memory[norm] / memory['torch']:.2f} |"
+            )
+    return rows
+
+
+def bench_generation(args: argparse.Namespace, size: tuple[int, int, int, int]) -> list[str]:
+    _, _, input_size, hidden = size
+    rows = []
+    for kind in args.cells:
+        torch.manual_seed(0)
+        x = torch.randn(1, input_size)
+        cell = TORCH_CELLS[kind](input_size, hidden).eval()
+        zeros = torch.zeros(1, hidden)
+        cell_state = (zeros, zeros) if kind == "lstm" else zeros
+
+        def torch_steps(cell: nn.Module = cell, cell_state: object = cell_state, x: torch.Tensor = x) -> None:
+            state = cell_state
+            for _ in range(args.generation_steps):
+                state = cell(x, state)
+
+        variants = {"torch": torch_steps}
+        for norm in args.norms:
+            layer = LAYERS[kind](input_size, hidden, norm=norm).eval()
+
+            def seqnorm_steps(layer: seqnorm.layers.RecurrentLayer = layer, x: torch.Tensor = x) -> None:
+                state = None
+                for _ in range(args.generation_steps):
+                    _, state = layer.step(x, state)
+
+            variants[norm] = seqnorm_steps
+        with torch.no_grad():
+            seconds = interleaved(variants, args.repeats)
+        per_step = {name: value / args.generation_steps for name, value in seconds.items()}
+        base = per_step["torch"]
+        label = f"{kind} I={input_size} H={hidden}"
+        rows.append(f"| {label} | torch.nn.{TORCH_CELLS[kind].__name__} | {base * 1e6:.0f} | 1.00 |")
+        rows += [
+            f"| {label} | {norm} | {per_step[norm] * 1e6:.0f} | {per_step[norm] / base:.2f} |" for norm in args.norms
+        ]
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help=f"small sizes ({QUICK_SIZES}), 2 repeats")
+    parser.add_argument("--sizes", default=None, help=f"TxBxIxH, comma-separated (default {DEFAULT_SIZES})")
+    parser.add_argument("--cells", default="lstm,gru", help="lstm,gru")
+    parser.add_argument("--norms", default=",".join(seqnorm.NORMS), help="norms to measure")
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 5, quick 2)")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for every variant")
+    parser.add_argument("--generation-steps", type=int, default=200, help="steps per generation measurement")
+    parser.add_argument("--no-reference", dest="reference", action="store_false", help="skip the reference loop")
+    args = parser.parse_args()
+    args.sizes = parse_sizes(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES))
+    args.cells = args.cells.split(",")
+    args.norms = args.norms.split(",")
+    args.repeats = args.repeats or (2 if args.quick else 5)
+    if args.quick:
+        args.generation_steps = min(args.generation_steps, 50)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
+        f"{date.today().isoformat()}; median of {args.repeats} interleaved repeats\n"
+    )
+    print("### Training step (forward + backward)\n")
+    print("| cell TxBxIxH | norm | ms | tokens/s | × torch | reference × torch | activation memory × torch |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for size in args.sizes:
+        for row in bench_training(args, size):
+            print(row, flush=True)
+    print("\n### Generation step (batch size 1, `layer.step()` vs torch's cell)\n")
+    print("| cell | norm | µs / step | × torch cell |")
+    print("|---|---|---:|---:|")
+    for size in {(1, 1, s[2], s[3]): None for s in args.sizes}:
+        for row in bench_generation(args, size):
+            print(row, flush=True)
+
+
+if __name__ == "__main__":
+    main()

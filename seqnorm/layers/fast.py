@@ -1,0 +1,191 @@
+"""The fast paths of :class:`~seqnorm.layers.base.RecurrentLayer`, beside its plain per-step reference loop.
+
+Which path runs is decided in one place, :func:`choose_path`:
+
+- ``"reference"``: the plain loop, one :meth:`~seqnorm.cells.base.RecurrentCell.step_unchecked` per step, exactly as
+  written in the cells. Chosen with ``impl="reference"``, whenever an observer is hooked to a cell (it needs each
+  step's record), and when a per-timestep batch norm is about to raise its small-batch error (so the error and what
+  was updated before it are the reference's own).
+- ``"fused"``: torch's own LSTM/GRU kernel (``torch._VF.lstm``/``gru``, variable lengths through packing) when no cell
+  normalizes anything (``norm="none"``, or ``"weight"`` whose ``g * v / ||v||`` is computed once per call) and no
+  dropout draws random numbers (training with ``dropout`` or ``recurrent_dropout``): torch would draw different
+  masks than the reference, and results must not depend on the path.
+- ``"fast"``: everything that does not depend on the recurrence is done for all time steps at once — the input
+  projection ``W_ih x`` is one matmul, its norm one vectorized call (LayerNorm per position; per-timestep batch
+  statistics over the ``(T, B)`` grid with the padding masked out; :meth:`forward_sequence` of the norms), the
+  biases are folded in — and the loop runs a lean :meth:`~seqnorm.cells.base.RecurrentCell.recurrent_step` over
+  ``unbind`` of the precomputed terms (never ``x[t]``, whose backward writes a full-size gradient at every step).
+
+All three give the same outputs, states, gradients and running statistics up to floating-point rounding; the
+``tests/test_fast_path.py`` suite compares them for every cell and norm.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
+
+from seqnorm.cells.base import RecurrentCell
+from seqnorm.norms import TimestepBatchNorm
+
+if TYPE_CHECKING:
+    from seqnorm.layers.base import RecurrentLayer
+
+__all__ = ["Impl", "Path", "choose_path", "run_fast", "run_fused", "step_cell"]
+
+Impl = Literal["auto", "reference"]
+Path = Literal["reference", "fused", "fast"]
+IMPLS: tuple[str, ...] = ("auto", "reference")
+
+
+def choose_path(layer: RecurrentLayer, lengths: Tensor | None, batch: int) -> Path:
+    """The path :meth:`RecurrentLayer.forward` takes for this call (see the module docstring)."""
+    cells: list[RecurrentCell] = list(layer.cells)
+    if layer.impl == "reference" or any(cell.observer.active for cell in cells):
+        return "reference"
+    if layer.training and _would_raise_small_batch(cells, lengths, batch):
+        return "reference"
+    if _is_plain(cells) and not (
+        layer.training and (layer.recurrent_dropout or (layer.dropout and layer.num_layers > 1))
+    ):
+        return "fused"
+    return "fast"
+
+
+def _would_raise_small_batch(cells: list[RecurrentCell], lengths: Tensor | None, batch: int) -> bool:
+    strict = any(
+        isinstance(module, TimestepBatchNorm) and module.small_batch == "error"
+        for cell in cells
+        for module in cell.modules()
+    )
+    if not strict:
+        return False
+    # The fewest real rows at any step that runs: the rows as long as the longest sequence.
+    fewest = batch if lengths is None else int((lengths == lengths.max()).sum())
+    return fewest < 2
+
+
+def _is_plain(cells: list[RecurrentCell]) -> bool:
+    return all(cell.norm_ih is None and cell.norm_hh is None and cell.norm_c is None for cell in cells)
+
+
+# --- torch's fused kernel ---
+
+
+def run_fused(
+    layer: RecurrentLayer, x: Tensor, h0: Tensor, c0: Tensor | None, lengths: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``torch._VF.lstm``/``gru`` over ``x`` ``(T, B, I)``; variable lengths go through a ``PackedSequence``."""
+    weights: list[Tensor] = []
+    for cell in layer.cells:
+        weights += [cell.weight_ih, cell.weight_hh]  # weight norm: computed once here
+        if layer.bias:
+            weights += [cell.bias_ih, cell.bias_hh]
+    kernel = torch._VF.lstm if c0 is not None else torch._VF.gru
+    hx: Any = (h0, c0) if c0 is not None else h0
+    flags = (layer.bias, layer.num_layers, 0.0, layer.training, layer.bidirectional)
+    if lengths is None or int(lengths.min()) == x.shape[0]:
+        result = kernel(x, hx, weights, *flags, False)
+        return result[0], result[1], (result[2] if c0 is not None else None)
+    packed = pack_padded_sequence(x, lengths, enforce_sorted=False)
+    order, unorder = packed.sorted_indices, packed.unsorted_indices
+    hx = (h0.index_select(1, order), c0.index_select(1, order)) if c0 is not None else h0.index_select(1, order)
+    result = kernel(packed.data, packed.batch_sizes, hx, weights, *flags)
+    output, _ = pad_packed_sequence(
+        PackedSequence(result[0], packed.batch_sizes, order, unorder), total_length=x.shape[0]
+    )
+    h_n = result[1].index_select(1, unorder)
+    return output, h_n, (result[2].index_select(1, unorder) if c0 is not None else None)
+
+
+# --- hoisted input terms and a lean loop ---
+
+
+def run_fast(
+    layer: RecurrentLayer, x: Tensor, h0: Tensor, c0: Tensor | None, lengths: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The same computation as the reference loop, with the input side of every step done at once per direction."""
+    # Imported here: base imports this module to dispatch.
+    from seqnorm.layers.base import reverse_padded
+
+    total_steps, batch = x.shape[0], x.shape[1]
+    steps = total_steps
+    active: Tensor | None = None  # (T, B) real positions, None when every row is real at every step
+    counts = [batch] * steps
+    if lengths is not None:
+        steps = int(lengths.max())  # steps past every sequence's end are all padding: not run at all
+        real = torch.arange(steps).unsqueeze(1) < lengths.unsqueeze(0)  # (T, B), on the CPU like lengths
+        counts = real.sum(1).tolist()
+        if min(counts) < batch:
+            active = real.to(x.device)
+    masks: list[Tensor | None] = [None] * steps
+    if active is not None:
+        masks = [None if count == batch else mask for count, mask in zip(counts, active.unbind(0), strict=True)]
+    reverse_lengths = lengths if active is not None else None  # all real: plain flip
+
+    h_n: list[Tensor] = []
+    c_n: list[Tensor] = []
+    layer_input = x[:steps]
+    for index_layer in range(layer.num_layers):
+        outputs = []
+        for direction in range(layer.num_directions):
+            index = index_layer * layer.num_directions + direction
+            cell: RecurrentCell = layer.cells[index]
+            sequence = layer_input if direction == 0 else reverse_padded(layer_input, reverse_lengths)
+            state: Any = h0[index] if c0 is None else (h0[index], c0[index])
+            output, state = _run_direction(layer, cell, sequence, state, active, counts, masks)
+            outputs.append(output if direction == 0 else reverse_padded(output, reverse_lengths))
+            if c0 is None:
+                h_n.append(state)
+            else:
+                h_n.append(state[0])
+                c_n.append(state[1])
+        layer_input = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+        if layer.dropout and layer.training and index_layer < layer.num_layers - 1:
+            layer_input = F.dropout(layer_input, layer.dropout, training=True)
+    output = layer_input
+    if active is not None:
+        output = torch.where(active.unsqueeze(2), output, 0.0)
+    if steps < total_steps:
+        output = F.pad(output, (0, 0, 0, 0, 0, total_steps - steps))
+    return output, torch.stack(h_n), (torch.stack(c_n) if c_n else None)
+
+
+def _run_direction(
+    layer: RecurrentLayer,
+    cell: RecurrentCell,
+    sequence: Tensor,
+    state: Any,
+    active: Tensor | None,
+    counts: list[int],
+    masks: list[Tensor | None],
+) -> tuple[Tensor, Any]:
+    recurrent_mask = None
+    if layer.recurrent_dropout and layer.training:
+        # Drawn at the same point of the random stream as the reference loop draws it.
+        keep = 1.0 - layer.recurrent_dropout
+        h = state if isinstance(state, Tensor) else state[0]
+        recurrent_mask = torch.bernoulli(torch.full_like(h, keep)) / keep
+    terms = cell.input_terms(sequence, active, counts)  # (T, B, G*H)
+    weight_hh_t = cell.weight_hh.t()  # weight norm: computed once per sequence, not once per step
+    outputs = []
+    for step, (term, mask) in enumerate(zip(terms.unbind(0), masks, strict=True)):
+        state = cell.recurrent_step(term, state, step, mask, recurrent_mask, weight_hh_t)
+        outputs.append(state if isinstance(state, Tensor) else state[0])
+    return torch.stack(outputs), state
+
+
+# --- one step (generation) ---
+
+
+def step_cell(layer: RecurrentLayer, cell: RecurrentCell, x: Tensor, state: Any, step: int) -> Any:
+    """One step of ``cell`` for :meth:`RecurrentLayer.step`: torch's fused cell kernel when nothing is normalized."""
+    if layer.impl == "reference" or cell.observer.active or not _is_plain([cell]):
+        return cell.step_unchecked(x, state, step, None)
+    if cell.has_cell_state:
+        return torch._VF.lstm_cell(x, state, cell.weight_ih, cell.weight_hh, cell.bias_ih, cell.bias_hh)
+    return torch._VF.gru_cell(x, state, cell.weight_ih, cell.weight_hh, cell.bias_ih, cell.bias_hh)

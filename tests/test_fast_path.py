@@ -1,0 +1,179 @@
+"""The layers' fast paths equal the plain per-step reference loop: outputs, states, gradients and running statistics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.nn.utils.rnn import pack_padded_sequence
+from torch.testing import assert_close
+
+import seqnorm
+from seqnorm.layers.fast import choose_path
+from seqnorm.norms import TimestepBatchNorm, TimestepBatchRenorm
+from tests.conftest import BATCH_NORMS, LAYERS, NORMS, ROW_NORMS, perturb_norm_parameters
+
+TOLERANCE = {"rtol": 1e-9, "atol": 1e-9}
+RENORM_ACTIVE = {"warmup": 0, "r_max_steps": 1, "d_max_steps": 1, "r_max": 1.5, "d_max": 0.5}
+
+
+def _pair(kind: str, norm: str, **kwargs: Any) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The same layer twice: the reference loop and the default (fast) path, with perturbed norm parameters."""
+    if norm == "batch_renorm":
+        kwargs.setdefault("norm_options", RENORM_ACTIVE)  # the r/d correction acts from the first batch on
+    reference = LAYERS[kind](3, 4, norm=norm, impl="reference", dtype=torch.float64, **kwargs)
+    perturb_norm_parameters(reference)  # running statistics away from 0/1, so renorm's r and d are not trivial
+    fast = LAYERS[kind](3, 4, norm=norm, dtype=torch.float64, **kwargs)
+    fast.load_state_dict(reference.state_dict())
+    return reference, fast
+
+
+def _run(layer: torch.nn.Module, x: torch.Tensor, hx: Any, lengths: torch.Tensor | None, seed: int = 1) -> list[Any]:
+    """Output, final state, gradients w.r.t. input, initial state and every parameter, and the buffers after."""
+    x = x.clone().requires_grad_()
+    leaves = [t.clone().requires_grad_() for t in (hx if isinstance(hx, tuple) else (hx,))] if hx is not None else []
+    state_in = None if hx is None else (tuple(leaves) if isinstance(hx, tuple) else leaves[0])
+    torch.manual_seed(seed)  # dropout masks: both paths must draw the same ones
+    output, state = layer(x, state_in, lengths=lengths)
+    if isinstance(output, torch.nn.utils.rnn.PackedSequence):
+        output = output.data
+    flat = [output, *(state if isinstance(state, tuple) else (state,))]
+    loss = sum((t * torch.linspace(-1, 1, t.numel(), dtype=t.dtype).view_as(t)).sum() for t in flat)
+    grads = torch.autograd.grad(loss, [x, *leaves, *layer.parameters()])
+    return [output, state, grads, {k: v.clone() for k, v in layer.state_dict().items()}]
+
+
+def _assert_same(reference: list[Any], fast: list[Any]) -> None:
+    for name, expected, got in zip(("output", "state", "gradients", "buffers"), reference, fast, strict=True):
+        assert_close(got, expected, **TOLERANCE, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _hx(kind: str, layers: int, batch: int) -> Any:
+    h0 = torch.randn(layers, batch, 4, dtype=torch.float64)
+    return (h0, torch.randn_like(h0)) if kind == "lstm" else h0
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_fast_equals_reference(kind: str, norm: str, training: bool) -> None:
+    """Lengths, both directions, two layers, an initial state; T > max_steps, so steps share the last BN row."""
+    reference, fast = _pair(kind, norm, num_layers=2, bidirectional=True, max_steps=4)
+    lengths = torch.tensor([6, 3, 6, 4])  # >= 2 real rows at every step, as training batch norms need
+    x = torch.randn(7, 4, 3, dtype=torch.float64)  # and a last step of pure padding
+    hx = _hx(kind, 4, 4)
+    for layer in (reference, fast):
+        layer.train(training)
+    expected_path = "fused" if norm in ("none", "weight") else "fast"
+    assert choose_path(fast, lengths, 4) == expected_path
+    for _ in range(2):  # the second call sees running statistics (and renorm limits) the first one wrote
+        _assert_same(_run(reference, x, hx, lengths), _run(fast, x, hx, lengths))
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_fast_equals_reference_with_dropout(kind: str, norm: str) -> None:
+    reference, fast = _pair(kind, norm, num_layers=2, dropout=0.3, recurrent_dropout=0.2, batch_first=True)
+    assert choose_path(fast, None, 5) == "fast"  # random masks keep even norm="none" off torch's kernel
+    x = torch.randn(5, 6, 3, dtype=torch.float64)
+    _assert_same(_run(reference, x, None, None, seed=7), _run(fast, x, None, None, seed=7))
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_fast_equals_reference_packed(kind: str, norm: str) -> None:
+    reference, fast = _pair(kind, norm, bidirectional=True)
+    x = torch.randn(6, 5, 3, dtype=torch.float64)
+    packed = pack_padded_sequence(x, torch.tensor([6, 2, 5, 6, 4]), enforce_sorted=False)
+    results = []
+    for layer in (reference, fast):
+        output, state = layer(packed)
+        results.append((output.data, state, layer.state_dict()))
+    assert_close(results[1], results[0], **TOLERANCE)
+
+
+@pytest.mark.parametrize("norm", ROW_NORMS)
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_fast_equals_reference_at_batch_size_one(kind: str, norm: str) -> None:
+    reference, fast = _pair(kind, norm, num_layers=2)
+    x = torch.randn(5, 1, 3, dtype=torch.float64)
+    _assert_same(_run(reference, x, None, None), _run(fast, x, None, None))
+
+
+@pytest.mark.parametrize("norm", BATCH_NORMS)
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_small_batch_fallback_and_error_as_reference(kind: str, norm: str) -> None:
+    reference, fast = _pair(kind, norm, bidirectional=True, small_batch="running")
+    lengths = torch.tensor([6, 2, 4])  # steps 4 and 5 have a single real row: running statistics
+    x = torch.randn(6, 3, 3, dtype=torch.float64)
+    assert choose_path(fast, lengths, 3) == "fast"
+    _assert_same(_run(reference, x, None, lengths), _run(fast, x, None, lengths))
+    strict = LAYERS[kind](3, 4, norm=norm)
+    assert choose_path(strict, lengths, 3) == "reference"  # the reference raises, after what it updated
+    with pytest.raises(ValueError, match=r"at step 4 .* got 1 \(batch size 3\)"):
+        strict(x.float(), lengths=lengths)
+
+
+@pytest.mark.parametrize("norm", ["layer", "batch"])
+def test_observer_forces_the_reference_path(norm: str) -> None:
+    layer = seqnorm.LSTM(3, 4, num_layers=2, norm=norm)
+    x = torch.randn(5, 3, 3)
+    expected, _ = layer(x)
+    steps: list[int] = []
+    handle = layer.cells[1].observer.register_forward_hook(lambda module, args, output: steps.append(args[0]["step"]))
+    assert choose_path(layer, None, 3) == "reference"
+    layer.eval()  # identical computation without further running-statistics updates on either side
+    observed, _ = layer(x)
+    handle.remove()
+    assert steps == [0, 1, 2, 3, 4]
+    assert choose_path(layer, None, 3) == "fast"
+    assert_close(observed, layer(x)[0])
+    assert expected.shape == observed.shape
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_step_equals_reference_step(kind: str, norm: str) -> None:
+    reference, fast = _pair(kind, norm, num_layers=2)
+    reference.eval()
+    fast.eval()
+    x = torch.randn(4, 2, 3, dtype=torch.float64)
+    states: list[Any] = [None, None]
+    for x_t in x.unbind(0):
+        out_ref, states[0] = reference.step(x_t, states[0])
+        out_fast, states[1] = fast.step(x_t, states[1])
+        assert_close(out_fast, out_ref, rtol=1e-12, atol=1e-12)
+    assert_close(tuple(states[1]), tuple(states[0]), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("cls", [TimestepBatchNorm, TimestepBatchRenorm])
+@pytest.mark.parametrize("training", [True, False])
+def test_forward_sequence_equals_stepwise_forward(cls: type[TimestepBatchNorm], training: bool) -> None:
+    kwargs: dict[str, Any] = {"warmup": 0, "r_max_steps": 1, "d_max_steps": 1} if cls is TimestepBatchRenorm else {}
+    stepwise = cls(5, max_steps=3, gain=0.7, small_batch="running", dtype=torch.float64, **kwargs)
+    perturb_norm_parameters(torch.nn.ModuleDict({"norm_": stepwise}))
+    stepwise.num_batches_tracked.fill_(2)
+    vectorized = cls(5, max_steps=3, gain=0.7, small_batch="running", dtype=torch.float64, **kwargs)
+    vectorized.load_state_dict(stepwise.state_dict())
+    stepwise.train(training)
+    vectorized.train(training)
+    x = torch.randn(6, 4, 5, dtype=torch.float64) * 2 + 1
+    mask = torch.tensor([[True] * 4] * 3 + [[True, True, False, True], [False, True, False, False]] + [[True] * 4])
+    x_seq = x.clone().requires_grad_()
+    x_step = x.clone().requires_grad_()
+    expected = torch.stack([stepwise(x_t, t, m) for t, (x_t, m) in enumerate(zip(x_step.unbind(0), mask, strict=True))])
+    got = vectorized.forward_sequence(x_seq, mask)
+    assert_close(got, expected, **TOLERANCE)
+    weights = torch.randn_like(got)
+    assert_close(
+        torch.autograd.grad((got * weights).sum(), x_seq), torch.autograd.grad((expected * weights).sum(), x_step)
+    )
+    assert_close(vectorized.state_dict(), stepwise.state_dict(), **TOLERANCE)
+
+
+def test_impl_option() -> None:
+    assert seqnorm.GRU(3, 4).impl == "auto"
+    assert "impl='reference'" in repr(seqnorm.LSTM(3, 4, impl="reference"))
+    with pytest.raises(ValueError, match=r"^LSTM: expected impl to be one of 'auto', 'reference', got 'cuda'$"):
+        seqnorm.LSTM(3, 4, impl="cuda")  # type: ignore[arg-type]
