@@ -1,0 +1,46 @@
+"""Make ``scripts/`` importable (the scripts import their helper as ``_common``), keep torch's settings intact, and
+read the scripts' CSV output."""
+
+from __future__ import annotations
+
+import csv
+import math
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+if str(SCRIPTS) not in sys.path:
+    sys.path.insert(0, str(SCRIPTS))
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads() -> Iterator[None]:
+    # The scripts set torch's thread count (--threads); the rest of the suite should not inherit it.
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def _read_csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def _finite(text: str) -> bool:
+    return text != "" and math.isfinite(float(text))
+
+
+@pytest.fixture
+def read_csv() -> Callable[[Path], list[dict[str, str]]]:
+    """Rows of a CSV file as dicts of strings."""
+    return _read_csv
+
+
+@pytest.fixture
+def finite() -> Callable[[str], bool]:
+    """Whether a CSV cell holds a finite number."""
+    return _finite
