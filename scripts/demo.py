@@ -1,70 +1,108 @@
-"""A short tour of seqnorm's cells on an embedded task (no data files, no network).
+"""`make demo`: why per-timestep BatchNorm struggles in RNNs while LayerNorm works at batch size 1, in a few minutes.
 
-Trains a small LSTM with each normalization to recall the first symbol of a sequence (a task that needs memory),
-at batch size 32 and at batch size 1 with the same number of training sequences, and prints a table. Per-timestep
-batch norm cannot train at batch size 1: its row shows the error it raises instead of a number.
+Runs the quick versions of the experiments on the embedded corpus (no file, no download) — batch-size sweep, online
+training at batch size 1, length generalization, small-batch statistics, initialization study — writing each one's
+``results.csv``, Markdown table and plots under ``results/demo/``; then trains an LN-LSTM and a BN-LSTM briefly
+through the ``seqnorm`` CLI with ``HiddenStateStats`` on, so their runs can be opened in TensorBoard; and ends with
+a summary table of LN against BN across batch sizes, batch size 1 included.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
-import torch
-import torch.nn.functional as F
+import _common
+import batch_size_sweep
+import init_study
+import length_generalization
+import online_training
+import small_batch_statistics
 
-import seqnorm
+from seqnorm.cli import main as seqnorm_main
 
-SYMBOLS = 4
-STEPS = 10
-
-
-def sample(batch: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    symbols = torch.randint(0, SYMBOLS, (batch, STEPS), generator=generator)
-    return F.one_hot(symbols, SYMBOLS).float(), symbols[:, 0]
-
-
-def train(norm: str, batch_size: int, sequences: int, seed: int = 0) -> tuple[str, float]:
-    """Train on ``sequences`` sequences in batches of ``batch_size``; returns (status, held-out accuracy)."""
-    torch.manual_seed(seed)
-    generator = torch.Generator().manual_seed(seed)
-    lstm = seqnorm.LSTM(SYMBOLS, 32, norm=norm, batch_first=True, init="orthogonal" if norm == "none" else "default")
-    head = torch.nn.Linear(32, SYMBOLS)
-    optimizer = torch.optim.Adam([*lstm.parameters(), *head.parameters()], lr=1e-2 if batch_size == 1 else 3e-2)
-    try:
-        for _ in range(sequences // batch_size):
-            x, target = sample(batch_size, generator)
-            loss = F.cross_entropy(head(lstm(x)[0][:, -1]), target)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-    except ValueError as error:
-        return f"ValueError: {error}", float("nan")
-    lstm.eval()
-    x, target = sample(2048, generator)
-    with torch.no_grad():
-        accuracy = (head(lstm(x)[0][:, -1]).argmax(1) == target).float().mean().item()
-    return "ok", accuracy
+ROOT = Path(__file__).resolve().parent.parent
+EXPERIMENTS: list[tuple[str, Callable[[Sequence[str]], Any]]] = [
+    ("batch_size_sweep", batch_size_sweep.main),
+    ("online_training", online_training.main),
+    ("length_generalization", length_generalization.main),
+    ("small_batch_statistics", small_batch_statistics.main),
+    ("init_study", init_study.main),
+]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--sequences", type=int, default=800, help="training sequences per run")
-    args = parser.parse_args()
-    print(f"Recall the first of {STEPS} symbols ({SYMBOLS} classes, chance 0.25); {args.sequences} training sequences")
-    print(f"{'norm':<14}{'batch':>6}  {'accuracy':>8}  {'seconds':>7}  status")
-    errors = set()
-    for norm in seqnorm.NORMS:
-        for batch_size in (32, 1):
-            start = time.perf_counter()
-            status, accuracy = train(norm, batch_size, args.sequences)
-            if status != "ok":
-                errors.add(status)
-                status = "error (below)"
-            print(f"{norm:<14}{batch_size:>6}  {accuracy:>8.3f}  {time.perf_counter() - start:>7.1f}  {status}")
-    for message in sorted(errors):
-        print(f"\n{message}")
+def banner(text: str) -> None:
+    print(f"\n{'=' * 100}\n{text}\n{'=' * 100}", flush=True)
+
+
+def train_with_tensorboard(norm: str, steps: int) -> Path:
+    """A short CLI run of the embedded char LM with ``norm``; returns its lightning_logs version folder."""
+    logs = Path("lightning_logs")
+    before = set(logs.glob("version_*")) if logs.is_dir() else set()
+    seqnorm_main(
+        [
+            "fit",
+            "--config",
+            str(ROOT / "configs" / "embedded_lm.yaml"),
+            "--config",
+            str(ROOT / "configs" / "norm" / f"{norm}.yaml"),
+            "--model.hidden_size",
+            "64",
+            "--trainer.max_steps",
+            str(steps),
+            "--trainer.val_check_interval",
+            str(steps // 2),
+            "--trainer.limit_val_batches",
+            "8",
+            "--trainer.callbacks.every_n_steps",
+            "10",
+            "--trainer.enable_model_summary",
+            "false",
+        ]
+    )
+    (run,) = set(logs.glob("version_*")) - before
+    return run
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("results/demo"), help="where the experiments write")
+    parser.add_argument("--fit-steps", type=int, default=60, help="training steps of each TensorBoard run")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    sweep_rows: list[dict[str, Any]] = []
+    for name, run in EXPERIMENTS:
+        banner(f"scripts/{name}.py --quick")
+        rows = run(["--quick", "--out", str(args.out / name)])
+        if name == "batch_size_sweep":
+            sweep_rows = rows
+    runs = {}
+    for norm in ("layer", "batch"):
+        banner(f"seqnorm fit --config configs/embedded_lm.yaml --config configs/norm/{norm}.yaml (HiddenStateStats on)")
+        runs[norm] = train_with_tensorboard(norm, args.fit_steps)
+
+    banner("Summary: validation bits per character after an equal budget of training tokens (embedded corpus)")
+    value = "val_bpc" if any("val_bpc" in row for row in sweep_rows) else "val_ppl"
+    table = batch_size_sweep.summary(sweep_rows, value)
+    print(_common.markdown_table(table, ["norm", *batch_size_sweep.summary_columns(sweep_rows)]))
+    errors = sorted({row["status"] for row in sweep_rows if row["status"] != "ok"})
+    for error in errors:
+        print(f"\n{error}")
+    print(
+        "\nPer-timestep BN has no batch statistics at batch size 1 and cannot train there; LayerNorm normalizes each"
+        "\nsample by itself and trains at any batch size. Full tables and plots of every experiment are in"
+        f"\n{args.out}/<experiment>/ (results.md, results.csv, *.png); docs/experiments.md discusses longer runs."
+    )
+    print("\nTensorBoard runs with hidden-state, gate, gradient and BN statistics through time:")
+    for norm, run in runs.items():
+        print(f"  {norm:6} {run}")
+    print("Open them with:  .venv/bin/tensorboard --logdir lightning_logs   (then http://localhost:6006)")
+    print(f"\nmake demo took {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
