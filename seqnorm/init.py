@@ -15,8 +15,10 @@ the layers *and* through the time steps. Which one to use:
   the recurrent map preserves norms, so signals and gradients neither explode nor vanish through time at the start.
   Recommended for ``norm="none"`` and ``"weight"`` on long sequences.
 - ``"identity"``: Glorot-uniform input weights and the identity per recurrent gate block (IRNN-style, Le et al.
-  2015): each unit starts by remembering itself. Pair it with a normalized cell (``"layer"``), which keeps the
-  repeated identity map from letting the state grow.
+  2015): each unit starts by remembering itself, and gradients reach early steps best of all schemes. Pair it with a
+  normalized cell (``"layer"``), which bounds ``h``; the carried LSTM cell state ``c`` is not normalized and still
+  grows through time with this init (``scripts/init_study.py``: c std 7.4 after 200 steps against 0.9 for the other
+  schemes), so clip gradients.
 
 Biases are zero except for ``"default"``; LSTM cells then add their ``forget_bias`` to the forget gate.
 """
