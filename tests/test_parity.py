@@ -132,5 +132,3 @@ def test_torch_attribute_names_resolve_to_cells() -> None:
 def test_from_torch_rejects_wrong_module() -> None:
     with pytest.raises(ValueError, match=r"LSTM.from_torch: expected a torch.nn.LSTM, got"):
         seqnorm.LSTM.from_torch(nn.GRU(3, 4))
-    with pytest.raises(ValueError, match=r"expected proj_size=0, got 2"):
-        seqnorm.LSTM.from_torch(nn.LSTM(3, 4, proj_size=2))

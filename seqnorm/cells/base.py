@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -14,7 +15,25 @@ from torch.nn.utils import parametrizations, parametrize
 from seqnorm.init import init_recurrent_, resolve_init
 from seqnorm.norms import NormContext, NormScheme, SmallBatchPolicy, get_norm
 
-__all__ = ["RecurrentCell", "StepObserver", "check_options", "check_positive_int"]
+__all__ = ["RecurrentCell", "StepObserver", "check_options", "check_positive_int", "check_proj_size", "check_rate"]
+
+
+def check_proj_size(owner: str, proj_size: object, hidden_size: int, supported: bool) -> int:
+    """``0`` (no projection) or an int in ``[1, hidden_size)``; ``supported`` is whether ``owner`` has projections."""
+    if isinstance(proj_size, bool) or not isinstance(proj_size, int) or not 0 <= proj_size < hidden_size:
+        raise ValueError(
+            f"{owner}: expected proj_size to be an int in [0, hidden_size={hidden_size}), got {proj_size!r}"
+        )
+    if proj_size and not supported:
+        raise ValueError(f"{owner}: expected proj_size=0 (projections are for LSTMs, as in torch), got {proj_size}")
+    return proj_size
+
+
+def check_rate(owner: str, name: str, value: object) -> float:
+    """A probability in ``[0, 1)`` (dropout and zoneout rates); a ``ValueError`` naming ``owner`` and ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ValueError(f"{owner}: expected {name} in [0, 1), got {value!r}")
+    return float(value)
 
 
 def check_positive_int(owner: str, name: str, value: object) -> int:
@@ -65,6 +84,7 @@ class RecurrentCell(nn.Module):
     num_gates: ClassVar[int]
     has_cell_state: ClassVar[bool]
     forget_gate: ClassVar[int | None] = None  # index of the forget gate block, if the cell has one
+    supports_projection: ClassVar[bool] = False  # proj_size, as torch.nn.LSTM's
 
     def __init__(
         self,
@@ -80,6 +100,9 @@ class RecurrentCell(nn.Module):
         momentum: float = 0.1,
         small_batch: SmallBatchPolicy = "error",
         norm_options: Mapping[str, Any] | None = None,
+        zoneout_h: float = 0.0,
+        zoneout_c: float = 0.0,
+        proj_size: int = 0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -87,6 +110,11 @@ class RecurrentCell(nn.Module):
         owner = type(self).__name__
         self.input_size = check_positive_int(owner, "input_size", input_size)
         self.hidden_size = check_positive_int(owner, "hidden_size", hidden_size)
+        self.proj_size = check_proj_size(owner, proj_size, hidden_size, self.supports_projection)
+        self.zoneout_h = check_rate(owner, "zoneout_h", zoneout_h)
+        self.zoneout_c = check_rate(owner, "zoneout_c", zoneout_c)
+        if self.zoneout_c and not self.has_cell_state:
+            raise ValueError(f"{owner}: expected zoneout_c=0 (there is no cell state), got {zoneout_c!r}")
         self.scheme, self.init = check_options(owner, norm, init, max_steps, small_batch, norm_options)
         self.max_steps = max_steps
         self.bias = bool(bias)
@@ -101,13 +129,18 @@ class RecurrentCell(nn.Module):
         factory = {"device": device, "dtype": dtype}
         gate_size = self.num_gates * hidden_size
         self.weight_ih = nn.Parameter(torch.empty(gate_size, input_size, **factory))
-        self.weight_hh = nn.Parameter(torch.empty(gate_size, hidden_size, **factory))
+        self.weight_hh = nn.Parameter(torch.empty(gate_size, self.state_size, **factory))
         if bias:
             self.bias_ih = nn.Parameter(torch.empty(gate_size, **factory))
             self.bias_hh = nn.Parameter(torch.empty(gate_size, **factory))
         else:
             self.register_parameter("bias_ih", None)
             self.register_parameter("bias_hh", None)
+        # Registered after the biases: torch.nn.LSTM's order (weight_ih, weight_hh, bias_ih, bias_hh, weight_hr).
+        if self.proj_size:
+            self.weight_hr = nn.Parameter(torch.empty(self.proj_size, hidden_size, **factory))
+        else:
+            self.register_parameter("weight_hr", None)
 
         context = NormContext(owner, max_steps, eps, momentum, small_batch, dict(norm_options or {}), device, dtype)
         self.norm_ih: nn.Module | None = self.scheme.build(gate_size, "gate", context)
@@ -127,7 +160,16 @@ class RecurrentCell(nn.Module):
         weight_ih = torch.empty_like(self.weight_ih)
         weight_hh = torch.empty_like(self.weight_hh)
         biases = [bias.data for bias in (self.bias_ih, self.bias_hh) if bias is not None]
-        init_recurrent_(self.init, weight_ih, weight_hh, biases, self.num_gates)
+        # torch.nn.LSTM draws every parameter, weight_hr too, from U(-1/sqrt(H), 1/sqrt(H)) with H the hidden size
+        # (not W_hh's P columns); the per-block schemes have no recipe for a projection and use the same for W_hr.
+        bound = 1.0 / math.sqrt(self.hidden_size)
+        if self.proj_size and self.init == "default":
+            for tensor in (weight_ih, weight_hh, *biases):
+                nn.init.uniform_(tensor, -bound, bound)
+        else:
+            init_recurrent_(self.init, weight_ih, weight_hh, biases, self.num_gates)
+        if self.weight_hr is not None:
+            nn.init.uniform_(self.weight_hr, -bound, bound)
         if self.forget_bias is not None and self.bias_ih is not None and self.bias_hh is not None:
             forget = slice(self.forget_gate * self.hidden_size, (self.forget_gate + 1) * self.hidden_size)
             with torch.no_grad():
@@ -149,20 +191,54 @@ class RecurrentCell(nn.Module):
         text = f"{self.input_size}, {self.hidden_size}, norm={self.norm!r}, init={self.init!r}"
         if not self.bias:
             text += ", bias=False"
+        if self.proj_size:
+            text += f", proj_size={self.proj_size}"
         if self.forget_bias is not None:
             text += f", forget_bias={self.forget_bias}"
         if self.scheme.batch_statistics:
             text += f", max_steps={self.max_steps}"
+        for name in ("zoneout_h", "zoneout_c"):
+            if getattr(self, name):
+                text += f", {name}={getattr(self, name)}"
         return text
+
+    @property
+    def state_size(self) -> int:
+        """Features of ``h``: ``proj_size`` with a projection, else ``hidden_size``."""
+        return self.proj_size or self.hidden_size
+
+    @property
+    def draws_random(self) -> bool:
+        """Whether a training step draws random numbers (zoneout), so must run through the cell's own step."""
+        return self.training and bool(self.zoneout_h or self.zoneout_c)
+
+    def zoneout(self, new: Tensor, old: Tensor, rate: float) -> Tensor:
+        """Zoneout (Krueger et al. 2016): in training each unit keeps its previous value with probability ``rate``.
+
+        ``new`` where ``torch.rand_like(new) >= rate``, else ``old``; one fresh draw per call (per step). In
+        evaluation the identity on ``new`` (no draw): the model evaluates as if zoneout were off.
+        """
+        if not rate or not self.training:
+            return new
+        return torch.where(torch.rand_like(new) < rate, old, new)
 
     # --- one time step -------------------------------------------------------------------------------------------
 
     def gate_terms(
-        self, x: Tensor, h: Tensor, step: int, mask: Tensor | None, record: dict[str, Any] | None = None
+        self,
+        x: Tensor,
+        h: Tensor,
+        step: int,
+        mask: Tensor | None,
+        record: dict[str, Any] | None = None,
+        weight_hh: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """The (normalized) input and recurrent terms ``N(W_ih x) + b_ih`` and ``N(W_hh h) + b_hh``."""
+        """The (normalized) input and recurrent terms ``N(W_ih x) + b_ih`` and ``N(W_hh h) + b_hh``.
+
+        ``weight_hh`` replaces ``W_hh`` for this step (the layers pass a DropConnect-masked copy).
+        """
         input_raw = F.linear(x, self.weight_ih)
-        recurrent_raw = F.linear(h, self.weight_hh)
+        recurrent_raw = F.linear(h, self.weight_hh if weight_hh is None else weight_hh)
         input_term = input_raw if self.norm_ih is None else self.norm_ih(input_raw, step, mask)
         recurrent_term = recurrent_raw if self.norm_hh is None else self.norm_hh(recurrent_raw, step, mask)
         if self.bias_ih is not None:
@@ -184,12 +260,19 @@ class RecurrentCell(nn.Module):
         raise NotImplementedError
 
     def step_unchecked(
-        self, x: Tensor, state: Any, step: int, mask: Tensor | None, recurrent_mask: Tensor | None = None
+        self,
+        x: Tensor,
+        state: Any,
+        step: int,
+        mask: Tensor | None,
+        recurrent_mask: Tensor | None = None,
+        weight_hh: Tensor | None = None,
     ) -> Any:
         """One step without input checks (the layers call this in their time loop).
 
         ``recurrent_mask`` ``(B, H)`` is a variational dropout mask (already scaled by ``1/(1-p)``) applied to the
-        state where it enters the recurrent term.
+        state where it enters the recurrent term; ``weight_hh`` replaces ``W_hh`` (DropConnect, drawn by the layer
+        once per sequence). Zoneout, drawn at every step, is the cell's own.
         """
         raise NotImplementedError
 
@@ -243,7 +326,7 @@ class RecurrentCell(nn.Module):
             raise ValueError(f"{owner}: expected mask of shape ({x.shape[0]},) and dtype torch.bool, got {got}")
 
     def check_state_tensor(self, name: str, tensor: object, batch_size: int) -> Tensor:
-        expected = (batch_size, self.hidden_size)
+        expected = (batch_size, self.state_size if name == "h" else self.hidden_size)
         if not isinstance(tensor, Tensor) or tuple(tensor.shape) != expected:
             got = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
             raise ValueError(f"{type(self).__name__}: expected {name} of shape {expected}, got {got}")

@@ -28,7 +28,11 @@ class GRUCell(RecurrentCell):
     per-timestep BN to the same two terms (γ₀ = 0.1, β = 0, following Cooijmans et al.'s LSTM recipe); ``"weight"``
     reparametrizes ``W_ih`` and ``W_hh``. A GRU has no cell state, so there is no ``N_c``.
 
-    Args: as :class:`~seqnorm.LSTMCell` (``forget_bias`` does not apply: a GRU has no forget gate).
+    With ``zoneout_h`` in training, ``h' <- d * h + (1 - d) * h'`` with a fresh ``d ~ Bernoulli(zoneout_h)`` per
+    unit and step (Krueger et al. 2016); evaluation runs without it.
+
+    Args: as :class:`~seqnorm.LSTMCell` (``forget_bias`` does not apply: a GRU has no forget gate; ``zoneout_c`` must
+    be 0: a GRU has no cell state).
 
     Inputs: ``x, h=None, *, step=0, mask=None`` with ``x`` ``(B, input_size)`` and ``h`` ``(B, hidden_size)``;
     ``mask`` as for :class:`~seqnorm.LSTMCell` (padding rows keep their state).
@@ -57,18 +61,24 @@ class GRUCell(RecurrentCell):
         return like.new_zeros(batch_size, self.hidden_size)
 
     def step_unchecked(
-        self, x: Tensor, state: Tensor, step: int, mask: Tensor | None, recurrent_mask: Tensor | None = None
+        self,
+        x: Tensor,
+        state: Tensor,
+        step: int,
+        mask: Tensor | None,
+        recurrent_mask: Tensor | None = None,
+        weight_hh: Tensor | None = None,
     ) -> Tensor:
         h_prev = state
         h_in = h_prev if recurrent_mask is None else h_prev * recurrent_mask
         record: dict[str, Any] | None = {} if self.observer.active else None
-        input_term, recurrent_term = self.gate_terms(x, h_in, step, mask, record)
+        input_term, recurrent_term = self.gate_terms(x, h_in, step, mask, record, weight_hh)
         a_r, a_z, a_n = input_term.chunk(3, dim=1)
         u_r, u_z, u_n = recurrent_term.chunk(3, dim=1)
         r = torch.sigmoid(a_r + u_r)
         z = torch.sigmoid(a_z + u_z)
         n = torch.tanh(a_n + r * u_n)
-        h = (1 - z) * n + z * h_prev
+        h = self.zoneout((1 - z) * n + z * h_prev, h_prev, self.zoneout_h)
         if mask is not None:
             h = torch.where(mask.unsqueeze(1), h, h_prev)
         if record is not None:
@@ -99,7 +109,7 @@ class GRUCell(RecurrentCell):
         hidden = self.hidden_size
         r, z = torch.sigmoid(input_term[:, : 2 * hidden] + recurrent_term[:, : 2 * hidden]).chunk(2, dim=1)
         n = torch.tanh(input_term[:, 2 * hidden :] + r * recurrent_term[:, 2 * hidden :])
-        h = (1 - z) * n + z * h_prev
+        h = self.zoneout((1 - z) * n + z * h_prev, h_prev, self.zoneout_h)
         if mask is not None:
             h = torch.where(mask.unsqueeze(1), h, h_prev)
         return h

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from seqnorm.cells.base import RecurrentCell
@@ -22,6 +23,13 @@ class LSTMCell(RecurrentCell):
         h' = \sigma(o) \odot \tanh(N_c(c'))
         \end{array}
 
+    With ``proj_size > 0`` (as ``torch.nn.LSTM``) ``h' = W_{hr} (\sigma(o) \odot \tanh(N_c(c')))`` has
+    ``proj_size`` features, and ``W_{hh}`` has ``proj_size`` columns.
+
+    With zoneout in training (Krueger et al. 2016) the new state is then mixed with the old one unit by unit,
+    ``h' <- d_h * h + (1 - d_h) * h'`` and ``c' <- d_c * c + (1 - d_c) * c'``, with fresh Bernoulli masks
+    ``d_h ~ B(zoneout_h)``, ``d_c ~ B(zoneout_c)`` at every step.
+
     ``N`` is the identity for ``norm="none"`` (exactly ``torch.nn.LSTMCell``) and ``"weight"`` (``W = g v/||v||``
     per row; with ``norm_options={"mean_only_bn": True}`` ``N_{ih}, N_{hh}`` subtract per-timestep batch means);
     LayerNorm / RMSNorm over the ``4H`` gate features and the ``H`` state features for ``"layer"``/``"rms"``
@@ -31,7 +39,7 @@ class LSTMCell(RecurrentCell):
 
     Args:
         input_size: features of ``x``.
-        hidden_size: features of ``h`` and ``c``.
+        hidden_size: features of ``c`` (and of ``h`` without a projection).
         bias: use ``b_ih`` and ``b_hh``. Default: ``True``.
         norm: ``"none" | "layer" | "rms" | "weight" | "batch" | "batch_renorm"``. Default: ``"none"``.
         max_steps: time steps with their own batch statistics; later steps reuse the last. Default: 100.
@@ -44,16 +52,23 @@ class LSTMCell(RecurrentCell):
             fewer than 2 active rows (batch size 1): raise, or normalize with the running statistics of the step.
         norm_options: norm-specific options: ``r_max, d_max, warmup, r_max_steps, d_max_steps`` for
             ``"batch_renorm"``; ``mean_only_bn`` for ``"weight"``.
+        zoneout_h, zoneout_c: zoneout rates in ``[0, 1)`` of ``h`` and ``c`` (Krueger et al. 2016), drawn from
+            torch's random generator at every training step. In evaluation zoneout is off (no draw, the same
+            outputs as rates of 0), where Krueger et al. use the expectation ``rate * h + (1 - rate) * h'``: a model
+            trained with zoneout evaluates on the plain recurrence, like inverted dropout. Default: 0.
+        proj_size: features of ``h`` after the projection ``weight_hr`` ``(proj_size, hidden_size)``, in
+            ``[1, hidden_size)``; 0 (default): no projection. It follows every norm (``N_c`` acts on ``c``).
         device, dtype: of the parameters.
 
     Inputs: ``x, state=None, *, step=0, mask=None``
         - **x** ``(B, input_size)``.
-        - **state** ``(h, c)``, each ``(B, hidden_size)``; zeros when ``None``.
+        - **state** ``(h, c)``: ``h`` ``(B, P)``, ``c`` ``(B, hidden_size)``; zeros when ``None``. ``P`` is
+          ``proj_size`` if set, else ``hidden_size``.
         - **step** the time index, which selects per-timestep statistics.
         - **mask** ``(B,)`` bool: ``False`` rows are padding at this step. They enter no batch statistics and keep
           their state unchanged, so a loop over a padded batch ends with each row's state at its last real step.
 
-    Outputs: ``(h', c')``, each ``(B, hidden_size)``.
+    Outputs: ``(h', c')``, shaped as the state.
 
     Example::
 
@@ -69,6 +84,7 @@ class LSTMCell(RecurrentCell):
     num_gates = 4
     has_cell_state = True
     forget_gate = 1
+    supports_projection = True
 
     def forward(
         self, x: Tensor, state: tuple[Tensor, Tensor] | None = None, *, step: int = 0, mask: Tensor | None = None
@@ -86,8 +102,7 @@ class LSTMCell(RecurrentCell):
         return self.step_unchecked(x, state, step, mask)
 
     def initial_state(self, batch_size: int, like: Tensor) -> tuple[Tensor, Tensor]:
-        zeros = like.new_zeros(batch_size, self.hidden_size)
-        return zeros, zeros
+        return like.new_zeros(batch_size, self.state_size), like.new_zeros(batch_size, self.hidden_size)
 
     def step_unchecked(
         self,
@@ -96,16 +111,20 @@ class LSTMCell(RecurrentCell):
         step: int,
         mask: Tensor | None,
         recurrent_mask: Tensor | None = None,
+        weight_hh: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         h_prev, c_prev = state
         h_in = h_prev if recurrent_mask is None else h_prev * recurrent_mask
         record: dict[str, Any] | None = {} if self.observer.active else None
-        input_term, recurrent_term = self.gate_terms(x, h_in, step, mask, record)
+        input_term, recurrent_term = self.gate_terms(x, h_in, step, mask, record, weight_hh)
         i, f, g, o = (input_term + recurrent_term).chunk(4, dim=1)
         i, f, g, o = torch.sigmoid(i), torch.sigmoid(f), torch.tanh(g), torch.sigmoid(o)
         c = f * c_prev + i * g
         c_out = c if self.norm_c is None else self.norm_c(c, step, mask)
         h = o * torch.tanh(c_out)
+        if self.weight_hr is not None:
+            h = F.linear(h, self.weight_hr)
+        h, c = self.zoneout(h, h_prev, self.zoneout_h), self.zoneout(c, c_prev, self.zoneout_c)
         if mask is not None:
             keep = mask.unsqueeze(1)
             h = torch.where(keep, h, h_prev)
@@ -138,6 +157,9 @@ class LSTMCell(RecurrentCell):
         c = torch.sigmoid(f) * c_prev + torch.sigmoid(i) * torch.tanh(g)
         c_out = c if self.norm_c is None else self.norm_c.forward_step(c, step, mask)
         h = torch.sigmoid(o) * torch.tanh(c_out)
+        if self.weight_hr is not None:
+            h = F.linear(h, self.weight_hr)
+        h, c = self.zoneout(h, h_prev, self.zoneout_h), self.zoneout(c, c_prev, self.zoneout_c)
         if mask is not None:
             keep = mask.unsqueeze(1)
             h = torch.where(keep, h, h_prev)

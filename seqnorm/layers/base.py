@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
-from seqnorm.cells.base import RecurrentCell, check_options, check_positive_int
+from seqnorm.cells.base import RecurrentCell, check_options, check_positive_int, check_proj_size, check_rate
+from seqnorm.layers.dropout import draw_sequence_masks
 from seqnorm.layers.fast import IMPLS, Impl, choose_path, run_fast, run_fused, step_cell
 from seqnorm.norms import SmallBatchPolicy
 
@@ -35,7 +36,7 @@ class RecurrentState(NamedTuple):
     """State carried by :meth:`RecurrentLayer.step` between calls.
 
     Attributes:
-        h: ``(num_layers, B, H)``.
+        h: ``(num_layers, B, H_out)`` (``H_out``: ``proj_size`` if set, else ``H``).
         c: ``(num_layers, B, H)`` for LSTMs, ``None`` for GRUs.
         step: index of the next time step (selects per-timestep batch statistics).
     """
@@ -71,6 +72,11 @@ class RecurrentLayer(nn.Module):
         bidirectional: bool = False,
         *,
         recurrent_dropout: float = 0.0,
+        input_dropout: float = 0.0,
+        weight_dropout: float = 0.0,
+        zoneout_h: float = 0.0,
+        zoneout_c: float = 0.0,
+        proj_size: int = 0,
         norm: str = "none",
         max_steps: int = 100,
         init: str = "default",
@@ -92,20 +98,23 @@ class RecurrentLayer(nn.Module):
         self.hidden_size = check_positive_int(owner, "hidden_size", hidden_size)
         self.num_layers = check_positive_int(owner, "num_layers", num_layers)
         check_options(owner, norm, init, max_steps, small_batch, norm_options)
-        for name, rate in (("dropout", dropout), ("recurrent_dropout", recurrent_dropout)):
-            if not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0:
-                raise ValueError(f"{owner}: expected {name} in [0, 1), got {rate!r}")
+        self.dropout = check_rate(owner, "dropout", dropout)
+        self.recurrent_dropout = check_rate(owner, "recurrent_dropout", recurrent_dropout)
+        self.input_dropout = check_rate(owner, "input_dropout", input_dropout)
+        self.weight_dropout = check_rate(owner, "weight_dropout", weight_dropout)
+        self.zoneout_h = check_rate(owner, "zoneout_h", zoneout_h)
+        self.zoneout_c = check_rate(owner, "zoneout_c", zoneout_c)
+        if self.zoneout_c and not self.cell_class.has_cell_state:
+            raise ValueError(f"{owner}: expected zoneout_c=0 (there is no cell state), got {zoneout_c!r}")
         self.bias = bool(bias)
         self.batch_first = bool(batch_first)
-        self.dropout = float(dropout)
-        self.recurrent_dropout = float(recurrent_dropout)
         self.bidirectional = bool(bidirectional)
-        self.proj_size = 0  # torch.nn.LSTM attribute; projections are not supported yet
+        self.proj_size = check_proj_size(owner, proj_size, hidden_size, self.cell_class.supports_projection)
         self.norm = norm
         directions = 2 if bidirectional else 1
         self.cells = nn.ModuleList(
             self.cell_class(
-                input_size if layer == 0 else hidden_size * directions,
+                input_size if layer == 0 else self.state_size * directions,
                 hidden_size,
                 bias,
                 norm=norm,
@@ -116,6 +125,9 @@ class RecurrentLayer(nn.Module):
                 momentum=momentum,
                 small_batch=small_batch,
                 norm_options=norm_options,
+                zoneout_h=zoneout_h,
+                zoneout_c=zoneout_c,
+                proj_size=proj_size,
                 device=device,
                 dtype=dtype,
             )
@@ -129,12 +141,19 @@ class RecurrentLayer(nn.Module):
     def num_directions(self) -> int:
         return 2 if self.bidirectional else 1
 
+    @property
+    def state_size(self) -> int:
+        """Features of ``h`` (and of each direction's output): ``proj_size`` if set, else ``hidden_size``."""
+        return self.proj_size or self.hidden_size
+
     def extra_repr(self) -> str:
         text = f"{self.input_size}, {self.hidden_size}, num_layers={self.num_layers}, norm={self.norm!r}"
         for name in ("batch_first", "bidirectional"):
             if getattr(self, name):
                 text += f", {name}=True"
-        for name in ("dropout", "recurrent_dropout"):
+        if self.proj_size:
+            text += f", proj_size={self.proj_size}"
+        for name in ("dropout", "recurrent_dropout", "input_dropout", "weight_dropout", "zoneout_h", "zoneout_c"):
             if getattr(self, name):
                 text += f", {name}={getattr(self, name)}"
         if self.impl != "auto":
@@ -248,16 +267,14 @@ class RecurrentLayer(nn.Module):
     def _run_direction(
         self, cell: RecurrentCell, sequence: Tensor, state: Any, masks: list[Tensor | None]
     ) -> tuple[Tensor, Any]:
-        recurrent_mask = None
-        if self.recurrent_dropout and self.training:
-            # Variational dropout (Gal & Ghahramani 2016): one mask per sequence, the same at every step.
-            keep = 1.0 - self.recurrent_dropout
-            h = state if isinstance(state, Tensor) else state[0]
-            recurrent_mask = torch.bernoulli(torch.full_like(h, keep)) / keep
+        # Variational (input, recurrent) and DropConnect masks: one per sequence, the same at every step.
+        dropped = draw_sequence_masks(self, cell, sequence, state)
+        if dropped.input is not None:
+            sequence = sequence * dropped.input
         outputs = []
         # unbind, not x[t]: indexing makes every step's backward write a full-size gradient.
         for t, x_t in enumerate(sequence.unbind(0)):
-            state = cell.step_unchecked(x_t, state, t, masks[t], recurrent_mask)
+            state = cell.step_unchecked(x_t, state, t, masks[t], dropped.recurrent, dropped.weight_hh)
             outputs.append(state if isinstance(state, Tensor) else state[0])
         return torch.stack(outputs), state
 
@@ -271,9 +288,10 @@ class RecurrentLayer(nn.Module):
             state: what the previous call returned, or ``None`` to start from zeros at step 0.
 
         Returns:
-            ``(output, state)``: the top layer's ``h`` ``(B, hidden_size)`` and the new :class:`RecurrentState`,
-            whose ``step`` has advanced by one. Inter-layer dropout applies in training; recurrent dropout does not
-            (it needs one mask for a whole sequence).
+            ``(output, state)``: the top layer's ``h`` ``(B, P)`` (``P``: ``proj_size`` or ``hidden_size``) and
+            the new :class:`RecurrentState`, whose ``step`` has advanced by one. Inter-layer dropout and zoneout
+            apply in training; the per-sequence masks (recurrent, input and weight dropout) do not: they need one
+            mask for a whole sequence.
         """
         owner = type(self).__name__
         if self.bidirectional:
@@ -282,12 +300,13 @@ class RecurrentLayer(nn.Module):
         first.check_input(x, None)
         batch = x.shape[0]
         if state is None:
-            h = x.new_zeros(self.num_layers, batch, self.hidden_size)
-            state = RecurrentState(h, h if first.has_cell_state else None, 0)
+            h = x.new_zeros(self.num_layers, batch, self.state_size)
+            c = x.new_zeros(self.num_layers, batch, self.hidden_size) if first.has_cell_state else None
+            state = RecurrentState(h, c, 0)
         elif not isinstance(state, RecurrentState):
             raise ValueError(f"{owner}: expected state to be the RecurrentState step() returned, got {type(state)}")
         else:
-            self._check_state_shape("state.h", state.h, (self.num_layers, batch, self.hidden_size))
+            self._check_state_shape("state.h", state.h, (self.num_layers, batch, self.state_size))
             if first.has_cell_state:
                 self._check_state_shape("state.c", state.c, (self.num_layers, batch, self.hidden_size))
         h_next, c_next = [], []
@@ -330,15 +349,16 @@ class RecurrentLayer(nn.Module):
     def _initial_state(self, hx: Any, batch: int, x: Tensor, unbatched: bool) -> tuple[Tensor, Tensor | None]:
         has_c = self.cell_class.has_cell_state
         layers = self.num_layers * self.num_directions
-        expected = (layers, self.hidden_size) if unbatched else (layers, batch, self.hidden_size)
+        expected = (layers, self.state_size) if unbatched else (layers, batch, self.state_size)
+        expected_c = (*expected[:-1], self.hidden_size)
         if hx is None:
-            h0 = x.new_zeros(layers, batch, self.hidden_size)
-            return h0, (h0 if has_c else None)
+            h0 = x.new_zeros(layers, batch, self.state_size)
+            return h0, (x.new_zeros(layers, batch, self.hidden_size) if has_c else None)
         if has_c:
             if not isinstance(hx, (tuple, list)) or len(hx) != 2:
                 raise ValueError(f"{type(self).__name__}: expected hx to be a tuple (h_0, c_0), got {type(hx)}")
             h0 = self._check_state_shape("h_0", hx[0], expected)
-            c0 = self._check_state_shape("c_0", hx[1], expected)
+            c0 = self._check_state_shape("c_0", hx[1], expected_c)
             return (h0.unsqueeze(1), c0.unsqueeze(1)) if unbatched else (h0, c0)
         h0 = self._check_state_shape("h_0", hx, expected)
         return (h0.unsqueeze(1) if unbatched else h0), None
@@ -348,7 +368,7 @@ class RecurrentLayer(nn.Module):
         if not isinstance(module, expected):
             raise ValueError(f"{cls.__name__}.from_torch: expected a torch.nn.{expected.__name__}, got {type(module)}")
         if getattr(module, "proj_size", 0):
-            raise ValueError(f"{cls.__name__}.from_torch: expected proj_size=0, got {module.proj_size}")
+            kwargs = {"proj_size": module.proj_size, **kwargs}
         weight = module.weight_ih_l0
         layer = cls(
             module.input_size,

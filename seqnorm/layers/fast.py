@@ -8,13 +8,18 @@ Which path runs is decided in one place, :func:`choose_path`:
   was updated before it are the reference's own).
 - ``"fused"``: torch's own LSTM/GRU kernel (``torch._VF.lstm``/``gru``, variable lengths through packing) when no cell
   normalizes anything (``norm="none"``, or ``"weight"`` whose ``g * v / ||v||`` is computed once per call) and no
-  dropout draws random numbers (training with ``dropout`` or ``recurrent_dropout``): torch would draw different
-  masks than the reference, and results must not depend on the path.
+  regularizer draws random numbers (training with ``dropout`` between layers, ``recurrent_dropout``,
+  ``input_dropout``, ``weight_dropout`` or zoneout): torch would draw different masks than the reference (or
+  none), and results must not depend on the path. Nor under ``torch.autocast``, where torch's CPU LSTM kernel
+  fails in bfloat16.
 - ``"fast"``: everything that does not depend on the recurrence is done for all time steps at once — the input
   projection ``W_ih x`` is one matmul, its norm one vectorized call (LayerNorm per position; per-timestep batch
   statistics over the ``(T, B)`` grid with the padding masked out; :meth:`forward_sequence` of the norms), the
   biases are folded in — and the loop runs a lean :meth:`~seqnorm.cells.base.RecurrentCell.recurrent_step` over
   ``unbind`` of the precomputed terms (never ``x[t]``, whose backward writes a full-size gradient at every step).
+  Every regularizer runs here exactly as in the reference: the per-sequence masks come from the same
+  :func:`~seqnorm.layers.dropout.draw_sequence_masks` call at the same point, and zoneout is drawn per step by the
+  cell's ``recurrent_step`` in the order its ``step_unchecked`` draws it.
 
 All three give the same outputs, states, gradients and running statistics up to floating-point rounding; the
 ``tests/test_fast_path.py`` suite compares them for every cell and norm.
@@ -30,6 +35,7 @@ from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from seqnorm.cells.base import RecurrentCell
+from seqnorm.layers.dropout import draw_sequence_masks
 from seqnorm.norms import TimestepBatchNorm
 
 if TYPE_CHECKING:
@@ -49,11 +55,19 @@ def choose_path(layer: RecurrentLayer, lengths: Tensor | None, batch: int) -> Pa
         return "reference"
     if layer.training and _would_raise_small_batch(cells, lengths, batch):
         return "reference"
-    if _is_plain(cells) and not (
-        layer.training and (layer.recurrent_dropout or (layer.dropout and layer.num_layers > 1))
-    ):
+    # Under autocast the fused kernels are out too: on CPU, oneDNN has no bfloat16 LSTM primitive for torch's call.
+    autocast = torch.is_autocast_enabled(cells[0].weight_ih.device.type)
+    if _is_plain(cells) and not _draws_random(layer) and not autocast:
         return "fused"
     return "fast"
+
+
+def _draws_random(layer: RecurrentLayer) -> bool:
+    """Whether a call draws random numbers, which torch's kernel would draw differently (or not at all)."""
+    if not layer.training:
+        return False
+    per_sequence = layer.recurrent_dropout or layer.input_dropout or layer.weight_dropout
+    return bool(per_sequence or (layer.dropout and layer.num_layers > 1) or any(c.draws_random for c in layer.cells))
 
 
 def _would_raise_small_batch(cells: list[RecurrentCell], lengths: Tensor | None, batch: int) -> bool:
@@ -85,6 +99,8 @@ def run_fused(
         weights += [cell.weight_ih, cell.weight_hh]  # weight norm: computed once here
         if layer.bias:
             weights += [cell.bias_ih, cell.bias_hh]
+        if cell.weight_hr is not None:
+            weights.append(cell.weight_hr)  # torch tells projections from h_0 and c_0 of different sizes
     kernel = torch._VF.lstm if c0 is not None else torch._VF.gru
     hx: Any = (h0, c0) if c0 is not None else h0
     flags = (layer.bias, layer.num_layers, 0.0, layer.training, layer.bidirectional)
@@ -164,17 +180,17 @@ def _run_direction(
     counts: list[int],
     masks: list[Tensor | None],
 ) -> tuple[Tensor, Any]:
-    recurrent_mask = None
-    if layer.recurrent_dropout and layer.training:
-        # Drawn at the same point of the random stream as the reference loop draws it.
-        keep = 1.0 - layer.recurrent_dropout
-        h = state if isinstance(state, Tensor) else state[0]
-        recurrent_mask = torch.bernoulli(torch.full_like(h, keep)) / keep
+    # Drawn at the same point of the random stream as the reference loop draws them.
+    dropped = draw_sequence_masks(layer, cell, sequence, state)
+    if dropped.input is not None:
+        sequence = sequence * dropped.input
     terms = cell.input_terms(sequence, active, counts)  # (T, B, G*H)
-    weight_hh_t = cell.weight_hh.t()  # weight norm: computed once per sequence, not once per step
+    # Weight norm (and DropConnect): computed once per sequence, not once per step.
+    weight_hh_t = (cell.weight_hh if dropped.weight_hh is None else dropped.weight_hh).t()
     outputs = []
     for step, (term, mask) in enumerate(zip(terms.unbind(0), masks, strict=True)):
-        state = cell.recurrent_step(term, state, step, mask, recurrent_mask, weight_hh_t)
+        # Zoneout is drawn inside recurrent_step, at the point of the stream where step_unchecked draws it.
+        state = cell.recurrent_step(term, state, step, mask, dropped.recurrent, weight_hh_t)
         outputs.append(state if isinstance(state, Tensor) else state[0])
     return torch.stack(outputs), state
 
@@ -184,7 +200,10 @@ def _run_direction(
 
 def step_cell(layer: RecurrentLayer, cell: RecurrentCell, x: Tensor, state: Any, step: int) -> Any:
     """One step of ``cell`` for :meth:`RecurrentLayer.step`: torch's fused cell kernel when nothing is normalized."""
-    if layer.impl == "reference" or cell.observer.active or not _is_plain([cell]):
+    # torch's cell kernels have no projection and no zoneout.
+    autocast = torch.is_autocast_enabled(x.device.type)
+    special = cell.observer.active or cell.draws_random or cell.weight_hr is not None or autocast
+    if layer.impl == "reference" or special or not _is_plain([cell]):
         return cell.step_unchecked(x, state, step, None)
     if cell.has_cell_state:
         return torch._VF.lstm_cell(x, state, cell.weight_ih, cell.weight_hh, cell.bias_ih, cell.bias_hh)

@@ -15,7 +15,8 @@ class GRU(RecurrentLayer):
 
     Same signature, shapes, return values and state-dict keys as ``torch.nn.GRU``; with ``norm="none"`` the outputs
     match it. Arguments, ``lengths`` and :meth:`step` as :class:`~seqnorm.LSTM`, except that the state is a single
-    tensor ``h`` of shape ``(D * num_layers, N, H)`` and there is no ``forget_bias``.
+    tensor ``h`` of shape ``(D * num_layers, N, H)`` and there is no ``forget_bias`` (nor ``zoneout_c``: a GRU
+    has no cell state).
 
     Example::
 

@@ -15,12 +15,25 @@ class LSTM(RecurrentLayer):
 
     Same signature, shapes, return values and state-dict keys as ``torch.nn.LSTM`` (``weight_ih_l0``,
     ``bias_hh_l1_reverse``, ...); with ``norm="none"`` the outputs match it. Beyond torch: ``lengths``,
-    per-timestep statistics, recurrent dropout and :meth:`step`.
+    per-timestep statistics, variational input/recurrent dropout, DropConnect, zoneout and :meth:`step`.
 
     Args:
         input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional: as ``torch.nn.LSTM``.
         recurrent_dropout: variational dropout rate on ``h`` where it enters the recurrent term (one mask per
-            sequence and layer, the same at every step; Gal & Ghahramani 2016). Default: 0.
+            sequence, layer and direction, the same at every step; Gal & Ghahramani 2016). Default: 0.
+        input_dropout: variational dropout rate on every layer's input ``x_t`` (one mask per sequence, layer and
+            direction, the same at every step; Gal & Ghahramani 2016). Default: 0.
+        weight_dropout: DropConnect rate on ``W_hh`` (Merity et al. 2018: one mask on the weights per call, layer
+            and direction, not per step). Default: 0.
+        proj_size: as ``torch.nn.LSTM``: ``h = W_hr (o * tanh(N_c(c)))`` with ``weight_hr_l{k}``
+            ``(proj_size, hidden_size)``; ``h`` and each direction's output then have ``proj_size`` features. In
+            ``[1, hidden_size)``; 0 (default): no projection.
+        zoneout_h, zoneout_c: zoneout rates of ``h`` and ``c`` (Krueger et al. 2016), fresh masks at every step; see
+            :class:`~seqnorm.LSTMCell`. Default: 0.
+
+        All regularizers draw from torch's random generator (``torch.manual_seed`` reproduces them), act in
+        training only and leave evaluation exactly as with rates of 0; see :mod:`seqnorm.layers.dropout`. Rates
+        outside ``[0, 1)`` are a ``ValueError``. ``dropout`` is torch's (between layers, a fresh mask per element).
         norm, max_steps, init, forget_bias, eps, momentum, small_batch, norm_options, device, dtype: as
             :class:`~seqnorm.LSTMCell`, for every cell.
         impl: ``"auto"`` (default): the fastest path with the reference's results (torch's fused kernel when
@@ -30,15 +43,18 @@ class LSTM(RecurrentLayer):
     Inputs: ``input, hx=None, lengths=None``
         - **input** ``(L, N, H_in)`` (``(N, L, H_in)`` with ``batch_first``), ``(L, H_in)`` unbatched, or a
           ``PackedSequence``.
-        - **hx** ``(h_0, c_0)``, each ``(D * num_layers, N, H)``; zeros when ``None``.
+        - **hx** ``(h_0, c_0)``: ``h_0`` ``(D * num_layers, N, H_out)``, ``c_0`` ``(D * num_layers, N, H)``;
+          zeros when ``None``.
         - **lengths** ``(N,)`` integers in ``[1, L]``: positions at or beyond a sequence's length are padding.
 
     Outputs: ``output, (h_n, c_n)``
-        - **output** ``(L, N, D * H)`` (``batch_first``: ``(N, L, D * H)``), zero at padded positions; a
+        - **output** ``(L, N, D * H_out)`` (``batch_first``: ``(N, L, D * H_out)``), zero at padded positions; a
           ``PackedSequence`` for a packed input.
-        - **h_n**, **c_n** ``(D * num_layers, N, H)``: each sequence's state at its last real step.
+        - **h_n** ``(D * num_layers, N, H_out)``, **c_n** ``(D * num_layers, N, H)``: each sequence's state at its
+          last real step.
 
-    Legend: ``N`` batch, ``L`` sequence length, ``D`` 2 if bidirectional else 1, ``H`` hidden_size.
+    Legend: ``N`` batch, ``L`` sequence length, ``D`` 2 if bidirectional else 1, ``H`` hidden_size, ``H_out``
+    proj_size if set, else hidden_size.
 
     Attributes:
         cells: the :class:`~seqnorm.LSTMCell` of every layer and direction, layer-major (``cells[2 * l + d]``).

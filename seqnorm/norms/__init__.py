@@ -4,6 +4,8 @@ A cell asks the registry for a :class:`NormScheme` and builds from it up to thre
 term ``W_ih x``, ``norm_hh`` on the recurrent term ``W_hh h`` and ``norm_c`` on the LSTM cell state before its output
 ``tanh`` (the carried cell state stays raw, as in Ba et al. and Cooijmans et al.). Every norm is called as
 ``norm(x, step, mask)``. Adding a norm means writing its module and one registry entry here; cells do not change.
+Under ``torch.autocast`` every norm computes its statistics in float32 (:mod:`seqnorm.norms.precision`); a new norm
+gets that by decorating its methods with :func:`float32_statistics`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import nn
 
 from seqnorm.norms.batch import SmallBatchPolicy, TimestepBatchNorm, TimestepBatchRenorm
 from seqnorm.norms.layer import LayerNorm, RMSNorm
+from seqnorm.norms.precision import float32_statistics
 
 __all__ = [
     "NORMS",
@@ -28,6 +31,7 @@ __all__ = [
     "SmallBatchPolicy",
     "TimestepBatchNorm",
     "TimestepBatchRenorm",
+    "float32_statistics",
     "get_norm",
 ]
 

@@ -14,6 +14,9 @@ as in evaluation, and does not update them.
 :meth:`TimestepBatchNorm.forward_sequence` normalizes a whole sequence ``(T, B, F)`` in one vectorized pass (the
 layers' fast path uses it for the input term): the same outputs and buffer updates as calling ``forward`` step by
 step, without a Python loop over the steps that own a row of statistics.
+
+Under ``torch.autocast``, statistics, normalization and running buffers are float32
+(:func:`~seqnorm.norms.precision.float32_statistics`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from seqnorm.norms.precision import float32_statistics
 
 __all__ = ["SmallBatchPolicy", "TimestepBatchNorm", "TimestepBatchRenorm"]
 
@@ -114,6 +119,7 @@ class TimestepBatchNorm(nn.Module):
             f"small_batch={self.small_batch!r}"
         )
 
+    @float32_statistics
     def forward(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:
         t = min(step, self.max_steps - 1)
         if self.training:
@@ -127,6 +133,7 @@ class TimestepBatchNorm(nn.Module):
                 raise self._small_batch_error(step, active, x.shape[0])
         return self._affine(self._normalize_running(x, t))
 
+    @float32_statistics
     def forward_step(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:
         """``forward`` for the layers' fast path: the same result and buffer updates, in fewer operations.
 
@@ -152,6 +159,7 @@ class TimestepBatchNorm(nn.Module):
             return y
         return self.forward(x, step, mask)
 
+    @float32_statistics
     def forward_sequence(self, x: Tensor, mask: Tensor | None = None, counts: list[int] | None = None) -> Tensor:
         """Steps ``0..T-1`` of ``x`` ``(T, B, F)`` at once, equal to ``forward(x[t], t, mask[t])`` for every ``t``.
 

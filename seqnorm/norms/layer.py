@@ -3,6 +3,7 @@
 Both normalize each row over its features, so they behave identically in training and evaluation and at any batch
 size, including 1. They share the recurrent norm interface ``norm(x, step=0, mask=None)`` with the per-timestep batch
 norms; ``step`` and ``mask`` are accepted and ignored because a row's output never depends on other rows or steps.
+Under ``torch.autocast`` they compute in float32 (:func:`~seqnorm.norms.precision.float32_statistics`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from seqnorm.norms.precision import float32_statistics
 
 __all__ = ["LayerNorm", "RMSNorm"]
 
@@ -45,7 +48,10 @@ class _RowNorm(nn.Module):
         return f"{self.num_features}, eps={self.eps}, gain={self.gain_init}, center={self.bias is not None}"
 
     def forward_step(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:
-        """``forward`` without the module-call overhead (the layers' fast path calls it at every step)."""
+        """``forward`` without the module-call overhead (the layers' fast path calls it at every step).
+
+        Not decorated with :func:`float32_statistics`: ``forward`` is, and one check per call is enough.
+        """
         return self.forward(x)
 
     def forward_sequence(self, x: Tensor, mask: Tensor | None = None, counts: list[int] | None = None) -> Tensor:
@@ -56,6 +62,7 @@ class _RowNorm(nn.Module):
 class LayerNorm(_RowNorm):
     r"""LayerNorm over the last dimension: :math:`y = \gamma \odot (x - \mu) / \sqrt{\sigma^2 + \epsilon} + \beta`."""
 
+    @float32_statistics
     def forward(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:
         return F.layer_norm(x, (self.num_features,), self.weight, self.bias, self.eps)
 
@@ -63,6 +70,7 @@ class LayerNorm(_RowNorm):
 class RMSNorm(_RowNorm):
     r"""RMSNorm over the last dimension: :math:`y = \gamma \odot x / \sqrt{\overline{x^2} + \epsilon} + \beta`."""
 
+    @float32_statistics
     def forward(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:
         y = F.rms_norm(x, (self.num_features,), self.weight, self.eps)
         return y if self.bias is None else y + self.bias
