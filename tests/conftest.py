@@ -11,6 +11,10 @@ NORMS = list(seqnorm.NORMS)
 BATCH_NORMS = [name for name, scheme in seqnorm.NORMS.items() if scheme.batch_statistics]
 ROW_NORMS = [name for name in NORMS if name not in BATCH_NORMS]
 CELLS = {"lstm": seqnorm.LSTMCell, "gru": seqnorm.GRUCell}
+
+# The suite's models are tiny: a second intra-op thread only adds synchronization, and on a busy 2-core machine a
+# descheduled OpenMP worker stalls every small op for milliseconds. One thread keeps `make test` fast and steady.
+torch.set_num_threads(1)
 LAYERS = {"lstm": seqnorm.LSTM, "gru": seqnorm.GRU}
 
 
