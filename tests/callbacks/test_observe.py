@@ -1,0 +1,103 @@
+"""The observation engine without Lightning: every cell × norm, bidirectional and stacked, padding excluded."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from seqnorm.callbacks.observe import Observation, find_cells, train_eval_gap
+from tests.conftest import BATCH_NORMS, LAYERS, NORMS
+
+LENGTHS = torch.tensor([5, 3, 2, 5])
+
+
+def _padded_input(pad_value: float) -> torch.Tensor:
+    x = torch.randn(5, 4, 3, generator=torch.Generator().manual_seed(1))  # (T, B, I)
+    real = torch.arange(5).unsqueeze(1) < LENGTHS.unsqueeze(0)
+    return torch.where(real.unsqueeze(2), x, pad_value)
+
+
+def _observe(layer: torch.nn.Module, x: torch.Tensor, gradients: bool = False) -> dict:
+    observation = Observation(find_cells(layer), keep_values=True, gradients=gradients)
+    observation.start()
+    output, _ = layer(x, lengths=LENGTHS)
+    observation.stop()
+    if gradients:
+        output.square().sum().backward()
+    return observation.summaries()
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_every_cell_and_norm_gives_finite_statistics_without_padding(kind: str, norm: str) -> None:
+    torch.manual_seed(0)
+    layer = LAYERS[kind](3, 6, num_layers=2, bidirectional=True, norm=norm, small_batch="running")
+    summaries = _observe(layer, _padded_input(0.0), gradients=True)
+    assert list(summaries) == ["l0", "l0_reverse", "l1", "l1_reverse"]
+    torch.manual_seed(0)
+    layer = LAYERS[kind](3, 6, num_layers=2, bidirectional=True, norm=norm, small_batch="running")
+    # huge values in the padding: any statistic that let a padded row in would change
+    leaked = _observe(layer, _padded_input(1e4), gradients=True)
+    expected_rows = (torch.arange(5).unsqueeze(1) < LENGTHS.unsqueeze(0)).sum(1).double()
+    for name, summary in summaries.items():
+        assert ("hidden", "c_std") in summary.scalars or kind == "gru"
+        assert {("gates", "g_sat" if kind == "lstm" else "n_sat"), ("grad", "last_over_first")} <= set(summary.scalars)
+        for key, value in summary.scalars.items():
+            assert math.isfinite(value), (name, key)
+            assert value == pytest.approx(leaked[name].scalars[key], rel=1e-5, abs=1e-6), (name, key)
+        assert_close(summary.active_rows, expected_rows)
+        grads = summary.profiles[("grad", "h_norm")]
+        assert (grads > 0).all() and torch.isfinite(grads).all()
+        if norm in BATCH_NORMS:
+            assert ("norm", "ih_running_var") in summary.scalars
+
+
+def test_statistics_match_a_direct_computation_over_real_positions() -> None:
+    layer = LAYERS["gru"](3, 6, norm="layer")
+    x = _padded_input(3.0)
+    summary = _observe(layer, x)["l0"]
+    with torch.no_grad():
+        output, _ = layer(x, lengths=LENGTHS)
+    real = torch.arange(5).unsqueeze(1) < LENGTHS.unsqueeze(0)
+    h = output[real]  # (real positions, H)
+    assert summary.scalars[("hidden", "h_mean")] == pytest.approx(float(h.mean()), abs=1e-6)
+    per_step = [output[t][real[t]].std(unbiased=False) for t in range(5)]
+    assert_close(summary.profiles[("hidden", "h_std")].float(), torch.stack(per_step), atol=1e-5, rtol=1e-4)
+    # LayerNorm of W_ih x: mean 0 and std 1 across each row's features
+    assert summary.scalars[("norm", "ih_post_mean")] == pytest.approx(0.0, abs=1e-5)
+    assert summary.scalars[("norm", "ih_post_std")] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_no_hooks_remain_after_an_observation() -> None:
+    layer = LAYERS["lstm"](3, 4, num_layers=2, norm="batch")
+    _observe(layer, _padded_input(0.0))
+    assert not any(cell.observer.active for cell in layer.cells)
+    assert not layer._forward_pre_hooks
+
+
+@pytest.mark.parametrize("norm", BATCH_NORMS)
+def test_train_eval_gap_leaves_running_statistics_and_rng_untouched(norm: str) -> None:
+    layer = LAYERS["lstm"](3, 4, num_layers=2, bidirectional=True, norm=norm, dropout=0.5, small_batch="running")
+    layer.eval()
+    before = {key: value.clone() for key, value in layer.state_dict().items()}
+    rng = torch.get_rng_state()
+    x = _padded_input(0.0)
+    gaps = train_eval_gap(layer, find_cells(layer), (x,), {"lengths": LENGTHS})
+    assert torch.equal(torch.get_rng_state(), rng)
+    for key, value in layer.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert not layer.training and not any(module.training for module in layer.modules())
+    for profile, overall in gaps.values():
+        # fresh running statistics (mean 0, var 1) differ from the batch's: a visible gap at steps with >= 2 rows
+        assert overall > 0 and math.isfinite(overall)
+        assert profile.shape == (5,)
+
+
+def test_projected_lstm_counts_units_of_the_projected_state() -> None:
+    layer = LAYERS["lstm"](3, 6, num_layers=2, bidirectional=True, norm="layer", proj_size=2)
+    summary = _observe(layer, _padded_input(0.0), gradients=True)["l1_reverse"]
+    assert 0 <= summary.scalars[("hidden", "h_zero_frac")] <= 1
+    assert all(math.isfinite(value) for value in summary.scalars.values())
