@@ -10,7 +10,6 @@ themselves are checked exactly: under autocast they equal their float32 computat
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,15 +22,6 @@ from seqnorm.norms import LayerNorm, RMSNorm, TimestepBatchNorm, TimestepBatchRe
 from tests.conftest import CELLS, LAYERS, NORMS
 
 BF16_TOLERANCE = {"rtol": 0.0, "atol": 0.06}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny tensors gain nothing from intra-op threads, and on loaded shared cores their spin-waits cost seconds.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _bf16() -> torch.autocast:

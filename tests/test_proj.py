@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from torch import nn
@@ -16,15 +14,6 @@ from tests.conftest import NORMS
 from tests.test_fast_path import _assert_same, _pair, _run
 
 TIGHT = {"rtol": 1e-12, "atol": 1e-12}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny tensors gain nothing from intra-op threads, and on loaded shared cores their spin-waits cost seconds.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("impl", ["auto", "reference"])

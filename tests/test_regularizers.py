@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -17,15 +16,6 @@ from tests.test_fast_path import _assert_same, _pair, _run
 
 TIGHT = {"rtol": 1e-12, "atol": 1e-12}
 REGULARIZERS = {"input_dropout": 0.3, "weight_dropout": 0.4, "zoneout_h": 0.3, "zoneout_c": 0.2}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny tensors gain nothing from intra-op threads, and on loaded shared cores their spin-waits cost seconds.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _twin(layer: nn.Module, **kwargs: Any) -> nn.Module:

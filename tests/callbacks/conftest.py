@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -111,13 +109,3 @@ def scalar(accumulator: EventAccumulator, tag: str, step: int | None = None) -> 
         entries = [entry for entry in entries if entry.step == step]
     assert entries, f"no value of {tag} at step {step}"
     return entries[-1].value
-
-
-@pytest.fixture(autouse=True)
-def _seed_and_one_thread() -> Iterator[None]:
-    # one intra-op thread: these models are tiny, and the CPU is shared with other work
-    torch.manual_seed(0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
