@@ -5,7 +5,8 @@ Cells do one step; this module owns time. Variable lengths are explicit: at step
 sequence's state at its last real step) and output zeros. A reverse direction runs over each sequence's real part
 reversed (padding stays at the end), as ``torch.nn.LSTM`` does with packed sequences.
 
-The loop written here is the plain reference. By default (``impl="auto"``) layers run a faster path with the same
+The loop written here is the plain reference (layers and directions are stacked by :mod:`seqnorm.layers.stack`, which
+every path shares). By default (``impl="auto"``) layers run a faster path with the same
 results — torch's fused kernel when nothing is normalized, otherwise the input side of all steps at once and a lean
 loop — chosen in one place, :func:`seqnorm.layers.fast.choose_path`; ``impl="reference"`` forces this loop.
 """
@@ -24,9 +25,10 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 from seqnorm.cells.base import RecurrentCell, check_options, check_positive_int, check_proj_size, check_rate
 from seqnorm.layers.dropout import draw_sequence_masks
 from seqnorm.layers.fast import IMPLS, Impl, choose_path, run_fast, run_fused, step_cell
+from seqnorm.layers.stack import PaddingLayout, padding_layout, run_stack
 from seqnorm.norms import SmallBatchPolicy
 
-__all__ = ["RecurrentLayer", "RecurrentState", "reverse_padded"]
+__all__ = ["RecurrentLayer", "RecurrentState"]
 
 # torch.nn.LSTM's parameter names (`weight_ih_l0`, `bias_hh_l1_reverse`); norms follow suit: `norm_ih_l0.weight`.
 _TORCH_KEY = re.compile(r"(?P<name>[A-Za-z_]\w*?)_l(?P<layer>\d+)(?P<reverse>_reverse)?(?P<rest>\..*)?")
@@ -44,16 +46,6 @@ class RecurrentState(NamedTuple):
     h: Tensor
     c: Tensor | None
     step: int
-
-
-def reverse_padded(x: Tensor, lengths: Tensor | None) -> Tensor:
-    """Reverse ``x`` ``(T, B, *)`` along time within each sequence's first ``lengths[b]`` steps; padding stays."""
-    if lengths is None:
-        return x.flip(0)
-    steps = torch.arange(x.shape[0], device=x.device).unsqueeze(1)  # (T, 1)
-    real = lengths.to(x.device).unsqueeze(0)  # (1, B)
-    index = torch.where(steps < real, real - 1 - steps, steps)  # (T, B)
-    return x.gather(0, index.view(*index.shape, *([1] * (x.dim() - 2))).expand_as(x))
 
 
 class RecurrentLayer(nn.Module):
@@ -229,43 +221,11 @@ class RecurrentLayer(nn.Module):
         self, x: Tensor, h0: Tensor, c0: Tensor | None, lengths: Tensor | None
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """The reference time loop over ``x`` ``(T, B, I)``; returns output ``(T, B, D*H)``, ``h_n``, ``c_n``."""
-        steps, batch = x.shape[0], x.shape[1]
-        masks: list[Tensor | None] = [None] * steps
-        if lengths is not None:
-            active = (torch.arange(steps).unsqueeze(1) < lengths.unsqueeze(0)).to(x.device)  # (T, B)
-            counts = (lengths.unsqueeze(0) > torch.arange(steps).unsqueeze(1)).sum(1).tolist()
-            # Steps where every row is real need no mask (and no per-step count of active rows).
-            masks = [None if count == batch else active[t] for t, count in enumerate(counts)]
-            steps = int(lengths.max())  # steps past every sequence's end are all padding: not run at all
-        h_n: list[Tensor] = []
-        c_n: list[Tensor] = []
-        layer_input = x[:steps]
-        for layer in range(self.num_layers):
-            outputs = []
-            for direction in range(self.num_directions):
-                index = layer * self.num_directions + direction
-                cell = self.cells[index]
-                sequence = layer_input if direction == 0 else reverse_padded(layer_input, lengths)
-                state = h0[index] if c0 is None else (h0[index], c0[index])
-                output, state = self._run_direction(cell, sequence, state, masks)
-                outputs.append(output if direction == 0 else reverse_padded(output, lengths))
-                if c0 is None:
-                    h_n.append(state)
-                else:
-                    h_n.append(state[0])
-                    c_n.append(state[1])
-            layer_input = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
-            if self.dropout and self.training and layer < self.num_layers - 1:
-                layer_input = F.dropout(layer_input, self.dropout, training=True)
-        output = layer_input
-        if lengths is not None:
-            output = torch.where(active[:steps].unsqueeze(2), output, 0.0)
-            if steps < x.shape[0]:
-                output = F.pad(output, (0, 0, 0, 0, 0, x.shape[0] - steps))
-        return output, torch.stack(h_n), (torch.stack(c_n) if c_n else None)
+        layout = padding_layout(lengths, x.shape[0], x.shape[1], x.device)
+        return run_stack(self, x, h0, c0, layout, self._run_direction)
 
     def _run_direction(
-        self, cell: RecurrentCell, sequence: Tensor, state: Any, masks: list[Tensor | None]
+        self, cell: RecurrentCell, sequence: Tensor, state: Any, layout: PaddingLayout
     ) -> tuple[Tensor, Any]:
         # Variational (input, recurrent) and DropConnect masks: one per sequence, the same at every step.
         dropped = draw_sequence_masks(self, cell, sequence, state)
@@ -274,7 +234,7 @@ class RecurrentLayer(nn.Module):
         outputs = []
         # unbind, not x[t]: indexing makes every step's backward write a full-size gradient.
         for t, x_t in enumerate(sequence.unbind(0)):
-            state = cell.step_unchecked(x_t, state, t, masks[t], dropped.recurrent, dropped.weight_hh)
+            state = cell.step_unchecked(x_t, state, t, layout.masks[t], dropped.recurrent, dropped.weight_hh)
             outputs.append(state if isinstance(state, Tensor) else state[0])
         return torch.stack(outputs), state
 

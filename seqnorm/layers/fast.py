@@ -27,15 +27,16 @@ All three give the same outputs, states, gradients and running statistics up to 
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from seqnorm.cells.base import RecurrentCell
 from seqnorm.layers.dropout import draw_sequence_masks
+from seqnorm.layers.stack import PaddingLayout, padding_layout, run_stack
 from seqnorm.norms import TimestepBatchNorm
 
 if TYPE_CHECKING:
@@ -125,70 +126,22 @@ def run_fast(
     layer: RecurrentLayer, x: Tensor, h0: Tensor, c0: Tensor | None, lengths: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """The same computation as the reference loop, with the input side of every step done at once per direction."""
-    # Imported here: base imports this module to dispatch.
-    from seqnorm.layers.base import reverse_padded
-
-    total_steps, batch = x.shape[0], x.shape[1]
-    steps = total_steps
-    active: Tensor | None = None  # (T, B) real positions, None when every row is real at every step
-    counts = [batch] * steps
-    if lengths is not None:
-        steps = int(lengths.max())  # steps past every sequence's end are all padding: not run at all
-        real = torch.arange(steps).unsqueeze(1) < lengths.unsqueeze(0)  # (T, B), on the CPU like lengths
-        counts = real.sum(1).tolist()
-        if min(counts) < batch:
-            active = real.to(x.device)
-    masks: list[Tensor | None] = [None] * steps
-    if active is not None:
-        masks = [None if count == batch else mask for count, mask in zip(counts, active.unbind(0), strict=True)]
-    reverse_lengths = lengths if active is not None else None  # all real: plain flip
-
-    h_n: list[Tensor] = []
-    c_n: list[Tensor] = []
-    layer_input = x[:steps]
-    for index_layer in range(layer.num_layers):
-        outputs = []
-        for direction in range(layer.num_directions):
-            index = index_layer * layer.num_directions + direction
-            cell: RecurrentCell = layer.cells[index]
-            sequence = layer_input if direction == 0 else reverse_padded(layer_input, reverse_lengths)
-            state: Any = h0[index] if c0 is None else (h0[index], c0[index])
-            output, state = _run_direction(layer, cell, sequence, state, active, counts, masks)
-            outputs.append(output if direction == 0 else reverse_padded(output, reverse_lengths))
-            if c0 is None:
-                h_n.append(state)
-            else:
-                h_n.append(state[0])
-                c_n.append(state[1])
-        layer_input = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
-        if layer.dropout and layer.training and index_layer < layer.num_layers - 1:
-            layer_input = F.dropout(layer_input, layer.dropout, training=True)
-    output = layer_input
-    if active is not None:
-        output = torch.where(active.unsqueeze(2), output, 0.0)
-    if steps < total_steps:
-        output = F.pad(output, (0, 0, 0, 0, 0, total_steps - steps))
-    return output, torch.stack(h_n), (torch.stack(c_n) if c_n else None)
+    layout = padding_layout(lengths, x.shape[0], x.shape[1], x.device)
+    return run_stack(layer, x, h0, c0, layout, partial(_run_direction, layer))
 
 
 def _run_direction(
-    layer: RecurrentLayer,
-    cell: RecurrentCell,
-    sequence: Tensor,
-    state: Any,
-    active: Tensor | None,
-    counts: list[int],
-    masks: list[Tensor | None],
+    layer: RecurrentLayer, cell: RecurrentCell, sequence: Tensor, state: Any, layout: PaddingLayout
 ) -> tuple[Tensor, Any]:
     # Drawn at the same point of the random stream as the reference loop draws them.
     dropped = draw_sequence_masks(layer, cell, sequence, state)
     if dropped.input is not None:
         sequence = sequence * dropped.input
-    terms = cell.input_terms(sequence, active, counts)  # (T, B, G*H)
+    terms = cell.input_terms(sequence, layout.active, layout.counts)  # (T, B, G*H)
     # Weight norm (and DropConnect): computed once per sequence, not once per step.
     weight_hh_t = (cell.weight_hh if dropped.weight_hh is None else dropped.weight_hh).t()
     outputs = []
-    for step, (term, mask) in enumerate(zip(terms.unbind(0), masks, strict=True)):
+    for step, (term, mask) in enumerate(zip(terms.unbind(0), layout.masks, strict=True)):
         # Zoneout is drawn inside recurrent_step, at the point of the stream where step_unchecked draws it.
         state = cell.recurrent_step(term, state, step, mask, dropped.recurrent, weight_hh_t)
         outputs.append(state if isinstance(state, Tensor) else state[0])
