@@ -122,6 +122,16 @@ class LSTMCell(RecurrentCell):
         c = f * c_prev + i * g
         c_out = c if self.norm_c is None else self.norm_c(c, step, mask)
         h = o * torch.tanh(c_out)
+        h, c = self._settle(h, c, h_prev, c_prev, mask)
+        if record is not None:
+            record.update(gates=torch.cat([i, f, g, o], dim=1), h=h, c=c, c_out=c_out)
+            self.observer(record)
+        return h, c
+
+    def _settle(
+        self, h: Tensor, c: Tensor, h_prev: Tensor, c_prev: Tensor, mask: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """What both step paths do after the gates: projection, zoneout (h drawn before c), padded rows keep state."""
         if self.weight_hr is not None:
             h = F.linear(h, self.weight_hr)
         h, c = self.zoneout(h, h_prev, self.zoneout_h), self.zoneout(c, c_prev, self.zoneout_c)
@@ -129,9 +139,6 @@ class LSTMCell(RecurrentCell):
             keep = mask.unsqueeze(1)
             h = torch.where(keep, h, h_prev)
             c = torch.where(keep, c, c_prev)
-        if record is not None:
-            record.update(gates=torch.cat([i, f, g, o], dim=1), h=h, c=c, c_out=c_out)
-            self.observer(record)
         return h, c
 
     def folded_bias(self) -> Tensor | None:
@@ -157,11 +164,5 @@ class LSTMCell(RecurrentCell):
         c = torch.sigmoid(f) * c_prev + torch.sigmoid(i) * torch.tanh(g)
         c_out = c if self.norm_c is None else self.norm_c.forward_step(c, step, mask)
         h = torch.sigmoid(o) * torch.tanh(c_out)
-        if self.weight_hr is not None:
-            h = F.linear(h, self.weight_hr)
-        h, c = self.zoneout(h, h_prev, self.zoneout_h), self.zoneout(c, c_prev, self.zoneout_c)
-        if mask is not None:
-            keep = mask.unsqueeze(1)
-            h = torch.where(keep, h, h_prev)
-            c = torch.where(keep, c, c_prev)
+        h, c = self._settle(h, c, h_prev, c_prev, mask)
         return h, c
