@@ -98,6 +98,8 @@ class _CellRecorder:
             self.sources["c"] = "c"
         if cell.norm_ih is not None:
             self.sources.update(ih_post="input_term", hh_post="recurrent_term")
+        if cell.norm_gates is not None:
+            self.sources["gates_post"] = "input_term"  # the joint norm's output plus both biases
         if cell.has_cell_state and cell.norm_c is not None:
             self.sources["c_post"] = "c_out"
         self.entries: list[tuple[int, Tensor | None, dict[str, Tensor]]] = []
@@ -210,7 +212,8 @@ class _CellRecorder:
 
     def _running_statistics(self, summary: CellSummary, steps: int) -> None:
         cell = self.observed.cell
-        for prefix, norm in (("ih", cell.norm_ih), ("hh", cell.norm_hh), ("c", getattr(cell, "norm_c", None))):
+        norms = (("ih", cell.norm_ih), ("hh", cell.norm_hh), ("gates", cell.norm_gates), ("c", cell.norm_c))
+        for prefix, norm in norms:
             if not isinstance(norm, TimestepBatchNorm):
                 continue
             index = torch.arange(steps).clamp(max=norm.max_steps - 1)

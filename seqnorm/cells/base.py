@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrizations, parametrize
 
 from seqnorm.init import init_recurrent_, resolve_init
-from seqnorm.norms import NormContext, NormScheme, SmallBatchPolicy, get_norm
+from seqnorm.norms import BeyondMaxSteps, NormContext, NormScheme, SmallBatchPolicy, check_placement, get_norm
 
 __all__ = ["RecurrentCell", "StepObserver", "check_options", "check_positive_int", "check_proj_size", "check_rate"]
 
@@ -60,7 +60,8 @@ class StepObserver(nn.Module):
     Observers (e.g. :class:`seqnorm.callbacks.HiddenStateStats`) use the standard torch API,
     ``cell.observer.register_forward_hook(fn)``; ``fn(module, (record,), None)`` then receives, at every step, a
     dict with ``step`` (int), ``mask`` (``(B,)`` bool or ``None``: all rows real), ``input_raw`` / ``recurrent_raw``
-    (``W_ih x`` and ``W_hh h`` before their norms), ``input_term`` / ``recurrent_term`` (after norm and bias),
+    (``W_ih x`` and ``W_hh h`` before their norms), ``input_term`` / ``recurrent_term`` (after norm and bias; with
+    ``norm_placement="joint"``, ``input_term`` is the normalized sum plus both biases and ``recurrent_term`` ``None``),
     ``gates`` (the activated gates, ``(B, G*H)`` in torch's gate order), ``h`` and, for LSTMs, ``c`` and
     ``c_out`` (the cell state as it enters the output ``tanh``, after ``norm_c``). Without hooks the cell builds
     no record at all, and layers may use faster paths that never call the cell step by step.
@@ -78,7 +79,8 @@ class RecurrentCell(nn.Module):
     """Base of :class:`~seqnorm.LSTMCell` and :class:`~seqnorm.GRUCell`; a subclass declares its gates and step.
 
     Parameters follow ``torch.nn.LSTMCell``/``GRUCell`` exactly (``weight_ih``, ``weight_hh``, ``bias_ih``,
-    ``bias_hh`` in torch's gate order); norms are submodules ``norm_ih``, ``norm_hh`` and, for LSTMs, ``norm_c``.
+    ``bias_hh`` in torch's gate order); norms are submodules ``norm_ih``, ``norm_hh`` and, for LSTMs, ``norm_c``
+    (with ``norm_placement="joint"``, one ``norm_gates`` instead of ``norm_ih`` and ``norm_hh``).
     """
 
     num_gates: ClassVar[int]
@@ -103,6 +105,13 @@ class RecurrentCell(nn.Module):
         zoneout_h: float = 0.0,
         zoneout_c: float = 0.0,
         proj_size: int = 0,
+        norm_placement: str = "separate",
+        state_norm: str = "output",
+        affine: bool = True,
+        gamma_init: float | None = None,
+        beta_init: float = 0.0,
+        input_stats: str = "timestep",
+        beyond_max_steps: BeyondMaxSteps = "last",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -116,6 +125,21 @@ class RecurrentCell(nn.Module):
         if self.zoneout_c and not self.has_cell_state:
             raise ValueError(f"{owner}: expected zoneout_c=0 (there is no cell state), got {zoneout_c!r}")
         self.scheme, self.init = check_options(owner, norm, init, max_steps, small_batch, norm_options)
+        self.placement = check_placement(
+            owner,
+            self.scheme,
+            norm_options,
+            has_cell_state=self.has_cell_state,
+            norm_placement=norm_placement,
+            state_norm=state_norm,
+            affine=affine,
+            gamma_init=gamma_init,
+            beta_init=beta_init,
+            input_stats=input_stats,
+            beyond_max_steps=beyond_max_steps,
+        )
+        self.norm_placement = self.placement.norm_placement
+        self.state_norm = self.placement.state_norm
         self.max_steps = max_steps
         self.bias = bool(bias)
         self.norm = norm
@@ -142,9 +166,13 @@ class RecurrentCell(nn.Module):
         else:
             self.register_parameter("weight_hr", None)
 
-        context = NormContext(owner, max_steps, eps, momentum, small_batch, dict(norm_options or {}), device, dtype)
-        self.norm_ih: nn.Module | None = self.scheme.build(gate_size, "gate", context)
-        self.norm_hh: nn.Module | None = self.scheme.build(gate_size, "gate", context)
+        context = NormContext(
+            owner, max_steps, eps, momentum, small_batch, dict(norm_options or {}), self.placement, device, dtype
+        )
+        joint = self.norm_placement == "joint"
+        self.norm_ih: nn.Module | None = None if joint else self.scheme.build(gate_size, "input", context)
+        self.norm_hh: nn.Module | None = None if joint else self.scheme.build(gate_size, "recurrent", context)
+        self.norm_gates: nn.Module | None = self.scheme.build(gate_size, "gates", context) if joint else None
         self.norm_c: nn.Module | None = (
             self.scheme.build(hidden_size, "state", context) if self.has_cell_state else None
         )
@@ -183,7 +211,7 @@ class RecurrentCell(nn.Module):
             else:
                 self.weight_ih.copy_(weight_ih)
                 self.weight_hh.copy_(weight_hh)
-        for norm in (self.norm_ih, self.norm_hh, self.norm_c):
+        for norm in (self.norm_ih, self.norm_hh, self.norm_gates, self.norm_c):
             if norm is not None:
                 norm.reset_parameters()
 
@@ -200,12 +228,21 @@ class RecurrentCell(nn.Module):
         for name in ("zoneout_h", "zoneout_c"):
             if getattr(self, name):
                 text += f", {name}={getattr(self, name)}"
+        defaults = type(self.placement)()
+        for name, value in vars(self.placement).items():
+            if value != getattr(defaults, name):
+                text += f", {name}={value!r}"
         return text
 
     @property
     def state_size(self) -> int:
         """Features of ``h``: ``proj_size`` with a projection, else ``hidden_size``."""
         return self.proj_size or self.hidden_size
+
+    @property
+    def has_norms(self) -> bool:
+        """Whether any term or state is normalized (``False`` for ``"none"`` and plain weight norm)."""
+        return any(norm is not None for norm in (self.norm_ih, self.norm_hh, self.norm_gates, self.norm_c))
 
     @property
     def draws_random(self) -> bool:
@@ -232,18 +269,31 @@ class RecurrentCell(nn.Module):
         mask: Tensor | None,
         record: dict[str, Any] | None = None,
         weight_hh: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor]:
+        input_normed: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
         """The (normalized) input and recurrent terms ``N(W_ih x) + b_ih`` and ``N(W_hh h) + b_hh``.
 
-        ``weight_hh`` replaces ``W_hh`` for this step (the layers pass a DropConnect-masked copy).
+        With ``norm_placement="joint"``: ``(N(W_ih x + W_hh h) + b_ih + b_hh, None)``. ``weight_hh`` replaces
+        ``W_hh`` for this step (the layers pass a DropConnect-masked copy); ``input_normed`` is ``N_ih(W_ih x)``
+        when the layer computed it for the whole sequence (sequence-wise input statistics).
         """
         input_raw = F.linear(x, self.weight_ih)
         recurrent_raw = F.linear(h, self.weight_hh if weight_hh is None else weight_hh)
-        input_term = input_raw if self.norm_ih is None else self.norm_ih(input_raw, step, mask)
-        recurrent_term = recurrent_raw if self.norm_hh is None else self.norm_hh(recurrent_raw, step, mask)
-        if self.bias_ih is not None:
-            input_term = input_term + self.bias_ih
-            recurrent_term = recurrent_term + self.bias_hh
+        recurrent_term: Tensor | None
+        if self.norm_gates is not None:
+            input_term = self.norm_gates(input_raw + recurrent_raw, step, mask)
+            recurrent_term = None
+            if self.bias_ih is not None:
+                input_term = input_term + self.bias_ih + self.bias_hh
+        else:
+            if input_normed is not None:
+                input_term = input_normed
+            else:
+                input_term = input_raw if self.norm_ih is None else self.norm_ih(input_raw, step, mask)
+            recurrent_term = recurrent_raw if self.norm_hh is None else self.norm_hh(recurrent_raw, step, mask)
+            if self.bias_ih is not None:
+                input_term = input_term + self.bias_ih
+                recurrent_term = recurrent_term + self.bias_hh
         if record is not None:
             record.update(
                 step=step,
@@ -267,14 +317,26 @@ class RecurrentCell(nn.Module):
         mask: Tensor | None,
         recurrent_mask: Tensor | None = None,
         weight_hh: Tensor | None = None,
+        input_normed: Tensor | None = None,
     ) -> Any:
         """One step without input checks (the layers call this in their time loop).
 
         ``recurrent_mask`` ``(B, H)`` is a variational dropout mask (already scaled by ``1/(1-p)``) applied to the
         state where it enters the recurrent term; ``weight_hh`` replaces ``W_hh`` (DropConnect, drawn by the layer
-        once per sequence). Zoneout, drawn at every step, is the cell's own.
+        once per sequence); ``input_normed`` is this step's ``N_ih(W_ih x)`` from :meth:`sequence_input_norm`.
+        Zoneout, drawn at every step, is the cell's own.
         """
         raise NotImplementedError
+
+    def sequence_input_norm(self, x: Tensor, mask: Tensor | None, counts: list[int]) -> list[Tensor] | None:
+        """``N_ih(W_ih x)`` per step of ``x`` ``(T, B, input_size)`` when its statistics need the whole sequence.
+
+        ``None`` unless ``input_stats="sequence"``: then the reference loop passes each step's term to
+        :meth:`step_unchecked`, since one step alone cannot form batch × time statistics.
+        """
+        if self.norm_ih is None or not getattr(self.norm_ih, "whole_sequence", False):
+            return None
+        return list(self.norm_ih.forward_sequence(F.linear(x, self.weight_ih), mask, counts).unbind(0))
 
     # --- the fast path: a whole sequence's input terms at once, then lean recurrent steps --------------------------
 

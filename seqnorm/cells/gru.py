@@ -32,7 +32,8 @@ class GRUCell(RecurrentCell):
     unit and step (Krueger et al. 2016); evaluation runs without it.
 
     Args: as :class:`~seqnorm.LSTMCell` (``forget_bias`` does not apply: a GRU has no forget gate; ``zoneout_c`` must
-    be 0: a GRU has no cell state).
+    be 0, ``norm_placement`` ``"separate"``, ``state_norm`` ``"output"`` and ``beta_init`` 0: a GRU has no cell state,
+    and its candidate gates the recurrent term by ``r``, so the two terms are never one sum).
 
     Inputs: ``x, h=None, *, step=0, mask=None`` with ``x`` ``(B, input_size)`` and ``h`` ``(B, hidden_size)``;
     ``mask`` as for :class:`~seqnorm.LSTMCell` (padding rows keep their state).
@@ -68,11 +69,13 @@ class GRUCell(RecurrentCell):
         mask: Tensor | None,
         recurrent_mask: Tensor | None = None,
         weight_hh: Tensor | None = None,
+        input_normed: Tensor | None = None,
     ) -> Tensor:
         h_prev = state
         h_in = h_prev if recurrent_mask is None else h_prev * recurrent_mask
         record: dict[str, Any] | None = {} if self.observer.active else None
-        input_term, recurrent_term = self.gate_terms(x, h_in, step, mask, record, weight_hh)
+        input_term, recurrent_term = self.gate_terms(x, h_in, step, mask, record, weight_hh, input_normed)
+        assert recurrent_term is not None  # a GRU has no joint placement
         a_r, a_z, a_n = input_term.chunk(3, dim=1)
         u_r, u_z, u_n = recurrent_term.chunk(3, dim=1)
         r = torch.sigmoid(a_r + u_r)

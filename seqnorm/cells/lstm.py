@@ -37,6 +37,13 @@ class LSTMCell(RecurrentCell):
     ``"batch"`` (Cooijmans et al. 2016), with Ioffe's r/d correction for ``"batch_renorm"``. The carried cell state
     ``c'`` stays unnormalized; only its path to ``h'`` is normalized.
 
+    Placement switches (:class:`~seqnorm.norms.Placement`): ``norm_placement="joint"`` gives
+    ``(i, f, g, o) = N(W_{ih} x + W_{hh} h) + b_{ih} + b_{hh}`` (one norm, ``norm_gates``); ``state_norm="carried"``
+    gives ``c' <- N_c(c')``, ``h' = \sigma(o) \odot \tanh(c')`` (the normalized cell state is the state);
+    ``affine=False`` drops every γ and β; ``gamma_init`` / ``beta_init`` set their initial values;
+    ``input_stats="sequence"`` takes ``N_{ih}``'s batch statistics over batch × time; ``beyond_max_steps="pooled"``
+    normalizes steps ``t >= max_steps`` with the pooled statistics of all steps.
+
     Args:
         input_size: features of ``x``.
         hidden_size: features of ``c`` (and of ``h`` without a projection).
@@ -58,6 +65,18 @@ class LSTMCell(RecurrentCell):
             trained with zoneout evaluates on the plain recurrence, like inverted dropout. Default: 0.
         proj_size: features of ``h`` after the projection ``weight_hr`` ``(proj_size, hidden_size)``, in
             ``[1, hidden_size)``; 0 (default): no projection. It follows every norm (``N_c`` acts on ``c``).
+        norm_placement: ``"separate"`` (default) or ``"joint"``: normalize ``W_ih x`` and ``W_hh h`` apart or their
+            sum. Not for ``"none"``, nor ``"weight"`` without ``mean_only_bn``.
+        state_norm: ``"output"`` (default) or ``"carried"``: ``N_c(c')`` feeds only ``h'``, or is also the new
+            cell state. For ``"layer" | "rms" | "batch" | "batch_renorm"``.
+        affine: learn the norms' γ (and ``N_c``'s β). Default: ``True``.
+        gamma_init: initial γ of every norm; ``None`` (default): 0.1 for batch norms (Cooijmans et al.), 1.0 for
+            layer/RMS norms.
+        beta_init: initial β of ``N_c``. Default: 0.
+        input_stats: ``"timestep"`` (default) or ``"sequence"``: statistics of the input term's batch norm per
+            step, or over batch × time excluding padding (needs whole sequences in training: use the layers).
+        beyond_max_steps: ``"last"`` (default) or ``"pooled"``: per-timestep statistics used at ``t >= max_steps``
+            (see :mod:`seqnorm.norms.batch` for the trade-off).
         device, dtype: of the parameters.
 
     Inputs: ``x, state=None, *, step=0, mask=None``
@@ -112,15 +131,19 @@ class LSTMCell(RecurrentCell):
         mask: Tensor | None,
         recurrent_mask: Tensor | None = None,
         weight_hh: Tensor | None = None,
+        input_normed: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         h_prev, c_prev = state
         h_in = h_prev if recurrent_mask is None else h_prev * recurrent_mask
         record: dict[str, Any] | None = {} if self.observer.active else None
-        input_term, recurrent_term = self.gate_terms(x, h_in, step, mask, record, weight_hh)
-        i, f, g, o = (input_term + recurrent_term).chunk(4, dim=1)
+        input_term, recurrent_term = self.gate_terms(x, h_in, step, mask, record, weight_hh, input_normed)
+        pre = input_term if recurrent_term is None else input_term + recurrent_term  # None: the joint norm's sum
+        i, f, g, o = pre.chunk(4, dim=1)
         i, f, g, o = torch.sigmoid(i), torch.sigmoid(f), torch.tanh(g), torch.sigmoid(o)
         c = f * c_prev + i * g
         c_out = c if self.norm_c is None else self.norm_c(c, step, mask)
+        if self.state_norm == "carried":
+            c = c_out
         h = o * torch.tanh(c_out)
         h, c = self._settle(h, c, h_prev, c_prev, mask)
         if record is not None:
@@ -142,8 +165,11 @@ class LSTMCell(RecurrentCell):
         return h, c
 
     def folded_bias(self) -> Tensor | None:
-        # Both biases are added to the same pre-activations, so the input term carries their sum.
-        return None if self.bias_ih is None else self.bias_ih + self.bias_hh
+        # Both biases are added to the same pre-activations, so the input term carries their sum — unless a joint
+        # norm comes between (then recurrent_step adds them after it).
+        if self.bias_ih is None or self.norm_gates is not None:
+            return None
+        return self.bias_ih + self.bias_hh
 
     def recurrent_step(
         self,
@@ -156,13 +182,19 @@ class LSTMCell(RecurrentCell):
     ) -> tuple[Tensor, Tensor]:
         h_prev, c_prev = state
         h_in = h_prev if recurrent_mask is None else h_prev * recurrent_mask
-        if self.norm_hh is None:
+        if self.norm_gates is not None:
+            gates = self.norm_gates.forward_step(torch.addmm(input_term, h_in, weight_hh_t), step, mask)
+            if self.bias_ih is not None:
+                gates = gates + self.bias_ih + self.bias_hh
+        elif self.norm_hh is None:
             gates = torch.addmm(input_term, h_in, weight_hh_t)
         else:
             gates = input_term + self.norm_hh.forward_step(torch.mm(h_in, weight_hh_t), step, mask)
         i, f, g, o = gates.chunk(4, dim=1)
         c = torch.sigmoid(f) * c_prev + torch.sigmoid(i) * torch.tanh(g)
         c_out = c if self.norm_c is None else self.norm_c.forward_step(c, step, mask)
+        if self.state_norm == "carried":
+            c = c_out
         h = torch.sigmoid(o) * torch.tanh(c_out)
         h, c = self._settle(h, c, h_prev, c_prev, mask)
         return h, c

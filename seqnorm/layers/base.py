@@ -26,7 +26,7 @@ from seqnorm.cells.base import RecurrentCell, check_options, check_positive_int,
 from seqnorm.layers.dropout import draw_sequence_masks
 from seqnorm.layers.fast import IMPLS, Impl, choose_path, run_fast, run_fused, step_cell
 from seqnorm.layers.stack import PaddingLayout, padding_layout, run_stack
-from seqnorm.norms import SmallBatchPolicy
+from seqnorm.norms import BeyondMaxSteps, SmallBatchPolicy, check_placement, get_norm
 
 __all__ = ["RecurrentLayer", "RecurrentState"]
 
@@ -77,6 +77,13 @@ class RecurrentLayer(nn.Module):
         momentum: float = 0.1,
         small_batch: SmallBatchPolicy = "error",
         norm_options: Mapping[str, Any] | None = None,
+        norm_placement: str = "separate",
+        state_norm: str = "output",
+        affine: bool = True,
+        gamma_init: float | None = None,
+        beta_init: float = 0.0,
+        input_stats: str = "timestep",
+        beyond_max_steps: BeyondMaxSteps = "last",
         impl: Impl = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -90,6 +97,17 @@ class RecurrentLayer(nn.Module):
         self.hidden_size = check_positive_int(owner, "hidden_size", hidden_size)
         self.num_layers = check_positive_int(owner, "num_layers", num_layers)
         check_options(owner, norm, init, max_steps, small_batch, norm_options)
+        switches = {
+            "norm_placement": norm_placement,
+            "state_norm": state_norm,
+            "affine": affine,
+            "gamma_init": gamma_init,
+            "beta_init": beta_init,
+            "input_stats": input_stats,
+            "beyond_max_steps": beyond_max_steps,
+        }
+        has_c = self.cell_class.has_cell_state
+        check_placement(owner, get_norm(norm, owner, norm_options), norm_options, has_cell_state=has_c, **switches)
         self.dropout = check_rate(owner, "dropout", dropout)
         self.recurrent_dropout = check_rate(owner, "recurrent_dropout", recurrent_dropout)
         self.input_dropout = check_rate(owner, "input_dropout", input_dropout)
@@ -120,6 +138,7 @@ class RecurrentLayer(nn.Module):
                 zoneout_h=zoneout_h,
                 zoneout_c=zoneout_c,
                 proj_size=proj_size,
+                **switches,
                 device=device,
                 dtype=dtype,
             )
@@ -232,9 +251,13 @@ class RecurrentLayer(nn.Module):
         if dropped.input is not None:
             sequence = sequence * dropped.input
         outputs = []
+        # Sequence-wise input statistics (input_stats="sequence") need every step before the first one runs.
+        input_normed = cell.sequence_input_norm(sequence, layout.active, layout.counts) or [None] * layout.steps
         # unbind, not x[t]: indexing makes every step's backward write a full-size gradient.
         for t, x_t in enumerate(sequence.unbind(0)):
-            state = cell.step_unchecked(x_t, state, t, layout.masks[t], dropped.recurrent, dropped.weight_hh)
+            state = cell.step_unchecked(
+                x_t, state, t, layout.masks[t], dropped.recurrent, dropped.weight_hh, input_normed[t]
+            )
             outputs.append(state if isinstance(state, Tensor) else state[0])
         return torch.stack(outputs), state
 

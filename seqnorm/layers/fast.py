@@ -85,7 +85,7 @@ def _would_raise_small_batch(cells: list[RecurrentCell], lengths: Tensor | None,
 
 
 def _is_plain(cells: list[RecurrentCell]) -> bool:
-    return all(cell.norm_ih is None and cell.norm_hh is None and cell.norm_c is None for cell in cells)
+    return not any(cell.has_norms for cell in cells)
 
 
 # --- torch's fused kernel ---

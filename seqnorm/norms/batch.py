@@ -2,9 +2,22 @@
 (Ioffe 2017).
 
 Recurrent BN keeps separate running statistics for every time step ``t < max_steps`` (rows of the
-``running_mean``/``running_var`` buffers) and shares its affine parameters across steps. Steps ``t >= max_steps`` use
-the statistics of step ``max_steps - 1``: in evaluation they read that row, and in training they update it, so the
-last row summarizes every long-range step.
+``running_mean``/``running_var`` buffers) and shares its affine parameters across steps. What steps
+``t >= max_steps`` use is ``beyond_max_steps``:
+
+- ``"last"`` (default): the statistics of step ``max_steps - 1``. In evaluation they read that row, and in training
+  they update it, so the last row summarizes every long-range step. Right when the hidden-state statistics settle
+  after a transient (the usual case); but in variable-length data few sequences reach the last rows, so their
+  estimates are the noisiest.
+- ``"pooled"``: the moments of all rows pooled, each weighted by the training batches its step has seen (the mean
+  of the mixture, and its variance: within-step variance plus the spread of the step means). Steps beyond
+  ``max_steps`` are normalized with their own batch statistics in training and update no row. Robust to a noisy
+  last row, at the price of blending in the first steps' transient (``h_0 = 0`` makes the recurrent term at step 0
+  constant).
+
+:class:`SequenceBatchNorm` / :class:`SequenceBatchRenorm` take statistics over batch × time instead (one row, all
+real positions of a sequence batch together): Cooijmans et al.'s BN-e* and Deep Speech 2's sequence-wise BN for the
+input term, which needs the whole sequence at once.
 
 In training, batch statistics are taken over the *active* rows only (``mask``), so padding never enters them. A step
 with fewer than 2 active rows has no batch variance; by default that is a ``ValueError`` (batch size 1 is the common
@@ -29,9 +42,17 @@ from torch import Tensor, nn
 
 from seqnorm.norms.precision import float32_statistics
 
-__all__ = ["SmallBatchPolicy", "TimestepBatchNorm", "TimestepBatchRenorm"]
+__all__ = [
+    "BeyondMaxSteps",
+    "SequenceBatchNorm",
+    "SequenceBatchRenorm",
+    "SmallBatchPolicy",
+    "TimestepBatchNorm",
+    "TimestepBatchRenorm",
+]
 
 SmallBatchPolicy = Literal["error", "running"]
+BeyondMaxSteps = Literal["last", "pooled"]
 
 
 class TimestepBatchNorm(nn.Module):
@@ -41,7 +62,7 @@ class TimestepBatchNorm(nn.Module):
         y = \gamma \odot \frac{x - \mu_t}{\sqrt{\sigma_t^2 + \epsilon}} + \beta
 
     where :math:`\mu_t, \sigma^2_t` are the batch moments over the active rows at step ``t`` in training and the
-    running moments of step ``min(t, max_steps - 1)`` in evaluation.
+    running moments of step ``t`` in evaluation (beyond ``max_steps``: see ``beyond_max_steps``).
 
     Args:
         num_features: feature size ``F``.
@@ -51,7 +72,10 @@ class TimestepBatchNorm(nn.Module):
         gain: initial value of :math:`\gamma` (Cooijmans et al. use 0.1). Default: 0.1.
         center: learn :math:`\beta`. The gate terms of a cell use ``False`` (β fixed at 0, the cell bias follows).
         scale: divide by the standard deviation; ``False`` gives mean-only BN (Salimans & Kingma 2016).
+        affine: learn :math:`\gamma` (if ``scale``) and :math:`\beta` (if ``center``); ``False``: neither.
+        shift: initial value of :math:`\beta`. Default: 0.0.
         small_batch: ``"error"`` or ``"running"``, what a training step with fewer than 2 active rows does.
+        beyond_max_steps: ``"last"`` or ``"pooled"``, the statistics of steps ``t >= max_steps`` (module docstring).
         owner: name used in error messages (the cell that holds this norm).
 
     Inputs: ``x`` of shape ``(B, F)``, ``step`` (int), ``mask`` ``(B,)`` bool or ``None`` (all rows active).
@@ -71,7 +95,10 @@ class TimestepBatchNorm(nn.Module):
         gain: float = 0.1,
         center: bool = True,
         scale: bool = True,
+        affine: bool = True,
+        shift: float = 0.0,
         small_batch: SmallBatchPolicy = "error",
+        beyond_max_steps: BeyondMaxSteps = "last",
         owner: str = "TimestepBatchNorm",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -84,17 +111,21 @@ class TimestepBatchNorm(nn.Module):
             raise ValueError(f"{name}: expected momentum in [0, 1], got {momentum}")
         if small_batch not in ("error", "running"):
             raise ValueError(f"{name}: expected small_batch to be 'error' or 'running', got {small_batch!r}")
+        if beyond_max_steps not in ("last", "pooled"):
+            raise ValueError(f"{name}: expected beyond_max_steps to be 'last' or 'pooled', got {beyond_max_steps!r}")
         factory = {"device": device, "dtype": dtype}
         self.num_features = num_features
         self.max_steps = max_steps
         self.eps = eps
         self.momentum = momentum
         self.gain_init = gain
+        self.shift_init = shift
         self.scale = scale
         self.small_batch = small_batch
+        self.beyond_max_steps = beyond_max_steps
         self.owner = owner
-        self.weight = nn.Parameter(torch.empty(num_features, **factory)) if scale else None
-        self.bias = nn.Parameter(torch.empty(num_features, **factory)) if center else None
+        self.weight = nn.Parameter(torch.empty(num_features, **factory)) if scale and affine else None
+        self.bias = nn.Parameter(torch.empty(num_features, **factory)) if center and affine else None
         self.register_buffer("running_mean", torch.zeros(max_steps, num_features, **factory))
         self.register_buffer("running_var", torch.ones(max_steps, num_features, **factory))
         self.register_buffer("num_batches_tracked", torch.zeros(max_steps, dtype=torch.long, device=device))
@@ -110,28 +141,49 @@ class TimestepBatchNorm(nn.Module):
         if self.weight is not None:
             nn.init.constant_(self.weight, self.gain_init)
         if self.bias is not None:
-            nn.init.zeros_(self.bias)
+            nn.init.constant_(self.bias, self.shift_init)
 
     def extra_repr(self) -> str:
-        return (
+        text = (
             f"{self.num_features}, max_steps={self.max_steps}, eps={self.eps}, momentum={self.momentum}, "
             f"gain={self.gain_init}, center={self.bias is not None}, scale={self.scale}, "
             f"small_batch={self.small_batch!r}"
         )
+        if self.weight is None and self.bias is None:
+            text += ", affine=False"
+        elif self.bias is not None and self.shift_init:
+            text += f", shift={self.shift_init}"
+        return text + (", beyond_max_steps='pooled'" if self.beyond_max_steps == "pooled" else "")
+
+    def running_moments(self, step: int) -> tuple[Tensor, Tensor]:
+        """The running ``(mean, var)`` that ``step`` normalizes with in evaluation, each ``(F,)``."""
+        if step < self.max_steps or self.beyond_max_steps == "last":
+            t = min(step, self.max_steps - 1)
+            return self.running_mean[t], self.running_var[t]
+        return self.pooled_moments()
+
+    def pooled_moments(self) -> tuple[Tensor, Tensor]:
+        """Moments of the mixture of all steps' running statistics, weighted by the batches each step has seen."""
+        seen = self.num_batches_tracked.to(self.running_mean.dtype)
+        # Before any training every row counts alike (no host sync to test for that: a where on the device).
+        weights = torch.where(seen.sum() > 0, seen, torch.ones_like(seen))
+        weights = (weights / weights.sum()).unsqueeze(1)
+        mean = (weights * self.running_mean).sum(0)
+        second = (weights * (self.running_var + self.running_mean.square())).sum(0)
+        return mean, (second - mean.square()).clamp(min=0.0)
 
     @float32_statistics
     def forward(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:
-        t = min(step, self.max_steps - 1)
         if self.training:
             active = x.shape[0] if mask is None else int(mask.sum())
             if active >= 2:
                 mean, var = _masked_moments(x, mask, active)
-                x_hat = self._normalize_batch(x, mean, var, t)
-                self._update_running(mean, var, active, t)
+                x_hat = self._normalize_batch(x, mean, var, step)
+                self._update_running(mean, var, active, step)
                 return self._affine(x_hat)
             if self.small_batch == "error":
                 raise self._small_batch_error(step, active, x.shape[0])
-        return self._affine(self._normalize_running(x, t))
+        return self._affine(self._normalize_running(x, step))
 
     @float32_statistics
     def forward_step(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:
@@ -144,6 +196,7 @@ class TimestepBatchNorm(nn.Module):
             self.training
             and mask is None
             and self.scale
+            and (step < self.max_steps or self.beyond_max_steps == "last")
             and type(self)._normalize_batch is TimestepBatchNorm._normalize_batch
         ):
             if x.shape[0] < 2:
@@ -237,11 +290,12 @@ class TimestepBatchNorm(nn.Module):
             'or pass small_batch="running" to normalize such steps with their running statistics.'
         )
 
-    def _normalize_running(self, x: Tensor, t: int) -> Tensor:
-        centered = x - self.running_mean[t]
-        return centered * torch.rsqrt(self.running_var[t] + self.eps) if self.scale else centered
+    def _normalize_running(self, x: Tensor, step: int) -> Tensor:
+        running_mean, running_var = self.running_moments(step)
+        centered = x - running_mean
+        return centered * torch.rsqrt(running_var + self.eps) if self.scale else centered
 
-    def _normalize_batch(self, x: Tensor, mean: Tensor, var: Tensor, t: int) -> Tensor:
+    def _normalize_batch(self, x: Tensor, mean: Tensor, var: Tensor, step: int) -> Tensor:
         centered = x - mean
         return centered * torch.rsqrt(var + self.eps) if self.scale else centered
 
@@ -251,7 +305,10 @@ class TimestepBatchNorm(nn.Module):
         return x_hat if self.bias is None else x_hat + self.bias
 
     @torch.no_grad()
-    def _update_running(self, mean: Tensor, var: Tensor, active: int, t: int) -> None:
+    def _update_running(self, mean: Tensor, var: Tensor, active: int, step: int) -> None:
+        if step >= self.max_steps and self.beyond_max_steps == "pooled":
+            return  # pooled statistics come from the per-step rows; a long-range step owns none
+        t = min(step, self.max_steps - 1)
         # Running variance is the unbiased estimate, as in torch.nn.BatchNorm1d.
         self.running_mean[t].lerp_(mean.to(self.running_mean.dtype), self.momentum)
         unbiased = var * (active / (active - 1))
@@ -327,12 +384,13 @@ class TimestepBatchRenorm(TimestepBatchNorm):
         d_max = self.d_max * (seen / self.d_max_steps).clamp(max=1.0)
         return r_max, d_max
 
-    def _normalize_batch(self, x: Tensor, mean: Tensor, var: Tensor, t: int) -> Tensor:
-        r_max, d_max = (limit.to(x.dtype) for limit in self.limits(t))
+    def _normalize_batch(self, x: Tensor, mean: Tensor, var: Tensor, step: int) -> Tensor:
+        r_max, d_max = (limit.to(x.dtype) for limit in self.limits(step))
+        running_mean, running_var = self.running_moments(step)
         std_batch = torch.sqrt(var + self.eps)
-        std_running = torch.sqrt(self.running_var[t] + self.eps)
+        std_running = torch.sqrt(running_var + self.eps)
         r = (std_batch / std_running).detach().clamp(min=1.0 / r_max, max=r_max)
-        d = ((mean - self.running_mean[t]) / std_running).detach().clamp(min=-d_max, max=d_max)
+        d = ((mean - running_mean) / std_running).detach().clamp(min=-d_max, max=d_max)
         if not self.scale:
             return x - mean + d * std_running
         return (x - mean) / std_batch * r + d
@@ -349,6 +407,54 @@ class TimestepBatchRenorm(TimestepBatchNorm):
         if not self.scale:
             return x - mean + d * std_running
         return (x - mean) / std_batch * r + d
+
+
+class _OverTime:
+    """Statistics over batch × time: a sequence batch is one batch of its real positions (one row of buffers)."""
+
+    whole_sequence = True  # a cell cannot form these statistics one step at a time in training
+    owner: str
+    training: bool
+
+    def forward(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:
+        if self.training:
+            raise ValueError(
+                f"{self.owner}: expected a whole sequence for input_stats='sequence' in training (its statistics "
+                "are over batch × time), got one step; run the cell inside seqnorm.LSTM/GRU or call "
+                "cell.input_terms(x) on the whole (T, B, input_size) sequence"
+            )
+        return super().forward(x, 0, mask)  # type: ignore[misc]
+
+    def forward_step(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:
+        return self.forward(x, step, mask)
+
+    def forward_sequence(self, x: Tensor, mask: Tensor | None = None, counts: list[int] | None = None) -> Tensor:
+        steps, batch, features = x.shape
+        total = steps * batch if mask is None else (int(mask.sum()) if counts is None else sum(counts))
+        flat_mask = None if mask is None else mask.reshape(1, steps * batch)
+        # One "step" of T*B rows: every base-class rule (masking, small batches, renorm's r/d) applies unchanged.
+        flat = super().forward_sequence(x.reshape(1, steps * batch, features), flat_mask, [total])  # type: ignore[misc]
+        return flat.view(steps, batch, features)
+
+
+class SequenceBatchNorm(_OverTime, TimestepBatchNorm):
+    """Sequence-wise batch normalization (Cooijmans et al.'s BN-e*, Deep Speech 2): moments over all real positions.
+
+    Normalizes a whole ``(T, B, F)`` sequence with the mean and variance over its real ``(t, b)`` positions
+    (:meth:`forward_sequence`); one row of running statistics serves every step in evaluation. Training needs the
+    whole sequence, so a one-step call in training is a ``ValueError``; in evaluation one step works (streaming).
+    Arguments as :class:`TimestepBatchNorm` (``max_steps`` is 1).
+    """
+
+    def __init__(self, num_features: int, **kwargs: object) -> None:
+        super().__init__(num_features, 1, **kwargs)  # type: ignore[arg-type]
+
+
+class SequenceBatchRenorm(_OverTime, TimestepBatchRenorm):
+    """:class:`SequenceBatchNorm` with Ioffe's r/d correction (arguments as :class:`TimestepBatchRenorm`)."""
+
+    def __init__(self, num_features: int, **kwargs: object) -> None:
+        super().__init__(num_features, 1, **kwargs)  # type: ignore[arg-type]
 
 
 def _masked_moments(x: Tensor, mask: Tensor | None, active: int) -> tuple[Tensor, Tensor]:

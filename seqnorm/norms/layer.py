@@ -18,7 +18,16 @@ __all__ = ["LayerNorm", "RMSNorm"]
 
 
 class _RowNorm(nn.Module):
-    """Shared parameters and repr of the row-wise norms: a gain (``weight``) and an optional shift (``bias``)."""
+    """Shared parameters and repr of the row-wise norms: a gain (``weight``) and an optional shift (``bias``).
+
+    Args:
+        num_features: size of the normalized (last) dimension.
+        eps: added to the variance (mean square for RMSNorm). Default: 1e-5.
+        gain: initial value of the gain γ. Default: 1.0.
+        center: learn a shift β. Default: ``True``.
+        affine: learn γ (and β if ``center``); ``False``: the bare normalization. Default: ``True``.
+        shift: initial value of β. Default: 0.0.
+    """
 
     def __init__(
         self,
@@ -27,6 +36,8 @@ class _RowNorm(nn.Module):
         eps: float = 1e-5,
         gain: float = 1.0,
         center: bool = True,
+        affine: bool = True,
+        shift: float = 0.0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -34,18 +45,25 @@ class _RowNorm(nn.Module):
         self.num_features = num_features
         self.eps = eps
         self.gain_init = gain
-        self.weight = nn.Parameter(torch.empty(num_features, device=device, dtype=dtype))
+        self.shift_init = shift
+        self.affine = affine
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(num_features, **factory)) if affine else None
         # The gate terms are followed by the cell's own bias, so their shift would be redundant: ``center=False``.
-        self.bias = nn.Parameter(torch.empty(num_features, device=device, dtype=dtype)) if center else None
+        self.bias = nn.Parameter(torch.empty(num_features, **factory)) if center and affine else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.constant_(self.weight, self.gain_init)
+        if self.weight is not None:
+            nn.init.constant_(self.weight, self.gain_init)
         if self.bias is not None:
-            nn.init.zeros_(self.bias)
+            nn.init.constant_(self.bias, self.shift_init)
 
     def extra_repr(self) -> str:
-        return f"{self.num_features}, eps={self.eps}, gain={self.gain_init}, center={self.bias is not None}"
+        if not self.affine:
+            return f"{self.num_features}, eps={self.eps}, affine=False"
+        text = f"{self.num_features}, eps={self.eps}, gain={self.gain_init}, center={self.bias is not None}"
+        return text + (f", shift={self.shift_init}" if self.bias is not None and self.shift_init else "")
 
     def forward_step(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:
         """``forward`` without the module-call overhead (the layers' fast path calls it at every step).
