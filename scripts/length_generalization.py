@@ -3,7 +3,9 @@
 Per-timestep BN has running statistics only for the steps it was trained on. With ``max_steps=T`` (the library's
 design, after Cooijmans et al.) every step ``t >= T`` reuses the statistics of step ``T - 1``; the extra row
 ``batch`` with ``max_steps=L`` shows the alternative, statistics rows for steps ``T..L-1`` that training never
-reached (still at their initial mean 0, variance 1). LayerNorm and the others need no statistics of any step.
+reached (still at their initial mean 0, variance 1), and the row ``batch`` with ``beyond_max_steps="pooled"`` the
+library's other policy: steps ``t >= T`` use the pooled statistics of all T steps. LayerNorm and the others need no
+statistics of any step.
 The corpus is read as one stream, so the text at position 150 is no harder than at position 15: a model that
 generalizes in length keeps a flat loss past T.
 
@@ -63,24 +65,29 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--no-untrained-stats", action="store_true", help="skip the BN row with statistics rows up to L"
     )
+    parser.add_argument("--no-pooled", action="store_true", help="skip the BN row with beyond_max_steps='pooled'")
     args = _common.resolve(parser.parse_args(argv), QUICK, FULL)
     if args.eval_steps <= args.steps:
         parser.error(f"--eval-steps ({args.eval_steps}) must exceed --steps ({args.steps})")
     return args
 
 
-def variants(args: argparse.Namespace) -> list[tuple[str, int]]:
-    """``(norm, max_steps)`` pairs: every norm at ``max_steps=T``, plus BN with statistics rows up to L."""
-    pairs = [(norm, args.steps) for norm in args.norms]
+def variants(args: argparse.Namespace) -> list[tuple[str, int, str]]:
+    """``(norm, max_steps, beyond_max_steps)``: every norm at ``max_steps=T``, plus BN pooled and BN with rows to L."""
+    runs = [(norm, args.steps, "last") for norm in args.norms]
+    if "batch" in args.norms and not args.no_pooled:
+        runs.append(("batch", args.steps, "pooled"))
     if "batch" in args.norms and not args.no_untrained_stats:
-        pairs.append(("batch", args.eval_steps))
-    return pairs
+        runs.append(("batch", args.eval_steps, "last"))
+    return runs
 
 
-def beyond_note(norm: str, max_steps: int, steps: int) -> str:
+def beyond_note(norm: str, max_steps: int, steps: int, beyond: str) -> str:
     if not seqnorm.NORMS[norm].batch_statistics:
         return "none needed"
-    return f"reuse step {steps - 1}" if max_steps <= steps else "untrained rows (0/1)"
+    if max_steps > steps:
+        return "untrained rows (0/1)"
+    return f"pooled steps 0..{steps - 1}" if beyond == "pooled" else f"reuse step {steps - 1}"
 
 
 def smooth(values: torch.Tensor, width: int = 5) -> torch.Tensor:
@@ -100,20 +107,21 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     val = long_windows["val"].head(args.val_tokens)
     print(f"{corpus.source}: train on {T} steps ({args.tokens} tokens), evaluate {len(val)} windows of {L} steps")
     rows, curves = [], {}
-    for norm, max_steps in variants(args):
-        model = _common.build_model(corpus.vocab_size, args, norm, max_steps=max_steps)
+    for norm, max_steps, beyond in variants(args):
+        extra = {"beyond_max_steps": beyond} if beyond != "last" else {}
+        model = _common.build_model(corpus.vocab_size, args, norm, max_steps=max_steps, **extra)
         result = _common.train_language_model(
             model, train_windows["train"], batch_size=args.batch_size, tokens=args.tokens, lr=args.lr, seed=args.seed
         )
         row: dict[str, Any] = {
             "norm": norm,
             "max_steps": max_steps,
-            "stats_beyond_T": beyond_note(norm, max_steps, T),
+            "stats_beyond_T": beyond_note(norm, max_steps, T, beyond),
             "status": result.status,
         }
         if result.status == "ok":
             _, by_position = _common.evaluate(model, val)
-            curves[f"{norm} (max_steps={max_steps})"] = by_position
+            curves[f"{norm} (max_steps={max_steps}{', pooled' if beyond == 'pooled' else ''})"] = by_position
             within, beyond = float(by_position[:T].mean()), float(by_position[T:].mean())
             row.update(
                 loss_within_T=within,
@@ -123,7 +131,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             )
         row["train_seconds"] = round(result.seconds, 1)
         rows.append(row)
-        print(f"  {norm} max_steps={max_steps}: {row.get('beyond_minus_within', float('nan')):+.4f}", flush=True)
+        label = f"{norm} max_steps={max_steps}" + (" pooled" if beyond == "pooled" else "")
+        print(f"  {label}: {row.get('beyond_minus_within', float('nan')):+.4f}", flush=True)
 
     columns = [
         "norm",

@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import Callback
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from seqnorm.cli import main
+from seqnorm.lightning import LanguageModel, SequenceClassifier
 
 QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
 TINY_LM = ["--model.hidden_size", "48", "--model.embedding_dim", "16", "--model.lr", "0.01"]
@@ -148,11 +149,27 @@ def test_fit_with_no_data_arguments_trains_the_embedded_task(tmp_path: Path, mon
     monkeypatch.chdir(tmp_path)
     short = [*QUIET, "--trainer.max_steps", "20", "--trainer.limit_val_batches", "2"]
     short += ["--trainer.val_check_interval", "10"]
-    main(["fit", "--model", "LanguageModel", "--data", "TextCorpus", *TINY_LM, *short])
+    switches = ["--model.rnn_options", '{"norm_placement": "joint", "zoneout_h": 0.1}']
+    main(["fit", "--model", "LanguageModel", "--data", "TextCorpus", *TINY_LM, *switches, *short])
     main(["fit", "--model", "SequenceClassifier", "--data", "LabeledText", "--model.hidden_size", "16", *short])
     assert "val/bpc" in _scalars(Path("lightning_logs/version_0"))
+    checkpoint = torch.load("lightning_logs/version_0/checkpoints/last.ckpt", weights_only=False)
+    assert checkpoint["hyper_parameters"]["rnn_options"] == {"norm_placement": "joint", "zoneout_h": 0.1}
+    assert any(".norm_gates_l0." in key for key in checkpoint["state_dict"])
     assert "val/acc" in _scalars(Path("lightning_logs/version_1"))
     assert Path("lightning_logs/version_1/checkpoints/last.ckpt").is_file()
+
+
+def test_rnn_options_reach_the_layer_and_bad_ones_are_named() -> None:
+    model = LanguageModel(10, norm="batch", rnn_options={"state_norm": "carried", "beyond_max_steps": "pooled"})
+    cell = model.model.rnn.cells[0]
+    assert cell.state_norm == "carried" and cell.norm_hh.beyond_max_steps == "pooled"
+    with pytest.raises(ValueError, match=r"^LanguageModel: expected rnn_options without .* got norm \(use --model"):
+        LanguageModel(10, rnn_options={"norm": "batch"})
+    with pytest.raises(ValueError, match=r"^build_rnn: expected keyword arguments of seqnorm.GRU .* got zonout_h$"):
+        SequenceClassifier(10, 2, cell="gru", rnn_options={"zonout_h": 0.1})
+    with pytest.raises(ValueError, match=r"^GRU: expected state_norm='output'"):
+        SequenceClassifier(10, 2, cell="gru", rnn_options={"state_norm": "carried"})
 
 
 def test_print_config(capsys: pytest.CaptureFixture) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -24,6 +25,17 @@ class TaskModule(pl.LightningModule):
     otherwise; gradient clipping is the Trainer's ``gradient_clip_val``. Validation and test metrics are means over
     the whole epoch weighted by tokens (language models) or examples (classifiers), not means of batch means.
     """
+
+    def _rnn_kwargs(self, rnn_options: Mapping[str, Any] | None, **named: Any) -> dict[str, Any]:
+        """The recurrent layer's keyword arguments: the model's own ``named`` ones plus ``rnn_options``."""
+        options = dict(rnn_options or {})
+        clash = sorted(set(options) & set(named))
+        if clash:
+            raise ValueError(
+                f"{type(self).__name__}: expected rnn_options without arguments the model takes itself, got "
+                f"{', '.join(clash)} (use --model.{clash[0]})"
+            )
+        return {**named, **options}
 
     def _init_metrics(self, *names: str) -> None:
         self.epoch_metrics = nn.ModuleDict({f"{stage}_{name}": MeanMetric() for stage in EVAL_STAGES for name in names})

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch.nn.functional as F
 from torch import Tensor
@@ -25,7 +25,7 @@ class SequenceClassifier(TaskModule):
             positions.
         bidirectional: read the text in both directions.
         cell, norm, hidden_size, embedding_dim, num_layers, dropout, recurrent_dropout, init, max_steps,
-        small_batch, lr, weight_decay: as :class:`LanguageModel`.
+        small_batch, rnn_options, lr, weight_decay: as :class:`LanguageModel`.
     """
 
     def __init__(
@@ -45,6 +45,7 @@ class SequenceClassifier(TaskModule):
         init: str = "default",
         max_steps: int = 100,
         small_batch: Literal["error", "running"] = "error",
+        rnn_options: dict[str, Any] | None = None,
         lr: float = 2e-3,
         weight_decay: float = 0.0,
     ) -> None:
@@ -61,11 +62,14 @@ class SequenceClassifier(TaskModule):
             pooling,
             dropout,
             pad_index,
-            norm=norm,
-            recurrent_dropout=recurrent_dropout,
-            init=init,
-            max_steps=max_steps,
-            small_batch=small_batch,
+            **self._rnn_kwargs(
+                rnn_options,
+                norm=norm,
+                recurrent_dropout=recurrent_dropout,
+                init=init,
+                max_steps=max_steps,
+                small_batch=small_batch,
+            ),
         )
         self._init_metrics("loss", "acc")
 

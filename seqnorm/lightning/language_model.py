@@ -38,6 +38,10 @@ class LanguageModel(TaskModule):
             ``"running"`` (normalize with running statistics). With variable-length batches the tail of the longest
             sequence is such a step, so BN runs on text usually need ``"running"``.
         tie_weights: share the embedding and output matrices (``embedding_dim`` must equal ``hidden_size``).
+        rnn_options: further keyword arguments of :class:`seqnorm.LSTM` / :class:`seqnorm.GRU`: the placement
+            switches (``norm_placement``, ``state_norm``, ``affine``, ``gamma_init``, ``beta_init``, ``input_stats``,
+            ``beyond_max_steps``), regularizers (``zoneout_h``, ``zoneout_c``, ``input_dropout``,
+            ``weight_dropout``), ``eps``, ``momentum``, ``norm_options``, ``forget_bias``, ``proj_size``, ...
         lr: Adam learning rate (the CLI's ``--optimizer`` replaces Adam entirely).
         weight_decay: Adam weight decay.
     """
@@ -58,6 +62,7 @@ class LanguageModel(TaskModule):
         max_steps: int = 100,
         small_batch: Literal["error", "running"] = "error",
         tie_weights: bool = False,
+        rnn_options: dict[str, Any] | None = None,
         lr: float = 2e-3,
         weight_decay: float = 0.0,
     ) -> None:
@@ -74,11 +79,14 @@ class LanguageModel(TaskModule):
             dropout,
             pad_index,
             tie_weights,
-            norm=norm,
-            recurrent_dropout=recurrent_dropout,
-            init=init,
-            max_steps=max_steps,
-            small_batch=small_batch,
+            **self._rnn_kwargs(
+                rnn_options,
+                norm=norm,
+                recurrent_dropout=recurrent_dropout,
+                init=init,
+                max_steps=max_steps,
+                small_batch=small_batch,
+            ),
         )
         self._init_metrics("loss")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Literal
 
 from seqnorm.layers import GRU, LSTM, RecurrentLayer
@@ -16,4 +17,12 @@ def build_rnn(cell: str, input_size: int, hidden_size: int, **kwargs: Any) -> Re
     """A batch-first :class:`~seqnorm.LSTM` or :class:`~seqnorm.GRU`; ``kwargs`` go to the layer."""
     if cell not in _LAYERS:
         raise ValueError(f"build_rnn: expected cell to be one of {', '.join(map(repr, _LAYERS))}, got {cell!r}")
-    return _LAYERS[cell](input_size, hidden_size, batch_first=True, **kwargs)
+    layer = _LAYERS[cell]
+    accepted = set(inspect.signature(layer.__init__).parameters) - {"self", "input_size", "hidden_size", "batch_first"}
+    unknown = sorted(set(kwargs) - accepted)
+    if unknown:
+        raise ValueError(
+            f"build_rnn: expected keyword arguments of seqnorm.{layer.__name__} ({', '.join(sorted(accepted))}), "
+            f"got {', '.join(unknown)}"
+        )
+    return layer(input_size, hidden_size, batch_first=True, **kwargs)

@@ -20,12 +20,14 @@ def test_rows_and_loss_by_position(tmp_path: Path, read_csv: Callable, finite: C
         ("none", "6"),
         ("layer", "6"),
         ("batch", "6"),
+        ("batch", "6"),
         ("batch", "12"),
     ]
     assert [row["stats_beyond_T"] for row in rows] == [
         "none needed",
         "none needed",
         "reuse step 5",
+        "pooled steps 0..5",
         "untrained rows (0/1)",
     ]
     for row in rows:
