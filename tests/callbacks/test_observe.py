@@ -101,3 +101,17 @@ def test_projected_lstm_counts_units_of_the_projected_state() -> None:
     summary = _observe(layer, _padded_input(0.0), gradients=True)["l1_reverse"]
     assert 0 <= summary.scalars[("hidden", "h_zero_frac")] <= 1
     assert all(math.isfinite(value) for value in summary.scalars.values())
+
+
+@pytest.mark.parametrize(
+    ("switches", "expected"),
+    [
+        ({"norm_placement": "joint"}, {("norm", "gates_running_mean"), ("norm", "gates_post_std")}),
+        ({"input_stats": "sequence", "state_norm": "carried"}, {("norm", "ih_running_var"), ("norm", "c_post_std")}),
+    ],
+)
+def test_placement_switches_are_observed(switches: dict, expected: set) -> None:
+    layer = LAYERS["lstm"](3, 6, norm="batch", small_batch="running", **switches)
+    summary = _observe(layer, _padded_input(0.0))["l0"]
+    assert expected <= set(summary.scalars)
+    assert all(math.isfinite(value) for value in summary.scalars.values())
