@@ -295,7 +295,8 @@ BAD: list[tuple[str, str, dict[str, Any], str]] = [
     ("lstm", "batch", {"norm_placement": "joint", "input_stats": "sequence"}, r"expected input_stats='timestep' with"),
     ("lstm", "layer", {"norm_placement": "both"}, r"expected norm_placement to be one of 'separate', 'joint', got"),
     ("lstm", "layer", {"affine": "yes"}, r"expected affine to be one of True, False, got 'yes'"),
-    ("lstm", "layer", {"gamma_init": "1"}, r"expected gamma_init to be a number, got '1'"),
+    ("lstm", "layer", {"gamma_init": "1"}, r"expected gamma_init to be a finite number, got '1'"),
+    ("lstm", "batch", {"beta_init": float("nan")}, r"expected beta_init to be a finite number, got nan"),
     ("lstm", "batch", {"beyond_max_steps": "mean"}, r"expected beyond_max_steps to be one of 'last', 'pooled'"),
 ]
 

@@ -12,6 +12,7 @@ gets that by decorating its methods with :func:`float32_statistics`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -262,8 +263,10 @@ def check_placement(
             raise ValueError(f"{owner}: expected {name} to be one of {', '.join(map(repr, choices))}, got {value!r}")
     for name in ("gamma_init", "beta_init"):
         value = getattr(placement, name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value != value):
-            raise ValueError(f"{owner}: expected {name} to be a number, got {value!r}")
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+        ):
+            raise ValueError(f"{owner}: expected {name} to be a finite number, got {value!r}")
     for name in sorted(changed - scheme.switches):
         supported = sorted(n for n, s in NORMS.items() if name in s.switches)
         raise ValueError(
