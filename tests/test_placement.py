@@ -224,6 +224,15 @@ def test_switches_gradcheck(kind: str, norm: str, name: str) -> None:
     _gradcheck_cell(cell, kind, torch.tensor([True, False, True, True]))  # step 1 >= max_steps: pooled or last
 
 
+def _stream(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The outputs of feeding ``x`` ``(T, B, I)`` to ``layer.step`` one time step at a time."""
+    state, outputs = None, []
+    for x_t in x.unbind(0):
+        output, state = layer.step(x_t, state)
+        outputs.append(output)
+    return torch.stack(outputs)
+
+
 @pytest.mark.parametrize(("kind", "norm", "name"), CASES)
 def test_switches_streaming_equals_whole_sequence(kind: str, norm: str, name: str) -> None:
     """Eval, one step at a time through step() (the state carries the time index), with T > max_steps."""
@@ -234,11 +243,7 @@ def test_switches_streaming_equals_whole_sequence(kind: str, norm: str, name: st
     layer.eval()
     x = torch.randn(6, 2, 3, **F64)
     expected, _ = layer(x)
-    state, outputs = None, []
-    for x_t in x.unbind(0):
-        output, state = layer.step(x_t, state)
-        outputs.append(output)
-    assert_close(torch.stack(outputs), expected, **EXACT)
+    assert_close(_stream(layer, x), expected, **EXACT)
 
 
 @pytest.mark.parametrize("name", ["joint", "carried", "bare", "init"])
@@ -246,11 +251,7 @@ def test_layer_norm_switches_stream_at_batch_size_one_in_training(name: str) -> 
     layer = seqnorm.LSTM(3, 5, num_layers=2, norm="layer", **SWITCHES[name], **F64)
     x = torch.randn(6, 1, 3, **F64)
     expected, _ = layer(x)
-    state, outputs = None, []
-    for x_t in x.unbind(0):
-        output, state = layer.step(x_t, state)
-        outputs.append(output)
-    assert_close(torch.stack(outputs), expected, **EXACT)
+    assert_close(_stream(layer, x), expected, **EXACT)
 
 
 @pytest.mark.parametrize(("kind", "norm", "name"), CASES)
