@@ -279,7 +279,7 @@ class RecurrentLayer(nn.Module):
         owner = type(self).__name__
         if self.bidirectional:
             raise ValueError(f"{owner}: expected a unidirectional layer for step(), got bidirectional=True")
-        first = self.cells[0]
+        first = next(iter(self.cells))  # not self.cells[0]: ModuleList indexing is slow at every step
         first.check_input(x, None)
         batch = x.shape[0]
         if state is None:
@@ -292,20 +292,29 @@ class RecurrentLayer(nn.Module):
             self._check_state_shape("state.h", state.h, (self.num_layers, batch, self.state_size))
             if first.has_cell_state:
                 self._check_state_shape("state.c", state.c, (self.num_layers, batch, self.hidden_size))
+        from seqnorm.layers.stepping import lean_layer_step  # (here: the layers' module imports stay as they are)
+
+        lean = lean_layer_step(self, x)  # without gradients: every cell's step prepared once (cached)
+        if lean is not None:
+            output, h, c = lean(x, state.h, state.c, state.step)
+            return output, RecurrentState(h, c, state.step + 1)
+        # Every layer steps on (1, B, .) slices of the state, so the new state needs no stacking for one layer.
+        single = self.num_layers == 1
         h_next, c_next = [], []
         layer_input = x
         for layer, cell in enumerate(self.cells):
-            cell_state = state.h[layer] if state.c is None else (state.h[layer], state.c[layer])
-            cell_state = step_cell(self, cell, layer_input, cell_state, state.step)
-            h = cell_state if isinstance(cell_state, Tensor) else cell_state[0]
+            h = state.h if single else state.h.narrow(0, layer, 1)
+            c = state.c if single or state.c is None else state.c.narrow(0, layer, 1)
+            h, c = step_cell(self, cell, layer_input, h, c, state.step)
             h_next.append(h)
-            if not isinstance(cell_state, Tensor):
-                c_next.append(cell_state[1])
+            c_next.append(c)
             layer_input = h
             if self.dropout and self.training and layer < self.num_layers - 1:
                 layer_input = F.dropout(layer_input, self.dropout, training=True)
-        c = torch.stack(c_next) if c_next else None
-        return h_next[-1], RecurrentState(torch.stack(h_next), c, state.step + 1)
+        if not single:
+            h = torch.cat(h_next)
+            c = None if c is None else torch.cat(c_next)
+        return h_next[-1].select(0, 0), RecurrentState(h, c, state.step + 1)
 
     # --- checks ----------------------------------------------------------------------------------------------------
 

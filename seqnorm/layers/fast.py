@@ -19,7 +19,14 @@ Which path runs is decided in one place, :func:`choose_path`:
   ``unbind`` of the precomputed terms (never ``x[t]``, whose backward writes a full-size gradient at every step).
   Every regularizer runs here exactly as in the reference: the per-sequence masks come from the same
   :func:`~seqnorm.layers.dropout.draw_sequence_masks` call at the same point, and zoneout is drawn per step by the
-  cell's ``recurrent_step`` in the order its ``step_unchecked`` draws it.
+  cell's ``recurrent_step`` in the order its ``step_unchecked`` draws it. When a gradient is wanted and
+  :func:`seqnorm.layers.bptt.supports` accepts the cell (LayerNorm, RMSNorm, per-timestep BatchNorm or nothing on the
+  recurrence; no zoneout, recurrent dropout or projection), the loop is instead one autograd Function with a
+  hand-written backward through time (:mod:`seqnorm.layers.bptt`), which also runs an input BatchNorm/RMSNorm step by
+  step.
+
+:meth:`RecurrentLayer.step` without gradients runs the lean step of :mod:`seqnorm.layers.stepping` (each cell's step
+prepared once from its parameters and cached); otherwise :func:`step_cell`.
 
 All three give the same outputs, states, gradients and running statistics up to floating-point rounding; the
 ``tests/test_fast_path.py`` suite compares them for every cell and norm.
@@ -35,6 +42,7 @@ from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from seqnorm.cells.base import RecurrentCell
+from seqnorm.layers import bptt
 from seqnorm.layers.dropout import draw_sequence_masks
 from seqnorm.layers.stack import PaddingLayout, padding_layout, run_stack
 from seqnorm.norms import TimestepBatchNorm
@@ -137,6 +145,8 @@ def _run_direction(
     dropped = draw_sequence_masks(layer, cell, sequence, state)
     if dropped.input is not None:
         sequence = sequence * dropped.input
+    if bptt.supports(cell, sequence, state, dropped.recurrent):
+        return bptt.run_recurrence(cell, sequence, state, dropped.weight_hh, layout)
     terms = cell.input_terms(sequence, layout.active, layout.counts)  # (T, B, G*H)
     # Weight norm (and DropConnect): computed once per sequence, not once per step.
     weight_hh_t = (cell.weight_hh if dropped.weight_hh is None else dropped.weight_hh).t()
@@ -151,13 +161,25 @@ def _run_direction(
 # --- one step (generation) ---
 
 
-def step_cell(layer: RecurrentLayer, cell: RecurrentCell, x: Tensor, state: Any, step: int) -> Any:
-    """One step of ``cell`` for :meth:`RecurrentLayer.step`: torch's fused cell kernel when nothing is normalized."""
+def step_cell(
+    layer: RecurrentLayer, cell: RecurrentCell, x: Tensor, h: Tensor, c: Tensor | None, step: int
+) -> tuple[Tensor, Tensor | None]:
+    """One step of ``cell`` for :meth:`RecurrentLayer.step` on states ``(1, B, .)``; returns the new ``h``, ``c``.
+
+    ``x`` is ``(B, I)`` or ``(1, B, I)``. Without gradients, :meth:`RecurrentLayer.step` runs the lean step of
+    :mod:`seqnorm.layers.stepping` instead, where it applies.
+    """
+    x = x if x.dim() == 2 else x[0]
+    state = h[0] if c is None else (h[0], c[0])
     # torch's cell kernels have no projection and no zoneout.
     autocast = torch.is_autocast_enabled(x.device.type)
     special = cell.observer.active or cell.draws_random or cell.weight_hr is not None or autocast
     if layer.impl == "reference" or special or not _is_plain([cell]):
-        return cell.step_unchecked(x, state, step, None)
-    if cell.has_cell_state:
-        return torch._VF.lstm_cell(x, state, cell.weight_ih, cell.weight_hh, cell.bias_ih, cell.bias_hh)
-    return torch._VF.gru_cell(x, state, cell.weight_ih, cell.weight_hh, cell.bias_ih, cell.bias_hh)
+        state = cell.step_unchecked(x, state, step, None)
+    elif cell.has_cell_state:
+        state = torch._VF.lstm_cell(x, state, cell.weight_ih, cell.weight_hh, cell.bias_ih, cell.bias_hh)
+    else:
+        state = torch._VF.gru_cell(x, state, cell.weight_ih, cell.weight_hh, cell.bias_ih, cell.bias_hh)
+    if isinstance(state, Tensor):
+        return state.unsqueeze(0), None
+    return state[0].unsqueeze(0), state[1].unsqueeze(0)

@@ -1,0 +1,355 @@
+"""A hand-written backward through time for the fast path's recurrence (Haste's approach, in plain PyTorch ops).
+
+:func:`run_recurrence` runs one direction of one layer — what the fast path's loop of
+:meth:`~seqnorm.cells.base.RecurrentCell.recurrent_step` computes — as one ``torch.autograd.Function``. Its inputs
+are the input side (the input terms of :meth:`~seqnorm.cells.base.RecurrentCell.input_terms` with their own autograd
+graph for ``W_ih`` and a LayerNorm; or, for a per-timestep BatchNorm or RMSNorm on the input term, the projections
+``W_ih x``, normalized step by step inside), the initial state, ``W_hh^T`` and the norms' parameters.
+
+- **Forward**: the loop runs without recording a graph and saves only what the backward needs: the raw recurrent
+  terms ``W_hh h``, the activated gates, for LSTMs the cell states and ``tanh(N_c(c))``, each norm's per-step
+  statistics, and the outputs ``h`` (saved as the output they are). Per-timestep BatchNorm updates its running
+  statistics exactly as :meth:`~seqnorm.norms.TimestepBatchNorm.forward_step` does (torch's fused kernel).
+- **Backward**: every step's local gate derivatives are computed at once, in place in the buffer of the input
+  terms' gradient; the reverse walk through time then takes a few operations per step (the norms' backward are
+  torch's LayerNorm / BatchNorm backward kernels, :mod:`seqnorm.layers.bptt_norms`); the gradient of ``W_hh`` is one
+  matmul over all steps, and the norms' ``γ``/``β`` gradients one sum.
+
+:func:`supports` says which configurations it reproduces exactly; everything else keeps the step-by-step loop of
+:mod:`seqnorm.layers.fast`. Padded rows (``mask`` false) keep their state, enter no batch statistics and receive no
+gradient from the step they skip.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.utils import parametrize
+
+from seqnorm.cells.base import RecurrentCell
+from seqnorm.cells.gru import GRUCell
+from seqnorm.cells.lstm import LSTMCell
+from seqnorm.layers.bptt_norms import StepNorm, norm_kind
+from seqnorm.layers.stack import PaddingLayout
+from seqnorm.norms import RMSNorm, TimestepBatchNorm
+
+__all__ = ["ROUTED_NORMS", "run_recurrence", "supports"]
+
+# The cells' `norm=` choices routed through the hand-written backward: where it measured faster than autograd's
+# per-step graph (BENCHMARKS.md). batch_renorm is not reproduced (its norm is a subclass) and keeps the loop.
+ROUTED_NORMS: frozenset[str] = frozenset({"none", "weight", "layer", "rms", "batch"})
+# Input norms applied step by step inside the Function rather than to the whole sequence beforehand.
+INSIDE_INPUT_NORMS: tuple[type, ...] = (TimestepBatchNorm, RMSNorm)
+
+
+def supports(cell: RecurrentCell, sequence: Tensor, state: Any, recurrent_mask: Tensor | None) -> bool:
+    """Whether :func:`run_recurrence` computes exactly what ``cell.recurrent_step`` would, and a gradient is wanted.
+
+    Anything else — zoneout, variational recurrent dropout, a projection, batch renormalization, mean-only BN, other
+    placements of the norms, autocast or half precision, or no gradient needed — runs the step-by-step loop.
+    """
+    # Exact classes (a subclass may step differently); weight norm's parametrization subclasses the cell's class.
+    cell_class = type(cell).__bases__[0] if parametrize.is_parametrized(cell) else type(cell)
+    if cell_class not in (LSTMCell, GRUCell) or cell.norm not in ROUTED_NORMS:
+        return False
+    if getattr(cell, "norm_placement", "separate") != "separate" or getattr(cell, "state_norm", "output") != "output":
+        return False
+    if recurrent_mask is not None or cell.draws_random or cell.weight_hr is not None:
+        return False
+    if norm_kind(cell.norm_hh) is None or norm_kind(cell.norm_c) is None:
+        return False
+    if sequence.dtype not in (torch.float32, torch.float64) or torch.is_autocast_enabled(sequence.device.type):
+        return False
+    if not torch.is_grad_enabled():
+        return False
+    states = state if isinstance(state, tuple) else (state,)
+    return sequence.requires_grad or any(t.requires_grad for t in (*states, *cell.parameters()))
+
+
+def run_recurrence(
+    cell: RecurrentCell, sequence: Tensor, state: Any, weight_hh: Tensor | None, layout: PaddingLayout
+) -> tuple[Tensor, Any]:
+    """The recurrent loop of the fast path as one autograd Function; returns ``(outputs (T, B, H), final state)``.
+
+    Args:
+        cell: an LSTM or GRU cell :func:`supports` accepts.
+        sequence: ``(T, B, input_size)``, input dropout applied.
+        state: the initial state, ``(h, c)`` or ``h``, each ``(B, H)``.
+        weight_hh: ``W_hh`` for every step if not the cell's own (DropConnect), else ``None``.
+        layout: where the real rows are (:func:`~seqnorm.layers.stack.padding_layout`).
+    """
+    plan = _Plan(cell, layout)
+    if plan.norm_ih.kind == "none":
+        inputs, ih_weight, ih_shift = cell.input_terms(sequence, layout.active, layout.counts), None, None
+    else:
+        # A per-timestep input BN runs inside the loop, one fused kernel per step (so does its backward): cheaper
+        # than its vectorized form under autograd, which keeps several (T, B, G*H) intermediates.
+        inputs = F.linear(sequence, cell.weight_ih)
+        ih_weight, ih_shift = cell.norm_ih.weight, cell.folded_bias()
+    # Weight norm (and DropConnect): computed once per sequence, not once per step.
+    weight_hh_t = (cell.weight_hh if weight_hh is None else weight_hh).t()
+    norm_hh, norm_c = cell.norm_hh, cell.norm_c
+    hh_weight = None if norm_hh is None else norm_hh.weight
+    hh_shift = None if norm_hh is None else norm_hh.bias
+    if isinstance(cell, GRUCell):
+        # b_hh follows the recurrent norm (its candidate part is gated by r), so it joins the norm's shift.
+        if cell.bias_hh is not None:
+            hh_shift = cell.bias_hh if hh_shift is None else hh_shift + cell.bias_hh
+        params = (ih_weight, ih_shift, weight_hh_t, hh_weight, hh_shift)
+        outputs, h_n = _GRURecurrence.apply(plan, inputs, state, *params)
+        return outputs, h_n
+    c_weight = None if norm_c is None else norm_c.weight
+    c_shift = None if norm_c is None else norm_c.bias
+    params = (ih_weight, ih_shift, weight_hh_t, hh_weight, hh_shift, c_weight, c_shift)
+    outputs, h_n, c_n = _LSTMRecurrence.apply(plan, inputs, state[0], state[1], *params)
+    return outputs, (h_n, c_n)
+
+
+class _Plan:
+    """What a call needs besides tensors: the padding layout and the norms' per-call helpers."""
+
+    def __init__(self, cell: RecurrentCell, layout: PaddingLayout) -> None:
+        self.masks = layout.masks
+        self.counts = layout.counts
+        # The input norm runs inside the Function only where that is faster (see run_recurrence).
+        self.norm_ih = StepNorm(cell.norm_ih if type(cell.norm_ih) in INSIDE_INPUT_NORMS else None)
+        self.norm_hh = StepNorm(cell.norm_hh)
+        self.norm_c = StepNorm(cell.norm_c)
+
+    def save(self, ctx: Any, *tensors: Tensor | None) -> None:
+        """``save_for_backward`` of ``tensors`` and the norms' statistics (so saved-tensor hooks see all of them)."""
+        ih, hh, c = self.norm_ih.saved(), self.norm_hh.saved(), self.norm_c.saved()
+        ctx.plan, ctx.count, ctx.splits = self, len(tensors), (len(ih), len(ih) + len(hh))
+        ctx.save_for_backward(*tensors, *ih, *hh, *c)
+
+    @staticmethod
+    def load(ctx: Any) -> tuple[_Plan, list[Tensor]]:
+        """The plan and the tensors :meth:`save` saved, with the norms' statistics loaded back."""
+        plan: _Plan = ctx.plan
+        saved = list(ctx.saved_tensors)
+        stats, (first, second) = saved[ctx.count :], ctx.splits
+        plan.norm_ih.load(stats[:first])
+        plan.norm_hh.load(stats[first:second])
+        plan.norm_c.load(stats[second:])
+        return plan, saved[: ctx.count]
+
+
+def _input_grads(
+    plan: _Plan, grad_terms: Tensor, inputs: Tensor | None, weight: Tensor | None, shift: Tensor | None
+) -> tuple[Tensor, tuple[Tensor | None, Tensor | None]]:
+    """The gradient w.r.t. the Function's ``inputs`` (through the input norm, if it runs inside) and its γ/shift."""
+    norm = plan.norm_ih
+    if norm.kind == "none":
+        return grad_terms, (None, None)
+    steps = [
+        norm.backward(grad, x, t, mask, count, weight, shift)
+        for t, (grad, x, mask, count) in enumerate(zip(grad_terms, inputs, plan.masks, plan.counts, strict=True))
+    ]
+    return torch.stack(steps), norm.parameter_grads()
+
+
+def _split_masked(grad: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """``(the part for the step's computation, the part a padded row passes to its previous state)``."""
+    if mask is None:
+        return grad, None
+    keep = mask.unsqueeze(1)
+    return torch.where(keep, grad, 0.0), torch.where(keep, 0.0, grad)
+
+
+def _weight_hh_t_grad(h0: Tensor, hs: Tensor, grad_raw: Tensor) -> Tensor:
+    """``sum_t h_{t-1}^T dL/d(W_hh h_{t-1})``: one matmul over all steps (``h_{-1}`` is ``h0``)."""
+    hidden, gates = hs.shape[2], grad_raw.shape[2]
+    first = torch.mm(h0.t(), grad_raw[0])
+    return torch.addmm(first, hs[:-1].reshape(-1, hidden).t(), grad_raw[1:].reshape(-1, gates))
+
+
+class _LSTMRecurrence(torch.autograd.Function):
+    """``(i, f, g, o) = terms_t + N_hh(W_hh h)``, ``c' = σ(f) c + σ(i) tanh(g)``, ``h' = σ(o) tanh(N_c(c'))``."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        plan: _Plan,
+        inputs: Tensor,
+        h0: Tensor,
+        c0: Tensor,
+        ih_weight: Tensor | None,
+        ih_shift: Tensor | None,
+        weight_hh_t: Tensor,
+        hh_weight: Tensor | None,
+        hh_shift: Tensor | None,
+        c_weight: Tensor | None,
+        c_shift: Tensor | None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        steps, batch, gates = inputs.shape
+        hidden = gates // 4
+        norm_ih, norm_hh, norm_c = plan.norm_ih, plan.norm_hh, plan.norm_c
+        # Without a recurrent norm (nor its shift) the raw term is never needed again: addmm straight into the gates.
+        raw = None if norm_hh.kind == "none" and hh_shift is None else inputs.new_empty(steps, batch, gates)
+        acts = inputs.new_empty(steps, batch, gates)  # σ(i), σ(f), tanh(g), σ(o)
+        cs = inputs.new_empty(steps, batch, hidden)
+        tanh_cs = inputs.new_empty(steps, batch, hidden)  # tanh(N_c(c')), before the padded rows keep their state
+        hs = inputs.new_empty(steps, batch, hidden)
+        h, c = h0, c0
+        for t in range(steps):
+            mask, count = plan.masks[t], plan.counts[t]
+            term = norm_ih.forward(inputs[t], t, mask, count, ih_weight, ih_shift)
+            if raw is None:
+                pre = torch.addmm(term, h, weight_hh_t)
+            else:
+                torch.mm(h, weight_hh_t, out=raw[t])
+                pre = norm_hh.forward(raw[t], t, mask, count, hh_weight, hh_shift).add_(term)
+            act = acts[t]
+            torch.sigmoid(pre, out=act)
+            torch.tanh(pre[:, 2 * hidden : 3 * hidden], out=act[:, 2 * hidden : 3 * hidden])
+            i, f, g, o = act.chunk(4, 1)
+            c_new = torch.addcmul(f * c, i, g, out=cs[t] if mask is None else None)
+            tanh_c = torch.tanh(norm_c.forward(c_new, t, mask, count, c_weight, c_shift), out=tanh_cs[t])
+            h_new = torch.mul(o, tanh_c, out=hs[t] if mask is None else None)
+            if mask is not None:  # padded rows keep their state
+                keep = mask.unsqueeze(1)
+                torch.where(keep, c_new, c, out=cs[t])
+                torch.where(keep, h_new, h, out=hs[t])
+            h, c = hs[t], cs[t]
+        for norm in (norm_ih, norm_hh, norm_c):
+            norm.finish_forward()
+        inputs = None if norm_ih.kind == "none" else inputs  # needed only for the input norm's backward
+        tensors = (ih_weight, ih_shift, h0, c0, weight_hh_t, hh_weight, hh_shift, c_weight, c_shift)
+        plan.save(ctx, inputs, *tensors, hs, cs, tanh_cs, acts, raw)
+        return hs, hs[-1].clone(), cs[-1].clone()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_hs: Tensor, grad_h_n: Tensor, grad_c_n: Tensor) -> tuple[Tensor | None, ...]:
+        plan, saved = _Plan.load(ctx)
+        inputs, ih_weight, ih_shift, h0, c0, weight_hh_t, hh_weight, hh_shift, c_weight, c_shift = saved[:10]
+        hs, cs, tanh_cs, acts, raw = saved[10:]
+        norm_hh, norm_c = plan.norm_hh, plan.norm_c
+        steps, batch, gates = acts.shape
+        hidden = gates // 4
+        i, f, g, o = acts.chunk(4, 2)
+        # Every step's local derivatives at once, written where the input terms' gradient goes: the loop then only
+        # multiplies them by the incoming gradients, in place.
+        grad_terms = torch.empty_like(acts)
+        d_i, d_f, d_g, d_o = grad_terms.chunk(4, 2)
+        one = acts.new_ones(())
+        torch.addcmul(i, i, i, value=-1, out=d_i).mul_(g)  # dL/di = dL/dc * g σ'(i)
+        torch.addcmul(f, f, f, value=-1, out=d_f)  # dL/df = dL/dc * c_prev σ'(f)
+        d_f[0].mul_(c0)
+        d_f[1:].mul_(cs[:-1])
+        torch.addcmul(one, g, g, value=-1, out=d_g).mul_(i)  # dL/dg = dL/dc * i tanh'(g)
+        torch.addcmul(o, o, o, value=-1, out=d_o).mul_(tanh_cs)  # dL/do = dL/dh * tanh(c_out) σ'(o)
+        d_tanh = torch.addcmul(one, tanh_cs, tanh_cs, value=-1).mul_(o)  # dL/dc_out = dL/dh * d_tanh
+        grad_raw: list[Tensor] = []
+        weight_hh = weight_hh_t.t()
+        dh, dc = grad_h_n + grad_hs[-1], grad_c_n
+        for t in range(steps - 1, -1, -1):
+            mask, count = plan.masks[t], plan.counts[t]
+            dh, dh_keep = _split_masked(dh, mask)
+            dc, dc_keep = _split_masked(dc, mask)
+            if norm_c.kind == "none" and c_shift is None:
+                dc = torch.addcmul(dc, dh, d_tanh[t])
+            else:
+                dc = norm_c.backward(dh * d_tanh[t], cs[t], t, mask, count, c_weight, c_shift).add_(dc)
+            grad = grad_terms[t]
+            grad[:, : 3 * hidden].view(batch, 3, hidden).mul_(dc.unsqueeze(1))
+            grad[:, 3 * hidden :].mul_(dh)
+            dr = grad if raw is None else norm_hh.backward(grad, raw[t], t, mask, count, hh_weight, hh_shift)
+            grad_raw.append(dr)
+            dc = dc * f[t]
+            dh = torch.addmm(grad_hs[t - 1], dr, weight_hh) if t else torch.mm(dr, weight_hh)
+            if mask is not None:
+                dh, dc = dh + dh_keep, dc + dc_keep
+        grad_raw_all = grad_terms if raw is None else torch.stack(grad_raw[::-1])
+        grad_weight_hh_t = _weight_hh_t_grad(h0, hs, grad_raw_all)
+        grad_inputs, ih_grads = _input_grads(plan, grad_terms, inputs, ih_weight, ih_shift)
+        hh_grads, c_grads = norm_hh.parameter_grads(), norm_c.parameter_grads()
+        return None, grad_inputs, dh, dc, *ih_grads, grad_weight_hh_t, *hh_grads, *c_grads
+
+
+class _GRURecurrence(torch.autograd.Function):
+    """``u = N_hh(W_hh h) + b_hh``, ``r, z = σ(terms + u)``, ``n = tanh(terms_n + r u_n)``, ``h' = (1 - z) n + z h``."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        plan: _Plan,
+        inputs: Tensor,
+        h0: Tensor,
+        ih_weight: Tensor | None,
+        ih_shift: Tensor | None,
+        weight_hh_t: Tensor,
+        hh_weight: Tensor | None,
+        hh_shift: Tensor | None,
+    ) -> tuple[Tensor, Tensor]:
+        steps, batch, gates = inputs.shape
+        hidden = gates // 3
+        norm_ih, norm_hh = plan.norm_ih, plan.norm_hh
+        raw = inputs.new_empty(steps, batch, gates)  # W_hh h
+        acts = inputs.new_empty(steps, batch, gates)  # r, z, n
+        hs = inputs.new_empty(steps, batch, hidden)
+        h = h0
+        for t in range(steps):
+            mask, count = plan.masks[t], plan.counts[t]
+            torch.mm(h, weight_hh_t, out=raw[t])
+            u = norm_hh.forward(raw[t], t, mask, count, hh_weight, hh_shift)
+            a, act = norm_ih.forward(inputs[t], t, mask, count, ih_weight, ih_shift), acts[t]
+            torch.add(a[:, : 2 * hidden], u[:, : 2 * hidden], out=act[:, : 2 * hidden]).sigmoid_()
+            n = torch.addcmul(a[:, 2 * hidden :], act[:, :hidden], u[:, 2 * hidden :], out=act[:, 2 * hidden :])
+            n.tanh_()
+            h_new = torch.lerp(n, h, act[:, hidden : 2 * hidden], out=hs[t] if mask is None else None)
+            if mask is not None:  # padded rows keep their state
+                torch.where(mask.unsqueeze(1), h_new, h, out=hs[t])
+            h = hs[t]
+        norm_ih.finish_forward()
+        norm_hh.finish_forward()
+        inputs = None if norm_ih.kind == "none" else inputs  # needed only for the input norm's backward
+        plan.save(ctx, inputs, ih_weight, ih_shift, h0, weight_hh_t, hh_weight, hh_shift, hs, acts, raw)
+        return hs, hs[-1].clone()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_hs: Tensor, grad_h_n: Tensor) -> tuple[Tensor | None, ...]:
+        plan, saved = _Plan.load(ctx)
+        inputs, ih_weight, ih_shift, h0, weight_hh_t, hh_weight, hh_shift, hs, acts, raw = saved
+        norm_hh = plan.norm_hh
+        steps, batch, gates = acts.shape
+        hidden = gates // 3
+        r, z, n = acts.chunk(3, 2)
+        # u_n, the normalized candidate term, is recomputed rather than saved: memory for one vectorized pass.
+        candidate = slice(2 * hidden, gates)
+        u_n = norm_hh.normalized(raw[..., candidate], candidate)
+        if hh_weight is not None:
+            u_n.mul_(hh_weight[candidate])
+        if hh_shift is not None:
+            u_n.add_(hh_shift[candidate])
+        # Every step's local derivatives at once, in the buffer of the input terms' gradient (see the LSTM).
+        grad_terms = torch.empty_like(acts)
+        d_r, d_z, d_n = grad_terms.chunk(3, 2)
+        torch.addcmul(acts.new_ones(()), n, n, value=-1, out=d_n).addcmul_(d_n, z, value=-1)  # (1 - z) tanh'
+        torch.sub(h0, n[0], out=d_z[0])
+        torch.sub(hs[:-1], n[1:], out=d_z[1:])
+        d_z.mul_(torch.addcmul(z, z, z, value=-1, out=d_r))  # (h_prev - n) σ'(z)
+        torch.addcmul(r, r, r, value=-1, out=d_r).mul_(u_n).mul_(d_n)  # dL/dr = dL/d(pre n) u_n σ'(r)
+        grad_raw: list[Tensor] = []
+        weight_hh = weight_hh_t.t()
+        dh = grad_h_n + grad_hs[-1]
+        for t in range(steps - 1, -1, -1):
+            mask, count = plan.masks[t], plan.counts[t]
+            dh, dh_keep = _split_masked(dh, mask)
+            grad = grad_terms[t]
+            grad.view(batch, 3, hidden).mul_(dh.unsqueeze(1))
+            du = grad.clone()  # dL/du: as dL/d(terms), but r gates the candidate part
+            du[:, 2 * hidden :].mul_(r[t])
+            dr = norm_hh.backward(du, raw[t], t, mask, count, hh_weight, hh_shift)
+            grad_raw.append(dr)
+            carry = torch.addcmul(grad_hs[t - 1], dh, z[t]) if t else dh * z[t]
+            dh = torch.addmm(carry, dr, weight_hh)
+            if mask is not None:
+                dh = dh + dh_keep
+        grad_weight_hh_t = _weight_hh_t_grad(h0, hs, torch.stack(grad_raw[::-1]))
+        grad_inputs, ih_grads = _input_grads(plan, grad_terms, inputs, ih_weight, ih_shift)
+        return None, grad_inputs, dh, *ih_grads, grad_weight_hh_t, *norm_hh.parameter_grads()

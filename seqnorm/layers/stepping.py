@@ -1,0 +1,237 @@
+"""A lean single time step for generation: :meth:`~seqnorm.layers.base.RecurrentLayer.step` when no gradient is wanted.
+
+At batch size 1 a step is a chain of tiny operations, so what counts is how many there are. Without autograd the
+cell's parameters are constants between optimizer steps, so everything that depends on them alone is computed once
+and cached: weight norm's ``g * v / ||v||``, the biases folded together and, for per-timestep BatchNorm in
+evaluation, each step's ``γ / sqrt(running_var + eps)`` and shift for all steps at once. A step is then two
+matrix-vector products and about ten fused element-wise operations (``addcmul``, ``F.layer_norm``, ``lerp``).
+
+The cache is keyed on the storage and version counter of every parameter and buffer of the cell, so any in-place
+update (an optimizer step, ``load_state_dict``, BN running statistics) or a move to another device rebuilds it. It is
+used only while gradients are disabled (``torch.no_grad()``/``inference_mode``); otherwise, and for anything it does
+not reproduce exactly (see :func:`lean_layer_step`), the cells' own steps run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from weakref import WeakKeyDictionary
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+
+from seqnorm.cells.base import RecurrentCell
+from seqnorm.cells.gru import GRUCell
+from seqnorm.cells.lstm import LSTMCell
+from seqnorm.layers.bptt_norms import norm_kind
+from seqnorm.norms import TimestepBatchNorm
+
+__all__ = ["LayerStep", "Step", "lean_layer_step"]
+
+
+# run(x, h, c, step) -> (h', c'): x (B, I) or (1, B, I); h, c (1, B, .); c is None for GRUs.
+Step = Callable[[Tensor, Tensor, "Tensor | None", int], tuple[Tensor, "Tensor | None"]]
+Term = Callable[[Tensor, int], Tensor]
+
+
+LayerStep = Callable[[Tensor, Tensor, "Tensor | None", int], tuple[Tensor, Tensor, "Tensor | None"]]
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """A layer's lean step and what it was built from.
+
+    Attributes:
+        watched: ``(dict, name, tensor, version, storage)`` of every parameter and buffer of the layer's cells (the
+            ``_parameters``/``_buffers`` dicts of every submodule, weight norm's and the norms' included).
+        observers: the cells' observers (a hooked observer needs the cells' own steps).
+        training, dtype, device_type: the layer's mode and the inputs it was built for.
+        run: ``run(x, h, c, step) -> (output, h', c')``.
+    """
+
+    watched: list[tuple[dict[str, Tensor | None], str, Tensor, int, int]]
+    observers: list[nn.Module]
+    training: bool
+    dtype: torch.dtype
+    device_type: str
+    run: LayerStep
+
+    def valid(self, training: bool, dtype: torch.dtype) -> bool:
+        """Whether nothing was updated in place, moved, replaced or hooked since (this runs at every step)."""
+        if training != self.training or dtype != self.dtype or torch.is_autocast_enabled(self.device_type):
+            return False
+        for observer in self.observers:
+            if observer.active:
+                return False
+        for store, name, tensor, version, storage in self.watched:
+            if store.get(name) is not tensor or tensor._version != version or tensor.data_ptr() != storage:
+                return False
+        return True
+
+
+_CACHE: WeakKeyDictionary[nn.Module, _Snapshot] = WeakKeyDictionary()
+
+
+def lean_layer_step(layer: nn.Module, x: Tensor) -> LayerStep | None:
+    """The cached lean step of every cell of ``layer`` (a unidirectional RecurrentLayer), or ``None``.
+
+    It applies with gradients disabled, without autocast, to float32/float64 inputs, no inter-layer dropout in
+    training and cells :func:`_supported` accepts. The cache is rebuilt when any parameter or buffer was updated in
+    place, moved or replaced, or the layer switched between training and evaluation.
+    """
+    if torch.is_grad_enabled():
+        return None
+    cached = _CACHE.get(layer)
+    if cached is not None and cached.valid(layer.training, x.dtype):
+        return cached.run
+    if torch.is_autocast_enabled(x.device.type):
+        return None
+    cells = list(layer.cells)
+    dropout = layer.training and layer.dropout and len(cells) > 1
+    if layer.impl == "reference" or dropout or not all(_supported(cell, x) for cell in cells):
+        return None
+    stores = [
+        (store, name, tensor)
+        for module in layer.modules()
+        for store in (module._parameters, module._buffers)
+        for name, tensor in store.items()
+        if tensor is not None
+    ]
+    if any(tensor.is_inference() for _, _, tensor in stores):
+        return None  # made under torch.inference_mode(): no version counter to tell when they change
+    watched = [(store, name, tensor, tensor._version, tensor.data_ptr()) for store, name, tensor in stores]
+    run = _layer_run([_build(cell) for cell in cells])
+    observers = [cell.observer for cell in cells]
+    _CACHE[layer] = _Snapshot(watched, observers, layer.training, x.dtype, x.device.type, run)
+    return run
+
+
+def _layer_run(steps: list[Step]) -> LayerStep:
+    """Every cell's step in turn on ``(1, B, .)`` slices of the state (so one layer's new state is not stacked)."""
+    if len(steps) == 1:
+        only = steps[0]
+
+        def single(x: Tensor, h: Tensor, c: Tensor | None, step: int) -> tuple[Tensor, Tensor, Tensor | None]:
+            h, c = only(x, h, c, step)
+            return h.select(0, 0), h, c
+
+        return single
+
+    def stacked(x: Tensor, h: Tensor, c: Tensor | None, step: int) -> tuple[Tensor, Tensor, Tensor | None]:
+        h_next, c_next = [], []
+        for index, run in enumerate(steps):
+            h_layer, c_layer = run(x, h.narrow(0, index, 1), None if c is None else c.narrow(0, index, 1), step)
+            h_next.append(h_layer)
+            c_next.append(c_layer)
+            x = h_layer
+        return x.select(0, 0), torch.cat(h_next), None if c is None else torch.cat(c_next)
+
+    return stacked
+
+
+def _supported(cell: RecurrentCell, x: Tensor) -> bool:
+    cell_class = type(cell).__bases__[0] if parametrize.is_parametrized(cell) else type(cell)
+    if cell_class not in (LSTMCell, GRUCell) or cell.draws_random or cell.weight_hr is not None:
+        return False
+    if cell.observer.active or (cell.training and any(isinstance(m, TimestepBatchNorm) for m in cell.modules())):
+        return False
+    if getattr(cell, "norm_placement", "separate") != "separate" or getattr(cell, "state_norm", "output") != "output":
+        return False
+    kinds = [norm_kind(norm) for norm in (cell.norm_ih, cell.norm_hh, cell.norm_c)]
+    return None not in kinds and x.dtype in (torch.float32, torch.float64)
+
+
+def _build(cell: RecurrentCell) -> Step:
+    weight_ih, weight_hh = cell.weight_ih, cell.weight_hh  # weight norm evaluated here, once
+    hidden = cell.hidden_size
+    if cell.norm_ih is None and cell.norm_hh is None and cell.norm_c is None:
+        return _kernel_step(cell, weight_ih, weight_hh)
+    if isinstance(cell, LSTMCell):
+        # Both biases are added to the same pre-activations: they follow the input norm.
+        input_term = _term(weight_ih.t(), cell.norm_ih, cell.folded_bias())
+        return _lstm_step(input_term, _term(weight_hh.t(), cell.norm_hh, None), _term(None, cell.norm_c, None), hidden)
+    # The GRU's b_hh follows the recurrent norm (its candidate part is gated by r).
+    input_term = _term(weight_ih.t(), cell.norm_ih, cell.bias_ih)
+    return _gru_step(input_term, _term(weight_hh.t(), cell.norm_hh, cell.bias_hh), hidden)
+
+
+def _kernel_step(cell: RecurrentCell, weight_ih: Tensor, weight_hh: Tensor) -> Step:
+    """Nothing normalizes: torch's fused cell kernel, with weight norm's weights computed once."""
+    parameters = (weight_ih, weight_hh, cell.bias_ih, cell.bias_hh)
+    if isinstance(cell, LSTMCell):
+
+        def lstm(x: Tensor, h: Tensor, c: Tensor | None, step: int) -> tuple[Tensor, Tensor | None]:
+            h, c = torch._VF.lstm_cell(x if x.dim() == 2 else x[0], (h[0], c[0]), *parameters)
+            return h.unsqueeze(0), c.unsqueeze(0)
+
+        return lstm
+
+    def gru(x: Tensor, h: Tensor, c: Tensor | None, step: int) -> tuple[Tensor, Tensor | None]:
+        return torch._VF.gru_cell(x if x.dim() == 2 else x[0], h[0], *parameters).unsqueeze(0), None
+
+    return gru
+
+
+def _term(weight_t: Tensor | None, norm: nn.Module | None, bias: Tensor | None) -> Term:
+    """``N(v W^T) * γ + β + bias`` of a step (``weight_t`` ``None``: ``N(v)``), as one flat closure (no nesting:
+    every Python call counts at batch size 1)."""
+    kind = norm_kind(norm)
+    beta = None if norm is None else norm.bias
+    shift = beta if bias is None else (bias if beta is None else beta + bias)
+    if kind == "none":
+        if weight_t is None:
+            return (lambda v, step: v) if shift is None else (lambda v, step: v + shift)
+        if shift is None:
+            return lambda v, step: torch.matmul(v, weight_t)
+        return lambda v, step: torch.matmul(v, weight_t).add_(shift)
+    if kind == "layer":
+        shape, weight, eps = (norm.num_features,), norm.weight, norm.eps
+        if weight_t is None:
+            return lambda v, step: torch.layer_norm(v, shape, weight, shift, eps)
+        return lambda v, step: torch.layer_norm(torch.matmul(v, weight_t), shape, weight, shift, eps)
+    if kind == "rms":
+        features, weight, eps = norm.num_features, norm.weight, norm.eps
+
+        def rms(v: Tensor, step: int) -> Tensor:
+            y = v if weight_t is None else torch.matmul(v, weight_t)
+            y = torch.mul(y, torch.rsqrt(torch.linalg.vecdot(y, y).unsqueeze(-1).div_(features).add_(eps)))
+            return y.mul_(weight) if shift is None else y.mul_(weight).add_(shift)
+
+        return rms
+    # Per-timestep BatchNorm in evaluation: (y - mean_t) / sqrt(var_t + eps) * γ + shift = y * scale_t + offset_t,
+    # one row per step (steps beyond max_steps use the last).
+    scales = torch.rsqrt(norm.running_var + norm.eps) * norm.weight  # (max_steps, F)
+    offsets = -norm.running_mean * scales if shift is None else shift - norm.running_mean * scales
+    rows, last = list(zip(offsets.unbind(0), scales.unbind(0), strict=True)), norm.max_steps - 1
+
+    def batch(v: Tensor, step: int) -> Tensor:
+        offset, scale = rows[min(step, last)]
+        return torch.addcmul(offset, v if weight_t is None else torch.matmul(v, weight_t), scale)
+
+    return batch
+
+
+def _lstm_step(input_term: Term, recurrent_term: Term, state_term: Term, hidden: int) -> Step:
+    cell_gate = 2 * hidden  # where g starts: tanh, not σ
+
+    def run(x: Tensor, h_prev: Tensor, c_prev: Tensor | None, step: int) -> tuple[Tensor, Tensor | None]:
+        pre = recurrent_term(h_prev, step).add_(input_term(x, step))  # (1, B, 4H)
+        gates = torch.sigmoid(pre)
+        torch.tanh(pre.narrow(-1, cell_gate, hidden), out=gates.narrow(-1, cell_gate, hidden))
+        i, f, g, o = gates.chunk(4, -1)
+        c = torch.addcmul(f * c_prev, i, g)
+        return torch.mul(o, torch.tanh(state_term(c, step))), c
+
+    return run
+
+
+def _gru_step(input_term: Term, recurrent_term: Term, hidden: int) -> Step:
+    def run(x: Tensor, h_prev: Tensor, c_prev: Tensor | None, step: int) -> tuple[Tensor, Tensor | None]:
+        a, u = input_term(x, step), recurrent_term(h_prev, step)
+        rz = torch.add(a.narrow(-1, 0, 2 * hidden), u.narrow(-1, 0, 2 * hidden)).sigmoid_()
+        n = torch.addcmul(a.narrow(-1, 2 * hidden, hidden), rz.narrow(-1, 0, hidden), u.narrow(-1, 2 * hidden, hidden))
+        return torch.lerp(n.tanh_(), h_prev, rz.narrow(-1, hidden, hidden)), None  # (1 - z) n + z h
+
+    return run

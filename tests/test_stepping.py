@@ -1,0 +1,88 @@
+"""The lean generation step (seqnorm/layers/stepping.py): the same steps as the reference, and a cache that follows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from seqnorm.layers.stepping import lean_layer_step
+from tests.conftest import LAYERS, NORMS, perturb_norm_parameters
+
+TOLERANCE = {"rtol": 1e-12, "atol": 1e-12}
+
+
+def _pair(kind: str, norm: str, **kwargs: Any) -> tuple[torch.nn.Module, torch.nn.Module]:
+    reference = LAYERS[kind](3, 4, norm=norm, impl="reference", dtype=torch.float64, max_steps=3, **kwargs)
+    perturb_norm_parameters(reference)
+    lean = LAYERS[kind](3, 4, norm=norm, dtype=torch.float64, max_steps=3, **kwargs)
+    lean.load_state_dict(reference.state_dict())
+    return reference.eval(), lean.eval()
+
+
+def _steps(layer: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    outputs, state = [], None
+    for x_t in x.unbind(0):
+        output, state = layer.step(x_t, state)
+        outputs.append(output)
+    return torch.stack(outputs), state
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_lean_step_equals_reference_step(kind: str, norm: str) -> None:
+    """Two layers, batch 1, more steps than max_steps (per-timestep BN then reuses its last row)."""
+    reference, lean = _pair(kind, norm, num_layers=2)
+    x = torch.randn(5, 1, 3, dtype=torch.float64)
+    with torch.no_grad():
+        assert (lean_layer_step(lean, x[0]) is None) == (norm == "batch_renorm")  # renorm: the cell's own step
+        expected, expected_state = _steps(reference, x)
+        got, state = _steps(lean, x)
+    assert_close(got, expected, **TOLERANCE)
+    assert_close(tuple(state), tuple(expected_state), **TOLERANCE)
+
+
+@pytest.mark.parametrize("norm", ["layer", "weight", "batch"])
+def test_cache_follows_parameter_updates(norm: str) -> None:
+    reference, lean = _pair("lstm", norm)
+    x = torch.randn(4, 2, 3, dtype=torch.float64)
+    with torch.no_grad():
+        _steps(lean, x)  # builds the cache
+        for layer in (reference, lean):  # an optimizer-like in-place update of every parameter and buffer
+            for tensor in layer.state_dict().values():
+                if tensor.is_floating_point():
+                    tensor.mul_(0.9)
+        assert_close(_steps(lean, x)[0], _steps(reference, x)[0], **TOLERANCE)
+        for layer in (reference, lean):  # replaced, not updated in place (weight norm: through its parametrization)
+            weight = layer.cells[0].weight_hh.detach() * 1.5
+            layer.cells[0].weight_hh = weight if norm == "weight" else torch.nn.Parameter(weight)
+        assert_close(_steps(lean, x)[0], _steps(reference, x)[0], **TOLERANCE)
+
+
+def test_lean_step_only_without_gradients_and_batch_norm_only_in_eval() -> None:
+    layer = LAYERS["gru"](3, 4, norm="batch")
+    x = torch.randn(2, 3)
+    assert lean_layer_step(layer, x) is None  # gradients enabled
+    with torch.no_grad():
+        assert lean_layer_step(layer, x) is None  # training: batch statistics, the cell's own step
+        layer.eval()
+        assert lean_layer_step(layer, x) is not None
+        layer.train()
+        assert lean_layer_step(layer, x) is None
+        handle = layer.cells[0].observer.register_forward_hook(lambda *args: None)
+        layer.eval()
+        assert lean_layer_step(layer, x) is None  # an observer sees every step of the cell itself
+        handle.remove()
+        assert lean_layer_step(layer, x) is not None
+
+
+def test_layers_made_in_inference_mode_step_without_the_cache() -> None:
+    with torch.inference_mode():
+        layer = LAYERS["lstm"](3, 4, norm="layer").eval()
+        state = None
+        for _ in range(3):
+            _, state = layer.step(torch.randn(2, 3), state)
+        assert lean_layer_step(layer, torch.randn(2, 3)) is None  # inference tensors have no version counter
+    assert state.step == 3
