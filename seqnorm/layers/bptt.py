@@ -2,9 +2,9 @@
 
 :func:`run_recurrence` runs one direction of one layer — what the fast path's loop of
 :meth:`~seqnorm.cells.base.RecurrentCell.recurrent_step` computes — as one ``torch.autograd.Function``. Its inputs
-are the input side (the input terms of :meth:`~seqnorm.cells.base.RecurrentCell.input_terms` with their own autograd
-graph for ``W_ih`` and a LayerNorm; or, for a per-timestep BatchNorm or RMSNorm on the input term, the projections
-``W_ih x``, normalized step by step inside), the initial state, ``W_hh^T`` and the norms' parameters.
+are the projections ``W_ih x`` of all steps (one matmul with its own autograd graph; their norm — LayerNorm, RMSNorm
+or per-timestep BatchNorm — and the biases are applied step by step inside; without a norm, the input terms of
+:meth:`~seqnorm.cells.base.RecurrentCell.input_terms`), the initial state, ``W_hh^T`` and the norms' parameters.
 
 - **Forward**: the loop runs without recording a graph and saves only what the backward needs: the raw recurrent
   terms ``W_hh h``, the activated gates, for LSTMs the cell states and ``tanh(N_c(c))``, each norm's per-step
@@ -34,15 +34,17 @@ from seqnorm.cells.gru import GRUCell
 from seqnorm.cells.lstm import LSTMCell
 from seqnorm.layers.bptt_norms import StepNorm, norm_kind
 from seqnorm.layers.stack import PaddingLayout
-from seqnorm.norms import RMSNorm, TimestepBatchNorm
+from seqnorm.norms import LayerNorm, RMSNorm, TimestepBatchNorm
 
-__all__ = ["ROUTED_NORMS", "run_recurrence", "supports"]
+__all__ = ["INSIDE_INPUT_NORMS", "ROUTED_NORMS", "run_recurrence", "supports"]
 
 # The cells' `norm=` choices routed through the hand-written backward: where it measured faster than autograd's
 # per-step graph (BENCHMARKS.md). batch_renorm is not reproduced (its norm is a subclass) and keeps the loop.
 ROUTED_NORMS: frozenset[str] = frozenset({"none", "weight", "layer", "rms", "batch"})
-# Input norms applied step by step inside the Function rather than to the whole sequence beforehand.
-INSIDE_INPUT_NORMS: tuple[type, ...] = (TimestepBatchNorm, RMSNorm)
+# Input norms applied step by step inside the Function (one fused kernel per step, and its backward kernel) rather
+# than to the whole sequence beforehand: measured faster, as the vectorized form allocates several fresh (T, B, G*H)
+# tensors, and first touches of fresh memory are what costs most here.
+INSIDE_INPUT_NORMS: tuple[type, ...] = (LayerNorm, RMSNorm, TimestepBatchNorm)
 
 
 def supports(cell: RecurrentCell, sequence: Tensor, state: Any, recurrent_mask: Tensor | None) -> bool:
@@ -85,10 +87,10 @@ def run_recurrence(
     if plan.norm_ih.kind == "none":
         inputs, ih_weight, ih_shift = cell.input_terms(sequence, layout.active, layout.counts), None, None
     else:
-        # A per-timestep input BN runs inside the loop, one fused kernel per step (so does its backward): cheaper
-        # than its vectorized form under autograd, which keeps several (T, B, G*H) intermediates.
+        # The input norm runs inside the loop (INSIDE_INPUT_NORMS); the bias that follows it is its shift.
         inputs = F.linear(sequence, cell.weight_ih)
-        ih_weight, ih_shift = cell.norm_ih.weight, cell.folded_bias()
+        ih_weight, ih_shift, bias = cell.norm_ih.weight, cell.norm_ih.bias, cell.folded_bias()
+        ih_shift = bias if ih_shift is None else (ih_shift if bias is None else ih_shift + bias)
     # Weight norm (and DropConnect): computed once per sequence, not once per step.
     weight_hh_t = (cell.weight_hh if weight_hh is None else weight_hh).t()
     norm_hh, norm_c = cell.norm_hh, cell.norm_c
@@ -115,7 +117,8 @@ class _Plan:
         self.masks = layout.masks
         self.counts = layout.counts
         # The input norm runs inside the Function only where that is faster (see run_recurrence).
-        self.norm_ih = StepNorm(cell.norm_ih if type(cell.norm_ih) in INSIDE_INPUT_NORMS else None)
+        inside = type(cell.norm_ih) in INSIDE_INPUT_NORMS and norm_kind(cell.norm_ih) is not None
+        self.norm_ih = StepNorm(cell.norm_ih if inside else None)
         self.norm_hh = StepNorm(cell.norm_hh)
         self.norm_c = StepNorm(cell.norm_c)
 
@@ -149,6 +152,11 @@ def _input_grads(
         for t, (grad, x, mask, count) in enumerate(zip(grad_terms, inputs, plan.masks, plan.counts, strict=True))
     ]
     return torch.stack(steps), norm.parameter_grads()
+
+
+def _gru_slices(hidden: int) -> tuple[tuple[int, int], ...]:
+    """``(start, size)`` of ``r, z`` together, ``r``, ``z`` and ``n`` in the GRU's ``(B, 3H)`` gates."""
+    return (0, 2 * hidden), (0, hidden), (hidden, hidden), (2 * hidden, hidden)
 
 
 def _split_masked(grad: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
@@ -194,26 +202,40 @@ class _LSTMRecurrence(torch.autograd.Function):
         tanh_cs = inputs.new_empty(steps, batch, hidden)  # tanh(N_c(c')), before the padded rows keep their state
         hs = inputs.new_empty(steps, batch, hidden)
         h, c = h0, c0
-        for t in range(steps):
+        # Per-step views made once (unbind is one call; indexing at every step is one call per view).
+        i_t, f_t, g_t, o_t = (gate.unbind(0) for gate in acts.chunk(4, 2))
+        raw_t = [None] * steps if raw is None else raw.unbind(0)
+        views = zip(
+            inputs.unbind(0),
+            raw_t,
+            acts.unbind(0),
+            i_t,
+            f_t,
+            g_t,
+            o_t,
+            cs.unbind(0),
+            tanh_cs.unbind(0),
+            hs.unbind(0),
+            strict=True,
+        )
+        for t, (x_t, r_t, act, i, f, g, o, c_t, tanh_t, h_t) in enumerate(views):
             mask, count = plan.masks[t], plan.counts[t]
-            term = norm_ih.forward(inputs[t], t, mask, count, ih_weight, ih_shift)
-            if raw is None:
+            term = norm_ih.forward(x_t, t, mask, count, ih_weight, ih_shift)
+            if r_t is None:
                 pre = torch.addmm(term, h, weight_hh_t)
             else:
-                torch.mm(h, weight_hh_t, out=raw[t])
-                pre = norm_hh.forward(raw[t], t, mask, count, hh_weight, hh_shift).add_(term)
-            act = acts[t]
+                torch.mm(h, weight_hh_t, out=r_t)
+                pre = norm_hh.forward(r_t, t, mask, count, hh_weight, hh_shift).add_(term)
             torch.sigmoid(pre, out=act)
-            torch.tanh(pre[:, 2 * hidden : 3 * hidden], out=act[:, 2 * hidden : 3 * hidden])
-            i, f, g, o = act.chunk(4, 1)
-            c_new = torch.addcmul(f * c, i, g, out=cs[t] if mask is None else None)
-            tanh_c = torch.tanh(norm_c.forward(c_new, t, mask, count, c_weight, c_shift), out=tanh_cs[t])
-            h_new = torch.mul(o, tanh_c, out=hs[t] if mask is None else None)
+            torch.tanh(pre.narrow(1, 2 * hidden, hidden), out=g)
+            c_new = torch.addcmul(f * c, i, g, out=c_t if mask is None else None)
+            tanh_c = torch.tanh(norm_c.forward(c_new, t, mask, count, c_weight, c_shift), out=tanh_t)
+            h_new = torch.mul(o, tanh_c, out=h_t if mask is None else None)
             if mask is not None:  # padded rows keep their state
                 keep = mask.unsqueeze(1)
-                torch.where(keep, c_new, c, out=cs[t])
-                torch.where(keep, h_new, h, out=hs[t])
-            h, c = hs[t], cs[t]
+                torch.where(keep, c_new, c, out=c_t)
+                torch.where(keep, h_new, h, out=h_t)
+            h, c = h_t, c_t
         for norm in (norm_ih, norm_hh, norm_c):
             norm.finish_forward()
         inputs = None if norm_ih.kind == "none" else inputs  # needed only for the input norm's backward
@@ -228,7 +250,7 @@ class _LSTMRecurrence(torch.autograd.Function):
         inputs, ih_weight, ih_shift, h0, c0, weight_hh_t, hh_weight, hh_shift, c_weight, c_shift = saved[:10]
         hs, cs, tanh_cs, acts, raw = saved[10:]
         norm_hh, norm_c = plan.norm_hh, plan.norm_c
-        steps, batch, gates = acts.shape
+        steps, _, gates = acts.shape
         hidden = gates // 4
         i, f, g, o = acts.chunk(4, 2)
         # Every step's local derivatives at once, written where the input terms' gradient goes: the loop then only
@@ -246,21 +268,35 @@ class _LSTMRecurrence(torch.autograd.Function):
         grad_raw: list[Tensor] = []
         weight_hh = weight_hh_t.t()
         dh, dc = grad_h_n + grad_hs[-1], grad_c_n
-        for t in range(steps - 1, -1, -1):
+        raw_t = [None] * steps if raw is None else raw.unbind(0)
+        grad_ifg = grad_terms.narrow(2, 0, 3 * hidden).unflatten(2, (3, hidden)).unbind(0)
+        grad_o = grad_terms.narrow(2, 3 * hidden, hidden).unbind(0)
+        previous = [None, *grad_hs.unbind(0)[:-1]]  # the output gradient that joins dh at step t - 1
+        views = zip(
+            grad_terms.unbind(0),
+            grad_ifg,
+            grad_o,
+            raw_t,
+            cs.unbind(0),
+            d_tanh.unbind(0),
+            f.unbind(0),
+            previous,
+            strict=True,
+        )
+        for t, (grad, grad_3, grad_1, r_t, c_t, d_tanh_t, f_t, grad_h) in reversed(list(enumerate(views))):
             mask, count = plan.masks[t], plan.counts[t]
             dh, dh_keep = _split_masked(dh, mask)
             dc, dc_keep = _split_masked(dc, mask)
             if norm_c.kind == "none" and c_shift is None:
-                dc = torch.addcmul(dc, dh, d_tanh[t])
+                dc = torch.addcmul(dc, dh, d_tanh_t)
             else:
-                dc = norm_c.backward(dh * d_tanh[t], cs[t], t, mask, count, c_weight, c_shift).add_(dc)
-            grad = grad_terms[t]
-            grad[:, : 3 * hidden].view(batch, 3, hidden).mul_(dc.unsqueeze(1))
-            grad[:, 3 * hidden :].mul_(dh)
-            dr = grad if raw is None else norm_hh.backward(grad, raw[t], t, mask, count, hh_weight, hh_shift)
+                dc = norm_c.backward(dh * d_tanh_t, c_t, t, mask, count, c_weight, c_shift).add_(dc)
+            grad_3.mul_(dc.unsqueeze(1))
+            grad_1.mul_(dh)
+            dr = grad if r_t is None else norm_hh.backward(grad, r_t, t, mask, count, hh_weight, hh_shift)
             grad_raw.append(dr)
-            dc = dc * f[t]
-            dh = torch.addmm(grad_hs[t - 1], dr, weight_hh) if t else torch.mm(dr, weight_hh)
+            dc = dc * f_t
+            dh = torch.mm(dr, weight_hh) if grad_h is None else torch.addmm(grad_h, dr, weight_hh)
             if mask is not None:
                 dh, dc = dh + dh_keep, dc + dc_keep
         grad_raw_all = grad_terms if raw is None else torch.stack(grad_raw[::-1])
@@ -292,18 +328,19 @@ class _GRURecurrence(torch.autograd.Function):
         acts = inputs.new_empty(steps, batch, gates)  # r, z, n
         hs = inputs.new_empty(steps, batch, hidden)
         h = h0
-        for t in range(steps):
+        rz_t, r_t, z_t, n_t = (acts.narrow(2, start, size).unbind(0) for start, size in _gru_slices(hidden))
+        views = zip(inputs.unbind(0), raw.unbind(0), rz_t, r_t, z_t, n_t, hs.unbind(0), strict=True)
+        for t, (x_t, raw_t, rz, r, z, n, h_t) in enumerate(views):
             mask, count = plan.masks[t], plan.counts[t]
-            torch.mm(h, weight_hh_t, out=raw[t])
-            u = norm_hh.forward(raw[t], t, mask, count, hh_weight, hh_shift)
-            a, act = norm_ih.forward(inputs[t], t, mask, count, ih_weight, ih_shift), acts[t]
-            torch.add(a[:, : 2 * hidden], u[:, : 2 * hidden], out=act[:, : 2 * hidden]).sigmoid_()
-            n = torch.addcmul(a[:, 2 * hidden :], act[:, :hidden], u[:, 2 * hidden :], out=act[:, 2 * hidden :])
-            n.tanh_()
-            h_new = torch.lerp(n, h, act[:, hidden : 2 * hidden], out=hs[t] if mask is None else None)
+            torch.mm(h, weight_hh_t, out=raw_t)
+            u = norm_hh.forward(raw_t, t, mask, count, hh_weight, hh_shift)
+            a = norm_ih.forward(x_t, t, mask, count, ih_weight, ih_shift)
+            torch.add(a.narrow(1, 0, 2 * hidden), u.narrow(1, 0, 2 * hidden), out=rz).sigmoid_()
+            torch.addcmul(a.narrow(1, 2 * hidden, hidden), r, u.narrow(1, 2 * hidden, hidden), out=n).tanh_()
+            h_new = torch.lerp(n, h, z, out=h_t if mask is None else None)  # (1 - z) n + z h
             if mask is not None:  # padded rows keep their state
-                torch.where(mask.unsqueeze(1), h_new, h, out=hs[t])
-            h = hs[t]
+                torch.where(mask.unsqueeze(1), h_new, h, out=h_t)
+            h = h_t
         norm_ih.finish_forward()
         norm_hh.finish_forward()
         inputs = None if norm_ih.kind == "none" else inputs  # needed only for the input norm's backward
@@ -316,8 +353,8 @@ class _GRURecurrence(torch.autograd.Function):
         plan, saved = _Plan.load(ctx)
         inputs, ih_weight, ih_shift, h0, weight_hh_t, hh_weight, hh_shift, hs, acts, raw = saved
         norm_hh = plan.norm_hh
-        steps, batch, gates = acts.shape
-        hidden = gates // 3
+        hidden = acts.shape[2] // 3
+        gates = 3 * hidden
         r, z, n = acts.chunk(3, 2)
         # u_n, the normalized candidate term, is recomputed rather than saved: memory for one vectorized pass.
         candidate = slice(2 * hidden, gates)
@@ -337,16 +374,18 @@ class _GRURecurrence(torch.autograd.Function):
         grad_raw: list[Tensor] = []
         weight_hh = weight_hh_t.t()
         dh = grad_h_n + grad_hs[-1]
-        for t in range(steps - 1, -1, -1):
+        previous = [None, *grad_hs.unbind(0)[:-1]]  # the output gradient that joins dh at step t - 1
+        grad_3 = grad_terms.unflatten(2, (3, hidden)).unbind(0)
+        views = zip(grad_terms.unbind(0), grad_3, raw.unbind(0), r.unbind(0), z.unbind(0), previous, strict=True)
+        for t, (grad, grad_by_gate, raw_t, r_t, z_t, grad_h) in reversed(list(enumerate(views))):
             mask, count = plan.masks[t], plan.counts[t]
             dh, dh_keep = _split_masked(dh, mask)
-            grad = grad_terms[t]
-            grad.view(batch, 3, hidden).mul_(dh.unsqueeze(1))
+            grad_by_gate.mul_(dh.unsqueeze(1))
             du = grad.clone()  # dL/du: as dL/d(terms), but r gates the candidate part
-            du[:, 2 * hidden :].mul_(r[t])
-            dr = norm_hh.backward(du, raw[t], t, mask, count, hh_weight, hh_shift)
+            du.narrow(1, 2 * hidden, hidden).mul_(r_t)
+            dr = norm_hh.backward(du, raw_t, t, mask, count, hh_weight, hh_shift)
             grad_raw.append(dr)
-            carry = torch.addcmul(grad_hs[t - 1], dh, z[t]) if t else dh * z[t]
+            carry = dh * z_t if grad_h is None else torch.addcmul(grad_h, dh, z_t)
             dh = torch.addmm(carry, dr, weight_hh)
             if mask is not None:
                 dh = dh + dh_keep

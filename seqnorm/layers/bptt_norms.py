@@ -100,10 +100,11 @@ class StepNorm:
             mean = torch.where(keep, x, 0.0).sum(0) / count
             var = torch.where(keep, x - mean, 0.0).square().sum(0) / count
             rstd = torch.rsqrt(var + self.eps)
-            norm._update_running(mean, var, count, row)
+            norm._update_running(mean, var, count, t)  # takes the step: it finds the row itself
         else:
-            mean = norm.running_mean[row].clone()  # a later step (t >= max_steps) may update this row in place
-            rstd = torch.rsqrt(norm.running_var[row] + self.eps)
+            running_mean, running_var = norm.running_moments(t)
+            mean = running_mean.clone()  # a later step (t >= max_steps) may update this row in place
+            rstd = torch.rsqrt(running_var + self.eps)
         self.means.append(mean)
         self.rstds.append(rstd)
         y = (x - mean) * rstd * weight

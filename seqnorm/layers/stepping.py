@@ -163,13 +163,15 @@ def _kernel_step(cell: RecurrentCell, weight_ih: Tensor, weight_hh: Tensor) -> S
     if isinstance(cell, LSTMCell):
 
         def lstm(x: Tensor, h: Tensor, c: Tensor | None, step: int) -> tuple[Tensor, Tensor | None]:
-            h, c = torch._VF.lstm_cell(x if x.dim() == 2 else x[0], (h[0], c[0]), *parameters)
+            x = x if x.dim() == 2 else x.select(0, 0)
+            h, c = torch._VF.lstm_cell(x, (h.select(0, 0), c.select(0, 0)), *parameters)
             return h.unsqueeze(0), c.unsqueeze(0)
 
         return lstm
 
     def gru(x: Tensor, h: Tensor, c: Tensor | None, step: int) -> tuple[Tensor, Tensor | None]:
-        return torch._VF.gru_cell(x if x.dim() == 2 else x[0], h[0], *parameters).unsqueeze(0), None
+        x = x if x.dim() == 2 else x.select(0, 0)
+        return torch._VF.gru_cell(x, h.select(0, 0), *parameters).unsqueeze(0), None
 
     return gru
 
