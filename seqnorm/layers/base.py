@@ -26,6 +26,7 @@ from seqnorm.cells.base import RecurrentCell, check_options, check_positive_int,
 from seqnorm.layers.dropout import draw_sequence_masks
 from seqnorm.layers.fast import IMPLS, Impl, choose_path, run_fast, run_fused, step_cell
 from seqnorm.layers.stack import PaddingLayout, padding_layout, run_stack
+from seqnorm.layers.stepping import lean_layer_step
 from seqnorm.norms import BeyondMaxSteps, SmallBatchPolicy, check_placement, get_norm
 
 __all__ = ["RecurrentLayer", "RecurrentState"]
@@ -292,8 +293,6 @@ class RecurrentLayer(nn.Module):
             self._check_state_shape("state.h", state.h, (self.num_layers, batch, self.state_size))
             if first.has_cell_state:
                 self._check_state_shape("state.c", state.c, (self.num_layers, batch, self.hidden_size))
-        from seqnorm.layers.stepping import lean_layer_step  # (here: the layers' module imports stay as they are)
-
         lean = lean_layer_step(self, x)  # without gradients: every cell's step prepared once (cached)
         if lean is not None:
             output, h, c = lean(x, state.h, state.c, state.step)
