@@ -17,6 +17,12 @@ from seqnorm.layers import bptt
 from tests.conftest import LAYERS, perturb_norm_parameters
 
 FUNCTION_NODE = {"lstm": "_LSTMRecurrenceBackward", "gru": "_GRURecurrenceBackward"}
+# Batch renormalization with its r/d correction active from the first batch (as tests/test_fast_path.py).
+RENORM_ACTIVE = {"warmup": 0, "r_max_steps": 1, "d_max_steps": 1, "r_max": 1.5, "d_max": 0.5}
+
+
+def _options(norm: str) -> dict[str, Any]:
+    return {"norm_options": RENORM_ACTIVE} if norm == "batch_renorm" else {}
 
 
 def _graph_nodes(tensor: torch.Tensor) -> set[str]:
@@ -32,10 +38,10 @@ def _graph_nodes(tensor: torch.Tensor) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("norm", ["layer", "rms", "batch"])
+@pytest.mark.parametrize("norm", ["layer", "rms", "batch", "batch_renorm"])
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_training_runs_the_custom_function(kind: str, norm: str) -> None:
-    layer = LAYERS[kind](3, 4, num_layers=2, bidirectional=True, norm=norm)
+    layer = LAYERS[kind](3, 4, num_layers=2, bidirectional=True, norm=norm, **_options(norm))
     output, _ = layer(torch.randn(5, 3, 3), lengths=torch.tensor([5, 3, 5]))
     assert FUNCTION_NODE[kind] in _graph_nodes(output)
 
@@ -52,7 +58,7 @@ def test_unnormalized_fast_path_runs_the_custom_function(kind: str, norm: str) -
 @pytest.mark.parametrize(
     "options",
     [
-        {"norm": "batch_renorm"},
+        {"norm": "batch_renorm", "beyond_max_steps": "pooled"},
         {"norm": "weight", "norm_options": {"mean_only_bn": True}},
         {"norm": "layer", "zoneout_h": 0.1},
         {"norm": "layer", "recurrent_dropout": 0.1},
@@ -87,12 +93,24 @@ def test_no_gradient_needed_keeps_the_step_loop() -> None:
 
 
 @pytest.mark.parametrize("training", [True, False])
-@pytest.mark.parametrize("norm", ["layer", "rms", "batch"])
+@pytest.mark.parametrize("norm", ["layer", "rms", "batch", "batch_renorm"])
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_gradcheck_through_the_custom_function(kind: str, norm: str, training: bool) -> None:
     """Float64 gradcheck w.r.t. the input, the initial state and every parameter, with a padded row."""
-    layer = LAYERS[kind](2, 3, norm=norm, max_steps=3, dtype=torch.float64).train(training)
+    options = _options(norm)
+    layer = LAYERS[kind](2, 3, norm=norm, max_steps=3, dtype=torch.float64, **options).train(training)
     perturb_norm_parameters(layer)
+    if norm == "batch_renorm":
+        # Running moments far from every batch's: r and d sit at their bounds (1/r_max, -d_max), constants near the
+        # point, so the finite differences see the same function the detached r/d differentiate.
+        with torch.no_grad():
+            for name, buffer in layer.named_buffers():
+                if name.endswith("running_var"):
+                    buffer.fill_(100.0)
+                elif name.endswith("running_mean"):
+                    buffer.fill_(10.0)
+    # Every call starts from the same buffers (training updates them; renorm's r and d read them).
+    buffers = {name: buffer.clone() for name, buffer in layer.named_buffers()}
     names = [name for name, _ in layer.named_parameters()]
     params = [param.detach().clone().requires_grad_() for param in layer.parameters()]
     lengths = torch.tensor([4, 2, 4])  # steps 2 and 3 have 2 real rows: batch statistics over them only
@@ -104,6 +122,7 @@ def test_gradcheck_through_the_custom_function(kind: str, norm: str, training: b
     def run(x: torch.Tensor, *rest: torch.Tensor) -> tuple[torch.Tensor, ...]:
         state = tuple(rest[:2]) if kind == "lstm" else rest[0]
         parameters = dict(zip(names, rest[len(leaves) - 1 :], strict=True))
+        parameters.update((name, buffer.clone()) for name, buffer in buffers.items())
         output, final = torch.func.functional_call(layer, parameters, (x, state), {"lengths": lengths})
         return output, *(final if kind == "lstm" else (final,))
 

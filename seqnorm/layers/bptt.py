@@ -9,7 +9,9 @@ or per-timestep BatchNorm — and the biases are applied step by step inside; wi
 - **Forward**: the loop runs without recording a graph and saves only what the backward needs: the raw recurrent
   terms ``W_hh h``, the activated gates, for LSTMs the cell states and ``tanh(N_c(c))``, each norm's per-step
   statistics, and the outputs ``h`` (saved as the output they are). Per-timestep BatchNorm updates its running
-  statistics exactly as :meth:`~seqnorm.norms.TimestepBatchNorm.forward_step` does (torch's fused kernel).
+  statistics exactly as :meth:`~seqnorm.norms.TimestepBatchNorm.forward_step` does (torch's fused kernel); batch
+  renormalization in training is the same with ``γ (x̂ r + d)``, ``r`` and ``d`` constants, and BatchNorm's backward
+  with the weight ``γ r``.
 - **Backward**: every step's local gate derivatives are computed at once, in place in the buffer of the input
   terms' gradient; the reverse walk through time then takes a few operations per step (the norms' backward are
   torch's LayerNorm / BatchNorm backward kernels, :mod:`seqnorm.layers.bptt_norms`); the gradient of ``W_hh`` is one
@@ -34,23 +36,23 @@ from seqnorm.cells.gru import GRUCell
 from seqnorm.cells.lstm import LSTMCell
 from seqnorm.layers.bptt_norms import StepNorm, norm_kind
 from seqnorm.layers.stack import PaddingLayout
-from seqnorm.norms import LayerNorm, RMSNorm, TimestepBatchNorm
+from seqnorm.norms import LayerNorm, RMSNorm, TimestepBatchNorm, TimestepBatchRenorm
 
 __all__ = ["INSIDE_INPUT_NORMS", "ROUTED_NORMS", "run_recurrence", "supports"]
 
 # The cells' `norm=` choices routed through the hand-written backward: where it measured faster than autograd's
-# per-step graph (BENCHMARKS.md). batch_renorm is not reproduced (its norm is a subclass) and keeps the loop.
-ROUTED_NORMS: frozenset[str] = frozenset({"none", "weight", "layer", "rms", "batch"})
+# per-step graph (BENCHMARKS.md).
+ROUTED_NORMS: frozenset[str] = frozenset({"none", "weight", "layer", "rms", "batch", "batch_renorm"})
 # Input norms applied step by step inside the Function (one fused kernel per step, and its backward kernel) rather
 # than to the whole sequence beforehand: measured faster, as the vectorized form allocates several fresh (T, B, G*H)
 # tensors, and first touches of fresh memory are what costs most here.
-INSIDE_INPUT_NORMS: tuple[type, ...] = (LayerNorm, RMSNorm, TimestepBatchNorm)
+INSIDE_INPUT_NORMS: tuple[type, ...] = (LayerNorm, RMSNorm, TimestepBatchNorm, TimestepBatchRenorm)
 
 
 def supports(cell: RecurrentCell, sequence: Tensor, state: Any, recurrent_mask: Tensor | None) -> bool:
     """Whether :func:`run_recurrence` computes exactly what ``cell.recurrent_step`` would, and a gradient is wanted.
 
-    Anything else — zoneout, variational recurrent dropout, a projection, batch renormalization, mean-only BN, other
+    Anything else — zoneout, variational recurrent dropout, a projection, mean-only BN, other
     placements of the norms, autocast or half precision, or no gradient needed — runs the step-by-step loop.
     """
     # Exact classes (a subclass may step differently); weight norm's parametrization subclasses the cell's class.
