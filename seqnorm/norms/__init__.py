@@ -20,16 +20,11 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from seqnorm.norms.batch import (
-    BeyondMaxSteps,
-    SequenceBatchNorm,
-    SequenceBatchRenorm,
-    SmallBatchPolicy,
-    TimestepBatchNorm,
-    TimestepBatchRenorm,
-)
+from seqnorm.norms.batch import BeyondMaxSteps, SmallBatchPolicy, TimestepBatchNorm
 from seqnorm.norms.layer import LayerNorm, RMSNorm
 from seqnorm.norms.precision import float32_statistics
+from seqnorm.norms.renorm import TimestepBatchRenorm
+from seqnorm.norms.sequence import SequenceBatchNorm, SequenceBatchRenorm
 
 __all__ = [
     "NORMS",

@@ -1,5 +1,4 @@
-"""Per-timestep batch normalization for recurrent networks (Cooijmans et al. 2016) and Batch Renormalization
-(Ioffe 2017).
+"""Per-timestep batch normalization for recurrent networks (Cooijmans et al. 2016).
 
 Recurrent BN keeps separate running statistics for every time step ``t < max_steps`` (rows of the
 ``running_mean``/``running_var`` buffers) and shares its affine parameters across steps. What steps
@@ -15,9 +14,8 @@ Recurrent BN keeps separate running statistics for every time step ``t < max_ste
   last row, at the price of blending in the first steps' transient (``h_0 = 0`` makes the recurrent term at step 0
   constant).
 
-:class:`SequenceBatchNorm` / :class:`SequenceBatchRenorm` take statistics over batch × time instead (one row, all
-real positions of a sequence batch together): Cooijmans et al.'s BN-e* and Deep Speech 2's sequence-wise BN for the
-input term, which needs the whole sequence at once.
+Batch Renormalization (Ioffe 2017) builds on it in :mod:`seqnorm.norms.renorm`; the sequence-wise variants (statistics
+over batch × time, Cooijmans et al.'s BN-e*) in :mod:`seqnorm.norms.sequence`.
 
 In training, batch statistics are taken over the *active* rows only (``mask``), so padding never enters them. A step
 with fewer than 2 active rows has no batch variance; by default that is a ``ValueError`` (batch size 1 is the common
@@ -42,14 +40,7 @@ from torch import Tensor, nn
 
 from seqnorm.norms.precision import float32_statistics
 
-__all__ = [
-    "BeyondMaxSteps",
-    "SequenceBatchNorm",
-    "SequenceBatchRenorm",
-    "SmallBatchPolicy",
-    "TimestepBatchNorm",
-    "TimestepBatchRenorm",
-]
+__all__ = ["BeyondMaxSteps", "SmallBatchPolicy", "TimestepBatchNorm"]
 
 SmallBatchPolicy = Literal["error", "running"]
 BeyondMaxSteps = Literal["last", "pooled"]
@@ -314,147 +305,6 @@ class TimestepBatchNorm(nn.Module):
         unbiased = var * (active / (active - 1))
         self.running_var[t].lerp_(unbiased.to(self.running_var.dtype), self.momentum)
         self.num_batches_tracked[t] += 1
-
-
-class TimestepBatchRenorm(TimestepBatchNorm):
-    r"""Per-timestep Batch Renormalization (Ioffe 2017).
-
-    In training, :math:`\hat x = \frac{x - \mu_B}{\sigma_B} r + d` with
-    :math:`r = \mathrm{clip}_{[1/r_{max}, r_{max}]}(\sigma_B / \sigma_t)` and
-    :math:`d = \mathrm{clip}_{[-d_{max}, d_{max}]}((\mu_B - \mu_t) / \sigma_t)`, both treated as constants in the
-    backward pass, where :math:`\mu_t, \sigma_t` are the running moments of the step. Evaluation is BN with running
-    moments, so training and evaluation agree once ``r`` and ``d`` are unclipped.
-
-    Schedule (per step, counted in training batches ``n`` of that step, as in the paper): plain BN
-    (``r_max = 1``, ``d_max = 0``) for ``n < warmup``; then ``r_max`` grows linearly to its final value over
-    ``r_max_steps`` batches and ``d_max`` over ``d_max_steps`` batches.
-
-    Args:
-        r_max: final bound of ``r``. Default: 3.0.
-        d_max: final bound of ``d``. Default: 5.0.
-        warmup: batches of plain BN before the correction starts. Default: 5000 (the paper's value).
-        r_max_steps: batches over which ``r_max`` ramps from 1. Default: 40000.
-        d_max_steps: batches over which ``d_max`` ramps from 0. Default: 25000.
-        **kwargs: as for :class:`TimestepBatchNorm`.
-    """
-
-    def __init__(
-        self,
-        num_features: int,
-        max_steps: int = 100,
-        *,
-        r_max: float = 3.0,
-        d_max: float = 5.0,
-        warmup: int = 5000,
-        r_max_steps: int = 40000,
-        d_max_steps: int = 25000,
-        **kwargs: object,
-    ) -> None:
-        super().__init__(num_features, max_steps, **kwargs)  # type: ignore[arg-type]
-        name = type(self).__name__
-        if r_max < 1.0:
-            raise ValueError(f"{name}: expected r_max >= 1, got {r_max}")
-        if d_max < 0.0:
-            raise ValueError(f"{name}: expected d_max >= 0, got {d_max}")
-        if warmup < 0 or r_max_steps < 1 or d_max_steps < 1:
-            raise ValueError(
-                f"{name}: expected warmup >= 0 and r_max_steps, d_max_steps >= 1, "
-                f"got warmup={warmup}, r_max_steps={r_max_steps}, d_max_steps={d_max_steps}"
-            )
-        self.r_max = r_max
-        self.d_max = d_max
-        self.warmup = warmup
-        self.r_max_steps = r_max_steps
-        self.d_max_steps = d_max_steps
-
-    def extra_repr(self) -> str:
-        return (
-            f"{super().extra_repr()}, r_max={self.r_max}, d_max={self.d_max}, warmup={self.warmup}, "
-            f"r_max_steps={self.r_max_steps}, d_max_steps={self.d_max_steps}"
-        )
-
-    def limits(self, t: int | slice) -> tuple[Tensor, Tensor]:
-        """The current ``(r_max, d_max)`` of step ``t`` (tensors, so reading them never synchronizes a device).
-
-        A ``slice`` of steps below ``max_steps`` gives one value per step.
-        """
-        row = t if isinstance(t, slice) else min(t, self.max_steps - 1)
-        seen = (self.num_batches_tracked[row] - self.warmup).clamp(min=0).float()
-        r_max = 1.0 + (self.r_max - 1.0) * (seen / self.r_max_steps).clamp(max=1.0)
-        d_max = self.d_max * (seen / self.d_max_steps).clamp(max=1.0)
-        return r_max, d_max
-
-    def _normalize_batch(self, x: Tensor, mean: Tensor, var: Tensor, step: int) -> Tensor:
-        r_max, d_max = (limit.to(x.dtype) for limit in self.limits(step))
-        running_mean, running_var = self.running_moments(step)
-        std_batch = torch.sqrt(var + self.eps)
-        std_running = torch.sqrt(running_var + self.eps)
-        r = (std_batch / std_running).detach().clamp(min=1.0 / r_max, max=r_max)
-        d = ((mean - running_mean) / std_running).detach().clamp(min=-d_max, max=d_max)
-        if not self.scale:
-            return x - mean + d * std_running
-        return (x - mean) / std_batch * r + d
-
-    def _normalize_batch_steps(self, x: Tensor, mean: Tensor, var: Tensor, steps: int) -> Tensor:
-        # As _normalize_batch, with each step's own limits and running moments (rows 0..T-1, before this update).
-        r_max, d_max = (limit.to(x.dtype).view(steps, 1, 1) for limit in self.limits(slice(0, steps)))
-        std_batch = torch.sqrt(var + self.eps)
-        std_running = torch.sqrt(self.running_var[:steps].unsqueeze(1) + self.eps)
-        r = torch.minimum(torch.maximum((std_batch / std_running).detach(), 1.0 / r_max), r_max)
-        d = torch.minimum(
-            torch.maximum(((mean - self.running_mean[:steps].unsqueeze(1)) / std_running).detach(), -d_max), d_max
-        )
-        if not self.scale:
-            return x - mean + d * std_running
-        return (x - mean) / std_batch * r + d
-
-
-class _OverTime:
-    """Statistics over batch × time: a sequence batch is one batch of its real positions (one row of buffers)."""
-
-    whole_sequence = True  # a cell cannot form these statistics one step at a time in training
-    owner: str
-    training: bool
-
-    def forward(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:
-        if self.training:
-            raise ValueError(
-                f"{self.owner}: expected a whole sequence for input_stats='sequence' in training (its statistics "
-                "are over batch × time), got one step; run the cell inside seqnorm.LSTM/GRU or call "
-                "cell.input_terms(x) on the whole (T, B, input_size) sequence"
-            )
-        return super().forward(x, 0, mask)  # type: ignore[misc]
-
-    def forward_step(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:
-        return self.forward(x, step, mask)
-
-    def forward_sequence(self, x: Tensor, mask: Tensor | None = None, counts: list[int] | None = None) -> Tensor:
-        steps, batch, features = x.shape
-        total = steps * batch if mask is None else (int(mask.sum()) if counts is None else sum(counts))
-        flat_mask = None if mask is None else mask.reshape(1, steps * batch)
-        # One "step" of T*B rows: every base-class rule (masking, small batches, renorm's r/d) applies unchanged.
-        flat = super().forward_sequence(x.reshape(1, steps * batch, features), flat_mask, [total])  # type: ignore[misc]
-        return flat.view(steps, batch, features)
-
-
-class SequenceBatchNorm(_OverTime, TimestepBatchNorm):
-    """Sequence-wise batch normalization (Cooijmans et al.'s BN-e*, Deep Speech 2): moments over all real positions.
-
-    Normalizes a whole ``(T, B, F)`` sequence with the mean and variance over its real ``(t, b)`` positions
-    (:meth:`forward_sequence`); one row of running statistics serves every step in evaluation. Training needs the
-    whole sequence, so a one-step call in training is a ``ValueError``; in evaluation one step works (streaming).
-    Arguments as :class:`TimestepBatchNorm` (``max_steps`` is 1).
-    """
-
-    def __init__(self, num_features: int, **kwargs: object) -> None:
-        super().__init__(num_features, 1, **kwargs)  # type: ignore[arg-type]
-
-
-class SequenceBatchRenorm(_OverTime, TimestepBatchRenorm):
-    """:class:`SequenceBatchNorm` with Ioffe's r/d correction (arguments as :class:`TimestepBatchRenorm`)."""
-
-    def __init__(self, num_features: int, **kwargs: object) -> None:
-        super().__init__(num_features, 1, **kwargs)  # type: ignore[arg-type]
 
 
 def _masked_moments(x: Tensor, mask: Tensor | None, active: int) -> tuple[Tensor, Tensor]:
