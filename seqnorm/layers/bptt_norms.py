@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from seqnorm.norms import LayerNorm, RMSNorm, TimestepBatchNorm, TimestepBatchRenorm
+from seqnorm.norms.batch import masked_moments
 
 __all__ = ["KINDS", "StepNorm", "norm_kind"]
 
@@ -126,20 +127,17 @@ class StepNorm:
         row = min(t, norm.max_steps - 1)
         running_mean, running_var = norm.running_mean[row], norm.running_var[row]
         running_rstd = torch.rsqrt(running_var + self.eps)  # the running moments before this step's update
+        previous_mean = running_mean.clone()  # both branches below update the row in place
         if mask is None:
-            previous_mean = running_mean.clone()
             # The fused kernel updates the running row in place with BN's rule (momentum, unbiased variance).
             x_hat, mean, rstd = torch.native_batch_norm(
                 x, None, None, running_mean, running_var, True, norm.momentum, self.eps
             )
             self.fused_rows.append(row)
         else:
-            keep = mask.unsqueeze(1)
-            mean = torch.where(keep, x, 0.0).sum(0) / count
-            var = torch.where(keep, x - mean, 0.0).square().sum(0) / count
+            mean, var = masked_moments(x, mask, count)
             rstd = torch.rsqrt(var + self.eps)
             x_hat = (x - mean) * rstd
-            previous_mean = running_mean.clone()
             norm._update_running(mean, var, count, t)
         r = torch.div(running_rstd, rstd).clamp_(lower, upper)  # σ_B / σ_run
         d = torch.sub(mean, previous_mean).mul_(running_rstd).clamp_(-d_max, d_max)
@@ -170,9 +168,7 @@ class StepNorm:
             self.rstds.append(rstd)
             return y
         if use_batch:
-            keep = mask.unsqueeze(1)
-            mean = torch.where(keep, x, 0.0).sum(0) / count
-            var = torch.where(keep, x - mean, 0.0).square().sum(0) / count
+            mean, var = masked_moments(x, mask, count)
             rstd = torch.rsqrt(var + self.eps)
             norm._update_running(mean, var, count, t)  # takes the step: it finds the row itself
         else:

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from seqnorm.norms.precision import float32_statistics
 
-__all__ = ["BeyondMaxSteps", "SmallBatchPolicy", "TimestepBatchNorm"]
+__all__ = ["BeyondMaxSteps", "SmallBatchPolicy", "TimestepBatchNorm", "masked_moments"]
 
 SmallBatchPolicy = Literal["error", "running"]
 BeyondMaxSteps = Literal["last", "pooled"]
@@ -168,7 +168,7 @@ class TimestepBatchNorm(nn.Module):
         if self.training:
             active = x.shape[0] if mask is None else int(mask.sum())
             if active >= 2:
-                mean, var = _masked_moments(x, mask, active)
+                mean, var = masked_moments(x, mask, active)
                 x_hat = self._normalize_batch(x, mean, var, step)
                 self._update_running(mean, var, active, step)
                 return self._affine(x_hat)
@@ -307,7 +307,7 @@ class TimestepBatchNorm(nn.Module):
         self.num_batches_tracked[t] += 1
 
 
-def _masked_moments(x: Tensor, mask: Tensor | None, active: int) -> tuple[Tensor, Tensor]:
+def masked_moments(x: Tensor, mask: Tensor | None, active: int) -> tuple[Tensor, Tensor]:
     """Mean and biased variance over the rows of ``x`` where ``mask`` is true (all rows when ``mask`` is None)."""
     if mask is None:
         # Sums, not torch.var_mean(x, dim=0): on CPU that strided reduction is several times slower at RNN sizes.
