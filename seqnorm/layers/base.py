@@ -277,31 +277,23 @@ class RecurrentLayer(nn.Module):
             apply in training; the per-sequence masks (recurrent, input and weight dropout) do not: they need one
             mask for a whole sequence.
         """
+        owner = type(self).__name__
         if self.bidirectional:
-            raise ValueError(
-                f"{type(self).__name__}: expected a unidirectional layer for step(), got bidirectional=True"
-            )
+            raise ValueError(f"{owner}: expected a unidirectional layer for step(), got bidirectional=True")
         cells = self._modules["cells"]  # not self.cells (two __getattr__ calls) nor cells[0]: slow at every step
         first = next(iter(cells._modules.values()))
-        # The checks of check_input / _check_state_shape, inlined on the common path (they word the errors).
-        if not isinstance(x, Tensor) or x.dim() != 2 or x.shape[1] != first.input_size:
-            first.check_input(x, None)
+        first.check_input(x, None)
         batch = x.shape[0]
         if state is None:
             h = x.new_zeros(self.num_layers, batch, self.state_size)
             c = x.new_zeros(self.num_layers, batch, self.hidden_size) if first.has_cell_state else None
             state = RecurrentState(h, c, 0)
         elif not isinstance(state, RecurrentState):
-            owner = type(self).__name__
             raise ValueError(f"{owner}: expected state to be the RecurrentState step() returned, got {type(state)}")
         else:
-            h, c = state.h, state.c
-            if not isinstance(h, Tensor) or h.shape != (self.num_layers, batch, self.state_size):
-                self._check_state_shape("state.h", h, (self.num_layers, batch, self.state_size))
-            if first.has_cell_state and (
-                not isinstance(c, Tensor) or c.shape != (self.num_layers, batch, self.hidden_size)
-            ):
-                self._check_state_shape("state.c", c, (self.num_layers, batch, self.hidden_size))
+            self._check_state_shape("state.h", state.h, (self.num_layers, batch, self.state_size))
+            if first.has_cell_state:
+                self._check_state_shape("state.c", state.c, (self.num_layers, batch, self.hidden_size))
         lean = lean_layer_step(self, x)  # without gradients: every cell's step prepared once (cached)
         if lean is not None:
             output, h, c = lean(x, state.h, state.c, state.step)
