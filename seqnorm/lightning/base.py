@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -16,6 +15,8 @@ DATA_STATE_KEY = "seqnorm_data"
 """Checkpoint key holding the DataModule's state (vocabulary, level, unit), read back by ``seqnorm generate``."""
 
 EVAL_STAGES = ("val", "test")
+RNN_ARGUMENTS = ("norm", "recurrent_dropout", "init", "max_steps", "small_batch")
+"""Arguments of both task modules that go to the recurrent layer as they are."""
 
 
 class TaskModule(pl.LightningModule):
@@ -26,9 +27,13 @@ class TaskModule(pl.LightningModule):
     the whole epoch weighted by tokens (language models) or examples (classifiers), not means of batch means.
     """
 
-    def _rnn_kwargs(self, rnn_options: Mapping[str, Any] | None, **named: Any) -> dict[str, Any]:
-        """The recurrent layer's keyword arguments: the model's own ``named`` ones plus ``rnn_options``."""
-        options = dict(rnn_options or {})
+    def _rnn_kwargs(self) -> dict[str, Any]:
+        """The recurrent layer's keyword arguments: the model's own (:data:`RNN_ARGUMENTS`) plus ``rnn_options``.
+
+        Read from the saved hyperparameters, so call it after ``save_hyperparameters()``.
+        """
+        named = {name: self.hparams[name] for name in RNN_ARGUMENTS}
+        options = dict(self.hparams.rnn_options or {})
         clash = sorted(set(options) & set(named))
         if clash:
             raise ValueError(

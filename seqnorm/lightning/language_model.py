@@ -79,14 +79,7 @@ class LanguageModel(TaskModule):
             dropout,
             pad_index,
             tie_weights,
-            **self._rnn_kwargs(
-                rnn_options,
-                norm=norm,
-                recurrent_dropout=recurrent_dropout,
-                init=init,
-                max_steps=max_steps,
-                small_batch=small_batch,
-            ),
+            **self._rnn_kwargs(),
         )
         self._init_metrics("loss")
 
