@@ -7,24 +7,29 @@ Examples::
     seqnorm fit ... --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt    # resume
     seqnorm generate --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt --prompt "The " --length 200
 
-User errors (a missing file, bad text, an impossible setting) end with a one-paragraph message and exit code 2,
-not a traceback; set ``SEQNORM_DEBUG=1`` to see the traceback.
+User errors (a missing file, bad text, an impossible setting, a checkpoint that is not one) end with a
+one-paragraph message and exit code 2, not a traceback; set ``SEQNORM_DEBUG=1`` to see the traceback.
+
+Checkpoints are untrusted input: every one is read with ``torch.load(weights_only=True)`` (see
+:mod:`seqnorm.lightning.checkpoint_io`), and with ``--ckpt_path`` the checkpoint's model hyperparameters are used
+(a flag that contradicts them is an error, see :mod:`seqnorm.cli_checks`).
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
-from jsonargparse import auto_cli
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from jsonargparse import Namespace, auto_cli
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
+from seqnorm.cli_checks import apply_checkpoint_hparams, check_data_matches, check_writable_dir, user_error
 from seqnorm.data import LabeledText, TextCorpus, Vocabulary
 from seqnorm.lightning import LanguageModel, SequenceClassifier
 from seqnorm.lightning.base import DATA_STATE_KEY
+from seqnorm.lightning.checkpoint_io import ALLOWED_GLOBALS, names_class, read_checkpoint, task_class
 from seqnorm.lightning.generate import generate_text
 
 __all__ = ["SeqnormCLI", "generate", "main"]
@@ -51,7 +56,16 @@ DEFAULT_CALLBACKS: list[dict[str, Any]] = [
 
 
 class SeqnormCLI(LightningCLI):
-    """LightningCLI with the sizes that come from the data linked into the model (never typed twice)."""
+    """LightningCLI with the sizes that come from the data linked into the model (never typed twice).
+
+    With ``--ckpt_path`` the checkpoint is read safely and checked before anything is built: its class must be one
+    of :data:`MODELS`, its hyperparameters fill in the model flags the user did not set (one that contradicts
+    them is an error), and the data's vocabulary must be the checkpoint's. Lightning then loads it again with
+    ``weights_only=True``, which the Trainer is always given.
+    """
+
+    _args: ArgsType = None
+    _resumed: dict[str, Any] | None = None  # the checked checkpoint's hyper_parameters and data state
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # set_defaults, not trainer_defaults: it parses class_path dicts (and `--trainer.callbacks+=X` appends)
@@ -64,6 +78,70 @@ class SeqnormCLI(LightningCLI):
             ("data.num_classes", "model.init_args.num_classes"),
         ):
             parser.link_arguments(source, target, apply_on="instantiate")
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        self._args = args  # parsed again without defaults to tell the flags the user set (_parse_ckpt_path)
+        super().parse_arguments(parser, args)
+
+    def _parse_ckpt_path(self) -> None:
+        # Replaces LightningCLI's, which parses the checkpoint's hyperparameters *over* the user's flags (so a
+        # contradicting flag is silently dropped) and imports whatever class its `_class_path` names.
+        subcommand = self.config.get("subcommand")
+        if not subcommand:
+            return
+        config = self.config[subcommand]
+        if config.get("weights_only") is False:
+            raise ValueError(
+                "--weights_only false: refused: seqnorm loads checkpoints with weights_only=True only, since "
+                "unpickling anything else can run code; checkpoints written by `seqnorm fit` need nothing more"
+            )
+        ckpt_path = config.get("ckpt_path")
+        if ckpt_path is None:
+            return
+        checkpoint = read_checkpoint(ckpt_path)
+        saved_class = task_class(checkpoint, MODELS, ckpt_path)
+        model = config.model
+        if saved_class is not None and not names_class(model.class_path, saved_class):
+            raise ValueError(
+                f"--model {model.class_path.rpartition('.')[2]} contradicts the checkpoint {ckpt_path}, which holds "
+                f"a {saved_class.__name__}: pass --model {saved_class.__name__}"
+            )
+        hparams = checkpoint["hyper_parameters"]
+        explicit = self._explicit_config()[subcommand].get("model")
+        apply_checkpoint_hparams(model, explicit, hparams, subcommand, ckpt_path)
+        self._resumed = {"hparams": hparams, "data_state": checkpoint.get(DATA_STATE_KEY), "path": ckpt_path}
+
+    def _explicit_config(self) -> Any:
+        """The config with only what the command line and ``--config`` files set (no defaults)."""
+        if isinstance(self._args, dict | Namespace):
+            return self.parser.parse_object(self._args, defaults=False)
+        return self.parser.parse_args(self._args, defaults=False)
+
+    def before_instantiate_classes(self) -> None:
+        # Instantiating reads (and may download) the data: an unusable log folder should stop the run first.
+        trainer = self._get(self.config, "trainer")
+        check_writable_dir(trainer.get("default_root_dir") if trainer is not None else None)
+
+    def after_instantiate_classes(self) -> None:
+        if self._resumed is not None:  # before Lightning loads the weights into a model built for other data
+            check_data_matches(
+                self._resumed["data_state"],
+                self.datamodule,
+                self._resumed["hparams"],
+                self.model.hparams,
+                self._get(self.config, "data"),
+                self._resumed["path"],
+            )
+            self._resumed = None
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        with torch.serialization.safe_globals(ALLOWED_GLOBALS):
+            super()._run_subcommand(subcommand)
+
+    def _prepare_subcommand_kwargs(self, subcommand: str) -> dict[str, Any]:
+        kwargs = super()._prepare_subcommand_kwargs(subcommand)
+        kwargs["weights_only"] = True  # Lightning's default for a local file is False: unpickling that runs code
+        return kwargs
 
 
 def generate(
@@ -85,17 +163,16 @@ def generate(
         top_k: sample only among the k most likely tokens.
         seed: random seed for reproducible samples.
     """
-    path = Path(ckpt_path)
-    if not path.is_file():
-        raise ValueError(f"--ckpt_path {ckpt_path}: no such checkpoint file")
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    checkpoint = read_checkpoint(ckpt_path)
+    saved_class = task_class(checkpoint, MODELS, ckpt_path)
     data_state = checkpoint.get(DATA_STATE_KEY)
-    if data_state is None or "unit" not in data_state:
+    if saved_class not in (LanguageModel, None) or not isinstance(data_state, dict) or "unit" not in data_state:
+        held = f"a {saved_class.__name__}" if saved_class is not None else "no vocabulary"
         raise ValueError(
-            f"--ckpt_path {ckpt_path}: not a LanguageModel checkpoint written by `seqnorm fit` (it holds no "
-            "vocabulary); pass a checkpoint of a language model run"
+            f"--ckpt_path {ckpt_path}: not a LanguageModel checkpoint written by `seqnorm fit` (it holds {held}); "
+            "pass a checkpoint of a language model run"
         )
-    model = LanguageModel.load_from_checkpoint(path, map_location="cpu")
+    model = LanguageModel.load_from_checkpoint(ckpt_path, map_location="cpu")
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     return generate_text(
         model.model,
@@ -127,7 +204,7 @@ def main(args: list[str] | None = None) -> None:
     except ValueError as error:  # our user-facing errors (DataError included) are ValueErrors with a full message
         if os.environ.get("SEQNORM_DEBUG"):
             raise
-        print(f"seqnorm {command}: error: {error}", file=sys.stderr)
+        print(f"seqnorm {command}: error: {user_error(error)}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
+
+from seqnorm.lightning.checkpoint_io import read_checkpoint, task_class
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = ["DATA_STATE_KEY", "TaskModule"]
 
@@ -26,6 +32,30 @@ class TaskModule(pl.LightningModule):
     otherwise; gradient clipping is the Trainer's ``gradient_clip_val``. Validation and test metrics are means over
     the whole epoch weighted by tokens (language models) or examples (classifiers), not means of batch means.
     """
+
+    @classmethod
+    def load_from_checkpoint(  # type: ignore[override]
+        cls,
+        checkpoint_path: str | os.PathLike[str],
+        map_location: Any = None,
+        hparams_file: str | os.PathLike[str] | None = None,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Self:
+        """Lightning's ``load_from_checkpoint``, for a file that passed :func:`read_checkpoint` first.
+
+        The file is read with ``weights_only=True`` (by seqnorm's reader, then by Lightning's), and its
+        ``_class_path`` must name this class or one of its subclasses: a crafted or foreign file is a
+        :class:`~seqnorm.lightning.checkpoint_io.CheckpointError` and nothing in it runs. ``kwargs`` replace saved
+        hyperparameters, as in Lightning.
+        """
+        flag = f"{cls.__name__}.load_from_checkpoint"
+        checkpoint = read_checkpoint(checkpoint_path, flag)
+        task_class(checkpoint, _subclasses(cls), checkpoint_path, flag)
+        del checkpoint  # Lightning reads the file again; only the check needed it
+        return super().load_from_checkpoint(
+            checkpoint_path, map_location, hparams_file, strict, weights_only=True, **kwargs
+        )
 
     def _rnn_kwargs(self) -> dict[str, Any]:
         """The recurrent layer's keyword arguments: the model's own (:data:`RNN_ARGUMENTS`) plus ``rnn_options``.
@@ -66,3 +96,11 @@ class TaskModule(pl.LightningModule):
         datamodule = self._trainer.datamodule if self._trainer is not None else None
         if datamodule is not None and hasattr(datamodule, "state_dict"):
             checkpoint[DATA_STATE_KEY] = datamodule.state_dict()
+
+
+def _subclasses(cls: type) -> list[type]:
+    """``cls`` and every subclass of it defined so far."""
+    found = [cls]
+    for subclass in cls.__subclasses__():
+        found += _subclasses(subclass)
+    return found

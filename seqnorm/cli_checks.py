@@ -1,0 +1,164 @@
+"""Checks the ``seqnorm`` command makes before it runs: flags against ``--ckpt_path``, the log folder, error text.
+
+Kept apart from :mod:`seqnorm.cli` so that the command itself stays a short list of LightningCLI hooks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from jsonargparse import Namespace
+
+__all__ = [
+    "EVALUATION_FREE",
+    "LINKED_FROM_DATA",
+    "apply_checkpoint_hparams",
+    "check_data_matches",
+    "check_writable_dir",
+    "user_error",
+]
+
+LINKED_FROM_DATA = ("vocab_size", "pad_index", "level", "num_classes")
+"""Model arguments the CLI links from the DataModule: checked against the data (:func:`check_data_matches`)."""
+
+EVALUATION_FREE = ("lr", "weight_decay", "dropout", "recurrent_dropout", "init")
+"""Hyperparameters that ``validate``/``test``/``predict --ckpt_path`` may set differently: evaluation does not read
+them (dropout is off, the weights are loaded, no optimizer runs). ``fit`` accepts no difference at all: a resumed
+run continues the same run, and Lightning would restore the optimizer's learning rate from the checkpoint anyway."""
+
+_SEQNORM_DIR = str(Path(__file__).resolve().parent)
+
+
+def _shown(value: Any) -> str:
+    # as the value would be typed on the command line (jsonargparse reads JSON/YAML: null, true, {"a": 1})
+    return json.dumps(value) if value is None or isinstance(value, (bool, dict, list)) else str(value)
+
+
+def apply_checkpoint_hparams(
+    model: Namespace, explicit: Namespace | None, hparams: dict[str, Any], subcommand: str, ckpt_path: str
+) -> None:
+    """Fill the parsed ``--model`` config with the checkpoint's hyperparameters, refusing contradicting flags.
+
+    A hyperparameter the user set (on the command line or in a ``--config`` file: ``explicit``, parsed without
+    defaults) must equal the checkpoint's, except the :data:`EVALUATION_FREE` ones outside ``fit``; every other
+    one takes the checkpoint's value, so the config saved with the run (``config.yaml``) records what is used.
+    Arguments linked from the data are left to :func:`check_data_matches`; names the model no longer takes are
+    ignored, as Lightning's ``load_from_checkpoint`` does.
+    """
+    init_args = model.init_args
+    given = explicit.get("init_args") if explicit is not None else None
+    for name, saved in hparams.items():
+        if name.startswith("_") or name in LINKED_FROM_DATA or name not in init_args:
+            continue
+        if given is None or name not in given:
+            init_args[name] = saved
+            continue
+        value = given[name]
+        if value == saved or (subcommand != "fit" and name in EVALUATION_FREE):
+            continue
+        keeps = "a resumed run keeps" if subcommand == "fit" else f"`{subcommand}` uses"
+        raise ValueError(
+            f"--model.{name} {_shown(value)} contradicts the checkpoint {ckpt_path} ({name}={_shown(saved)}); "
+            f"{keeps} the checkpoint's model: drop the flag (or that line of the --config file), or start a new "
+            "run without --ckpt_path"
+        )
+
+
+def _data_flag(data: Namespace | None) -> str:
+    init_args = data.get("init_args") if data is not None else None
+    for name in ("dataset", "path", "train_path"):
+        value = init_args.get(name) if init_args is not None else None
+        if value:
+            return f"--data.{name} {value}"
+    return "the data (the embedded sample, no --data.path)"
+
+
+def _few(tokens: list[str]) -> str:
+    return ", ".join(repr(token) for token in tokens[:5]) + (", ..." if len(tokens) > 5 else "")
+
+
+def check_data_matches(
+    data_state: dict[str, Any] | None,
+    datamodule: Any,
+    hparams: dict[str, Any],
+    model_hparams: Any,
+    data: Namespace | None,
+    ckpt_path: str,
+) -> None:
+    """Refuse data whose vocabulary (or labels) differ from the checkpoint's, before its weights are loaded.
+
+    Without this the mismatch surfaces as a ``size mismatch for model.embedding.weight`` traceback, or, for two
+    vocabularies of one size, as a model silently reading the wrong tokens.
+    """
+    flag = _data_flag(data)
+    state = datamodule.state_dict() if data_state is not None and hasattr(datamodule, "state_dict") else {}
+    for key, what in (("vocab", "vocabulary"), ("labels", "labels")):
+        saved, current = (data_state or {}).get(key), state.get(key)
+        if saved is None or current is None:
+            continue
+        if key == "vocab":
+            saved, current = saved.get("tokens"), current.get("tokens")
+        if saved == current:
+            continue
+        only_data = [token for token in current if token not in set(saved)]
+        only_checkpoint = [token for token in saved if token not in set(current)]
+        detail = (
+            f"only in the data: {_few(only_data) or 'none'}; only in the checkpoint: {_few(only_checkpoint) or 'none'}"
+            if only_data or only_checkpoint
+            else "the same entries in another order"
+        )
+        raise ValueError(
+            f"{flag}: its {what} ({len(current)} entries) differs from the one the checkpoint {ckpt_path} was "
+            f"trained with ({len(saved)} entries; {detail}); a checkpoint only reads data with its own {what}: "
+            "pass the data it was trained on, or start a new run without --ckpt_path"
+        )
+    for name in LINKED_FROM_DATA:
+        if name in hparams and name in model_hparams and hparams[name] != model_hparams[name]:
+            raise ValueError(
+                f"{flag}: gives {name}={model_hparams[name]}, but the checkpoint {ckpt_path} has "
+                f"{name}={hparams[name]}; pass the data it was trained on, or start a new run without --ckpt_path"
+            )
+
+
+def check_writable_dir(value: str | None, flag: str = "--trainer.default_root_dir") -> None:
+    """Refuse a log folder that cannot be created or written, before any data is read or step is trained."""
+    if value is not None and "://" in value:  # a remote filesystem (fsspec): Lightning's logger checks it
+        return
+    directory = Path(value) if value else Path.cwd()
+    named = f"{flag} {value}" if value else f"{flag} (not set, so the current directory {directory})"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as error:
+        raise ValueError(
+            f"{named}: cannot write there ({error.strerror or error}); logs, config.yaml and checkpoints go there: "
+            "pass a directory you can write to"
+        ) from None
+
+
+def _raised_in_seqnorm(traceback: TracebackType | None) -> bool:
+    if traceback is None:
+        return False
+    while traceback.tb_next is not None:
+        traceback = traceback.tb_next
+    return os.path.abspath(traceback.tb_frame.f_code.co_filename).startswith(_SEQNORM_DIR + os.sep)
+
+
+def user_error(error: ValueError) -> ValueError:
+    """The error whose message to show: seqnorm's own, where a library wrapped it (``raise ... from``).
+
+    jsonargparse reports a constructor's ValueError inside "Does not validate against any of the Union subtypes"
+    with a dump of the whole config; the model's own sentence is the one that says what to change.
+    """
+    found, cause = error, error.__cause__
+    while cause is not None:
+        if isinstance(cause, ValueError) and _raised_in_seqnorm(cause.__traceback__):
+            found = cause
+        cause = cause.__cause__
+    return found

@@ -1,0 +1,157 @@
+"""The one way seqnorm reads a checkpoint: ``torch.load(weights_only=True)``, each failure one readable error.
+
+A checkpoint is a pickle, and unpickling an untrusted pickle can run any code. ``weights_only=True`` makes torch
+unpickle with an allow-list (tensors, plain containers, numbers, strings) and refuse everything else *before*
+calling it, so a crafted file is refused and nothing in it is executed. seqnorm's checkpoints hold only such plain
+values (the vocabulary is stored as lists and dicts), so nothing needs to be allow-listed beyond
+:data:`ALLOWED_GLOBALS`.
+
+A checkpoint also names the class to build (``hyper_parameters["_class_path"]``, written by LightningCLI);
+:func:`task_class` resolves it only among classes given by the caller and never imports the named module.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import sys
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["ALLOWED_GLOBALS", "CHECKPOINT_KEYS", "CheckpointError", "names_class", "read_checkpoint", "task_class"]
+
+ALLOWED_GLOBALS: list[Any] = []
+"""Types a checkpoint may hold beyond torch's weights-only defaults (``torch.serialization.safe_globals``).
+
+Empty: everything seqnorm writes is a tensor or a plain container. Add a type here only if it is inert data.
+"""
+
+CHECKPOINT_KEYS = ("state_dict", "hyper_parameters")
+"""Keys every checkpoint written by ``seqnorm fit`` holds."""
+
+INSTANTIATOR = "lightning.pytorch.cli.instantiate_module"
+"""The only ``_instantiator`` a checkpoint may name: the one LightningCLI writes (and Lightning allow-lists)."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file cannot be used; the message names the flag and the file and says what to do."""
+
+
+def _refused_globals(path: Path, error: Exception) -> str:
+    """The globals a refused pickle asked for, from torch's own scan (reads opcodes only) or its message."""
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception:  # a legacy (non-zip) file or a broken zip: fall back to the one global torch named
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
+        names = [found.group(1)] if found else []
+    return ", ".join(names) if names else "something outside torch's weights-only allow-list"
+
+
+def read_checkpoint(path: str | os.PathLike[str], flag: str = "--ckpt_path") -> dict[str, Any]:
+    """Load a checkpoint written by ``seqnorm fit`` without running code from it.
+
+    Args:
+        path: the checkpoint file.
+        flag: the option that named it, for the message (``--ckpt_path``, ``load_from_checkpoint``, ...).
+
+    Returns:
+        The checkpoint dict (tensors on the CPU).
+
+    Raises:
+        CheckpointError: the file is missing, a directory, empty, truncated or corrupt, not a torch file, a pickle
+            that asks for anything outside the allow-list (refused before anything in it runs), not a dict with
+            :data:`CHECKPOINT_KEYS`, or names an ``_instantiator`` other than LightningCLI's.
+    """
+    where = f"{flag} {path}"
+    file = Path(path)
+    if file.is_dir():
+        raise CheckpointError(f"{where}: is a directory, expected a checkpoint file such as .../checkpoints/last.ckpt")
+    if not file.is_file():
+        raise CheckpointError(f"{where}: no such checkpoint file")
+    size = file.stat().st_size
+    if size == 0:
+        raise CheckpointError(
+            f"{where}: the file is empty (0 bytes), not a checkpoint; a run stopped while saving can leave one: "
+            "use an earlier checkpoint"
+        )
+    try:
+        with torch.serialization.safe_globals(ALLOWED_GLOBALS), warnings.catch_warnings():
+            # a foreign pickle also makes torch warn about its protocol: the error below says all there is to say
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            checkpoint = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        if "Weights only load failed" not in str(error):
+            raise CheckpointError(f"{where}: not a PyTorch checkpoint (unreadable pickle: {error})") from None
+        raise CheckpointError(
+            f"{where}: refused: the file asks to call or build {_refused_globals(file, error)}, which a checkpoint "
+            "never needs; it was not loaded and nothing in it was executed. Use a checkpoint written by "
+            "`seqnorm fit` that you trust"
+        ) from None
+    except (RuntimeError, OSError, EOFError, KeyError, ValueError, IndexError) as error:
+        # torch reports a cut zip as an OSError or "failed finding central directory", a text file as a KeyError
+        # of its first byte: say which of the two the bytes look like rather than repeat torch's words.
+        with open(file, "rb") as handle:
+            zipped = handle.read(4) == b"PK\x03\x04"  # torch.save writes a zip archive
+        if zipped:
+            problem = f"the file ({size} bytes) is truncated or corrupt; a run stopped while saving can leave one"
+        else:
+            problem = "not a PyTorch checkpoint (not a file written by torch.save)"
+        raise CheckpointError(f"{where}: {problem} ({type(error).__name__}: {error}): use another checkpoint") from None
+    if not isinstance(checkpoint, dict) or not all(key in checkpoint for key in CHECKPOINT_KEYS):
+        held = f"a dict with keys {sorted(map(str, checkpoint))[:6]}" if isinstance(checkpoint, dict) else None
+        raise CheckpointError(
+            f"{where}: a torch file, but not a checkpoint written by `seqnorm fit`: expected a dict with "
+            f"{' and '.join(CHECKPOINT_KEYS)}, got {held or type(checkpoint).__name__}"
+        )
+    hparams = checkpoint["hyper_parameters"]
+    if not isinstance(hparams, dict):
+        raise CheckpointError(f"{where}: expected hyper_parameters to be a dict, got {type(hparams).__name__}")
+    instantiator = hparams.get("_instantiator")
+    if instantiator is not None and instantiator != INSTANTIATOR:
+        raise CheckpointError(
+            f"{where}: refused: its hyper_parameters name the instantiator {instantiator!r}; only {INSTANTIATOR} "
+            "is accepted, and the named one was not imported"
+        )
+    return checkpoint
+
+
+def names_class(class_path: object, cls: type) -> bool:
+    """Whether ``class_path`` names ``cls``, by its defining module or an already imported package exporting it.
+
+    Only ``sys.modules`` is consulted: nothing is imported.
+    """
+    if not isinstance(class_path, str) or "." not in class_path:
+        return False
+    if class_path == f"{cls.__module__}.{cls.__qualname__}":
+        return True
+    module_name, _, name = class_path.rpartition(".")
+    module = sys.modules.get(module_name)
+    return module is not None and getattr(module, name, None) is cls
+
+
+def task_class(
+    checkpoint: dict[str, Any], allowed: Sequence[type], path: str | os.PathLike[str], flag: str = "--ckpt_path"
+) -> type | None:
+    """The class among ``allowed`` that the checkpoint's ``hyper_parameters["_class_path"]`` names.
+
+    Both a class's defining path (``seqnorm.lightning.language_model.LanguageModel``) and a path through an
+    already imported package that exports it (``seqnorm.lightning.LanguageModel``, what the CLI writes) match
+    (:func:`names_class`); the named module is never imported, so a checkpoint cannot make seqnorm run a module of
+    its choice. Returns ``None`` for a checkpoint written without the CLI (no ``_class_path``).
+    """
+    class_path = checkpoint["hyper_parameters"].get("_class_path")
+    if class_path is None:
+        return None
+    for cls in allowed:
+        if names_class(class_path, cls):
+            return cls
+    names = ", ".join(cls.__name__ for cls in allowed)
+    raise CheckpointError(
+        f"{flag} {path}: refused: the checkpoint's hyper_parameters name the class {class_path!r}, which is not "
+        f"one of {names}; the named module was not imported. Use a checkpoint written by `seqnorm fit`"
+    )
