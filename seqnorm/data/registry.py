@@ -9,13 +9,23 @@ partial or unverified file.
 Checksums are the ones published by other projects for the same URLs (named beside each entry); none was made up.
 A file whose checksum could not be found has ``known_hash=None``: such a dataset is refused unless the user passes
 ``--data.dataset_hash`` after checking the file themselves.
+
+Cached files are verified on every use, not only when downloaded. pooch re-checks each download against its
+published checksum. The SHA-256 of every file is also recorded in the dataset folder's ``sha256.json``
+(:data:`MANIFEST`) when first verified: a download after its published check, an archive member right after it is
+extracted from a verified archive. A member that no longer matches its record is extracted again; a download whose
+published checksum is only an MD5 (ptb_char's archive) must also match its recorded SHA-256, else it is fetched
+afresh once and refused if it still differs. The record guards against corrupted or replaced files, not against
+someone who can rewrite both a file and the manifest.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tarfile
+import tempfile
 import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -23,7 +33,10 @@ from pathlib import Path
 
 from seqnorm.data.errors import DataError
 
-__all__ = ["DATASETS", "DatasetSpec", "Download", "SplitFile", "default_cache_dir", "fetch_dataset"]
+__all__ = ["DATASETS", "MANIFEST", "DatasetSpec", "Download", "SplitFile", "default_cache_dir", "fetch_dataset"]
+
+MANIFEST = "sha256.json"
+"""File in each dataset folder: ``{file name: SHA-256 hex}`` of the files verified so far."""
 
 
 @dataclass(frozen=True)
@@ -223,17 +236,12 @@ def get_spec(name: str) -> DatasetSpec:
         ) from None
 
 
-def _download(spec: DatasetSpec, download: Download, folder: Path, known_hash: str | None) -> Path:
+def _retrieve(spec: DatasetSpec, download: Download, folder: Path, known_hash: str) -> Path:
+    """pooch's verified download (or its re-check of the cached copy), failures as :class:`DataError`."""
     import pooch
     import requests
 
     target = folder / download.filename
-    if known_hash is None:
-        raise DataError(
-            f"--data.dataset {spec.name}: no published checksum is known for {download.url}, so it is not "
-            "downloaded unverified: download it yourself, check it, and pass its hash with --data.dataset_hash "
-            "sha256:<hex>, or pass the extracted text with --data.path"
-        )
     try:
         return Path(pooch.retrieve(download.url, known_hash=known_hash, fname=download.filename, path=folder))
     except ValueError as error:  # pooch's hash mismatch; its temporary file is already deleted
@@ -249,6 +257,66 @@ def _download(spec: DatasetSpec, download: Download, folder: Path, known_hash: s
             f"--data.dataset {spec.name}: could not download {download.url} into {folder} ({error}); the cache "
             f"holds no partial file. Check the network, or download the file yourself to {target}"
         ) from None
+
+
+def _sha256(path: Path) -> str:
+    import pooch
+
+    return pooch.file_hash(str(path), alg="sha256")
+
+
+def _read_manifest(folder: Path) -> dict[str, str]:
+    try:
+        recorded = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # none yet, or unreadable: every file counts as unrecorded and is re-verified
+        return {}
+    return {str(name): str(digest) for name, digest in recorded.items()} if isinstance(recorded, dict) else {}
+
+
+def _record(folder: Path, name: str, digest: str) -> None:
+    """Add ``name``'s SHA-256 to the manifest, replacing the file atomically so a crash never leaves half of it."""
+    recorded = _read_manifest(folder)
+    recorded[name] = digest
+    handle, temporary = tempfile.mkstemp(dir=folder, prefix=f".{MANIFEST}.", suffix=".part")
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            json.dump(recorded, out, indent=1, sort_keys=True)
+        os.replace(temporary, folder / MANIFEST)
+    finally:
+        Path(temporary).unlink(missing_ok=True)
+
+
+def _is_sha256(known_hash: str) -> bool:
+    return ":" not in known_hash or known_hash.lower().startswith("sha256:")
+
+
+def _download(spec: DatasetSpec, download: Download, folder: Path, known_hash: str | None) -> Path:
+    if known_hash is None:
+        raise DataError(
+            f"--data.dataset {spec.name}: no published checksum is known for {download.url}, so it is not "
+            "downloaded unverified: download it yourself, check it, and pass its hash with --data.dataset_hash "
+            "sha256:<hex>, or pass the extracted text with --data.path"
+        )
+    path = _retrieve(spec, download, folder, known_hash)
+    digest = _sha256(path)
+    recorded = _read_manifest(folder).get(path.name)
+    if recorded is None or recorded == digest or _is_sha256(known_hash):  # a SHA-256 given now is authoritative
+        if recorded != digest:
+            _record(folder, path.name, digest)
+        return path
+    # It passes the published MD5 yet is not the file verified on first use: fetch it afresh, once.
+    path.unlink()
+    path = _retrieve(spec, download, folder, known_hash)
+    digest = _sha256(path)
+    if digest == recorded:
+        return path
+    path.unlink()
+    raise DataError(
+        f"--data.dataset {spec.name}: {path} passes the published check {known_hash}, but its SHA-256 {digest} "
+        f"differs from the one recorded when it was first verified ({recorded}, in {folder / MANIFEST}), also "
+        f"when downloaded again; it was deleted. If the server now serves a new file you trust, delete "
+        f"{folder / MANIFEST} and run again, or pass the text with --data.path"
+    )
 
 
 def _extract(archive: Path, member_suffix: str, destination: Path) -> None:
@@ -298,6 +366,7 @@ def fetch_dataset(name: str, cache_dir: str | Path | None = None, known_hash: st
         )
     fetched: dict[str, Path] = {}
     paths: dict[str, Path] = {}
+    recorded = _read_manifest(folder)
     for split, source in spec.splits.items():
         download = source.download
         if source.member is None:
@@ -306,9 +375,12 @@ def fetch_dataset(name: str, cache_dir: str | Path | None = None, known_hash: st
             paths[split] = fetched[download.url]
             continue
         destination = folder / Path(source.member).name
-        if not destination.exists():  # unpacked on an earlier run from a verified archive
+        expected = recorded.get(destination.name)
+        # Unpacked on an earlier run from a verified archive, and unchanged since: used without the archive.
+        if expected is None or not destination.is_file() or _sha256(destination) != expected:
             if download.url not in fetched:
                 fetched[download.url] = _download(spec, download, folder, known_hash or download.known_hash)
             _extract(fetched[download.url], source.member, destination)
+            _record(folder, destination.name, _sha256(destination))
         paths[split] = destination
     return paths

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import re
 import threading
 import zipfile
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from seqnorm.data import DATASETS, DataError, DatasetSpec, Download, SplitFile, TextCorpus, fetch_dataset
-from seqnorm.data.registry import _ptb_char_to_text, default_cache_dir
+from seqnorm.data.registry import MANIFEST, _ptb_char_to_text, default_cache_dir
 
 CORPUS = "".join(f"the quick brown fox {i}\n" for i in range(30))
 
@@ -178,3 +179,75 @@ def test_cache_dir_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_
     assert default_cache_dir() == tmp_path
     monkeypatch.delenv("SEQNORM_CACHE")
     assert default_cache_dir() == Path.home() / ".cache" / "seqnorm"
+
+
+def _serve_zip(served: Path, texts: dict[str, str]) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for name, text in texts.items():
+            archive.writestr(f"corpus/{name}.txt", text)
+    (served / "corpus.zip").write_bytes(buffer.getvalue())
+    return buffer.getvalue()
+
+
+def _register_md5_zip(monkeypatch: pytest.MonkeyPatch, base_url: str, archive: bytes) -> None:
+    """A dataset like ptb_char: splits inside a zip whose only published checksum is an MD5."""
+    download = Download(f"{base_url}/corpus.zip", f"md5:{hashlib.md5(archive).hexdigest()}", "test")
+    splits = {split: SplitFile(download, f"corpus/{split}.txt") for split in ("train", "val")}
+    _register(monkeypatch, DatasetSpec("zipped", "test", splits))
+
+
+def test_cached_files_are_recorded_and_a_changed_member_is_extracted_again(
+    server: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base_url, served = server
+    texts = {"train": "train text\n" * 5, "val": "val text\n" * 5}
+    archive = _serve_zip(served, texts)
+    _register_md5_zip(monkeypatch, base_url, archive)
+    cache = tmp_path / "cache"
+    paths = fetch_dataset("zipped", cache)
+    manifest = json.loads((cache / "zipped" / MANIFEST).read_text())
+    assert manifest == {
+        "corpus.zip": _sha256(archive),
+        "train.txt": _sha256(texts["train"].encode()),
+        "val.txt": _sha256(texts["val"].encode()),
+    }
+    (served / "corpus.zip").unlink()  # from here on only the cache can serve it
+    paths["train"].write_text("tampered\n")
+    assert fetch_dataset("zipped", cache)["train"].read_text() == texts["train"]
+    paths["val"].unlink()
+    assert fetch_dataset("zipped", cache)["val"].read_text() == texts["val"]
+
+
+def test_changed_cached_archive_is_fetched_again(
+    server: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base_url, served = server
+    texts = {"train": "train text\n" * 5, "val": "val text\n" * 5}
+    archive = _serve_zip(served, texts)
+    _register_md5_zip(monkeypatch, base_url, archive)
+    cache = tmp_path / "cache"
+    paths = fetch_dataset("zipped", cache)
+    (cache / "zipped" / "corpus.zip").write_bytes(b"tampered archive")
+    paths["train"].unlink()  # so that the archive is needed again
+    assert fetch_dataset("zipped", cache)["train"].read_text() == texts["train"]
+    assert (cache / "zipped" / "corpus.zip").read_bytes() == archive
+
+
+def test_archive_passing_its_md5_but_not_its_recorded_sha256_is_refused(
+    server: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base_url, served = server
+    _register_md5_zip(monkeypatch, base_url, _serve_zip(served, {"train": "first\n" * 5, "val": "first\n" * 5}))
+    cache = tmp_path / "cache"
+    paths = fetch_dataset("zipped", cache)
+    # Another archive that passes the published check, as an MD5 collision would: served and cached alike.
+    replaced = _serve_zip(served, {"train": "second\n" * 5, "val": "second\n" * 5})
+    _register_md5_zip(monkeypatch, base_url, replaced)
+    (cache / "zipped" / "corpus.zip").write_bytes(replaced)
+    paths["train"].unlink()
+    with pytest.raises(DataError) as caught:
+        fetch_dataset("zipped", cache)
+    message = str(caught.value)
+    assert "corpus.zip" in message and MANIFEST in message and _sha256(replaced) in message
+    assert not (cache / "zipped" / "corpus.zip").exists() and not paths["train"].exists()
