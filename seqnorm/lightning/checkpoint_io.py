@@ -79,29 +79,31 @@ def read_checkpoint(path: str | os.PathLike[str], flag: str = "--ckpt_path") -> 
             f"{where}: the file is empty (0 bytes), not a checkpoint; a run stopped while saving can leave one: "
             "use an earlier checkpoint"
         )
+    with open(file, "rb") as handle:
+        magic = handle.read(4)
+    zipped = magic == b"PK\x03\x04"  # what torch.save writes
+    pickled = magic[:1] == b"\x80"  # a bare pickle (protocol 2+), as torch's legacy format is
+    not_torch = f"{where}: not a PyTorch checkpoint (not a file written by torch.save): use another checkpoint"
     try:
         with torch.serialization.safe_globals(ALLOWED_GLOBALS), warnings.catch_warnings():
             # a foreign pickle also makes torch warn about its protocol: the error below says all there is to say
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
             checkpoint = torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
-        if "Weights only load failed" not in str(error):
-            raise CheckpointError(f"{where}: not a PyTorch checkpoint (unreadable pickle: {error})") from None
+        if not (zipped or pickled):
+            raise CheckpointError(not_torch) from None
         raise CheckpointError(
             f"{where}: refused: the file asks to call or build {_refused_globals(file, error)}, which a checkpoint "
             "never needs; it was not loaded and nothing in it was executed. Use a checkpoint written by "
             "`seqnorm fit` that you trust"
         ) from None
     except (RuntimeError, OSError, EOFError, KeyError, ValueError, IndexError) as error:
-        # torch reports a cut zip as an OSError or "failed finding central directory", a text file as a KeyError
-        # of its first byte: say which of the two the bytes look like rather than repeat torch's words.
-        with open(file, "rb") as handle:
-            zipped = handle.read(4) == b"PK\x03\x04"  # torch.save writes a zip archive
-        if zipped:
-            problem = f"the file ({size} bytes) is truncated or corrupt; a run stopped while saving can leave one"
-        else:
-            problem = "not a PyTorch checkpoint (not a file written by torch.save)"
-        raise CheckpointError(f"{where}: {problem} ({type(error).__name__}: {error}): use another checkpoint") from None
+        if not zipped:  # torch reports a text file as a KeyError of its first byte
+            raise CheckpointError(not_torch) from None
+        raise CheckpointError(
+            f"{where}: the file ({size} bytes) is truncated or corrupt, as a run stopped while saving can leave it "
+            f"(torch: {type(error).__name__}: {error}): use another checkpoint"
+        ) from None
     if not isinstance(checkpoint, dict) or not all(key in checkpoint for key in CHECKPOINT_KEYS):
         held = f"a dict with keys {sorted(map(str, checkpoint))[:6]}" if isinstance(checkpoint, dict) else None
         raise CheckpointError(

@@ -1,0 +1,246 @@
+"""Checkpoints are untrusted input: crafted, foreign, broken or contradicted ones end in one message and exit 2.
+
+One tiny language model is trained once for the module; each test copies or edits its checkpoint.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import random
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from seqnorm.cli import main
+from seqnorm.lightning import LanguageModel
+from seqnorm.lightning.checkpoint_io import CheckpointError
+from tests.test_cli import QUIET, WORDS
+
+TINY = ["--model.hidden_size", "16", "--model.embedding_dim", "8", *QUIET]
+SHORT = ["--trainer.max_steps", "4", "--trainer.limit_val_batches", "2"]
+LM = ["--model", "LanguageModel", "--data", "TextCorpus"]
+
+
+def _write_story(path: Path, words: list[str], seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    lines = (" ".join(rng.choice(words) for _ in range(rng.randint(2, 8))) for _ in range(200))
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``last.ckpt`` of a 4-step run (hidden_size 16) on a story written beside it; copy it before changing it."""
+    root = tmp_path_factory.mktemp("trained")
+    story = _write_story(root / "story.txt", WORDS)
+    main(["fit", *LM, "--data.path", str(story), *TINY, *SHORT, "--trainer.default_root_dir", str(root)])
+    return root / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+
+
+@pytest.fixture
+def story(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, trained: Path) -> Path:
+    """The story the checkpoint was trained on, in a fresh working directory."""
+    monkeypatch.chdir(tmp_path)
+    return Path(shutil.copy(trained.parents[3] / "story.txt", tmp_path / "story.txt"))
+
+
+def _fails(capsys: pytest.CaptureFixture, args: list[str]) -> str:
+    """Run ``seqnorm args``; assert exit code 2 and one paragraph without a traceback; return the message."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    stderr = capsys.readouterr().err
+    assert "Traceback" not in stderr
+    message = stderr.rstrip("\n").splitlines()[-1]  # Lightning's log lines ("Seed set to 0") may come before it
+    assert message.startswith(f"seqnorm {args[0]}: error: ")
+    return message
+
+
+def _commands(ckpt: Path, story: Path) -> dict[str, list[str]]:
+    data = ["--data.path", str(story)]
+    return {
+        "generate": ["generate", "--ckpt_path", str(ckpt)],
+        "fit": ["fit", *LM, *data, *TINY, *SHORT, "--ckpt_path", str(ckpt)],
+        "test": ["test", *LM, *data, *TINY, "--ckpt_path", str(ckpt)],
+    }
+
+
+class _Touch:
+    """Unpickling this calls ``Path.touch(marker)``: a stand-in for ``os.system`` that leaves visible evidence."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Callable[..., None], tuple[Path]]:
+        return pathlib.Path.touch, (self.marker,)
+
+
+@pytest.fixture
+def crafted(tmp_path: Path) -> tuple[Path, Path]:
+    """``(checkpoint, marker)``: a checkpoint-shaped file whose pickle would create ``marker``."""
+    marker = tmp_path / "pwned"
+    path = tmp_path / "crafted.ckpt"
+    torch.save({"state_dict": {}, "hyper_parameters": {}, "payload": _Touch(marker)}, path)
+    return path, marker
+
+
+def test_the_crafted_file_would_run_its_payload(crafted: tuple[Path, Path]) -> None:
+    path, marker = crafted
+    torch.load(path, weights_only=False)  # what `seqnorm generate` used to do
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("command", ["generate", "fit", "test"])
+def test_crafted_pickle_is_refused_and_never_runs(
+    story: Path, crafted: tuple[Path, Path], capsys: pytest.CaptureFixture, command: str
+) -> None:
+    path, marker = crafted
+    error = _fails(capsys, _commands(path, story)[command])
+    assert f"--ckpt_path {path}: refused" in error and "nothing in it was executed" in error
+    assert "pathlib" in error  # the global it asked for
+    assert not marker.exists()
+    with pytest.raises(CheckpointError, match="nothing in it was executed"):
+        LanguageModel.load_from_checkpoint(path)
+    assert not marker.exists()
+
+
+def test_console_script_refuses_a_crafted_checkpoint(story: Path, crafted: tuple[Path, Path]) -> None:
+    path, marker = crafted
+    result = subprocess.run(
+        [sys.executable, "-m", "seqnorm.cli", "generate", "--ckpt_path", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2 and str(path) in result.stderr and "Traceback" not in result.stderr
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("command", ["generate", "fit", "test"])
+def test_foreign_class_path_is_refused_without_importing_it(
+    story: Path, trained: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    marker = story.parent / "imported"
+    (story.parent / "foreign_model_module.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).touch()\nclass Model: ...\n", encoding="utf-8"
+    )
+    monkeypatch.syspath_prepend(str(story.parent))
+    checkpoint = torch.load(trained, weights_only=True)
+    checkpoint["hyper_parameters"]["_class_path"] = "foreign_model_module.Model"
+    path = story.parent / "foreign.ckpt"
+    torch.save(checkpoint, path)
+    error = _fails(capsys, _commands(path, story)[command])
+    assert "'foreign_model_module.Model'" in error and "not imported" in error
+    assert not marker.exists() and "foreign_model_module" not in sys.modules
+
+
+def _truncated(trained: Path, path: Path) -> None:
+    data = trained.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+BROKEN: dict[str, tuple[Callable[[Path, Path], object] | None, str]] = {
+    "missing": (None, "no such checkpoint file"),
+    "directory": (lambda trained, path: path.mkdir(), "is a directory"),
+    "empty": (lambda trained, path: path.write_bytes(b""), "empty (0 bytes)"),
+    "truncated": (_truncated, "truncated or corrupt"),
+    "text": (lambda trained, path: path.write_text("not a checkpoint\n"), "not a PyTorch checkpoint"),
+    "tensor": (lambda trained, path: torch.save(torch.zeros(3), path), "got Tensor"),
+    "dict": (lambda trained, path: torch.save({"weights": torch.zeros(3)}, path), "expected a dict with state_dict"),
+}
+
+
+@pytest.mark.parametrize("command", ["generate", "fit", "test"])
+@pytest.mark.parametrize("kind", list(BROKEN))
+def test_unusable_ckpt_path_is_one_message(
+    story: Path, trained: Path, capsys: pytest.CaptureFixture, command: str, kind: str
+) -> None:
+    make, expected = BROKEN[kind]
+    path = story.parent / f"{kind}.ckpt"
+    if make is not None:
+        make(trained, path)
+    error = _fails(capsys, _commands(path, story)[command])
+    assert f"--ckpt_path {path}: " in error and expected in error
+
+
+def test_unwritable_default_root_dir_is_one_message(story: Path, capsys: pytest.CaptureFixture) -> None:
+    # Under a regular file nothing can be created, even by root (who ignores permission bits).
+    root = story / "logs"
+    error = _fails(capsys, ["fit", *LM, "--data.path", str(story), *TINY, "--trainer.default_root_dir", str(root)])
+    assert f"--trainer.default_root_dir {root}: cannot write there" in error
+
+
+def test_resume_fills_unset_flags_from_the_checkpoint(story: Path, trained: Path) -> None:
+    # --model.hidden_size as in the checkpoint, --model.embedding_dim unset (its default, 64, is not what was used)
+    args = ["fit", *LM, "--data.path", str(story), "--model.hidden_size", "16", *QUIET]
+    main([*args, "--trainer.max_steps", "6", "--trainer.limit_val_batches", "2", "--ckpt_path", str(trained)])
+    run = Path("lightning_logs/version_0")
+    resumed = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    assert resumed["global_step"] > torch.load(trained, weights_only=True)["global_step"]
+    saved = yaml.safe_load((run / "config.yaml").read_text())["model"]["init_args"]
+    assert (saved["hidden_size"], saved["embedding_dim"]) == (16, 8)
+    assert resumed["hyper_parameters"]["embedding_dim"] == 8
+
+
+@pytest.mark.parametrize("where", ["command line", "config file"])
+def test_flag_contradicting_the_checkpoint_names_both_values(
+    story: Path, trained: Path, capsys: pytest.CaptureFixture, where: str
+) -> None:
+    if where == "command line":
+        flag = ["--model.hidden_size", "32"]
+    else:
+        Path("override.yaml").write_text("model:\n  init_args:\n    hidden_size: 32\n", encoding="utf-8")
+        flag = ["--config", "override.yaml"]
+    for command in ("fit", "test"):
+        args = [command, *LM, *flag, "--data.path", str(story), *QUIET, "--ckpt_path", str(trained)]
+        error = _fails(capsys, args)
+        assert f"--model.hidden_size 32 contradicts the checkpoint {trained} (hidden_size=16)" in error
+    assert not Path("lightning_logs").exists()
+
+
+def test_model_class_contradicting_the_checkpoint(story: Path, trained: Path, capsys: pytest.CaptureFixture) -> None:
+    args = ["fit", "--model", "SequenceClassifier", "--data", "LabeledText", "--data.train_path", str(story)]
+    error = _fails(capsys, [*args, "--ckpt_path", str(trained)])
+    assert "--model SequenceClassifier contradicts" in error and "LanguageModel" in error
+
+
+@pytest.mark.parametrize("command", ["fit", "test"])
+def test_other_corpus_is_refused_before_any_size_mismatch(
+    story: Path, trained: Path, capsys: pytest.CaptureFixture, command: str
+) -> None:
+    other = _write_story(story.parent / "other.txt", ["zebra", "quiz", "jumping", "vex", "the"], seed=1)
+    args = [command, *LM, "--data.path", str(other), *QUIET, *SHORT, "--ckpt_path", str(trained)]
+    error = _fails(capsys, args)
+    vocab = torch.load(trained, weights_only=True)["seqnorm_data"]["vocab"]["tokens"]
+    assert f"--data.path {other}: its vocabulary" in error and str(trained) in error
+    assert f"({len(vocab)} entries;" in error and "'z'" in error
+    assert "size mismatch" not in error
+
+
+def test_weights_only_false_is_refused(story: Path, trained: Path, capsys: pytest.CaptureFixture) -> None:
+    args = ["test", *LM, "--data.path", str(story), *QUIET, "--ckpt_path", str(trained), "--weights_only", "false"]
+    assert "--weights_only false: refused" in _fails(capsys, args)
+
+
+def test_refused_rnn_option_shows_the_model_sentence_first(story: Path, capsys: pytest.CaptureFixture) -> None:
+    args = ["fit", *LM, "--data.path", str(story), *TINY, "--model.rnn_options", '{"small_batch": "running"}']
+    error = _fails(capsys, args)
+    assert error.startswith(
+        "seqnorm fit: error: LanguageModel: expected rnn_options without arguments the model takes itself, got "
+        "small_batch (use --model.small_batch)"
+    )
+    assert "Union" not in error
+
+
+def test_load_from_checkpoint_reads_a_real_checkpoint(trained: Path) -> None:
+    model = LanguageModel.load_from_checkpoint(trained)
+    assert model.hparams.hidden_size == 16
+    saved = torch.load(trained, weights_only=True)["state_dict"]
+    torch.testing.assert_close(model.state_dict(), saved)
