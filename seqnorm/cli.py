@@ -167,7 +167,7 @@ def generate(
     saved_class = task_class(checkpoint, MODELS, ckpt_path)
     data_state = checkpoint.get(DATA_STATE_KEY)
     if saved_class not in (LanguageModel, None) or not isinstance(data_state, dict) or "unit" not in data_state:
-        held = f"a {saved_class.__name__}" if saved_class is not None else "no vocabulary"
+        held = f"a {saved_class.__name__}" if saved_class not in (LanguageModel, None) else "no vocabulary"
         raise ValueError(
             f"--ckpt_path {ckpt_path}: not a LanguageModel checkpoint written by `seqnorm fit` (it holds {held}); "
             "pass a checkpoint of a language model run"

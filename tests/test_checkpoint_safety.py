@@ -124,8 +124,14 @@ def test_console_script_refuses_a_crafted_checkpoint(story: Path, crafted: tuple
 
 
 @pytest.mark.parametrize("command", ["generate", "fit", "test"])
+@pytest.mark.parametrize("key", ["_class_path", "rnn_options"])
 def test_foreign_class_path_is_refused_without_importing_it(
-    story: Path, trained: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, command: str
+    story: Path,
+    trained: Path,
+    capsys: pytest.CaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    command: str,
+    key: str,
 ) -> None:
     marker = story.parent / "imported"
     (story.parent / "foreign_model_module.py").write_text(
@@ -133,11 +139,13 @@ def test_foreign_class_path_is_refused_without_importing_it(
     )
     monkeypatch.syspath_prepend(str(story.parent))
     checkpoint = torch.load(trained, weights_only=True)
-    checkpoint["hyper_parameters"]["_class_path"] = "foreign_model_module.Model"
+    # at the top, or nested where jsonargparse would resolve it while building the model
+    foreign = "foreign_model_module.Model"
+    checkpoint["hyper_parameters"][key] = foreign if key == "_class_path" else {"zoneout_h": {"class_path": foreign}}
     path = story.parent / "foreign.ckpt"
     torch.save(checkpoint, path)
     error = _fails(capsys, _commands(path, story)[command])
-    assert "'foreign_model_module.Model'" in error and "not imported" in error
+    assert f"--ckpt_path {path}: refused" in error and f"'{foreign}'" in error and "not imported" in error
     assert not marker.exists() and "foreign_model_module" not in sys.modules
 
 

@@ -65,7 +65,8 @@ def read_checkpoint(path: str | os.PathLike[str], flag: str = "--ckpt_path") -> 
     Raises:
         CheckpointError: the file is missing, a directory, empty, truncated or corrupt, not a torch file, a pickle
             that asks for anything outside the allow-list (refused before anything in it runs), not a dict with
-            :data:`CHECKPOINT_KEYS`, or names an ``_instantiator`` other than LightningCLI's.
+            :data:`CHECKPOINT_KEYS`, names an ``_instantiator`` other than LightningCLI's, or nests a
+            ``class_path`` in its hyperparameters (jsonargparse would import it when the model is built).
     """
     where = f"{flag} {path}"
     file = Path(path)
@@ -113,6 +114,12 @@ def read_checkpoint(path: str | os.PathLike[str], flag: str = "--ckpt_path") -> 
     hparams = checkpoint["hyper_parameters"]
     if not isinstance(hparams, dict):
         raise CheckpointError(f"{where}: expected hyper_parameters to be a dict, got {type(hparams).__name__}")
+    nested = _class_path_inside(hparams)
+    if nested is not None:
+        raise CheckpointError(
+            f"{where}: refused: its hyper_parameters.{nested[0]} names the class {nested[1]!r}; seqnorm's "
+            "hyperparameters are plain values, and the named module was not imported"
+        )
     instantiator = hparams.get("_instantiator")
     if instantiator is not None and instantiator != INSTANTIATOR:
         raise CheckpointError(
@@ -120,6 +127,23 @@ def read_checkpoint(path: str | os.PathLike[str], flag: str = "--ckpt_path") -> 
             "is accepted, and the named one was not imported"
         )
     return checkpoint
+
+
+def _class_path_inside(value: object, where: str = "") -> tuple[str, object] | None:
+    """``(key path, class path)`` of a nested ``{"class_path": ...}`` dict, which jsonargparse would import."""
+    if isinstance(value, dict):
+        if "class_path" in value:
+            return where or "(top level)", value["class_path"]
+        items = ((f"{where}.{key}" if where else str(key), item) for key, item in value.items())
+    elif isinstance(value, list | tuple):
+        items = ((f"{where}[{index}]", item) for index, item in enumerate(value))
+    else:
+        return None
+    for key, item in items:
+        found = _class_path_inside(item, key)
+        if found is not None:
+            return found
+    return None
 
 
 def names_class(class_path: object, cls: type) -> bool:
