@@ -26,6 +26,9 @@ QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summa
 TINY = ["--model.hidden_size", "16", "--model.embedding_dim", "8"]
 WORDS = ["the", "cat", "dog", "sat", "ran", "on", "under", "a", "mat", "log", "big", "small", "red", "blue"]
 VAL_EVERY = 5
+# A save of this model takes a few milliseconds, long enough for a poll to see its temporary file and kill then.
+SAVES_TAKE_A_WHILE = ["--model.hidden_size", "64", "--model.embedding_dim", "32"]
+UNREACHED = 10**6  # max_steps of a run that is to be killed: however fast the machine, it is still training
 LAUNCH_DEADLINE = 180.0  # seconds; only a guard against a hung child on an overloaded machine, never an assertion
 
 
@@ -215,10 +218,10 @@ def test_sigkill_at_random_moments_then_resume(
         request.addfinalizer(lambda: shutil.rmtree(child_tmp, ignore_errors=True))
     env = _child_env(tmp_path, child_tmp)
     rng = random.Random(f"sigkill {tmpdir}")
-    max_steps, resume = 200, []
+    resume: list[str] = []
     for run, during_save in enumerate([False, True, False] if child_tmp else [True, False]):
         directory, log = tmp_path / f"lightning_logs/version_{run}/checkpoints", tmp_path / f"run{run}.log"
-        process = _launch(story, env, log, max_steps, *resume)
+        process = _launch(story, env, log, UNREACHED, *SAVES_TAKE_A_WHILE, *resume)
         try:
             assert _wait_for((directory / "last.ckpt").exists, process), log.read_text()[-2000:]
             if during_save:  # the moment a temporary checkpoint file appears: mid-write
@@ -227,12 +230,12 @@ def test_sigkill_at_random_moments_then_resume(
                 time.sleep(rng.uniform(0.0, 1.0))
         finally:
             process.kill()
-            process.wait()
+        assert process.wait() == -signal.SIGKILL, log.read_text()[-2000:]  # killed while training, not after
         steps = _check_directory(directory, validated=not resume)
-        assert steps["last.ckpt"] < max_steps
         resume = ["--ckpt_path", str(directory / "last.ckpt")]
     log = tmp_path / "finished.log"
-    finished = _launch(story, env, log, max_steps, *resume)
+    max_steps = steps["last.ckpt"] + 2 * VAL_EVERY
+    finished = _launch(story, env, log, max_steps, *SAVES_TAKE_A_WHILE, *resume)
     assert finished.wait() == 0, log.read_text()[-2000:]
     final = tmp_path / f"lightning_logs/version_{run + 1}/checkpoints"
     assert _check_directory(final, validated=False)["last.ckpt"] == max_steps
@@ -240,7 +243,7 @@ def test_sigkill_at_random_moments_then_resume(
 
 def test_sigterm_saves_last_writes_no_best_and_exits_nonzero(story: Path, tmp_path: Path) -> None:
     directory, log = tmp_path / "lightning_logs/version_0/checkpoints", tmp_path / "run.log"
-    process = _launch(story, _child_env(tmp_path, None), log, 200)
+    process = _launch(story, _child_env(tmp_path, None), log, UNREACHED)
     try:
         assert _wait_for((directory / "last.ckpt").exists, process), log.read_text()[-2000:]
         process.send_signal(signal.SIGTERM)
