@@ -18,12 +18,14 @@ Checkpoints are untrusted input: every one is read with ``torch.load(weights_onl
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from typing import Any
 
 import torch
 from jsonargparse import Namespace, auto_cli
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from seqnorm.cli_checks import apply_checkpoint_hparams, check_data_matches, check_writable_dir, user_error
 from seqnorm.data import LabeledText, TextCorpus, Vocabulary
@@ -32,7 +34,10 @@ from seqnorm.lightning.base import DATA_STATE_KEY
 from seqnorm.lightning.checkpoint_io import ALLOWED_GLOBALS, names_class, read_checkpoint, task_class
 from seqnorm.lightning.generate import generate_text
 
-__all__ = ["SeqnormCLI", "generate", "main"]
+__all__ = ["SIGTERM_EXIT_CODE", "SeqnormCLI", "generate", "main"]
+
+SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
+"""Exit code of a run stopped by SIGTERM (after saving last.ckpt): the shell's code for "terminated by SIGTERM"."""
 
 # Registered for `--model NAME` / `--data NAME` (LightningCLI's subclass mode resolves short names of imported
 # subclasses); listed here so that importing this module is what makes them available.
@@ -200,7 +205,12 @@ def main(args: list[str] | None = None) -> None:
         if command == "generate":
             _generate_command(argv[1:])
         else:
-            SeqnormCLI(args=args, seed_everything_default=0)  # None: LightningCLI reads sys.argv itself
+            cli = SeqnormCLI(args=args, seed_everything_default=0)  # None: LightningCLI reads sys.argv itself
+            if cli.trainer.received_sigterm:  # the run finished before the loops noticed the signal
+                raise SIGTERMException
+    except SIGTERMException:  # Lightning's SystemExit(None) would exit 0, as if the run had completed
+        print(f"seqnorm {command}: stopped by SIGTERM", file=sys.stderr)
+        raise SystemExit(SIGTERM_EXIT_CODE) from None
     except ValueError as error:  # our user-facing errors (DataError included) are ValueErrors with a full message
         if os.environ.get("SEQNORM_DEBUG"):
             raise

@@ -115,6 +115,7 @@ def test_interrupted_run_resumes_from_last_checkpoint(story: Path) -> None:
         signal.signal(signal.SIGINT, sigint)  # Lightning ignores further Ctrl-C while shutting down
     last = Path("lightning_logs/version_0/checkpoints/last.ckpt")
     assert torch.load(last, weights_only=False)["global_step"] == 12
+    assert not list(last.parent.glob("best-*"))  # Ctrl-C writes last.ckpt only: nothing was validated at step 12
     main(["fit", *base, "--trainer.max_steps", "20", "--ckpt_path", str(last)])
     assert torch.load(Path("lightning_logs/version_1/checkpoints/last.ckpt"), weights_only=False)["global_step"] == 20
 

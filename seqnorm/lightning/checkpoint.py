@@ -1,37 +1,135 @@
-"""``ResumableCheckpoint``: Lightning's ModelCheckpoint whose ``last.ckpt`` is always the final training step."""
+"""``ResumableCheckpoint``: Lightning's ModelCheckpoint made crash-safe, whose ``last.ckpt`` is always the newest."""
 
 from __future__ import annotations
 
-import os
-from typing import Any
+from weakref import proxy
 
 import lightning.pytorch as pl
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
+
+from seqnorm.lightning.atomic_io import AtomicCheckpointIO, atomic_copy, local_path
 
 __all__ = ["ResumableCheckpoint"]
 
 
 class ResumableCheckpoint(ModelCheckpoint):
-    """ModelCheckpoint that also writes ``last.ckpt`` when training ends between two regular saves.
+    """ModelCheckpoint whose files survive crashes, signals and full disks, and whose ``last.ckpt`` is the newest.
 
-    Lightning's ModelCheckpoint saves ``last.ckpt`` whenever it saves (after validation, on an exception with
-    ``save_on_exception=True``), but a run stopped by ``max_steps`` in the middle of an epoch would leave a
-    ``last.ckpt`` that is several steps old — and resuming from it would silently redo those steps. This subclass
-    saves the final state too, so ``--ckpt_path .../last.ckpt`` always continues exactly where the run ended.
-    All arguments are ModelCheckpoint's.
+    All arguments are ModelCheckpoint's. What it changes:
+
+    - **Atomic writes.** In ``setup`` it replaces the strategy's default TorchCheckpointIO by
+      :class:`~seqnorm.lightning.atomic_io.AtomicCheckpointIO` (temporary file beside the target, fsync, rename), so
+      every checkpoint the run writes is either the previous complete file or the new one. A CheckpointIO plugin
+      of the user's own is left alone.
+    - **last before best.** When a save produces a top-k file and ``last.ckpt`` at the same step (``save_last=True``),
+      ``last.ckpt`` is written first and the top-k file is then made from it (a hard link renamed into place: no
+      second serialization, same content). A kill between the two leaves ``last.ckpt`` newer, never older, than
+      every top-k file.
+    - **Exceptions and signals write only last.** Lightning's ``save_on_exception`` writes a file named by
+      ``filename`` (``best-...ckpt`` here) although nothing was validated; here a run ending in an exception, Ctrl-C
+      or SIGTERM writes only ``last.ckpt`` (``interrupted.ckpt`` when ``save_last`` is off), and only while fitting.
+      If that save fails too, a warning is logged and the original exception propagates.
+    - **last.ckpt at the final step.** A run stopped by ``max_steps`` between two validations still saves its final
+      state, so ``--ckpt_path .../last.ckpt`` continues exactly where the run ended.
     """
 
-    _saved_at_step: int | None = None
+    CHECKPOINT_NAME_INTERRUPTED = "interrupted"
 
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        self._saved_at_step = trainer.global_step
-        return super().on_save_checkpoint(trainer, pl_module, checkpoint)
+    _last_written_at_step: int | None = None
+    _held_back: list[tuple[str, str]] | None = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        strategy = trainer.strategy
+        checkpoint_io = strategy.checkpoint_io  # Lightning's default TorchCheckpointIO when none was configured
+        wrapped = checkpoint_io.checkpoint_io if isinstance(checkpoint_io, _WrappingCheckpointIO) else None
+        # `type(...) is`, not isinstance: a subclass is a plugin of the user's own, with its own way of writing.
+        if type(checkpoint_io) is TorchCheckpointIO:
+            strategy.checkpoint_io = AtomicCheckpointIO()
+        elif type(wrapped) is TorchCheckpointIO:  # e.g. AsyncCheckpointIO over the default writer
+            checkpoint_io._checkpoint_io = AtomicCheckpointIO()
+
+    # ---- last before best -------------------------------------------------------------------------------------
+
+    def _save_topk_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, Tensor]) -> None:
+        if self.save_last is not True:  # no last.ckpt to write first ("link" makes last point at the top-k file)
+            super()._save_topk_checkpoint(trainer, monitor_candidates)
+            return
+        # Lightning decides the top-k file names and which files drop out of the top k; its writes and removals
+        # are held back here and done after last.ckpt, in an order where an interruption loses nothing newer.
+        self._held_back = []
+        try:
+            super()._save_topk_checkpoint(trainer, monitor_candidates)
+        finally:
+            held_back, self._held_back = self._held_back, None
+        saves = [path for action, path in held_back if action == "save"]
+        if saves:
+            self._save_last_checkpoint(trainer, monitor_candidates)
+            for path in saves:
+                self._copy_last_to(trainer, path)
+        for action, path in held_back:
+            if action == "remove":
+                super()._remove_checkpoint(trainer, path)
+
+    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        if self._held_back is not None:
+            self._held_back.append(("save", filepath))
+            return
+        super()._save_checkpoint(trainer, filepath)
+
+    def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        if self._held_back is not None:
+            self._held_back.append(("remove", filepath))
+            return
+        super()._remove_checkpoint(trainer, filepath)
+
+    def _save_last_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, Tensor]) -> None:
+        if self._last_written_at_step == trainer.global_step:
+            return  # written first by _save_topk_checkpoint; Lightning asks again right after
+        super()._save_last_checkpoint(trainer, monitor_candidates)
+        if self.save_last:
+            self._last_written_at_step = trainer.global_step
+
+    def _copy_last_to(self, trainer: pl.Trainer, filepath: str) -> None:
+        """Make top-k file ``filepath`` from the ``last.ckpt`` just written (same step, same content)."""
+        source, target = local_path(self.last_model_path), local_path(filepath)
+        # A hard link is safe only while every write of last.ckpt is a rename (AtomicCheckpointIO's); a plugin that
+        # rewrote it in place would change the top-k file too, so then the checkpoint is serialized again.
+        if not isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO) or source is None or target is None:
+            trainer.save_checkpoint(filepath, self.save_weights_only)
+        elif trainer.is_global_zero:
+            atomic_copy(source, target)
+        trainer.strategy.barrier()
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(proxy(self))
+
+    # ---- exceptions, signals, the end of training --------------------------------------------------------------
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Not super(): it would write a `filename` (best-...) checkpoint of a state that was never validated.
+        if trainer.state.fn != TrainerFn.FITTING or not self._should_save_on_exception(trainer):
+            return
+        name = self.CHECKPOINT_NAME_LAST if self.save_last else self.CHECKPOINT_NAME_INTERRUPTED
+        try:
+            if self.save_last:
+                self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+                filepath = self.last_model_path
+            else:
+                filepath = self.format_checkpoint_name(self._monitor_candidates(trainer), name)
+                super()._save_checkpoint(trainer, filepath)
+        except Exception as error:  # a full disk, say: report it, and let the original exception through
+            rank_zero_warn(f"ResumableCheckpoint: could not save {name} after {type(exception).__name__}: {error!r}")
+            return
+        step = trainer.global_step
+        rank_zero_info(f"ResumableCheckpoint: {type(exception).__name__} at step {step}; saved {filepath}")
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)
-        if self.save_last and self.dirpath is not None and self._saved_at_step != trainer.global_step:
-            path = os.path.join(self.dirpath, self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
-            self.last_model_path = path
-            trainer.save_checkpoint(path, self.save_weights_only)
+        if self.save_last and self.dirpath is not None and self._last_global_step_saved != trainer.global_step:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
