@@ -34,6 +34,8 @@ class ResumableCheckpoint(ModelCheckpoint):
       ``filename`` (``best-...ckpt`` here) although nothing was validated; here a run ending in an exception, Ctrl-C
       or SIGTERM writes only ``last.ckpt`` (``interrupted.ckpt`` when ``save_last`` is off), and only while fitting.
       If that save fails too, a warning is logged and the original exception propagates.
+    - **last.ckpt at every validation.** Lightning rewrites ``last.ckpt`` only when a top-k file is saved; here
+      every validation refreshes it, so a killed run loses at most one validation interval.
     - **last.ckpt at the final step.** A run stopped by ``max_steps`` between two validations still saves its final
       state, so ``--ckpt_path .../last.ckpt`` continues exactly where the run ended.
     """
@@ -108,6 +110,19 @@ class ResumableCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.after_save_checkpoint(proxy(self))
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        # Lightning (>= 2.2) refreshes last.ckpt only when a top-k file was saved at this step: after a validation
+        # that did not improve, a SIGKILL would then lose every step back to the last improvement. Here every
+        # validation refreshes it, so a kill loses at most one validation interval.
+        if (
+            self.save_last is True
+            and not self._should_skip_saving_checkpoint(trainer)
+            and not self._should_save_on_train_epoch_end(trainer)
+            and self._last_written_at_step != trainer.global_step
+        ):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     # ---- exceptions, signals, the end of training --------------------------------------------------------------
 
