@@ -105,9 +105,7 @@ def test_a_crash_in_training_writes_last_but_no_best(story: Path, monkeypatch: p
     assert seen[:2] == [{"last.ckpt": 5}, {"last.ckpt": 5, "best-epoch=0-step=5.ckpt": 5}]
 
 
-def test_every_validation_refreshes_last_even_without_improvement(
-    story: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_every_validation_refreshes_last_even_without_improvement(story: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # lr 0: every validation loss equals the first, so only the first validation is a new best. Lightning alone
     # would leave last.ckpt at step 5 for the rest of the run; a kill would then lose all steps after it.
     seen = _watch_publications(monkeypatch)
