@@ -7,7 +7,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
+from lightning.pytorch.trainer.states import TrainerFn
 from torchmetrics import MeanMetric
+
+from seqnorm.lightning.resume import RANDOM_STATE_KEY, random_states, rewind_finished_epoch, set_random_states
 
 __all__ = ["DATA_STATE_KEY", "TaskModule"]
 
@@ -66,3 +69,18 @@ class TaskModule(pl.LightningModule):
         datamodule = self._trainer.datamodule if self._trainer is not None else None
         if datamodule is not None and hasattr(datamodule, "state_dict"):
             checkpoint[DATA_STATE_KEY] = datamodule.state_dict()
+        # Exact resume: the dropout masks after the resume must be those the uninterrupted run draws, and the loop
+        # must continue in the epoch it stopped in (see seqnorm.lightning.resume).
+        checkpoint[RANDOM_STATE_KEY] = random_states()
+        if self._trainer is not None and self._trainer.state.fn == TrainerFn.FITTING and "loops" in checkpoint:
+            rewind_finished_epoch(checkpoint["loops"])
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Restored in on_train_start, not now: between here and the first training step Lightning builds the
+        # optimizer, runs the sanity check and makes the train iterator.
+        self._random_states_to_restore = checkpoint.get(RANDOM_STATE_KEY)
+
+    def on_train_start(self) -> None:
+        states, self._random_states_to_restore = getattr(self, "_random_states_to_restore", None), None
+        if states is not None:
+            set_random_states(states)
