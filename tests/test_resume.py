@@ -120,3 +120,22 @@ def test_resumed_run_equals_uninterrupted_run(
     assert parameters.keys() == reference_parameters.keys()
     different = [name for name, value in parameters.items() if not torch.equal(value, reference_parameters[name])]
     assert not different
+
+
+@pytest.mark.parametrize(("stop", "how"), [(5, "max_steps"), (EPOCH, "interrupt")])
+def test_resume_with_worker_processes(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, stop: int, how: str
+) -> None:
+    """Workers fetch batches ahead and ask for indices before Lightning sets the epoch: still the same run."""
+    reference, reference_parameters = _uninterrupted(True, tmp_path_factory)
+    _write_story(tmp_path)
+    workers = ["--data.num_workers", "2"]
+    if how == "max_steps":
+        first, _ = _fit(tmp_path / "first", True, *workers, "--trainer.max_steps", str(stop))
+    else:
+        interrupt = ["--trainer.callbacks+=tests.test_resume.InterruptAfter", "--trainer.callbacks.step", str(stop)]
+        first, _ = _fit(tmp_path / "first", True, *workers, "--trainer.max_steps", str(TOTAL), *interrupt)
+    last = str(tmp_path / "first" / "checkpoints" / "last.ckpt")
+    resumed, parameters = _fit(tmp_path / "resumed", True, *workers, "--trainer.max_steps", str(TOTAL), "--ckpt_path", last)
+    assert first + resumed == reference
+    assert all(torch.equal(value, reference_parameters[name]) for name, value in parameters.items())

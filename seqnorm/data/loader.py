@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from seqnorm.data.errors import DataError
-from seqnorm.data.sampler import EpochBatchSampler
+from seqnorm.data.sampler import EpochBatchSampler, _EpochPass
 
 __all__ = ["ResumableDataLoader"]
 
@@ -50,7 +50,6 @@ class ResumableDataLoader(DataLoader):
         if self.generator is None:
             raise DataError("ResumableDataLoader: expected a torch.Generator as generator, got None")
         self._latest: _BaseDataLoaderIter | None = None
-        self._latest_start: tuple[int, int] = (0, 0)
 
     @property
     def _sampler(self) -> EpochBatchSampler:
@@ -60,19 +59,21 @@ class ResumableDataLoader(DataLoader):
     def __iter__(self) -> _BaseDataLoaderIter:
         sampler = self._sampler
         self.generator.manual_seed(random.Random(f"{sampler.seed}/{sampler.epoch}/loader").getrandbits(63))
-        iterator = super().__iter__()
-        epoch, start, _ = sampler._iteration
-        self._latest, self._latest_start = iterator, (epoch, start)
-        return iterator
+        self._latest = super().__iter__()
+        return self._latest
 
     def state_dict(self) -> dict[str, int]:
         """``{"epoch": e, "position": p}``: ``p`` batches of epoch ``e`` were taken from this loader's iterator."""
-        if self._latest is None or self._latest_start[0] != self._sampler.epoch:  # restored, or a new epoch set
-            return self._sampler.state_dict()
-        epoch, start = self._latest_start
-        # `_num_yielded` counts the batches the iterator returned (torch resets it when persistent workers reuse
-        # the iterator); the sampler's own count includes the batches workers fetched ahead.
-        return {"epoch": epoch, "position": start + self._latest._num_yielded}
+        sampler, iterator = self._sampler, self._latest
+        # torch's iterator keeps the sampler pass it draws indices from (`_sampler_iter`, replaced when persistent
+        # workers start the next epoch) and counts the batches it returned (`_num_yielded`); the pass's own count
+        # includes the batches that workers fetched ahead.
+        batches = getattr(iterator, "_sampler_iter", None)
+        if not isinstance(batches, _EpochPass) or batches.batches is None:
+            return sampler._pending()  # no batch asked for since the iterator was made (or none made)
+        if batches.epoch != sampler.epoch:
+            return sampler.state_dict()
+        return {"epoch": batches.epoch, "position": batches.start + iterator._num_yielded}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next iterator yield the rest of the saved epoch (see ``EpochBatchSampler.load_state_dict``)."""

@@ -43,6 +43,28 @@ class _EpochIndices(Sampler[int]):
         self.batches.set_epoch(epoch)
 
 
+class _EpochPass(Iterator[list[int]]):
+    """One pass over an epoch's batches. Its epoch and start are fixed at the first batch, not when it is made:
+    a DataLoader makes a sampler iterator and, with workers, at once a second one it uses instead, and Lightning
+    makes the train iterator before it calls ``set_epoch``."""
+
+    def __init__(self, sampler: EpochBatchSampler) -> None:
+        self.sampler = sampler
+        self.batches: list[list[int]] | None = None  # None until the first batch is asked for
+        self.epoch = self.start = self.yielded = 0
+
+    def __next__(self) -> list[int]:
+        if self.batches is None:
+            sampler = self.sampler
+            self.epoch, self.start, sampler._start = sampler.epoch, sampler._start, 0
+            self.batches = sampler._epoch_batches()
+            sampler._latest = self
+        if self.start + self.yielded >= len(self.batches):
+            raise StopIteration
+        self.yielded += 1
+        return self.batches[self.start + self.yielded - 1]
+
+
 class EpochBatchSampler(Sampler[list[int]]):
     """Base of the seeded batch samplers: epoch selection, mid-epoch start, and the state that resumes them.
 
@@ -62,8 +84,8 @@ class EpochBatchSampler(Sampler[list[int]]):
         self.drop_last = drop_last
         self.seed = seed
         self.epoch = 0
-        self._start = 0  # where the next iteration starts (set by load_state_dict, cleared by set_epoch)
-        self._iteration: list[int] = [0, 0, 0]  # epoch, start and batches yielded so far of the latest iteration
+        self._start = 0  # where the next pass starts (set by load_state_dict, cleared by set_epoch)
+        self._latest: _EpochPass | None = None  # the latest pass that has begun
         # Lightning calls set_epoch on `dataloader.batch_sampler.sampler`, not on the batch sampler itself.
         self.sampler = _EpochIndices(self)
 
@@ -97,25 +119,17 @@ class EpochBatchSampler(Sampler[list[int]]):
         return random.Random(f"{self.seed}/{self.epoch}")
 
     def __iter__(self) -> Iterator[list[int]]:
-        # Eager on purpose: the epoch and start are fixed when the iterator is made, as they are for DataLoader
-        # workers, which ask for indices right away.
-        batches = self._epoch_batches()
-        start, self._start = self._start, 0
-        self._iteration = [self.epoch, start, 0]
-        return self._yield(batches[start:])
+        return _EpochPass(self)
 
-    def _yield(self, batches: list[list[int]]) -> Iterator[list[int]]:
-        iteration = self._iteration
-        for batch in batches:
-            iteration[2] += 1
-            yield batch
+    def _pending(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self._start}
 
     def state_dict(self) -> dict[str, int]:
-        """Where an iteration started now would begin, given the batches this sampler has yielded."""
-        if self._start or self._iteration[0] != self.epoch:  # nothing iterated since load_state_dict / set_epoch
-            return {"epoch": self.epoch, "position": self._start}
-        epoch, start, yielded = self._iteration
-        return {"epoch": epoch, "position": start + yielded}
+        """Where a pass begun now would start, given the batches this sampler has yielded."""
+        latest = self._latest
+        if latest is None or latest.epoch != self.epoch:  # restored, or another epoch set since the latest pass
+            return self._pending()
+        return {"epoch": latest.epoch, "position": latest.start + latest.yielded}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next iteration yield the batches of ``state["epoch"]`` from ``state["position"]`` on.
@@ -132,8 +146,7 @@ class EpochBatchSampler(Sampler[list[int]]):
             raise DataError(f"{type(self).__name__}: expected a position in [0, {len(self)}], got {position}")
         if position == len(self):
             epoch, position = epoch + 1, 0
-        self.epoch, self._start = epoch, position
-        self._iteration = [epoch, position, 0]
+        self.epoch, self._start, self._latest = epoch, position, None
 
 
 class RandomBatchSampler(EpochBatchSampler):
