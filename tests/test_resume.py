@@ -22,7 +22,8 @@ from tests.test_cli import QUIET, WORDS
 
 TOTAL = 19
 EPOCH = 8  # batches per epoch
-REGULARIZED = ["--model.dropout", "0.3", "--model.recurrent_dropout", "0.3", "--model.rnn_options", '{"zoneout_h": 0.1}']
+REGULARIZED = ["--model.dropout", "0.3", "--model.recurrent_dropout", "0.3"]
+REGULARIZED += ["--model.rnn_options", '{"zoneout_h": 0.1}']
 TINY = ["--model.hidden_size", "16", "--model.embedding_dim", "8", "--model.lr", "0.01", *REGULARIZED]
 SCHEDULE = ["--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "2", "--trainer.logger", "false"]
 
@@ -112,7 +113,9 @@ def test_resumed_run_equals_uninterrupted_run(
         first, _ = _fit(tmp_path / "first", bucket, "--trainer.max_steps", str(TOTAL), *interrupt)
     last = tmp_path / "first" / "checkpoints" / "last.ckpt"
     assert torch.load(last, weights_only=True)["global_step"] == stop
-    resumed, parameters = _fit(tmp_path / "resumed", bucket, "--trainer.max_steps", str(TOTAL), "--ckpt_path", str(last))
+    resumed, parameters = _fit(
+        tmp_path / "resumed", bucket, "--trainer.max_steps", str(TOTAL), "--ckpt_path", str(last)
+    )
 
     # the same batches in the same order, at the same epoch, batch index, step and logging step; validations on the
     # same steps (Lightning does not validate again at the step the resumed checkpoint was saved after)
@@ -136,6 +139,8 @@ def test_resume_with_worker_processes(
         interrupt = ["--trainer.callbacks+=tests.test_resume.InterruptAfter", "--trainer.callbacks.step", str(stop)]
         first, _ = _fit(tmp_path / "first", True, *workers, "--trainer.max_steps", str(TOTAL), *interrupt)
     last = str(tmp_path / "first" / "checkpoints" / "last.ckpt")
-    resumed, parameters = _fit(tmp_path / "resumed", True, *workers, "--trainer.max_steps", str(TOTAL), "--ckpt_path", last)
+    resumed, parameters = _fit(
+        tmp_path / "resumed", True, *workers, "--trainer.max_steps", str(TOTAL), "--ckpt_path", last
+    )
     assert first + resumed == reference
     assert all(torch.equal(value, reference_parameters[name]) for name, value in parameters.items())

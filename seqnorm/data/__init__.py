@@ -20,8 +20,8 @@ from seqnorm.data.collate import (
 )
 from seqnorm.data.errors import DataError
 from seqnorm.data.labeled import LabeledText
-from seqnorm.data.registry import DATASETS, DatasetSpec, Download, SplitFile, default_cache_dir, fetch_dataset
 from seqnorm.data.loader import ResumableDataLoader
+from seqnorm.data.registry import DATASETS, DatasetSpec, Download, SplitFile, default_cache_dir, fetch_dataset
 from seqnorm.data.sampler import BucketBatchSampler, EpochBatchSampler, RandomBatchSampler
 from seqnorm.data.synthetic import is_well_nested, synthetic_labeled, synthetic_lines
 from seqnorm.data.text import TextCorpus

@@ -34,7 +34,8 @@ class ResumableDataLoader(DataLoader):
     Example:
         >>> import torch
         >>> from seqnorm.data.sampler import RandomBatchSampler
-        >>> loader = ResumableDataLoader(range(10), batch_sampler=RandomBatchSampler(10, 4), generator=torch.Generator())
+        >>> sampler = RandomBatchSampler(10, batch_size=4)
+        >>> loader = ResumableDataLoader(range(10), batch_sampler=sampler, generator=torch.Generator())
         >>> iterator = iter(loader)
         >>> first = next(iterator)
         >>> loader.state_dict()

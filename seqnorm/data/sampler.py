@@ -141,7 +141,9 @@ class EpochBatchSampler(Sampler[list[int]]):
         try:
             epoch, position = int(state["epoch"]), int(state["position"])
         except (KeyError, TypeError, ValueError):
-            raise DataError(f"{type(self).__name__}: expected a state with 'epoch' and 'position', got {state!r}")
+            raise DataError(
+                f"{type(self).__name__}: expected a state with 'epoch' and 'position', got {state!r}"
+            ) from None
         if not 0 <= position <= len(self):
             raise DataError(f"{type(self).__name__}: expected a position in [0, {len(self)}], got {position}")
         if position == len(self):

@@ -6,8 +6,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch import Tensor, nn
 from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
 from seqnorm.lightning.resume import RANDOM_STATE_KEY, random_states, rewind_finished_epoch, set_random_states

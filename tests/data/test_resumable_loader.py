@@ -76,7 +76,9 @@ def test_loader_counts_the_batches_taken_not_those_workers_fetched(persistent: b
     def make() -> ResumableDataLoader:
         sampler = RandomBatchSampler(len(LENGTHS), 4, seed=5)
         kwargs = {"num_workers": 2, "persistent_workers": persistent, "prefetch_factor": 2}
-        return ResumableDataLoader(list(range(len(LENGTHS))), batch_sampler=sampler, generator=torch.Generator(), **kwargs)
+        return ResumableDataLoader(
+            list(range(len(LENGTHS))), batch_sampler=sampler, generator=torch.Generator(), **kwargs
+        )
 
     expected = [torch.tensor(batch) for epoch in (0, 1) for batch in _epoch(SAMPLERS["random"], epoch)]
     loader = make()
