@@ -44,9 +44,12 @@ class _EpochIndices(Sampler[int]):
 
 
 class _EpochPass(Iterator[list[int]]):
-    """One pass over an epoch's batches. Its epoch and start are fixed at the first batch, not when it is made:
-    a DataLoader makes a sampler iterator and, with workers, at once a second one it uses instead, and Lightning
-    makes the train iterator before it calls ``set_epoch``."""
+    """One pass over an epoch's batches, from the sampler's start position.
+
+    Its epoch and start are fixed at the first batch, not when it is made: a DataLoader with workers makes a sampler
+    iterator and at once a second one that it uses instead, and Lightning makes the train iterator before it calls
+    ``set_epoch``.
+    """
 
     def __init__(self, sampler: EpochBatchSampler) -> None:
         self.sampler = sampler
