@@ -4,9 +4,9 @@ Lightning's fit loop stores ``state_dict()`` of every train DataLoader that has 
 (``CombinedLoader._state_dicts``) and hands it back through ``load_state_dict`` before it makes the first iterator
 of a resumed run. The state is the epoch and the number of batches *the training loop took* from the current
 iterator: the batch sampler runs ahead of that when workers prefetch (``prefetch_factor`` batches each), and
-Lightning's own one-batch prefetch is off for loaders with a length. Lightning saves after validation, at the end
-of training and on an exception, always between two training steps, so the count is the number of batches trained
-on in this epoch.
+Lightning's own one-batch prefetch is off for loaders with a length. Between two training steps the count is the
+number of batches trained on in this epoch; a checkpoint written on an exception inside a step counts the batch of
+that step too, and ``seqnorm.lightning.resume.rewind_unfinished_batch`` takes it back there.
 """
 
 from __future__ import annotations
