@@ -6,7 +6,8 @@
   ``{"inputs", "lengths", "labels"}``.
 * :class:`Vocabulary`, :func:`tokenize`, :func:`detokenize` — token ids with ``<pad>=0``, ``<unk>=1``,
   ``<bos>=2``, ``<eos>=3``.
-* :class:`BucketBatchSampler` — batches of similar lengths, reshuffled each epoch.
+* :class:`BucketBatchSampler`, :class:`RandomBatchSampler` — batches of similar lengths / random batches, reshuffled
+  each epoch from ``(seed, epoch)``; with :class:`ResumableDataLoader`, resumable mid-epoch from a checkpoint.
 * :func:`synthetic_lines`, :func:`synthetic_labeled` — the offline bracket-nesting tasks.
 * :class:`DataError` — every data problem, with a message naming the file or ``--data.*`` flag.
 """
@@ -19,8 +20,9 @@ from seqnorm.data.collate import (
 )
 from seqnorm.data.errors import DataError
 from seqnorm.data.labeled import LabeledText
+from seqnorm.data.loader import ResumableDataLoader
 from seqnorm.data.registry import DATASETS, DatasetSpec, Download, SplitFile, default_cache_dir, fetch_dataset
-from seqnorm.data.sampler import BucketBatchSampler
+from seqnorm.data.sampler import BucketBatchSampler, EpochBatchSampler, RandomBatchSampler
 from seqnorm.data.synthetic import is_well_nested, synthetic_labeled, synthetic_lines
 from seqnorm.data.text import TextCorpus
 from seqnorm.data.vocab import Vocabulary, detokenize, tokenize
@@ -32,8 +34,11 @@ __all__ = [
     "DataError",
     "DatasetSpec",
     "Download",
+    "EpochBatchSampler",
     "LabeledText",
     "LanguageModelingDataset",
+    "RandomBatchSampler",
+    "ResumableDataLoader",
     "SplitFile",
     "TextCorpus",
     "Vocabulary",

@@ -12,7 +12,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from seqnorm.data.errors import DataError
 from seqnorm.data.files import check_encoding
-from seqnorm.data.sampler import BucketBatchSampler
+from seqnorm.data.loader import ResumableDataLoader
+from seqnorm.data.sampler import BucketBatchSampler, EpochBatchSampler, RandomBatchSampler
 from seqnorm.data.vocab import Vocabulary
 
 __all__ = ["SequenceDataModule", "check_at_least", "check_fraction"]
@@ -101,15 +102,26 @@ class SequenceDataModule(pl.LightningDataModule):
             "collate_fn": partial(type(self)._collate, pad_index=self.pad_index),
             "num_workers": self.num_workers,
             "persistent_workers": self.num_workers > 0,
+            # Every loader has its own generator: making an iterator draws a worker base seed from it, and without
+            # one that draw comes from the global random state, which dropout uses too. Exact resume needs the
+            # dropout masks not to depend on when validation (or a resumed run) made iterators.
+            "generator": torch.Generator().manual_seed(self.seed),
         }
+        if shuffle:
+            # Orders that depend on (seed, epoch) only, and a loader that Lightning checkpoints mid-epoch.
+            sampler: EpochBatchSampler
+            if bucket:
+                sampler = BucketBatchSampler(dataset.lengths, self.batch_size, seed=self.seed)
+            else:
+                sampler = RandomBatchSampler(len(dataset), self.batch_size, seed=self.seed)
+            return ResumableDataLoader(dataset, batch_sampler=sampler, **common)
         if bucket:
-            sampler = BucketBatchSampler(dataset.lengths, self.batch_size, shuffle=shuffle, seed=self.seed)
+            sampler = BucketBatchSampler(dataset.lengths, self.batch_size, shuffle=False, seed=self.seed)
             return DataLoader(dataset, batch_sampler=sampler, **common)
-        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
-        return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, generator=generator, **common)
+        return DataLoader(dataset, batch_size=self.batch_size, shuffle=False, **common)
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled each epoch (length-bucketed when ``bucket``)."""
+        """Shuffled each epoch (length-bucketed when ``bucket``); resumable mid-epoch from a checkpoint."""
         return self._loader("train", shuffle=True, bucket=self.bucket)
 
     def val_dataloader(self) -> DataLoader:

@@ -1,9 +1,14 @@
-"""Length-bucketed batching, so that padded batches waste little compute.
+"""Batch samplers whose order is a function of ``(seed, epoch)`` and which can start in the middle of an epoch.
 
-Sorting a whole epoch by length would give the same batches every epoch, in order of length. The usual
-compromise (fairseq, AllenNLP's bucket iterators) is kept here: shuffle, cut into pools of about ``pool_size``
-batches, sort each pool by length, cut it into batches, then shuffle the order of the batches. Each batch holds
-sequences of similar length, while batch composition and order still change from epoch to epoch.
+Two orders are offered. :class:`RandomBatchSampler` shuffles all indices and cuts them into batches.
+:class:`BucketBatchSampler` groups sequences of similar length, so that padded batches waste little compute: sorting
+a whole epoch by length would give the same batches every epoch, in order of length, so the usual compromise
+(fairseq, AllenNLP's bucket iterators) is kept: shuffle, cut into pools of about ``pool_size`` batches, sort each pool
+by length, cut it into batches, then shuffle the order of the batches.
+
+Both draw from a generator seeded from ``(seed, epoch)`` alone, never from the global random state. That makes an
+epoch's order reproducible by itself, which is what exact resume needs: :meth:`EpochBatchSampler.load_state_dict`
+with ``{"epoch": e, "position": p}`` makes the next iteration yield batches ``p, p+1, ...`` of epoch ``e``.
 """
 
 from __future__ import annotations
@@ -11,33 +16,169 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from torch.utils.data import Sampler
 
 from seqnorm.data.errors import DataError
 
-__all__ = ["BucketBatchSampler"]
+__all__ = ["BucketBatchSampler", "EpochBatchSampler", "RandomBatchSampler"]
 
 
-class _BucketIndices(Sampler[int]):
-    """The indices of a :class:`BucketBatchSampler`'s batches, flattened; forwards ``set_epoch`` to it."""
+class _EpochIndices(Sampler[int]):
+    """The indices of an :class:`EpochBatchSampler`'s batches, flattened; forwards ``set_epoch`` to it."""
 
-    def __init__(self, batches: BucketBatchSampler) -> None:
+    def __init__(self, batches: EpochBatchSampler) -> None:
         self.batches = batches
 
     def __iter__(self) -> Iterator[int]:
-        return (index for batch in self.batches for index in batch)
+        return (index for batch in self.batches._epoch_batches() for index in batch)
 
     def __len__(self) -> int:
         if self.batches.drop_last:
             return len(self.batches) * self.batches.batch_size
-        return len(self.batches.lengths)
+        return self.batches.num_examples
 
     def set_epoch(self, epoch: int) -> None:
         self.batches.set_epoch(epoch)
 
 
-class BucketBatchSampler(Sampler[list[int]]):
+class _EpochPass(Iterator[list[int]]):
+    """One pass over an epoch's batches, from the sampler's start position.
+
+    Its epoch and start are fixed at the first batch, not when it is made: a DataLoader with workers makes a sampler
+    iterator and at once a second one that it uses instead, and Lightning makes the train iterator before it calls
+    ``set_epoch``.
+    """
+
+    def __init__(self, sampler: EpochBatchSampler) -> None:
+        self.sampler = sampler
+        self.batches: list[list[int]] | None = None  # None until the first batch is asked for
+        self.epoch = self.start = self.yielded = 0
+
+    def __next__(self) -> list[int]:
+        if self.batches is None:
+            sampler = self.sampler
+            self.epoch, self.start, sampler._start = sampler.epoch, sampler._start, 0
+            self.batches = sampler._epoch_batches()
+            sampler._latest = self
+        if self.start + self.yielded >= len(self.batches):
+            raise StopIteration
+        self.yielded += 1
+        return self.batches[self.start + self.yielded - 1]
+
+
+class EpochBatchSampler(Sampler[list[int]]):
+    """Base of the seeded batch samplers: epoch selection, mid-epoch start, and the state that resumes them.
+
+    Subclasses implement :meth:`_epoch_batches`, the complete list of batches of epoch :attr:`epoch`, computed from
+    ``(seed, epoch)`` only.
+
+    The state is ``{"epoch": e, "position": p}``: where the next iteration starts. :meth:`state_dict` counts the
+    batches this sampler has yielded; a DataLoader whose workers fetch ahead must count the batches its consumer
+    took instead (see :class:`seqnorm.data.loader.ResumableDataLoader`).
+    """
+
+    def __init__(self, num_examples: int, batch_size: int, *, drop_last: bool, seed: int) -> None:
+        if batch_size < 1:
+            raise DataError(f"--data.batch_size must be at least 1, got {batch_size}")
+        self.num_examples = num_examples
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.seed = seed
+        self.epoch = 0
+        self._start = 0  # where the next pass starts (set by load_state_dict, cleared by set_epoch)
+        self._latest: _EpochPass | None = None  # the latest pass that has begun
+        # Lightning calls set_epoch on `dataloader.batch_sampler.sampler`, not on the batch sampler itself.
+        self.sampler = _EpochIndices(self)
+
+    def _epoch_batches(self) -> list[list[int]]:
+        raise NotImplementedError
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose order :meth:`__iter__` yields (Lightning calls this every epoch).
+
+        Selecting another epoch than the current one starts it from its first batch; selecting the same one keeps
+        a start position set by :meth:`load_state_dict` (Lightning calls ``set_epoch`` again after restoring).
+        """
+        if epoch != self.epoch:
+            self._start = 0
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        """Batches in a whole epoch, also while resuming mid-epoch (Lightning counts the consumed ones itself)."""
+        if self.drop_last:
+            return self.num_examples // self.batch_size
+        return math.ceil(self.num_examples / self.batch_size)
+
+    def _cut(self, indices: list[int]) -> list[list[int]]:
+        batches = [indices[start : start + self.batch_size] for start in range(0, len(indices), self.batch_size)]
+        if self.drop_last and batches and len(batches[-1]) < self.batch_size:
+            batches.pop()
+        return batches
+
+    def _rng(self) -> random.Random:
+        # A string seed is hashed deterministically (unlike hash() of a tuple of ints across Python builds).
+        return random.Random(f"{self.seed}/{self.epoch}")
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return _EpochPass(self)
+
+    def _pending(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self._start}
+
+    def state_dict(self) -> dict[str, int]:
+        """Where a pass begun now would start, given the batches this sampler has yielded."""
+        latest = self._latest
+        if latest is None or latest.epoch != self.epoch:  # restored, or another epoch set since the latest pass
+            return self._pending()
+        return {"epoch": latest.epoch, "position": latest.start + latest.yielded}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make the next iteration yield the batches of ``state["epoch"]`` from ``state["position"]`` on.
+
+        A position at the end of the epoch is the start of the next epoch: Lightning may go on to the next epoch
+        without making a new iterator (after an interrupt at the last batch), and workers fetch indices as soon as
+        an iterator exists.
+        """
+        try:
+            epoch, position = int(state["epoch"]), int(state["position"])
+        except (KeyError, TypeError, ValueError):
+            raise DataError(
+                f"{type(self).__name__}: expected a state with 'epoch' and 'position', got {state!r}"
+            ) from None
+        if not 0 <= position <= len(self):
+            raise DataError(f"{type(self).__name__}: expected a position in [0, {len(self)}], got {position}")
+        if position == len(self):
+            epoch, position = epoch + 1, 0
+        self.epoch, self._start, self._latest = epoch, position, None
+
+
+class RandomBatchSampler(EpochBatchSampler):
+    """Yield batches of a random permutation of ``range(num_examples)``, a new one each epoch.
+
+    Args:
+        num_examples: the dataset size.
+        batch_size: examples per batch (the last batch may be smaller unless ``drop_last``).
+        drop_last: drop a last batch smaller than ``batch_size``.
+        seed: the base seed; epoch ``e`` uses a generator seeded from ``(seed, e)``.
+
+    Example:
+        >>> batches = list(RandomBatchSampler(5, 2, seed=0))
+        >>> sorted(i for batch in batches for i in batch), [len(batch) for batch in batches]
+        ([0, 1, 2, 3, 4], [2, 2, 1])
+    """
+
+    def __init__(self, num_examples: int, batch_size: int, *, drop_last: bool = False, seed: int = 0) -> None:
+        super().__init__(num_examples, batch_size, drop_last=drop_last, seed=seed)
+
+    def _epoch_batches(self) -> list[list[int]]:
+        indices = list(range(self.num_examples))
+        self._rng().shuffle(indices)
+        return self._cut(indices)
+
+
+class BucketBatchSampler(EpochBatchSampler):
     """Yield batches of dataset indices whose sequences have similar lengths.
 
     Args:
@@ -65,42 +206,18 @@ class BucketBatchSampler(Sampler[list[int]]):
         seed: int = 0,
         pool_size: int = 50,
     ) -> None:
-        if batch_size < 1:
-            raise DataError(f"--data.batch_size must be at least 1, got {batch_size}")
         if pool_size < 1:
             raise DataError(f"BucketBatchSampler: pool_size must be at least 1, got {pool_size}")
+        super().__init__(len(lengths), batch_size, drop_last=drop_last, seed=seed)
         self.lengths = list(lengths)
-        self.batch_size = batch_size
         self.shuffle = shuffle
-        self.drop_last = drop_last
-        self.seed = seed
         self.pool_size = pool_size
-        self.epoch = 0
-        # Lightning calls set_epoch on `dataloader.batch_sampler.sampler`, not on the batch sampler itself.
-        self.sampler = _BucketIndices(self)
 
-    def set_epoch(self, epoch: int) -> None:
-        """Select the epoch whose order :meth:`__iter__` yields (Lightning calls this every epoch)."""
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        if self.drop_last:
-            return len(self.lengths) // self.batch_size
-        return math.ceil(len(self.lengths) / self.batch_size)
-
-    def _cut(self, indices: list[int]) -> list[list[int]]:
-        batches = [indices[start : start + self.batch_size] for start in range(0, len(indices), self.batch_size)]
-        if self.drop_last and batches and len(batches[-1]) < self.batch_size:
-            batches.pop()
-        return batches
-
-    def __iter__(self) -> Iterator[list[int]]:
+    def _epoch_batches(self) -> list[list[int]]:
         length_of = self.lengths.__getitem__
         if not self.shuffle:
-            yield from self._cut(sorted(range(len(self.lengths)), key=length_of))
-            return
-        # A string seed is hashed deterministically (unlike hash() of a tuple of ints across Python builds).
-        rng = random.Random(f"{self.seed}/{self.epoch}")
+            return self._cut(sorted(range(len(self.lengths)), key=length_of))
+        rng = self._rng()
         indices = list(range(len(self.lengths)))
         rng.shuffle(indices)
         pool = self.pool_size * self.batch_size
@@ -110,4 +227,4 @@ class BucketBatchSampler(Sampler[list[int]]):
             sorted_indices.extend(sorted(indices[start : start + pool], key=length_of))
         batches = self._cut(sorted_indices)
         rng.shuffle(batches)
-        yield from batches
+        return batches

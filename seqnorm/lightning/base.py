@@ -7,10 +7,23 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.types import _Stateful
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
+from seqnorm.data.loader import ResumableDataLoader
 from seqnorm.lightning.checkpoint_io import read_checkpoint, task_class
+from seqnorm.lightning.resume import (
+    RANDOM_STATE_KEY,
+    random_states,
+    rewind_finished_epoch,
+    rewind_unfinished_batch,
+    rewind_unfinished_validation,
+    set_random_states,
+    settle_restart_totals,
+    snapshot_random_states,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -32,6 +45,8 @@ class TaskModule(pl.LightningModule):
     otherwise; gradient clipping is the Trainer's ``gradient_clip_val``. Validation and test metrics are means over
     the whole epoch weighted by tokens (language models) or examples (classifiers), not means of batch means.
     """
+
+    _step_start: tuple[Any, ...] = (None, None, None)  # see on_train_batch_start
 
     @classmethod
     def load_from_checkpoint(  # type: ignore[override]
@@ -96,6 +111,55 @@ class TaskModule(pl.LightningModule):
         datamodule = self._trainer.datamodule if self._trainer is not None else None
         if datamodule is not None and hasattr(datamodule, "state_dict"):
             checkpoint[DATA_STATE_KEY] = datamodule.state_dict()
+        # Exact resume: the dropout masks after the resume must be those the uninterrupted run draws, and the loop
+        # must continue in the epoch it stopped in (see seqnorm.lightning.resume).
+        checkpoint[RANDOM_STATE_KEY] = random_states()
+        trainer = self._trainer
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and "loops" in checkpoint:
+            rewind_finished_epoch(checkpoint["loops"])
+            self._rewind_unfinished(trainer, checkpoint)
+
+    def _rewind_unfinished(self, trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
+        """A save on an exception inside a training step or a validation: make the resume redo it exactly once."""
+        if trainer.sanity_checking:
+            return
+        epoch_loop = trainer.fit_loop.epoch_loop
+        combined = trainer.fit_loop._combined_loader
+        # the loader states in the checkpoint are those of Lightning's stateful train loaders, in this order
+        stateful = [loader for loader in combined.flattened if isinstance(loader, _Stateful)] if combined else []
+        rewound = rewind_unfinished_batch(
+            checkpoint["loops"],
+            lightning_adds_step=not epoch_loop._should_accumulate(),
+            rewindable=[isinstance(loader, ResumableDataLoader) for loader in stateful],
+        )
+        if not rewound:
+            rewind_unfinished_validation(checkpoint["loops"])
+            return
+        taken, states, optimization = self._step_start
+        # Without a snapshot of this batch the step never began (an exception in a callback's on_train_batch_start):
+        # nothing of it has drawn random numbers or counted optimizer calls yet.
+        if taken == epoch_loop.batch_progress.total.ready:
+            checkpoint[RANDOM_STATE_KEY] = random_states(states)
+            checkpoint["loops"]["fit_loop"]["epoch_loop.automatic_optimization.optim_progress"] = optimization
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # What a checkpoint written before this step finishes must hold (see _rewind_unfinished); the batch counter
+        # tells which step they belong to. About 50 microseconds, mostly numpy's state: 0.15% of the test model's
+        # 35 ms step, the smallest there is.
+        epoch_loop = self.trainer.fit_loop.epoch_loop
+        optimization = epoch_loop.automatic_optimization.optim_progress.state_dict()
+        self._step_start = (epoch_loop.batch_progress.total.ready, snapshot_random_states(), optimization)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Restored in on_train_start, not now: between here and the first training step Lightning builds the
+        # optimizer, runs the sanity check and makes the train iterator.
+        self._random_states_to_restore = checkpoint.get(RANDOM_STATE_KEY)
+
+    def on_train_start(self) -> None:
+        states, self._random_states_to_restore = getattr(self, "_random_states_to_restore", None), None
+        if states is not None:
+            set_random_states(states)
+        settle_restart_totals(self.trainer.fit_loop)
 
 
 def _subclasses(cls: type) -> list[type]:

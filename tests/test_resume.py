@@ -1,0 +1,229 @@
+"""Exact resume: a run stopped and resumed from ``last.ckpt`` trains on the same batches, with the same dropout masks,
+to the same parameters (bitwise, on CPU) as the uninterrupted run with the same seed.
+
+Each case compares against one uninterrupted run of ``TOTAL`` steps (cached per data mode). The training split of
+the ``story`` text holds 8 batches of 64, so step 8 is an epoch boundary; validation runs every 3 steps. A run
+interrupted inside a step records that step's batch, which the resumed run records again when it redoes the step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from seqnorm.cli import main
+from tests.test_cli import QUIET, WORDS
+
+TOTAL = 19
+EPOCH = 8  # batches per epoch
+REGULARIZED = ["--model.dropout", "0.3", "--model.recurrent_dropout", "0.3"]
+REGULARIZED += ["--model.rnn_options", '{"zoneout_h": 0.1}']
+TINY = ["--model.hidden_size", "16", "--model.embedding_dim", "8", "--model.lr", "0.01", *REGULARIZED]
+SCHEDULE = ["--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "2", "--trainer.logger", "false"]
+
+
+class Record(Callback):
+    """Notes, for every training batch and validation, where the loop is; kept in :data:`RECORDS`."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        digest = hashlib.sha1(batch["inputs"].numpy().tobytes()).hexdigest()[:12]
+        loop = trainer.fit_loop.epoch_loop
+        RECORDS.append(("batch", trainer.current_epoch, batch_idx, trainer.global_step, loop._batches_that_stepped))
+        RECORDS.append(("data", digest))
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            RECORDS.append(("validation", trainer.current_epoch, trainer.global_step))
+
+
+class InterruptAfter(Callback):
+    """Raises KeyboardInterrupt (what Ctrl-C does) after training step ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args: object) -> None:
+        if trainer.global_step == self.step:
+            raise KeyboardInterrupt
+
+
+class InterruptInside(Callback):
+    """Raises KeyboardInterrupt inside training step ``step`` (after its backward, before its optimizer step) or,
+    with ``validation=True``, at the end of the first batch of the validation after step ``step`` (the validation
+    set has one batch: Lightning's restart would count that validation as done)."""
+
+    def __init__(self, step: int, validation: bool = False) -> None:
+        self.step, self.validation = step, validation
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        if not self.validation and trainer.global_step == self.step - 1:
+            raise KeyboardInterrupt
+
+    def on_validation_batch_end(self, trainer, *args: object) -> None:
+        if self.validation and trainer.global_step == self.step and not trainer.sanity_checking:
+            raise KeyboardInterrupt
+
+
+RECORDS: list[tuple[Any, ...]] = []
+HERE = __name__
+"""This module's name for the CLI's class paths: pytest imports it as ``test_resume``, and a class path naming
+``tests.test_resume`` would import a second copy, whose callbacks fill another ``RECORDS``."""
+
+
+def _fit(run: Path, bucket: bool, *extra: str) -> tuple[list[tuple[Any, ...]], dict[str, torch.Tensor]]:
+    """``seqnorm fit`` on ``run``'s parent's story into ``run``; the run's records and final parameters."""
+    RECORDS.clear()
+    args = ["fit", "--model", "LanguageModel", "--data", "TextCorpus", "--data.path", str(run.parent / "story.txt")]
+    args += ["--data.batch_size", "64", "--data.bucket", str(bucket).lower(), "--trainer.default_root_dir", str(run)]
+    args += [*TINY, *QUIET, *SCHEDULE, f"--trainer.callbacks+={HERE}.Record", *extra]
+    sigint = signal.getsignal(signal.SIGINT)
+    try:
+        main(args)
+    except SystemExit:  # Lightning's graceful shutdown after Ctrl-C
+        pass
+    finally:
+        signal.signal(signal.SIGINT, sigint)  # Lightning ignores further Ctrl-C while shutting down
+    assert RECORDS, "Record saw no batch: its class path names another copy of this module"
+    checkpoint = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    return list(RECORDS), checkpoint["state_dict"]
+
+
+def _write_story(directory: Path) -> None:
+    rng = random.Random(0)  # the story of tests/test_cli.py
+    lines = (" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8))) for _ in range(600))
+    (directory / "story.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+_UNINTERRUPTED: dict[bool, tuple[list[tuple[Any, ...]], dict[str, torch.Tensor]]] = {}
+
+
+def _uninterrupted(bucket: bool, tmp_path_factory: pytest.TempPathFactory) -> tuple[list, dict[str, torch.Tensor]]:
+    if bucket not in _UNINTERRUPTED:
+        workdir = tmp_path_factory.mktemp(f"uninterrupted_{bucket}")
+        _write_story(workdir)
+        _UNINTERRUPTED[bucket] = _fit(workdir / "run", bucket, "--trainer.max_steps", str(TOTAL))
+    return _UNINTERRUPTED[bucket]
+
+
+@pytest.mark.parametrize("bucket", [True, False], ids=["bucketed", "unbucketed"])
+@pytest.mark.parametrize(
+    ("stop", "how"),
+    [
+        (5, "max_steps"),  # mid-epoch, between validations: last.ckpt is the train-end save
+        (6, "max_steps"),  # mid-epoch, at a validation: last.ckpt is the save after validation
+        (EPOCH, "max_steps"),  # the last batch of the first epoch
+        (4, "interrupt"),  # Ctrl-C mid-epoch: last.ckpt is the save on exception
+        (2 * EPOCH, "interrupt"),  # Ctrl-C after the last batch of the second epoch
+    ],
+)
+def test_resumed_run_equals_uninterrupted_run(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, bucket: bool, stop: int, how: str
+) -> None:
+    reference, reference_parameters = _uninterrupted(bucket, tmp_path_factory)
+    _write_story(tmp_path)
+    if how == "max_steps":
+        first, _ = _fit(tmp_path / "first", bucket, "--trainer.max_steps", str(stop))
+    else:
+        interrupt = [f"--trainer.callbacks+={HERE}.InterruptAfter", "--trainer.callbacks.step", str(stop)]
+        first, _ = _fit(tmp_path / "first", bucket, "--trainer.max_steps", str(TOTAL), *interrupt)
+    last = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=True)["global_step"] == stop
+    resumed, parameters = _fit(
+        tmp_path / "resumed", bucket, "--trainer.max_steps", str(TOTAL), "--ckpt_path", str(last)
+    )
+
+    # the same batches in the same order, at the same epoch, batch index, step and logging step; validations on the
+    # same steps (Lightning does not validate again at the step the resumed checkpoint was saved after)
+    assert first + resumed == reference
+    assert parameters.keys() == reference_parameters.keys()
+    different = [name for name, value in parameters.items() if not torch.equal(value, reference_parameters[name])]
+    assert not different
+
+
+@pytest.mark.parametrize(("stop", "how"), [(5, "max_steps"), (EPOCH, "interrupt")])
+def test_resume_with_worker_processes(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, stop: int, how: str
+) -> None:
+    """Workers fetch batches ahead and ask for indices before Lightning sets the epoch: still the same run."""
+    reference, reference_parameters = _uninterrupted(True, tmp_path_factory)
+    _write_story(tmp_path)
+    workers = ["--data.num_workers", "2"]
+    if how == "max_steps":
+        first, _ = _fit(tmp_path / "first", True, *workers, "--trainer.max_steps", str(stop))
+    else:
+        interrupt = [f"--trainer.callbacks+={HERE}.InterruptAfter", "--trainer.callbacks.step", str(stop)]
+        first, _ = _fit(tmp_path / "first", True, *workers, "--trainer.max_steps", str(TOTAL), *interrupt)
+    last = str(tmp_path / "first" / "checkpoints" / "last.ckpt")
+    resumed, parameters = _fit(
+        tmp_path / "resumed", True, *workers, "--trainer.max_steps", str(TOTAL), "--ckpt_path", last
+    )
+    assert first + resumed == reference
+    assert all(torch.equal(value, reference_parameters[name]) for name, value in parameters.items())
+
+
+def _interrupt_inside(step: int, where: str) -> list[str]:
+    inside = [f"--trainer.callbacks+={HERE}.InterruptInside", "--trainer.callbacks.step", str(step)]
+    return [*inside, "--trainer.callbacks.validation", str(where == "validation").lower()]
+
+
+def _steps_redone(first: list[tuple[Any, ...]], resumed: list[tuple[Any, ...]], where: str) -> list[tuple[Any, ...]]:
+    """``first + resumed`` without the first run's record of the step it was interrupted in, which is redone."""
+    if where == "validation":  # the interrupted validation recorded nothing (its record is made at its end)
+        return first + resumed
+    assert first[-2:] == resumed[:2]  # the same batch at the same epoch, index and step
+    return first[:-2] + resumed
+
+
+@pytest.mark.parametrize("bucket", [True, False], ids=["bucketed", "unbucketed"])
+@pytest.mark.parametrize(
+    ("stop", "where"),
+    [
+        (5, "step"),  # mid-epoch
+        (6, "step"),  # the step before a validation
+        (EPOCH, "step"),  # the last batch of an epoch
+        (EPOCH + 1, "step"),  # the first batch of an epoch
+        (6, "validation"),  # in the middle of a validation: it runs again
+    ],
+)
+def test_resume_after_interrupt_inside_a_step(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, bucket: bool, stop: int, where: str
+) -> None:
+    """Ctrl-C inside a step (or a validation) is saved as if before it, and the resumed run redoes it once."""
+    reference, reference_parameters = _uninterrupted(bucket, tmp_path_factory)
+    _write_story(tmp_path)
+    first, _ = _fit(tmp_path / "first", bucket, "--trainer.max_steps", str(TOTAL), *_interrupt_inside(stop, where))
+    last = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=True)["global_step"] == (stop - 1 if where == "step" else stop)
+    resumed, parameters = _fit(
+        tmp_path / "resumed", bucket, "--trainer.max_steps", str(TOTAL), "--ckpt_path", str(last)
+    )
+
+    # the same batches, dropout masks, step counters and validations as the uninterrupted run
+    assert _steps_redone(first, resumed, where) == reference
+    different = [name for name, value in parameters.items() if not torch.equal(value, reference_parameters[name])]
+    assert not different
+
+
+def test_resume_twice_after_interrupts_inside_steps(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A resumed run's own checkpoints resume exactly too, the loop counters included."""
+    reference, reference_parameters = _uninterrupted(True, tmp_path_factory)
+    _write_story(tmp_path)
+    max_steps = ["--trainer.max_steps", str(TOTAL)]
+    first, _ = _fit(tmp_path / "first", True, *max_steps, *_interrupt_inside(5, "step"))
+    resume = ["--ckpt_path", str(tmp_path / "first" / "checkpoints" / "last.ckpt")]
+    second, _ = _fit(tmp_path / "second", True, *max_steps, *resume, *_interrupt_inside(11, "validation"))
+    resume = ["--ckpt_path", str(tmp_path / "second" / "checkpoints" / "last.ckpt")]
+    third, parameters = _fit(tmp_path / "third", True, *max_steps, *resume)
+
+    assert _steps_redone(first, second, "step") + third == reference
+    assert all(torch.equal(value, reference_parameters[name]) for name, value in parameters.items())
+    uninterrupted = next(tmp_path_factory.getbasetemp().glob("uninterrupted_True*")) / "run" / "checkpoints"
+    loops = torch.load(tmp_path / "third" / "checkpoints" / "last.ckpt", weights_only=True)["loops"]
+    assert loops == torch.load(uninterrupted / "last.ckpt", weights_only=True)["loops"]
