@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -29,3 +32,23 @@ def perturb_norm_parameters(module: torch.nn.Module) -> None:
         for name, tensor in module.state_dict().items():
             if "norm_" in name and tensor.is_floating_point():
                 tensor.add_(torch.rand_like(tensor) * 0.5)
+
+
+# ---- shared by the CLI tests (test_cli, test_crash_safety, test_resume, test_checkpoint_safety) ----------------------
+QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+WORDS = ["the", "cat", "dog", "sat", "ran", "on", "under", "a", "mat", "log", "big", "small", "red", "blue"]
+
+
+def write_story(path: Path, *, lines: int = 600, words: list[str] = WORDS, seed: int = 0) -> Path:
+    """A small text file of random sentences (one per line) over ``words``, the same for the same arguments."""
+    rng = random.Random(seed)
+    text = (" ".join(rng.choice(words) for _ in range(rng.randint(2, 8))) for _ in range(lines))
+    path.write_text("\n".join(text) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def story(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``story.txt`` (:func:`write_story`) in a fresh working directory."""
+    monkeypatch.chdir(tmp_path)
+    return write_story(tmp_path / "story.txt")

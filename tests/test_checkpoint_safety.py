@@ -6,7 +6,6 @@ One tiny language model is trained once for the module; each test copies or edit
 from __future__ import annotations
 
 import pathlib
-import random
 import shutil
 import subprocess
 import sys
@@ -20,25 +19,18 @@ import yaml
 from seqnorm.cli import main
 from seqnorm.lightning import LanguageModel
 from seqnorm.lightning.checkpoint_io import CheckpointError
-from tests.test_cli import QUIET, WORDS
+from tests.conftest import QUIET, write_story
 
 TINY = ["--model.hidden_size", "16", "--model.embedding_dim", "8", *QUIET]
 SHORT = ["--trainer.max_steps", "4", "--trainer.limit_val_batches", "2"]
 LM = ["--model", "LanguageModel", "--data", "TextCorpus"]
 
 
-def _write_story(path: Path, words: list[str], seed: int = 0) -> Path:
-    rng = random.Random(seed)
-    lines = (" ".join(rng.choice(words) for _ in range(rng.randint(2, 8))) for _ in range(200))
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``last.ckpt`` of a 4-step run (hidden_size 16) on a story written beside it; copy it before changing it."""
     root = tmp_path_factory.mktemp("trained")
-    story = _write_story(root / "story.txt", WORDS)
+    story = write_story(root / "story.txt", lines=200)
     main(["fit", *LM, "--data.path", str(story), *TINY, *SHORT, "--trainer.default_root_dir", str(root)])
     return root / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
 
@@ -223,7 +215,7 @@ def test_model_class_contradicting_the_checkpoint(story: Path, trained: Path, ca
 def test_other_corpus_is_refused_before_any_size_mismatch(
     story: Path, trained: Path, capsys: pytest.CaptureFixture, command: str
 ) -> None:
-    other = _write_story(story.parent / "other.txt", ["zebra", "quiz", "jumping", "vex", "the"], seed=1)
+    other = write_story(story.parent / "other.txt", lines=200, words=["zebra", "quiz", "jumping", "vex", "the"], seed=1)
     args = [command, *LM, "--data.path", str(other), *QUIET, *SHORT, "--ckpt_path", str(trained)]
     error = _fails(capsys, args)
     vocab = torch.load(trained, weights_only=True)["seqnorm_data"]["vocab"]["tokens"]

@@ -16,10 +16,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from seqnorm.cli import main
 from seqnorm.lightning import LanguageModel, SequenceClassifier
+from tests.conftest import QUIET, WORDS
 
-QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
 TINY_LM = ["--model.hidden_size", "48", "--model.embedding_dim", "16", "--model.lr", "0.01"]
-WORDS = ["the", "cat", "dog", "sat", "ran", "on", "under", "a", "mat", "log", "big", "small", "red", "blue"]
 
 
 def _scalars(run: Path) -> dict[str, list[tuple[int, float]]]:
@@ -28,17 +27,6 @@ def _scalars(run: Path) -> dict[str, list[tuple[int, float]]]:
     return {
         tag: [(event.step, event.value) for event in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]
     }
-
-
-@pytest.fixture
-def story(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A small text file (one sentence per line) in a fresh working directory."""
-    monkeypatch.chdir(tmp_path)
-    rng = random.Random(0)
-    lines = (" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8))) for _ in range(600))
-    path = tmp_path / "story.txt"
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
 
 
 def test_char_lm_on_own_file_trains_resumes_and_generates(story: Path, capsys: pytest.CaptureFixture) -> None:

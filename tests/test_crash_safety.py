@@ -21,25 +21,14 @@ from lightning.pytorch.callbacks import Callback
 from seqnorm.cli import SIGTERM_EXIT_CODE, main
 from seqnorm.lightning import atomic_io
 from seqnorm.lightning.atomic_io import AtomicCheckpointIO
+from tests.conftest import QUIET
 
-QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
 TINY = ["--model.hidden_size", "16", "--model.embedding_dim", "8"]
-WORDS = ["the", "cat", "dog", "sat", "ran", "on", "under", "a", "mat", "log", "big", "small", "red", "blue"]
 VAL_EVERY = 5
 # A save of this model takes a few milliseconds, long enough for a poll to see its temporary file and kill then.
 SAVES_TAKE_A_WHILE = ["--model.hidden_size", "64", "--model.embedding_dim", "32"]
 UNREACHED = 10**6  # max_steps of a run that is to be killed: however fast the machine, it is still training
 LAUNCH_DEADLINE = 180.0  # seconds; only a guard against a hung child on an overloaded machine, never an assertion
-
-
-@pytest.fixture
-def story(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.chdir(tmp_path)
-    rng = random.Random(0)
-    lines = (" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8))) for _ in range(600))
-    path = tmp_path / "story.txt"
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
 
 
 def _fit_args(story: Path, max_steps: int, *extra: str) -> list[str]:

@@ -9,7 +9,6 @@ interrupted inside a step records that step's batch, which the resumed run recor
 from __future__ import annotations
 
 import hashlib
-import random
 import signal
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from seqnorm.cli import main
-from tests.test_cli import QUIET, WORDS
+from tests.conftest import QUIET, write_story
 
 TOTAL = 19
 EPOCH = 8  # batches per epoch
@@ -95,19 +94,13 @@ def _fit(run: Path, bucket: bool, *extra: str) -> tuple[list[tuple[Any, ...]], d
     return list(RECORDS), checkpoint["state_dict"]
 
 
-def _write_story(directory: Path) -> None:
-    rng = random.Random(0)  # the story of tests/test_cli.py
-    lines = (" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8))) for _ in range(600))
-    (directory / "story.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
-
-
 _UNINTERRUPTED: dict[bool, tuple[list[tuple[Any, ...]], dict[str, torch.Tensor]]] = {}
 
 
 def _uninterrupted(bucket: bool, tmp_path_factory: pytest.TempPathFactory) -> tuple[list, dict[str, torch.Tensor]]:
     if bucket not in _UNINTERRUPTED:
         workdir = tmp_path_factory.mktemp(f"uninterrupted_{bucket}")
-        _write_story(workdir)
+        write_story(workdir / "story.txt")
         _UNINTERRUPTED[bucket] = _fit(workdir / "run", bucket, "--trainer.max_steps", str(TOTAL))
     return _UNINTERRUPTED[bucket]
 
@@ -127,7 +120,7 @@ def test_resumed_run_equals_uninterrupted_run(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, bucket: bool, stop: int, how: str
 ) -> None:
     reference, reference_parameters = _uninterrupted(bucket, tmp_path_factory)
-    _write_story(tmp_path)
+    write_story(tmp_path / "story.txt")
     if how == "max_steps":
         first, _ = _fit(tmp_path / "first", bucket, "--trainer.max_steps", str(stop))
     else:
@@ -153,7 +146,7 @@ def test_resume_with_worker_processes(
 ) -> None:
     """Workers fetch batches ahead and ask for indices before Lightning sets the epoch: still the same run."""
     reference, reference_parameters = _uninterrupted(True, tmp_path_factory)
-    _write_story(tmp_path)
+    write_story(tmp_path / "story.txt")
     workers = ["--data.num_workers", "2"]
     if how == "max_steps":
         first, _ = _fit(tmp_path / "first", True, *workers, "--trainer.max_steps", str(stop))
@@ -197,7 +190,7 @@ def test_resume_after_interrupt_inside_a_step(
 ) -> None:
     """Ctrl-C inside a step (or a validation) is saved as if before it, and the resumed run redoes it once."""
     reference, reference_parameters = _uninterrupted(bucket, tmp_path_factory)
-    _write_story(tmp_path)
+    write_story(tmp_path / "story.txt")
     first, _ = _fit(tmp_path / "first", bucket, "--trainer.max_steps", str(TOTAL), *_interrupt_inside(stop, where))
     last = tmp_path / "first" / "checkpoints" / "last.ckpt"
     assert torch.load(last, weights_only=True)["global_step"] == (stop - 1 if where == "step" else stop)
@@ -214,7 +207,7 @@ def test_resume_after_interrupt_inside_a_step(
 def test_resume_twice_after_interrupts_inside_steps(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """A resumed run's own checkpoints resume exactly too, the loop counters included."""
     reference, reference_parameters = _uninterrupted(True, tmp_path_factory)
-    _write_story(tmp_path)
+    write_story(tmp_path / "story.txt")
     max_steps = ["--trainer.max_steps", str(TOTAL)]
     first, _ = _fit(tmp_path / "first", True, *max_steps, *_interrupt_inside(5, "step"))
     resume = ["--ckpt_path", str(tmp_path / "first" / "checkpoints" / "last.ckpt")]

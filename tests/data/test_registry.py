@@ -197,15 +197,25 @@ def _register_md5_zip(monkeypatch: pytest.MonkeyPatch, base_url: str, archive: b
     _register(monkeypatch, DatasetSpec("zipped", "test", splits))
 
 
+TEXTS = {"train": "train text\n" * 5, "val": "val text\n" * 5}
+
+
+def _fetch_served_zip(
+    server: tuple[str, Path], cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Path, bytes, dict[str, Path]]:
+    """Serve an MD5-only zip of :data:`TEXTS`, fetch it into ``cache``: (served folder, archive, split paths)."""
+    base_url, served = server
+    archive = _serve_zip(served, TEXTS)
+    _register_md5_zip(monkeypatch, base_url, archive)
+    return served, archive, fetch_dataset("zipped", cache)
+
+
 def test_cached_files_are_recorded_and_a_changed_member_is_extracted_again(
     server: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    base_url, served = server
-    texts = {"train": "train text\n" * 5, "val": "val text\n" * 5}
-    archive = _serve_zip(served, texts)
-    _register_md5_zip(monkeypatch, base_url, archive)
     cache = tmp_path / "cache"
-    paths = fetch_dataset("zipped", cache)
+    served, archive, paths = _fetch_served_zip(server, cache, monkeypatch)
+    texts = TEXTS
     manifest = json.loads((cache / "zipped" / MANIFEST).read_text())
     assert manifest == {
         "corpus.zip": _sha256(archive),
@@ -222,15 +232,11 @@ def test_cached_files_are_recorded_and_a_changed_member_is_extracted_again(
 def test_changed_cached_archive_is_fetched_again(
     server: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    base_url, served = server
-    texts = {"train": "train text\n" * 5, "val": "val text\n" * 5}
-    archive = _serve_zip(served, texts)
-    _register_md5_zip(monkeypatch, base_url, archive)
     cache = tmp_path / "cache"
-    paths = fetch_dataset("zipped", cache)
+    _, archive, paths = _fetch_served_zip(server, cache, monkeypatch)
     (cache / "zipped" / "corpus.zip").write_bytes(b"tampered archive")
     paths["train"].unlink()  # so that the archive is needed again
-    assert fetch_dataset("zipped", cache)["train"].read_text() == texts["train"]
+    assert fetch_dataset("zipped", cache)["train"].read_text() == TEXTS["train"]
     assert (cache / "zipped" / "corpus.zip").read_bytes() == archive
 
 
