@@ -8,11 +8,13 @@ reversed (padding stays at the end), as ``torch.nn.LSTM`` does with packed seque
 The loop written here is the plain reference (layers and directions are stacked by :mod:`seqnorm.layers.stack`, which
 every path shares). By default (``impl="auto"``) layers run a faster path with the same
 results — torch's fused kernel when nothing is normalized, otherwise the input side of all steps at once and a lean
-loop — chosen in one place, :func:`seqnorm.layers.fast.choose_path`; ``impl="reference"`` forces this loop.
+loop — chosen in one place, :func:`seqnorm.layers.plan.plan_for`, from what the cells and norms declare (see
+:meth:`RecurrentLayer.plan`); ``impl="reference"`` forces this loop.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 from typing import Any, ClassVar, NamedTuple
@@ -24,7 +26,8 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 
 from seqnorm.cells.base import RecurrentCell, check_options, check_positive_int, check_proj_size, check_rate
 from seqnorm.layers.dropout import draw_sequence_masks
-from seqnorm.layers.fast import IMPLS, Impl, choose_path, run_fast, run_fused, step_cell
+from seqnorm.layers.fast import IMPLS, Impl, run_fast, run_fused, step_cell
+from seqnorm.layers.plan import Plan, log, plan_for
 from seqnorm.layers.stack import PaddingLayout, padding_layout, run_stack
 from seqnorm.layers.stepping import lean_layer_step
 from seqnorm.norms import BeyondMaxSteps, SmallBatchPolicy, check_placement, get_norm
@@ -199,9 +202,31 @@ class RecurrentLayer(nn.Module):
     def forward(
         self, input: Tensor | PackedSequence, hx: Any = None, lengths: Tensor | list[int] | None = None
     ) -> tuple[Tensor | PackedSequence, Any]:
+        x, lengths, h0, c0, unbatched = self._prepare(input, hx, lengths)
+        output, h_n, c_n = self._run(x, h0, c0, lengths)
+        state: Any = h_n if c_n is None else (h_n, c_n)
+        if isinstance(input, PackedSequence):
+            return _repack(output, lengths, input), state
+        if unbatched:
+            return output.squeeze(1), (h_n.squeeze(1) if c_n is None else (h_n.squeeze(1), c_n.squeeze(1)))
+        return (output.transpose(0, 1) if self.batch_first else output), state
+
+    def plan(self, input: Tensor | PackedSequence, hx: Any = None, lengths: Tensor | list[int] | None = None) -> Plan:
+        """The path a call with these arguments takes now, and why (:mod:`seqnorm.layers.plan`); runs nothing.
+
+        With a 2-D ``input`` ``(B, input_size)`` and no ``hx``/``lengths``: the path of :meth:`step` instead.
+        """
+        if isinstance(input, Tensor) and input.dim() == 2 and hx is None and lengths is None:
+            return plan_for(self, input, step=True)
+        x, lengths, h0, c0, _ = self._prepare(input, hx, lengths)
+        return plan_for(self, x, lengths, (h0, c0))
+
+    def _prepare(
+        self, input: Tensor | PackedSequence, hx: Any, lengths: Tensor | list[int] | None
+    ) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None, bool]:
+        """Check :meth:`forward`'s arguments; ``x`` ``(T, B, I)``, lengths, ``h0``, ``c0`` and whether unbatched."""
         owner = type(self).__name__
-        packed = isinstance(input, PackedSequence)
-        if packed:
+        if isinstance(input, PackedSequence):
             if lengths is not None:
                 raise ValueError(f"{owner}: expected lengths=None with a PackedSequence input, got lengths")
             x, lengths = pad_packed_sequence(input)  # (T, B, I), original batch order
@@ -220,21 +245,17 @@ class RecurrentLayer(nn.Module):
             raise ValueError(f"{owner}: expected at least one time step, got an input of length 0")
         lengths = self._check_lengths(lengths, steps, batch)
         h0, c0 = self._initial_state(hx, batch, x, unbatched)
-        output, h_n, c_n = self._run(x, h0, c0, lengths)
-        state: Any = h_n if c_n is None else (h_n, c_n)
-        if packed:
-            return _repack(output, lengths, input), state
-        if unbatched:
-            return output.squeeze(1), (h_n.squeeze(1) if c_n is None else (h_n.squeeze(1), c_n.squeeze(1)))
-        return (output.transpose(0, 1) if self.batch_first else output), state
+        return x, lengths, h0, c0, unbatched
 
     def _run(self, x: Tensor, h0: Tensor, c0: Tensor | None, lengths: Tensor | None) -> tuple[Tensor, ...]:
-        """Run ``x`` ``(T, B, I)`` on the path :func:`~seqnorm.layers.fast.choose_path` picks; output, h_n, c_n."""
-        path = choose_path(self, lengths, x.shape[1])
-        if path == "fused":
+        """Run ``x`` ``(T, B, I)`` on the path :func:`~seqnorm.layers.plan.plan_for` picks; output, h_n, c_n."""
+        plan = plan_for(self, x, lengths, (h0, c0))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s.forward: %s", type(self).__name__, plan)
+        if plan.path == "torch_kernel":
             return run_fused(self, x, h0, c0, lengths)
-        if path == "fast":
-            return run_fast(self, x, h0, c0, lengths)
+        if plan.path in ("bptt", "loop"):
+            return run_fast(self, x, h0, c0, lengths, plan)
         return self._run_reference(x, h0, c0, lengths)
 
     def _run_reference(
@@ -298,6 +319,7 @@ class RecurrentLayer(nn.Module):
         if lean is not None:
             output, h, c = lean(x, state.h, state.c, state.step)
             return output, RecurrentState(h, c, state.step + 1)
+        plan = plan_for(self, x, step=True)
         # Every layer steps on (1, B, .) slices of the state, so the new state needs no stacking for one layer.
         single = self.num_layers == 1
         h_next, c_next = [], []
@@ -305,7 +327,7 @@ class RecurrentLayer(nn.Module):
         for layer, cell in enumerate(cells):
             h = state.h if single else state.h.narrow(0, layer, 1)
             c = state.c if single or state.c is None else state.c.narrow(0, layer, 1)
-            h, c = step_cell(self, cell, layer_input, h, c, state.step)
+            h, c = step_cell(plan.cells[layer], cell, layer_input, h, c, state.step)
             h_next.append(h)
             c_next.append(c)
             layer_input = h
