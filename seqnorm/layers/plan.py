@@ -64,9 +64,10 @@ class Plan:
         return f"{self.path}: {self.reason}{per_cell}"
 
 
-def declared(owner: nn.Module, name: str, default: Any) -> Any:
+def declared(owner: nn.Module | type, name: str, default: Any) -> Any:
     """``name`` as declared by ``owner``'s own class (not inherited; weight norm's parametrization looked through)."""
-    return type_before_parametrizations(owner).__dict__.get(name, default)
+    cls = owner if isinstance(owner, type) else type_before_parametrizations(owner)
+    return cls.__dict__.get(name, default)
 
 
 def cell_kernel(cell: RecurrentCell) -> Literal["lstm", "gru"] | None:
