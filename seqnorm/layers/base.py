@@ -15,7 +15,6 @@ loop — chosen in one place, :func:`seqnorm.layers.plan.plan_for`, from what th
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Mapping
 from typing import Any, ClassVar, NamedTuple
 
@@ -27,15 +26,13 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 from seqnorm.cells.base import RecurrentCell, check_options, check_positive_int, check_proj_size, check_rate
 from seqnorm.layers.dropout import draw_sequence_masks
 from seqnorm.layers.fast import IMPLS, Impl, run_fast, run_fused, step_cell
+from seqnorm.layers.keys import TORCH_KEY, from_torch_keys, to_torch_keys
 from seqnorm.layers.plan import Plan, log, plan_for
 from seqnorm.layers.stack import PaddingLayout, padding_layout, run_stack
 from seqnorm.layers.stepping import lean_layer_step
 from seqnorm.norms import BeyondMaxSteps, SmallBatchPolicy, check_placement, get_norm
 
 __all__ = ["RecurrentLayer", "RecurrentState"]
-
-# torch.nn.LSTM's parameter names (`weight_ih_l0`, `bias_hh_l1_reverse`); norms follow suit: `norm_ih_l0.weight`.
-_TORCH_KEY = re.compile(r"(?P<name>[A-Za-z_]\w*?)_l(?P<layer>\d+)(?P<reverse>_reverse)?(?P<rest>\..*)?")
 
 
 class RecurrentState(NamedTuple):
@@ -149,8 +146,8 @@ class RecurrentLayer(nn.Module):
             for layer in range(num_layers)
             for _ in range(directions)
         )
-        self.register_state_dict_post_hook(_to_torch_keys)
-        self.register_load_state_dict_pre_hook(_from_torch_keys)
+        self.register_state_dict_post_hook(to_torch_keys)
+        self.register_load_state_dict_pre_hook(from_torch_keys)
 
     @property
     def num_directions(self) -> int:
@@ -188,7 +185,7 @@ class RecurrentLayer(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            match = _TORCH_KEY.fullmatch(name)
+            match = TORCH_KEY.fullmatch(name)
             if match is None or match["rest"]:
                 raise
             index = int(match["layer"]) * self.num_directions + (1 if match["reverse"] else 0)
@@ -408,22 +405,3 @@ def _repack(output: Tensor, lengths: Tensor, like: PackedSequence) -> PackedSequ
         lengths = lengths.index_select(0, like.sorted_indices.cpu())
     data = pack_padded_sequence(output, lengths, enforce_sorted=True).data
     return PackedSequence(data, like.batch_sizes, like.sorted_indices, like.unsorted_indices)
-
-
-def _to_torch_keys(module: RecurrentLayer, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-    """State-dict post-hook: `cells.0.weight_ih` -> torch's `weight_ih_l0` (`cells.1...` -> `..._l0_reverse`)."""
-    head = prefix + "cells."
-    for key in [key for key in state_dict if key.startswith(head)]:
-        index, _, name = key[len(head) :].partition(".")
-        first, dot, rest = name.partition(".")
-        state_dict[f"{prefix}{first}{module._cell_suffix(int(index))}{dot}{rest}"] = state_dict.pop(key)
-
-
-def _from_torch_keys(module: RecurrentLayer, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-    """Load-state-dict pre-hook: the inverse of :func:`_to_torch_keys` (so torch state dicts load as they are)."""
-    for key in [key for key in state_dict if key.startswith(prefix)]:
-        match = _TORCH_KEY.fullmatch(key[len(prefix) :])
-        if match is None or "." in match["name"]:
-            continue
-        index = int(match["layer"]) * module.num_directions + (1 if match["reverse"] else 0)
-        state_dict[f"{prefix}cells.{index}.{match['name']}{match['rest'] or ''}"] = state_dict.pop(key)
