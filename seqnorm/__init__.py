@@ -4,10 +4,10 @@
 ``LSTM``/``GRU`` are drop-ins for ``torch.nn.LSTM``/``GRU`` with the same norms, ``lengths`` and a stepping interface.
 """
 
-from seqnorm.cells import GRUCell, LSTMCell
+from seqnorm.cells import CELLS, GRUCell, LSTMCell
 from seqnorm.init import INITS
-from seqnorm.layers import GRU, LSTM, RecurrentState
+from seqnorm.layers import GRU, LAYERS, LSTM, RecurrentState
 from seqnorm.norms import NORMS
 
-__all__ = ["GRU", "INITS", "LSTM", "NORMS", "GRUCell", "LSTMCell", "RecurrentState"]
+__all__ = ["CELLS", "GRU", "INITS", "LAYERS", "LSTM", "NORMS", "GRUCell", "LSTMCell", "RecurrentState"]
 __version__ = "0.1.0"

@@ -9,16 +9,21 @@ import pytest
 import torch
 
 import seqnorm
+from seqnorm.layers.plan import declared
 
 NORMS = list(seqnorm.NORMS)
 BATCH_NORMS = [name for name, scheme in seqnorm.NORMS.items() if scheme.batch_statistics]
 ROW_NORMS = [name for name in NORMS if name not in BATCH_NORMS]
-CELLS = {"lstm": seqnorm.LSTMCell, "gru": seqnorm.GRUCell}
+# Cells and layers come from the registries: a new entry gets the contract, path and parity tests unedited.
+CELLS = seqnorm.CELLS
+LAYERS = seqnorm.LAYERS
+KINDS = list(CELLS)
+# The cells that declare torch's step: parity with torch.nn, torch's kernel, the hand-written BPTT, the lean step.
+TORCH_KINDS = [kind for kind, cell in CELLS.items() if declared(cell, "torch_kernel", None)]
 
 # The suite's models are tiny: a second intra-op thread only adds synchronization, and on a busy 2-core machine a
 # descheduled OpenMP worker stalls every small op for milliseconds. One thread keeps `make test` fast and steady.
 torch.set_num_threads(1)
-LAYERS = {"lstm": seqnorm.LSTM, "gru": seqnorm.GRU}
 
 
 @pytest.fixture(autouse=True)

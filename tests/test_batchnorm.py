@@ -8,7 +8,7 @@ from torch.testing import assert_close
 
 import seqnorm
 from seqnorm.norms import TimestepBatchNorm, TimestepBatchRenorm
-from tests.conftest import BATCH_NORMS, CELLS, LAYERS
+from tests.conftest import BATCH_NORMS, CELLS, KINDS, LAYERS
 
 
 def test_running_statistics_update_only_their_step() -> None:
@@ -25,7 +25,7 @@ def test_running_statistics_update_only_their_step() -> None:
 
 
 @pytest.mark.parametrize("norm", BATCH_NORMS)
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_per_timestep_statistics_after_training(kind: str, norm: str) -> None:
     layer = LAYERS[kind](3, 8, norm=norm, max_steps=4, momentum=0.5)
     with torch.no_grad():
@@ -44,7 +44,7 @@ def test_per_timestep_statistics_after_training(kind: str, norm: str) -> None:
 
 
 @pytest.mark.parametrize("norm", BATCH_NORMS)
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_batch_size_one_in_training_is_a_clear_error(kind: str, norm: str) -> None:
     layer = LAYERS[kind](3, 4, norm=norm)
     with pytest.raises(ValueError, match=r"expected at least 2 active .* got 1 \(batch size 1\).*norm=\"layer\""):
@@ -60,7 +60,7 @@ def test_batch_size_one_in_training_is_a_clear_error(kind: str, norm: str) -> No
 
 
 @pytest.mark.parametrize("norm", BATCH_NORMS)
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_small_batch_running_fallback(kind: str, norm: str) -> None:
     layer = LAYERS[kind](3, 4, norm=norm, small_batch="running")
     layer(torch.randn(6, 8, 3) * 3 + 1)  # gives the running statistics something to hold

@@ -14,7 +14,7 @@ from torch.autograd import gradcheck
 
 import seqnorm
 from seqnorm.layers import bptt
-from tests.conftest import LAYERS, perturb_norm_parameters
+from tests.conftest import LAYERS, TORCH_KINDS, perturb_norm_parameters
 
 FUNCTION_NODE = {"lstm": "_LSTMRecurrenceBackward", "gru": "_GRURecurrenceBackward"}
 # Batch renormalization with its r/d correction active from the first batch (as tests/test_fast_path.py).
@@ -39,7 +39,7 @@ def _graph_nodes(tensor: torch.Tensor) -> set[str]:
 
 
 @pytest.mark.parametrize("norm", ["layer", "rms", "batch", "batch_renorm"])
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", TORCH_KINDS)
 def test_training_runs_the_custom_function(kind: str, norm: str) -> None:
     layer = LAYERS[kind](3, 4, num_layers=2, bidirectional=True, norm=norm, **_options(norm))
     output, _ = layer(torch.randn(5, 3, 3), lengths=torch.tensor([5, 3, 5]))
@@ -47,7 +47,7 @@ def test_training_runs_the_custom_function(kind: str, norm: str) -> None:
 
 
 @pytest.mark.parametrize("norm", ["none", "weight"])
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", TORCH_KINDS)
 def test_unnormalized_fast_path_runs_the_custom_function(kind: str, norm: str) -> None:
     """Inter-layer dropout keeps these off torch's kernel; the recurrence then runs through the Function."""
     layer = LAYERS[kind](3, 4, num_layers=2, dropout=0.5, norm=norm)
@@ -94,7 +94,7 @@ def test_no_gradient_needed_keeps_the_step_loop() -> None:
 
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("norm", ["layer", "rms", "batch", "batch_renorm"])
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", TORCH_KINDS)
 def test_gradcheck_through_the_custom_function(kind: str, norm: str, training: bool) -> None:
     """Float64 gradcheck w.r.t. the input, the initial state and every parameter, with a padded row."""
     options = _options(norm)

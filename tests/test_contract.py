@@ -7,7 +7,7 @@ import torch
 from torch.func import functional_call
 from torch.testing import assert_close
 
-from tests.conftest import BATCH_NORMS, CELLS, LAYERS, NORMS, perturb_norm_parameters
+from tests.conftest import BATCH_NORMS, CELLS, KINDS, LAYERS, NORMS, perturb_norm_parameters
 
 
 def _state(kind: str, batch: int, hidden: int, dtype: torch.dtype) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -21,7 +21,7 @@ def _h(output: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("norm", NORMS)
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_cell_contract(kind: str, norm: str, dtype: torch.dtype) -> None:
     cell = CELLS[kind](5, 6, norm=norm, max_steps=4, dtype=dtype)
     x = torch.randn(3, 5, dtype=dtype)
@@ -42,7 +42,7 @@ def test_cell_contract(kind: str, norm: str, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("norm", NORMS)
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_cell_state_dict_round_trip_includes_running_statistics(kind: str, norm: str) -> None:
     cell = CELLS[kind](4, 5, norm=norm, max_steps=3)
     for step in range(5):  # training updates per-step running statistics
@@ -63,7 +63,7 @@ def test_cell_state_dict_round_trip_includes_running_statistics(kind: str, norm:
 
 
 @pytest.mark.parametrize("norm", NORMS)
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_train_eval_switch_batch_vs_population_statistics(kind: str, norm: str) -> None:
     cell = CELLS[kind](4, 5, norm=norm)
     x = torch.randn(6, 4) * 3 + 1
@@ -93,7 +93,7 @@ def _gradcheck_cell(cell: torch.nn.Module, kind: str, mask: torch.Tensor | None)
 
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("norm", NORMS)
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_cell_gradcheck_inputs_state_and_parameters(kind: str, norm: str, training: bool) -> None:
     cell = CELLS[kind](3, 2, norm=norm, dtype=torch.float64)
     perturb_norm_parameters(cell)  # away from γ = 0.1 / β = 0 so every parameter's path is exercised
@@ -109,7 +109,7 @@ def test_weight_norm_mean_only_bn_gradcheck() -> None:
 
 
 @pytest.mark.parametrize("norm", NORMS)
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_layer_contract(kind: str, norm: str) -> None:
     layer = LAYERS[kind](4, 5, num_layers=2, bidirectional=True, batch_first=True, norm=norm, max_steps=3)
     x = torch.randn(3, 6, 4)

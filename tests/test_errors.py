@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import seqnorm
-from tests.conftest import CELLS, LAYERS
+from tests.conftest import CELLS, KINDS, LAYERS
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_cell_bad_input(kind: str) -> None:
     cell = CELLS[kind](3, 4)
     name = type(cell).__name__
@@ -52,7 +52,7 @@ def test_constructor_errors(cls: type) -> None:
         cls(3, 4, norm="batch", small_batch="skip")
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_layer_bad_input(kind: str) -> None:
     layer = LAYERS[kind](3, 4, num_layers=2)
     name = type(layer).__name__

@@ -12,7 +12,7 @@ from torch.testing import assert_close
 import seqnorm
 from seqnorm.layers.fast import choose_path
 from seqnorm.norms import TimestepBatchNorm, TimestepBatchRenorm
-from tests.conftest import BATCH_NORMS, LAYERS, NORMS, ROW_NORMS, perturb_norm_parameters
+from tests.conftest import BATCH_NORMS, LAYERS, NORMS, ROW_NORMS, TORCH_KINDS, perturb_norm_parameters
 
 TOLERANCE = {"rtol": 1e-9, "atol": 1e-9}
 RENORM_ACTIVE = {"warmup": 0, "r_max_steps": 1, "d_max_steps": 1, "r_max": 1.5, "d_max": 0.5}
@@ -56,7 +56,7 @@ def _hx(kind: str, layers: int, batch: int) -> Any:
 
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("norm", NORMS)
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", TORCH_KINDS)
 def test_fast_equals_reference(kind: str, norm: str, training: bool) -> None:
     """Lengths, both directions, two layers, an initial state; T > max_steps, so steps share the last BN row."""
     reference, fast = _pair(kind, norm, num_layers=2, bidirectional=True, max_steps=4)
@@ -72,7 +72,7 @@ def test_fast_equals_reference(kind: str, norm: str, training: bool) -> None:
 
 
 @pytest.mark.parametrize("norm", NORMS)
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", TORCH_KINDS)
 def test_fast_equals_reference_with_dropout(kind: str, norm: str) -> None:
     reference, fast = _pair(kind, norm, num_layers=2, dropout=0.3, recurrent_dropout=0.2, batch_first=True)
     assert choose_path(fast, None, 5) == "fast"  # random masks keep even norm="none" off torch's kernel
@@ -81,7 +81,7 @@ def test_fast_equals_reference_with_dropout(kind: str, norm: str) -> None:
 
 
 @pytest.mark.parametrize("norm", NORMS)
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", TORCH_KINDS)
 def test_fast_equals_reference_packed(kind: str, norm: str) -> None:
     reference, fast = _pair(kind, norm, bidirectional=True)
     x = torch.randn(6, 5, 3, dtype=torch.float64)
@@ -94,7 +94,7 @@ def test_fast_equals_reference_packed(kind: str, norm: str) -> None:
 
 
 @pytest.mark.parametrize("norm", ROW_NORMS)
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", TORCH_KINDS)
 def test_fast_equals_reference_at_batch_size_one(kind: str, norm: str) -> None:
     reference, fast = _pair(kind, norm, num_layers=2)
     x = torch.randn(5, 1, 3, dtype=torch.float64)
@@ -102,7 +102,7 @@ def test_fast_equals_reference_at_batch_size_one(kind: str, norm: str) -> None:
 
 
 @pytest.mark.parametrize("norm", BATCH_NORMS)
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", TORCH_KINDS)
 def test_small_batch_fallback_and_error_as_reference(kind: str, norm: str) -> None:
     reference, fast = _pair(kind, norm, bidirectional=True, small_batch="running")
     lengths = torch.tensor([6, 2, 4])  # steps 4 and 5 have a single real row: running statistics
@@ -133,7 +133,7 @@ def test_observer_forces_the_reference_path(norm: str) -> None:
 
 
 @pytest.mark.parametrize("norm", NORMS)
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", TORCH_KINDS)
 def test_step_equals_reference_step(kind: str, norm: str) -> None:
     reference, fast = _pair(kind, norm, num_layers=2)
     reference.eval()

@@ -19,7 +19,7 @@ from torch.testing import assert_close
 import seqnorm
 from seqnorm.layers.fast import choose_path
 from seqnorm.norms import LayerNorm, RMSNorm, TimestepBatchNorm, TimestepBatchRenorm
-from tests.conftest import CELLS, LAYERS, NORMS
+from tests.conftest import CELLS, LAYERS, NORMS, TORCH_KINDS
 
 BF16_TOLERANCE = {"rtol": 0.0, "atol": 0.06}
 
@@ -34,7 +34,7 @@ def _flat(output: Any) -> tuple[torch.Tensor, ...]:
 
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("norm", NORMS)
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", TORCH_KINDS)
 def test_cell_under_autocast_is_close_to_float32(kind: str, norm: str, training: bool) -> None:
     cell_32 = CELLS[kind](8, 16, norm=norm)
     for t in range(4):  # running statistics away from 0/1, for evaluation
@@ -55,7 +55,7 @@ def test_cell_under_autocast_is_close_to_float32(kind: str, norm: str, training:
 
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("norm", NORMS)
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", TORCH_KINDS)
 def test_layer_under_autocast_is_close_to_float32(kind: str, norm: str, training: bool) -> None:
     layer = LAYERS[kind](8, 16, num_layers=2, bidirectional=True, norm=norm).train(training)
     x = torch.randn(6, 5, 8)
@@ -105,7 +105,7 @@ def test_batch_norm_statistics_are_float32(cls: type, training: bool) -> None:
     assert_close(norm_16.state_dict(), norm_32.state_dict(), rtol=0, atol=0)  # running statistics in float32
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", TORCH_KINDS)
 def test_step_under_autocast(kind: str) -> None:
     layer = LAYERS[kind](4, 8, num_layers=2).eval()  # norm="none": torch's fused cell is bypassed under autocast
     x = torch.randn(3, 2, 4)

@@ -8,7 +8,7 @@ from torch.testing import assert_close
 
 import seqnorm
 from seqnorm.init import INITS, resolve_init
-from tests.conftest import CELLS, perturb_norm_parameters
+from tests.conftest import CELLS, KINDS, perturb_norm_parameters
 
 
 def _h(output: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -20,7 +20,7 @@ def _h(output: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
     ("norm", "training"),
     [("layer", True), ("layer", False), ("rms", True), ("rms", False), ("batch", True), ("batch_renorm", True)],
 )
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_output_invariant_to_rescaling_input_and_recurrent_terms(kind: str, norm: str, training: bool) -> None:
     cell = CELLS[kind](4, 5, norm=norm, eps=1e-12, dtype=torch.float64)
     perturb_norm_parameters(cell)
@@ -45,7 +45,7 @@ def test_norm_none_is_not_invariant() -> None:
     assert not torch.allclose(cell(x)[0], before[0])
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_weight_norm_invariant_to_rescaling_direction(kind: str) -> None:
     cell = CELLS[kind](4, 5, norm="weight", dtype=torch.float64)
     params = dict(cell.named_parameters())
@@ -88,7 +88,7 @@ def test_row_norms_normalize_each_row(norm: str) -> None:
     assert cell.norm_ih.bias is None and cell.norm_c.bias is not None
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_init_schemes(kind: str) -> None:
     hidden = 6
     gates = 4 if kind == "lstm" else 3

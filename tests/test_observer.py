@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from tests.conftest import LAYERS, NORMS
+from tests.conftest import KINDS, LAYERS, NORMS
 
 
 @pytest.mark.parametrize("norm", NORMS)
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_observer_sees_every_real_step(kind: str, norm: str) -> None:
     layer = LAYERS[kind](3, 4, num_layers=2, bidirectional=True, norm=norm, small_batch="running")
     records: dict[int, list[dict[str, Any]]] = {index: [] for index in range(len(layer.cells))}

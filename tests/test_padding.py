@@ -11,7 +11,7 @@ from torch.testing import assert_close
 import seqnorm
 from seqnorm.layers import reverse_padded
 from seqnorm.norms import TimestepBatchNorm
-from tests.conftest import BATCH_NORMS, LAYERS, NORMS, ROW_NORMS, perturb_norm_parameters
+from tests.conftest import BATCH_NORMS, KINDS, LAYERS, NORMS, ROW_NORMS, perturb_norm_parameters
 
 
 def _alone_vs_padded(kind: str, norm: str, lengths: list[int], training: bool, bidirectional: bool) -> None:
@@ -35,14 +35,14 @@ def _alone_vs_padded(kind: str, norm: str, lengths: list[int], training: bool, b
 @pytest.mark.parametrize("bidirectional", [False, True])
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("norm", ROW_NORMS)
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_padded_equals_alone_row_norms(kind: str, norm: str, training: bool, bidirectional: bool) -> None:
     _alone_vs_padded(kind, norm, [5, 2, 1, 4], training, bidirectional)
 
 
 @pytest.mark.parametrize("bidirectional", [False, True])
 @pytest.mark.parametrize("norm", BATCH_NORMS)
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_padded_equals_alone_batch_norms_in_eval(kind: str, norm: str, bidirectional: bool) -> None:
     _alone_vs_padded(kind, norm, [5, 2, 1, 4], False, bidirectional)
 
@@ -50,7 +50,7 @@ def test_padded_equals_alone_batch_norms_in_eval(kind: str, norm: str, bidirecti
 @settings(max_examples=15, deadline=None)
 @given(
     lengths=st.lists(st.integers(1, 6), min_size=1, max_size=4),
-    kind=st.sampled_from(["lstm", "gru"]),
+    kind=st.sampled_from(KINDS),
     norm=st.sampled_from(["none", "layer", "rms", "weight"]),
     bidirectional=st.booleans(),
 )
@@ -86,7 +86,7 @@ def test_masked_rows_do_not_change_batch_statistics(norm: str) -> None:
 
 
 @pytest.mark.parametrize("norm", NORMS)
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_padding_values_never_matter(kind: str, norm: str) -> None:
     """Garbage at padded positions changes neither outputs, final states, running statistics nor gradients."""
     lengths = torch.tensor([6, 3, 6, 4])  # >= 2 active rows at every step

@@ -9,9 +9,12 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from torch.testing import assert_close
 
 import seqnorm
+from tests.conftest import CELLS, LAYERS, TORCH_KINDS
 
-TORCH_CELLS = {"lstm": (nn.LSTMCell, seqnorm.LSTMCell), "gru": (nn.GRUCell, seqnorm.GRUCell)}
-TORCH_LAYERS = {"lstm": (nn.LSTM, seqnorm.LSTM), "gru": (nn.GRU, seqnorm.GRU)}
+# Each registered cell that declares torch's step, with torch's module of that kernel.
+_TORCH = {"lstm": (nn.LSTMCell, nn.LSTM), "gru": (nn.GRUCell, nn.GRU)}
+TORCH_CELLS = {kind: (_TORCH[CELLS[kind].torch_kernel][0], CELLS[kind]) for kind in TORCH_KINDS}
+TORCH_LAYERS = {kind: (_TORCH[CELLS[kind].torch_kernel][1], LAYERS[kind]) for kind in TORCH_KINDS}
 
 
 def _grads(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -22,7 +25,7 @@ def _flat(output: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor
     return output if isinstance(output, tuple) else (output,)
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", TORCH_KINDS)
 @pytest.mark.parametrize("bias", [True, False])
 def test_cell_matches_torch(kind: str, bias: bool) -> None:
     torch_cls, ours_cls = TORCH_CELLS[kind]
@@ -42,7 +45,7 @@ def test_cell_matches_torch(kind: str, bias: bool) -> None:
     assert_close(grads, expected_grads, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", TORCH_KINDS)
 def test_cell_state_dict_is_torch_state_dict(kind: str) -> None:
     torch_cls, ours_cls = TORCH_CELLS[kind]
     ours = ours_cls(3, 4)
@@ -53,7 +56,7 @@ def test_cell_state_dict_is_torch_state_dict(kind: str) -> None:
     assert_close(ours(x), reference(x))
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", TORCH_KINDS)
 @pytest.mark.parametrize(
     ("num_layers", "bidirectional", "batch_first", "bias"),
     [(1, False, False, True), (2, True, False, True), (3, False, True, False), (2, True, True, True)],
@@ -84,7 +87,7 @@ def test_layer_matches_torch(kind: str, num_layers: int, bidirectional: bool, ba
         assert_close(ours_by_name[name], grad, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", TORCH_KINDS)
 @pytest.mark.parametrize("bidirectional", [False, True])
 def test_packed_sequence_matches_torch(kind: str, bidirectional: bool) -> None:
     torch_cls, ours_cls = TORCH_LAYERS[kind]
@@ -110,7 +113,7 @@ def test_packed_sequence_matches_torch(kind: str, bidirectional: bool) -> None:
     assert_close(state_from_lengths, expected_state, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", TORCH_KINDS)
 def test_unbatched_input_matches_torch(kind: str) -> None:
     torch_cls, ours_cls = TORCH_LAYERS[kind]
     reference = torch_cls(4, 6, 2, dtype=torch.float64)

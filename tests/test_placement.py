@@ -11,7 +11,7 @@ from torch.testing import assert_close
 
 import seqnorm
 from seqnorm.norms import TimestepBatchNorm
-from tests.conftest import CELLS, LAYERS, perturb_norm_parameters
+from tests.conftest import CELLS, KINDS, LAYERS, perturb_norm_parameters
 from tests.test_contract import _gradcheck_cell
 from tests.test_fast_path import _assert_same, _hx, _pair, _run
 
@@ -79,7 +79,7 @@ def test_carried_state_norm_is_the_new_cell_state(norm: str) -> None:
 
 
 @pytest.mark.parametrize("norm", ["layer", "rms", "batch", "batch_renorm"])
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_affine_off_is_the_bare_normalization(kind: str, norm: str) -> None:
     bare = CELLS[kind](3, 4, norm=norm, affine=False, **F64)
     assert not [name for name, _ in bare.named_parameters() if name.startswith("norm_")]
@@ -200,7 +200,7 @@ CASES = [
     (kind, norm, name)
     for name, switches in SWITCHES.items()
     for norm in ("layer", "rms", "batch", "batch_renorm")
-    for kind in ("lstm", "gru")
+    for kind in KINDS
     if not (kind == "gru" and ({"norm_placement", "state_norm", "beta_init"} & set(switches)))
     if norm in ("batch", "batch_renorm") or not ({"input_stats", "beyond_max_steps"} & set(switches))
 ]

@@ -11,7 +11,7 @@ from torch.testing import assert_close
 
 import seqnorm
 from seqnorm.layers.fast import choose_path
-from tests.conftest import CELLS, LAYERS, NORMS
+from tests.conftest import CELLS, KINDS, LAYERS, NORMS
 from tests.test_fast_path import _assert_same, _pair, _run
 
 TIGHT = {"rtol": 1e-12, "atol": 1e-12}
@@ -38,7 +38,7 @@ def _h(state: Any) -> torch.Tensor:
 
 @pytest.mark.parametrize("impl", ["auto", "reference"])
 @pytest.mark.parametrize("norm", NORMS)
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_zoneout_equation(kind: str, norm: str, impl: str) -> None:
     """h_t = d_h * h_{t-1} + (1 - d_h) * h~_t (and c alike), fresh Bernoulli masks at every step."""
     rates = {"zoneout_h": 0.4, "zoneout_c": 0.3} if kind == "lstm" else {"zoneout_h": 0.4}
@@ -70,7 +70,7 @@ def test_zoneout_equation(kind: str, norm: str, impl: str) -> None:
 
 @pytest.mark.parametrize("impl", ["auto", "reference"])
 @pytest.mark.parametrize("norm", NORMS)
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_input_dropout_equation(kind: str, norm: str, impl: str) -> None:
     """x_t <- x_t * m / (1 - p) with one Bernoulli(1 - p) mask m of shape (B, I) for every step."""
     layer = _regularized(kind, norm, impl, input_dropout=0.5)
@@ -87,7 +87,7 @@ def test_input_dropout_equation(kind: str, norm: str, impl: str) -> None:
 
 @pytest.mark.parametrize("impl", ["auto", "reference"])
 @pytest.mark.parametrize("norm", NORMS)
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_weight_dropout_equation(kind: str, norm: str, impl: str) -> None:
     """W_hh <- W_hh * M / (1 - p): one Bernoulli(1 - p) mask M on the weights per call, not per step."""
     layer = _regularized(kind, norm, impl, weight_dropout=0.5)
@@ -121,7 +121,7 @@ def test_weight_dropout_matches_torch_lstm_with_dropped_weights() -> None:
     assert_close(output, reference(x)[0], **TIGHT)
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_cell_zoneout_is_per_step_and_train_only(kind: str) -> None:
     cell = CELLS[kind](3, 4, zoneout_h=0.5, dtype=torch.float64)
     plain = CELLS[kind](3, 4, dtype=torch.float64)
@@ -143,7 +143,7 @@ def test_cell_zoneout_is_per_step_and_train_only(kind: str) -> None:
 
 
 @pytest.mark.parametrize("norm", NORMS)
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_eval_is_identity(kind: str, norm: str) -> None:
     rates = dict(REGULARIZERS, recurrent_dropout=0.3)
     if kind == "gru":
@@ -172,7 +172,7 @@ def test_eval_is_identity(kind: str, norm: str) -> None:
 
 
 @pytest.mark.parametrize("norm", NORMS)
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_fast_equals_reference_with_regularizers(kind: str, norm: str) -> None:
     rates = dict(REGULARIZERS, recurrent_dropout=0.2)
     if kind == "gru":
@@ -191,7 +191,7 @@ def test_each_regularizer_keeps_the_fused_kernel_out_in_training_only(name: str)
     assert choose_path(layer.eval(), None, 2) == "fused"
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_step_applies_zoneout_in_training(kind: str) -> None:
     """step() in training = forward over one step (same draws); zoneout is not lost to torch's fused cell."""
     layer = LAYERS[kind](3, 4, num_layers=2, zoneout_h=0.5, dtype=torch.float64)

@@ -7,11 +7,11 @@ import torch
 from torch.testing import assert_close
 
 import seqnorm
-from tests.conftest import LAYERS, NORMS, perturb_norm_parameters
+from tests.conftest import KINDS, LAYERS, NORMS, perturb_norm_parameters
 
 
 @pytest.mark.parametrize("norm", NORMS)
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_step_by_step_equals_whole_sequence(kind: str, norm: str) -> None:
     layer = LAYERS[kind](3, 5, num_layers=2, norm=norm, max_steps=4, dtype=torch.float64)
     perturb_norm_parameters(layer)

@@ -9,7 +9,7 @@ import torch
 from torch.testing import assert_close
 
 from seqnorm.layers.stepping import lean_layer_step
-from tests.conftest import LAYERS, NORMS, perturb_norm_parameters
+from tests.conftest import LAYERS, NORMS, TORCH_KINDS, perturb_norm_parameters
 
 TOLERANCE = {"rtol": 1e-12, "atol": 1e-12}
 
@@ -31,7 +31,7 @@ def _steps(layer: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
 
 
 @pytest.mark.parametrize("norm", NORMS)
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", TORCH_KINDS)
 def test_lean_step_equals_reference_step(kind: str, norm: str) -> None:
     """Two layers, batch 1, more steps than max_steps (per-timestep BN then reuses its last row)."""
     reference, lean = _pair(kind, norm, num_layers=2)

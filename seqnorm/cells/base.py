@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -87,6 +87,12 @@ class RecurrentCell(nn.Module):
     has_cell_state: ClassVar[bool]
     forget_gate: ClassVar[int | None] = None  # index of the forget gate block, if the cell has one
     supports_projection: ClassVar[bool] = False  # proj_size, as torch.nn.LSTM's
+    # Declared capabilities, read by :func:`seqnorm.layers.plan.plan_for` from the class's *own* namespace only: a
+    # subclass that changes any part of the step must not run a fast form of its parent's math, so it gets none
+    # unless it restates the claim (the restatement is its author's "same math" marker).
+    gate_layout: ClassVar[tuple[str, ...]] = ()  # the gate blocks of W_ih/W_hh in order, e.g. ("i", "f", "g", "o")
+    torch_kernel: ClassVar[Literal["lstm", "gru"] | None] = None  # the step is torch's LSTM/GRU step (norms aside)
+    hoisted_step: ClassVar[bool] = False  # input_terms + recurrent_step compute step_unchecked's function
 
     def __init__(
         self,

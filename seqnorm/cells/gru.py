@@ -49,6 +49,9 @@ class GRUCell(RecurrentCell):
 
     num_gates = 3
     has_cell_state = False
+    gate_layout = ("r", "z", "n")
+    torch_kernel = "gru"
+    hoisted_step = True
 
     def forward(self, x: Tensor, state: Tensor | None = None, *, step: int = 0, mask: Tensor | None = None) -> Tensor:
         self.check_input(x, mask)

@@ -104,6 +104,9 @@ class LSTMCell(RecurrentCell):
     has_cell_state = True
     forget_gate = 1
     supports_projection = True
+    gate_layout = ("i", "f", "g", "o")
+    torch_kernel = "lstm"
+    hoisted_step = True
 
     def forward(
         self, x: Tensor, state: tuple[Tensor, Tensor] | None = None, *, step: int = 0, mask: Tensor | None = None

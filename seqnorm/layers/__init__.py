@@ -5,4 +5,7 @@ from seqnorm.layers.gru import GRU
 from seqnorm.layers.lstm import LSTM
 from seqnorm.layers.stack import reverse_padded
 
-__all__ = ["GRU", "LSTM", "RecurrentLayer", "RecurrentState", "reverse_padded"]
+__all__ = ["GRU", "LAYERS", "LSTM", "RecurrentLayer", "RecurrentState", "reverse_padded"]
+
+# The layer of each entry of seqnorm.CELLS, by the same name.
+LAYERS: dict[str, type[RecurrentLayer]] = {"lstm": LSTM, "gru": GRU}

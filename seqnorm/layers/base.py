@@ -8,12 +8,13 @@ reversed (padding stays at the end), as ``torch.nn.LSTM`` does with packed seque
 The loop written here is the plain reference (layers and directions are stacked by :mod:`seqnorm.layers.stack`, which
 every path shares). By default (``impl="auto"``) layers run a faster path with the same
 results — torch's fused kernel when nothing is normalized, otherwise the input side of all steps at once and a lean
-loop — chosen in one place, :func:`seqnorm.layers.fast.choose_path`; ``impl="reference"`` forces this loop.
+loop — chosen in one place, :func:`seqnorm.layers.plan.plan_for`, from what the cells and norms declare (see
+:meth:`RecurrentLayer.plan`); ``impl="reference"`` forces this loop.
 """
 
 from __future__ import annotations
 
-import re
+import logging
 from collections.abc import Mapping
 from typing import Any, ClassVar, NamedTuple
 
@@ -24,15 +25,14 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 
 from seqnorm.cells.base import RecurrentCell, check_options, check_positive_int, check_proj_size, check_rate
 from seqnorm.layers.dropout import draw_sequence_masks
-from seqnorm.layers.fast import IMPLS, Impl, choose_path, run_fast, run_fused, step_cell
+from seqnorm.layers.fast import IMPLS, Impl, run_fast, run_fused, step_cell
+from seqnorm.layers.keys import TORCH_KEY, from_torch_keys, to_torch_keys
+from seqnorm.layers.plan import Plan, log, plan_for
 from seqnorm.layers.stack import PaddingLayout, padding_layout, run_stack
 from seqnorm.layers.stepping import lean_layer_step
 from seqnorm.norms import BeyondMaxSteps, SmallBatchPolicy, check_placement, get_norm
 
 __all__ = ["RecurrentLayer", "RecurrentState"]
-
-# torch.nn.LSTM's parameter names (`weight_ih_l0`, `bias_hh_l1_reverse`); norms follow suit: `norm_ih_l0.weight`.
-_TORCH_KEY = re.compile(r"(?P<name>[A-Za-z_]\w*?)_l(?P<layer>\d+)(?P<reverse>_reverse)?(?P<rest>\..*)?")
 
 
 class RecurrentState(NamedTuple):
@@ -146,8 +146,8 @@ class RecurrentLayer(nn.Module):
             for layer in range(num_layers)
             for _ in range(directions)
         )
-        self.register_state_dict_post_hook(_to_torch_keys)
-        self.register_load_state_dict_pre_hook(_from_torch_keys)
+        self.register_state_dict_post_hook(to_torch_keys)
+        self.register_load_state_dict_pre_hook(from_torch_keys)
 
     @property
     def num_directions(self) -> int:
@@ -185,7 +185,7 @@ class RecurrentLayer(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            match = _TORCH_KEY.fullmatch(name)
+            match = TORCH_KEY.fullmatch(name)
             if match is None or match["rest"]:
                 raise
             index = int(match["layer"]) * self.num_directions + (1 if match["reverse"] else 0)
@@ -199,9 +199,31 @@ class RecurrentLayer(nn.Module):
     def forward(
         self, input: Tensor | PackedSequence, hx: Any = None, lengths: Tensor | list[int] | None = None
     ) -> tuple[Tensor | PackedSequence, Any]:
+        x, lengths, h0, c0, unbatched = self._prepare(input, hx, lengths)
+        output, h_n, c_n = self._run(x, h0, c0, lengths)
+        state: Any = h_n if c_n is None else (h_n, c_n)
+        if isinstance(input, PackedSequence):
+            return _repack(output, lengths, input), state
+        if unbatched:
+            return output.squeeze(1), (h_n.squeeze(1) if c_n is None else (h_n.squeeze(1), c_n.squeeze(1)))
+        return (output.transpose(0, 1) if self.batch_first else output), state
+
+    def plan(self, input: Tensor | PackedSequence, hx: Any = None, lengths: Tensor | list[int] | None = None) -> Plan:
+        """The path a call with these arguments takes now, and why (:mod:`seqnorm.layers.plan`); runs nothing.
+
+        With a 2-D ``input`` ``(B, input_size)`` and no ``hx``/``lengths``: the path of :meth:`step` instead.
+        """
+        if isinstance(input, Tensor) and input.dim() == 2 and hx is None and lengths is None:
+            return plan_for(self, input, step=True)
+        x, lengths, h0, c0, _ = self._prepare(input, hx, lengths)
+        return plan_for(self, x, lengths, (h0, c0))
+
+    def _prepare(
+        self, input: Tensor | PackedSequence, hx: Any, lengths: Tensor | list[int] | None
+    ) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None, bool]:
+        """Check :meth:`forward`'s arguments; ``x`` ``(T, B, I)``, lengths, ``h0``, ``c0`` and whether unbatched."""
         owner = type(self).__name__
-        packed = isinstance(input, PackedSequence)
-        if packed:
+        if isinstance(input, PackedSequence):
             if lengths is not None:
                 raise ValueError(f"{owner}: expected lengths=None with a PackedSequence input, got lengths")
             x, lengths = pad_packed_sequence(input)  # (T, B, I), original batch order
@@ -220,21 +242,17 @@ class RecurrentLayer(nn.Module):
             raise ValueError(f"{owner}: expected at least one time step, got an input of length 0")
         lengths = self._check_lengths(lengths, steps, batch)
         h0, c0 = self._initial_state(hx, batch, x, unbatched)
-        output, h_n, c_n = self._run(x, h0, c0, lengths)
-        state: Any = h_n if c_n is None else (h_n, c_n)
-        if packed:
-            return _repack(output, lengths, input), state
-        if unbatched:
-            return output.squeeze(1), (h_n.squeeze(1) if c_n is None else (h_n.squeeze(1), c_n.squeeze(1)))
-        return (output.transpose(0, 1) if self.batch_first else output), state
+        return x, lengths, h0, c0, unbatched
 
     def _run(self, x: Tensor, h0: Tensor, c0: Tensor | None, lengths: Tensor | None) -> tuple[Tensor, ...]:
-        """Run ``x`` ``(T, B, I)`` on the path :func:`~seqnorm.layers.fast.choose_path` picks; output, h_n, c_n."""
-        path = choose_path(self, lengths, x.shape[1])
-        if path == "fused":
+        """Run ``x`` ``(T, B, I)`` on the path :func:`~seqnorm.layers.plan.plan_for` picks; output, h_n, c_n."""
+        plan = plan_for(self, x, lengths, (h0, c0))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s.forward: %s", type(self).__name__, plan)
+        if plan.path == "torch_kernel":
             return run_fused(self, x, h0, c0, lengths)
-        if path == "fast":
-            return run_fast(self, x, h0, c0, lengths)
+        if plan.path in ("bptt", "loop"):
+            return run_fast(self, x, h0, c0, lengths, plan)
         return self._run_reference(x, h0, c0, lengths)
 
     def _run_reference(
@@ -298,6 +316,7 @@ class RecurrentLayer(nn.Module):
         if lean is not None:
             output, h, c = lean(x, state.h, state.c, state.step)
             return output, RecurrentState(h, c, state.step + 1)
+        plan = plan_for(self, x, step=True)
         # Every layer steps on (1, B, .) slices of the state, so the new state needs no stacking for one layer.
         single = self.num_layers == 1
         h_next, c_next = [], []
@@ -305,7 +324,7 @@ class RecurrentLayer(nn.Module):
         for layer, cell in enumerate(cells):
             h = state.h if single else state.h.narrow(0, layer, 1)
             c = state.c if single or state.c is None else state.c.narrow(0, layer, 1)
-            h, c = step_cell(self, cell, layer_input, h, c, state.step)
+            h, c = step_cell(plan.cells[layer], cell, layer_input, h, c, state.step)
             h_next.append(h)
             c_next.append(c)
             layer_input = h
@@ -386,22 +405,3 @@ def _repack(output: Tensor, lengths: Tensor, like: PackedSequence) -> PackedSequ
         lengths = lengths.index_select(0, like.sorted_indices.cpu())
     data = pack_padded_sequence(output, lengths, enforce_sorted=True).data
     return PackedSequence(data, like.batch_sizes, like.sorted_indices, like.unsorted_indices)
-
-
-def _to_torch_keys(module: RecurrentLayer, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-    """State-dict post-hook: `cells.0.weight_ih` -> torch's `weight_ih_l0` (`cells.1...` -> `..._l0_reverse`)."""
-    head = prefix + "cells."
-    for key in [key for key in state_dict if key.startswith(head)]:
-        index, _, name = key[len(head) :].partition(".")
-        first, dot, rest = name.partition(".")
-        state_dict[f"{prefix}{first}{module._cell_suffix(int(index))}{dot}{rest}"] = state_dict.pop(key)
-
-
-def _from_torch_keys(module: RecurrentLayer, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-    """Load-state-dict pre-hook: the inverse of :func:`_to_torch_keys` (so torch state dicts load as they are)."""
-    for key in [key for key in state_dict if key.startswith(prefix)]:
-        match = _TORCH_KEY.fullmatch(key[len(prefix) :])
-        if match is None or "." in match["name"]:
-            continue
-        index = int(match["layer"]) * module.num_directions + (1 if match["reverse"] else 0)
-        state_dict[f"{prefix}cells.{index}.{match['name']}{match['rest'] or ''}"] = state_dict.pop(key)

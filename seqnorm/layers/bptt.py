@@ -17,55 +17,34 @@ or per-timestep BatchNorm — and the biases are applied step by step inside; wi
   torch's LayerNorm / BatchNorm backward kernels, :mod:`seqnorm.layers.bptt_norms`); the gradient of ``W_hh`` is one
   matmul over all steps, and the norms' ``γ``/``β`` gradients one sum.
 
-:func:`supports` says which configurations it reproduces exactly; everything else keeps the step-by-step loop of
+:func:`seqnorm.layers.plan.plan_for` sends here the cells and norms that declare this form
+(:func:`~seqnorm.layers.plan.bptt_blocker`); everything else keeps the step-by-step loop of
 :mod:`seqnorm.layers.fast`. Padded rows (``mask`` false) keep their state, enter no batch statistics and receive no
 gradient from the step they skip.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.utils import parametrize
 
 from seqnorm.cells.base import RecurrentCell
-from seqnorm.cells.gru import GRUCell
-from seqnorm.cells.lstm import LSTMCell
-from seqnorm.layers.bptt_norms import StepNorm, norm_kind
+from seqnorm.layers.bptt_norms import StepNorm
+from seqnorm.layers.plan import bptt_blocker, cell_kernel, norm_kind
 from seqnorm.layers.stack import PaddingLayout
-from seqnorm.norms import LayerNorm, RMSNorm, TimestepBatchNorm, TimestepBatchRenorm
 
-__all__ = ["INSIDE_INPUT_NORMS", "ROUTED_NORMS", "run_recurrence", "supports"]
-
-# The cells' `norm=` choices routed through the hand-written backward: where it measured faster than autograd's
-# per-step graph (BENCHMARKS.md).
-ROUTED_NORMS: frozenset[str] = frozenset({"none", "weight", "layer", "rms", "batch", "batch_renorm"})
-# Input norms applied step by step inside the Function (one fused kernel per step, and its backward kernel) rather
-# than to the whole sequence beforehand: measured faster, as the vectorized form allocates several fresh (T, B, G*H)
-# tensors, and first touches of fresh memory are what costs most here.
-INSIDE_INPUT_NORMS: tuple[type, ...] = (LayerNorm, RMSNorm, TimestepBatchNorm, TimestepBatchRenorm)
+__all__ = ["run_recurrence", "supports"]
 
 
 def supports(cell: RecurrentCell, sequence: Tensor, state: Any, recurrent_mask: Tensor | None) -> bool:
     """Whether :func:`run_recurrence` computes exactly what ``cell.recurrent_step`` would, and a gradient is wanted.
 
-    Anything else — zoneout, variational recurrent dropout, a projection, mean-only BN, other
-    placements of the norms, autocast or half precision, or no gradient needed — runs the step-by-step loop.
+    The plan's own test (:func:`~seqnorm.layers.plan.bptt_blocker`) for one cell outside a layer.
     """
-    # Exact classes (a subclass may step differently); weight norm's parametrization subclasses the cell's class.
-    cell_class = type(cell).__bases__[0] if parametrize.is_parametrized(cell) else type(cell)
-    if cell_class not in (LSTMCell, GRUCell) or cell.norm not in ROUTED_NORMS:
-        return False
-    if getattr(cell, "norm_placement", "separate") != "separate" or getattr(cell, "state_norm", "output") != "output":
-        return False
-    if recurrent_mask is not None or cell.draws_random or cell.weight_hr is not None:
-        return False
-    if norm_kind(cell.norm_hh) is None or norm_kind(cell.norm_c) is None:
-        return False
-    if sequence.dtype not in (torch.float32, torch.float64) or torch.is_autocast_enabled(sequence.device.type):
+    if recurrent_mask is not None or bptt_blocker(None, cell, sequence.dtype, sequence.device.type) is not None:
         return False
     if not torch.is_grad_enabled():
         return False
@@ -79,14 +58,14 @@ def run_recurrence(
     """The recurrent loop of the fast path as one autograd Function; returns ``(outputs (T, B, H), final state)``.
 
     Args:
-        cell: an LSTM or GRU cell :func:`supports` accepts.
+        cell: a cell the plan routes here (:func:`~seqnorm.layers.plan.bptt_blocker` finds nothing against it).
         sequence: ``(T, B, input_size)``, input dropout applied.
         state: the initial state, ``(h, c)`` or ``h``, each ``(B, H)``.
         weight_hh: ``W_hh`` for every step if not the cell's own (DropConnect), else ``None``.
         layout: where the real rows are (:func:`~seqnorm.layers.stack.padding_layout`).
     """
-    plan = _Plan(cell, layout)
-    if plan.norm_ih.kind == "none":
+    call = _Call(cell, layout)
+    if call.norm_ih.kind == "none":
         inputs, ih_weight, ih_shift = cell.input_terms(sequence, layout.active, layout.counts), None, None
     else:
         # The input norm runs inside the loop (INSIDE_INPUT_NORMS); the bias that follows it is its shift.
@@ -98,60 +77,99 @@ def run_recurrence(
     norm_hh, norm_c = cell.norm_hh, cell.norm_c
     hh_weight = None if norm_hh is None else norm_hh.weight
     hh_shift = None if norm_hh is None else norm_hh.bias
-    if isinstance(cell, GRUCell):
+    if cell_kernel(cell) == "gru":
         # b_hh follows the recurrent norm (its candidate part is gated by r), so it joins the norm's shift.
         if cell.bias_hh is not None:
             hh_shift = cell.bias_hh if hh_shift is None else hh_shift + cell.bias_hh
         params = (ih_weight, ih_shift, weight_hh_t, hh_weight, hh_shift)
-        outputs, h_n = _GRURecurrence.apply(plan, inputs, state, *params)
+        outputs, h_n = _GRURecurrence.apply(call, inputs, state, *params)
         return outputs, h_n
     c_weight = None if norm_c is None else norm_c.weight
     c_shift = None if norm_c is None else norm_c.bias
     params = (ih_weight, ih_shift, weight_hh_t, hh_weight, hh_shift, c_weight, c_shift)
-    outputs, h_n, c_n = _LSTMRecurrence.apply(plan, inputs, state[0], state[1], *params)
+    outputs, h_n, c_n = _LSTMRecurrence.apply(call, inputs, state[0], state[1], *params)
     return outputs, (h_n, c_n)
 
 
-class _Plan:
+class _LSTMSaved(NamedTuple):
+    """What :class:`_LSTMRecurrence` saves for its backward (``inputs`` only when the input norm runs inside)."""
+
+    inputs: Tensor | None
+    ih_weight: Tensor | None
+    ih_shift: Tensor | None
+    h0: Tensor
+    c0: Tensor
+    weight_hh_t: Tensor
+    hh_weight: Tensor | None
+    hh_shift: Tensor | None
+    c_weight: Tensor | None
+    c_shift: Tensor | None
+    hs: Tensor
+    cs: Tensor
+    tanh_cs: Tensor
+    acts: Tensor
+    raw: Tensor | None
+
+
+class _GRUSaved(NamedTuple):
+    """What :class:`_GRURecurrence` saves for its backward."""
+
+    inputs: Tensor | None
+    ih_weight: Tensor | None
+    ih_shift: Tensor | None
+    h0: Tensor
+    weight_hh_t: Tensor
+    hh_weight: Tensor | None
+    hh_shift: Tensor | None
+    hs: Tensor
+    acts: Tensor
+    raw: Tensor
+
+
+class _Call:
     """What a call needs besides tensors: the padding layout and the norms' per-call helpers."""
 
     def __init__(self, cell: RecurrentCell, layout: PaddingLayout) -> None:
         self.masks = layout.masks
         self.counts = layout.counts
-        # The input norm runs inside the Function only where that is faster (see run_recurrence).
-        inside = type(cell.norm_ih) in INSIDE_INPUT_NORMS and norm_kind(cell.norm_ih) is not None
+        # The input norm runs inside the Function where it declares the form (measured faster than the vectorized
+        # form, which allocates several fresh (T, B, G*H) tensors); otherwise input_terms applies it beforehand.
+        inside = norm_kind(cell.norm_ih, "bptt") not in (None, "none")
         self.norm_ih = StepNorm(cell.norm_ih if inside else None)
         self.norm_hh = StepNorm(cell.norm_hh)
         self.norm_c = StepNorm(cell.norm_c)
 
-    def save(self, ctx: Any, *tensors: Tensor | None) -> None:
-        """``save_for_backward`` of ``tensors`` and the norms' statistics (so saved-tensor hooks see all of them)."""
-        ih, hh, c = self.norm_ih.saved(), self.norm_hh.saved(), self.norm_c.saved()
-        ctx.plan, ctx.count, ctx.splits = self, len(tensors), (len(ih), len(ih) + len(hh))
-        ctx.save_for_backward(*tensors, *ih, *hh, *c)
+    def save(self, ctx: Any, saved: _LSTMSaved | _GRUSaved) -> None:
+        """``save_for_backward`` of ``saved`` and the norms' statistics (so saved-tensor hooks see all of them)."""
+        stats = {role: norm.saved() for role, norm in self._norms().items()}
+        ctx.call, ctx.saved_type = self, type(saved)
+        ctx.stat_names = {role: tuple(named) for role, named in stats.items()}
+        ctx.save_for_backward(*saved, *(tensor for named in stats.values() for tensor in named.values()))
 
     @staticmethod
-    def load(ctx: Any) -> tuple[_Plan, list[Tensor]]:
-        """The plan and the tensors :meth:`save` saved, with the norms' statistics loaded back."""
-        plan: _Plan = ctx.plan
-        saved = list(ctx.saved_tensors)
-        stats, (first, second) = saved[ctx.count :], ctx.splits
-        plan.norm_ih.load(stats[:first])
-        plan.norm_hh.load(stats[first:second])
-        plan.norm_c.load(stats[second:])
-        return plan, saved[: ctx.count]
+    def load(ctx: Any) -> tuple[_Call, Any]:
+        """The call and the tensors :meth:`save` saved, by name, with the norms' statistics loaded back."""
+        call: _Call = ctx.call
+        tensors = iter(ctx.saved_tensors)
+        saved = ctx.saved_type(*(next(tensors) for _ in ctx.saved_type._fields))
+        for role, norm in call._norms().items():
+            norm.load({name: next(tensors) for name in ctx.stat_names[role]})
+        return call, saved
+
+    def _norms(self) -> dict[str, StepNorm]:
+        return {"ih": self.norm_ih, "hh": self.norm_hh, "c": self.norm_c}
 
 
 def _input_grads(
-    plan: _Plan, grad_terms: Tensor, inputs: Tensor | None, weight: Tensor | None, shift: Tensor | None
+    call: _Call, grad_terms: Tensor, inputs: Tensor | None, weight: Tensor | None, shift: Tensor | None
 ) -> tuple[Tensor, tuple[Tensor | None, Tensor | None]]:
     """The gradient w.r.t. the Function's ``inputs`` (through the input norm, if it runs inside) and its γ/shift."""
-    norm = plan.norm_ih
+    norm = call.norm_ih
     if norm.kind == "none":
         return grad_terms, (None, None)
     steps = [
         norm.backward(grad, x, t, mask, count, weight, shift)
-        for t, (grad, x, mask, count) in enumerate(zip(grad_terms, inputs, plan.masks, plan.counts, strict=True))
+        for t, (grad, x, mask, count) in enumerate(zip(grad_terms, inputs, call.masks, call.counts, strict=True))
     ]
     return torch.stack(steps), norm.parameter_grads()
 
@@ -182,7 +200,7 @@ class _LSTMRecurrence(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any,
-        plan: _Plan,
+        call: _Call,
         inputs: Tensor,
         h0: Tensor,
         c0: Tensor,
@@ -196,7 +214,7 @@ class _LSTMRecurrence(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor, Tensor]:
         steps, batch, gates = inputs.shape
         hidden = gates // 4
-        norm_ih, norm_hh, norm_c = plan.norm_ih, plan.norm_hh, plan.norm_c
+        norm_ih, norm_hh, norm_c = call.norm_ih, call.norm_hh, call.norm_c
         # Without a recurrent norm (nor its shift) the raw term is never needed again: addmm straight into the gates.
         raw = None if norm_hh.kind == "none" and hh_shift is None else inputs.new_empty(steps, batch, gates)
         acts = inputs.new_empty(steps, batch, gates)  # σ(i), σ(f), tanh(g), σ(o)
@@ -221,7 +239,7 @@ class _LSTMRecurrence(torch.autograd.Function):
             strict=True,
         )
         for t, (x_t, r_t, act, i, f, g, o, c_t, tanh_t, h_t) in enumerate(views):
-            mask, count = plan.masks[t], plan.counts[t]
+            mask, count = call.masks[t], call.counts[t]
             term = norm_ih.forward(x_t, t, mask, count, ih_weight, ih_shift)
             if r_t is None:
                 pre = torch.addmm(term, h, weight_hh_t)
@@ -241,17 +259,19 @@ class _LSTMRecurrence(torch.autograd.Function):
         for norm in (norm_ih, norm_hh, norm_c):
             norm.finish_forward()
         inputs = None if norm_ih.kind == "none" else inputs  # needed only for the input norm's backward
-        tensors = (ih_weight, ih_shift, h0, c0, weight_hh_t, hh_weight, hh_shift, c_weight, c_shift)
-        plan.save(ctx, inputs, *tensors, hs, cs, tanh_cs, acts, raw)
+        weights = (ih_weight, ih_shift, h0, c0, weight_hh_t, hh_weight, hh_shift, c_weight, c_shift)
+        call.save(ctx, _LSTMSaved(inputs, *weights, hs, cs, tanh_cs, acts, raw))
         return hs, hs[-1].clone(), cs[-1].clone()
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_hs: Tensor, grad_h_n: Tensor, grad_c_n: Tensor) -> tuple[Tensor | None, ...]:
-        plan, saved = _Plan.load(ctx)
-        inputs, ih_weight, ih_shift, h0, c0, weight_hh_t, hh_weight, hh_shift, c_weight, c_shift = saved[:10]
-        hs, cs, tanh_cs, acts, raw = saved[10:]
-        norm_hh, norm_c = plan.norm_hh, plan.norm_c
+        call, saved = _Call.load(ctx)
+        inputs, ih_weight, ih_shift, h0, c0 = saved.inputs, saved.ih_weight, saved.ih_shift, saved.h0, saved.c0
+        weight_hh_t, hh_weight, hh_shift = saved.weight_hh_t, saved.hh_weight, saved.hh_shift
+        c_weight, c_shift = saved.c_weight, saved.c_shift
+        hs, cs, tanh_cs, acts, raw = saved.hs, saved.cs, saved.tanh_cs, saved.acts, saved.raw
+        norm_hh, norm_c = call.norm_hh, call.norm_c
         steps, _, gates = acts.shape
         hidden = gates // 4
         i, f, g, o = acts.chunk(4, 2)
@@ -286,7 +306,7 @@ class _LSTMRecurrence(torch.autograd.Function):
             strict=True,
         )
         for t, (grad, grad_3, grad_1, r_t, c_t, d_tanh_t, f_t, grad_h) in reversed(list(enumerate(views))):
-            mask, count = plan.masks[t], plan.counts[t]
+            mask, count = call.masks[t], call.counts[t]
             dh, dh_keep = _split_masked(dh, mask)
             dc, dc_keep = _split_masked(dc, mask)
             if norm_c.kind == "none" and c_shift is None:
@@ -303,7 +323,7 @@ class _LSTMRecurrence(torch.autograd.Function):
                 dh, dc = dh + dh_keep, dc + dc_keep
         grad_raw_all = grad_terms if raw is None else torch.stack(grad_raw[::-1])
         grad_weight_hh_t = _weight_hh_t_grad(h0, hs, grad_raw_all)
-        grad_inputs, ih_grads = _input_grads(plan, grad_terms, inputs, ih_weight, ih_shift)
+        grad_inputs, ih_grads = _input_grads(call, grad_terms, inputs, ih_weight, ih_shift)
         hh_grads, c_grads = norm_hh.parameter_grads(), norm_c.parameter_grads()
         return None, grad_inputs, dh, dc, *ih_grads, grad_weight_hh_t, *hh_grads, *c_grads
 
@@ -314,7 +334,7 @@ class _GRURecurrence(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any,
-        plan: _Plan,
+        call: _Call,
         inputs: Tensor,
         h0: Tensor,
         ih_weight: Tensor | None,
@@ -325,7 +345,7 @@ class _GRURecurrence(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor]:
         steps, batch, gates = inputs.shape
         hidden = gates // 3
-        norm_ih, norm_hh = plan.norm_ih, plan.norm_hh
+        norm_ih, norm_hh = call.norm_ih, call.norm_hh
         raw = inputs.new_empty(steps, batch, gates)  # W_hh h
         acts = inputs.new_empty(steps, batch, gates)  # r, z, n
         hs = inputs.new_empty(steps, batch, hidden)
@@ -333,7 +353,7 @@ class _GRURecurrence(torch.autograd.Function):
         rz_t, r_t, z_t, n_t = (acts.narrow(2, start, size).unbind(0) for start, size in _gru_slices(hidden))
         views = zip(inputs.unbind(0), raw.unbind(0), rz_t, r_t, z_t, n_t, hs.unbind(0), strict=True)
         for t, (x_t, raw_t, rz, r, z, n, h_t) in enumerate(views):
-            mask, count = plan.masks[t], plan.counts[t]
+            mask, count = call.masks[t], call.counts[t]
             torch.mm(h, weight_hh_t, out=raw_t)
             u = norm_hh.forward(raw_t, t, mask, count, hh_weight, hh_shift)
             a = norm_ih.forward(x_t, t, mask, count, ih_weight, ih_shift)
@@ -346,15 +366,17 @@ class _GRURecurrence(torch.autograd.Function):
         norm_ih.finish_forward()
         norm_hh.finish_forward()
         inputs = None if norm_ih.kind == "none" else inputs  # needed only for the input norm's backward
-        plan.save(ctx, inputs, ih_weight, ih_shift, h0, weight_hh_t, hh_weight, hh_shift, hs, acts, raw)
+        call.save(ctx, _GRUSaved(inputs, ih_weight, ih_shift, h0, weight_hh_t, hh_weight, hh_shift, hs, acts, raw))
         return hs, hs[-1].clone()
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_hs: Tensor, grad_h_n: Tensor) -> tuple[Tensor | None, ...]:
-        plan, saved = _Plan.load(ctx)
-        inputs, ih_weight, ih_shift, h0, weight_hh_t, hh_weight, hh_shift, hs, acts, raw = saved
-        norm_hh = plan.norm_hh
+        call, saved = _Call.load(ctx)
+        inputs, ih_weight, ih_shift, h0 = saved.inputs, saved.ih_weight, saved.ih_shift, saved.h0
+        weight_hh_t, hh_weight, hh_shift = saved.weight_hh_t, saved.hh_weight, saved.hh_shift
+        hs, acts, raw = saved.hs, saved.acts, saved.raw
+        norm_hh = call.norm_hh
         hidden = acts.shape[2] // 3
         gates = 3 * hidden
         r, z, n = acts.chunk(3, 2)
@@ -380,7 +402,7 @@ class _GRURecurrence(torch.autograd.Function):
         grad_3 = grad_terms.unflatten(2, (3, hidden)).unbind(0)
         views = zip(grad_terms.unbind(0), grad_3, raw.unbind(0), r.unbind(0), z.unbind(0), previous, strict=True)
         for t, (grad, grad_by_gate, raw_t, r_t, z_t, grad_h) in reversed(list(enumerate(views))):
-            mask, count = plan.masks[t], plan.counts[t]
+            mask, count = call.masks[t], call.counts[t]
             dh, dh_keep = _split_masked(dh, mask)
             grad_by_gate.mul_(dh.unsqueeze(1))
             du = grad.clone()  # dL/du: as dL/d(terms), but r gates the candidate part
@@ -392,5 +414,5 @@ class _GRURecurrence(torch.autograd.Function):
             if mask is not None:
                 dh = dh + dh_keep
         grad_weight_hh_t = _weight_hh_t_grad(h0, hs, torch.stack(grad_raw[::-1]))
-        grad_inputs, ih_grads = _input_grads(plan, grad_terms, inputs, ih_weight, ih_shift)
+        grad_inputs, ih_grads = _input_grads(call, grad_terms, inputs, ih_weight, ih_shift)
         return None, grad_inputs, dh, *ih_grads, grad_weight_hh_t, *norm_hh.parameter_grads()

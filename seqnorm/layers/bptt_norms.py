@@ -14,34 +14,14 @@ import math
 import torch
 from torch import Tensor, nn
 
-from seqnorm.norms import LayerNorm, RMSNorm, TimestepBatchNorm, TimestepBatchRenorm
+from seqnorm.layers import torch_ops
+from seqnorm.layers.plan import norm_kind
+from seqnorm.norms import TimestepBatchNorm, TimestepBatchRenorm
 from seqnorm.norms.batch import masked_moments
 
-__all__ = ["KINDS", "StepNorm", "norm_kind"]
+__all__ = ["StepNorm"]
 
-KINDS: dict[type[nn.Module], str] = {
-    LayerNorm: "layer",
-    RMSNorm: "rms",
-    TimestepBatchNorm: "batch",
-    TimestepBatchRenorm: "batch_renorm",
-}
 _BATCH_KINDS = ("batch", "batch_renorm")
-
-
-def norm_kind(module: nn.Module | None) -> str | None:
-    """``"none"``, ``"layer"``, ``"rms"``, ``"batch"`` or ``"batch_renorm"`` for a norm :class:`StepNorm` reproduces
-    exactly, else None.
-
-    Exact types only: a subclass may change what a step computes.
-    """
-    if module is None:
-        return "none"
-    kind = KINDS.get(type(module))
-    if kind is None or module.weight is None:
-        return None
-    # Mean-only BN and pooled statistics beyond max_steps (beyond_max_steps="pooled") are the cell's own.
-    batch = kind in _BATCH_KINDS
-    return None if batch and (not module.scale or module.beyond_max_steps != "last") else kind
 
 
 class StepNorm:
@@ -52,7 +32,7 @@ class StepNorm:
 
     def __init__(self, module: nn.Module | None) -> None:
         self.module = module
-        kind = norm_kind(module)
+        kind = norm_kind(module, "bptt")
         # Batch renormalization in evaluation is BatchNorm with the running moments.
         self.kind = "batch" if kind == "batch_renorm" and not module.training else kind
         self.eps: float = 0.0 if module is None else module.eps
@@ -64,7 +44,7 @@ class StepNorm:
         self.ds: list[Tensor] = []
         self.rms_constants: tuple[Tensor, Tensor] | None = None  # RMSNorm: sqrt(F), sqrt(F eps)
         self.limits: list[tuple[Tensor, Tensor, Tensor]] | None = None  # renorm: (1/r_max, r_max, d_max) per row
-        self.stacked: list[Tensor] = []  # in the backward: the statistics of all steps, stacked
+        self.stacked: dict[str, Tensor] = {}  # in the backward: the statistics of all steps, stacked
         self.weight_grads: list[Tensor] = []
         self.shift_grads: list[Tensor] = []
 
@@ -78,7 +58,7 @@ class StepNorm:
             return x if shift is None else x + shift
         features = [x.shape[-1]]
         if self.kind == "layer":
-            y, mean, rstd = torch.native_layer_norm(x, features, weight, shift, self.eps)
+            y, mean, rstd = torch_ops.layer_norm_with_stats(x, features, weight, shift, self.eps)
             self.means.append(mean)
             self.rstds.append(rstd)
             return y
@@ -130,7 +110,7 @@ class StepNorm:
         previous_mean = running_mean.clone()  # both branches below update the row in place
         if mask is None:
             # The fused kernel updates the running row in place with BN's rule (momentum, unbiased variance).
-            x_hat, mean, rstd = torch.native_batch_norm(
+            x_hat, mean, rstd = torch_ops.batch_norm_with_stats(
                 x, None, None, running_mean, running_var, True, norm.momentum, self.eps
             )
             self.fused_rows.append(row)
@@ -161,7 +141,7 @@ class StepNorm:
             # torch's fused kernel updates the running row in place with BN's rule (momentum, unbiased variance),
             # as TimestepBatchNorm.forward_step does.
             self.fused_rows.append(row)
-            y, mean, rstd = torch.native_batch_norm(
+            y, mean, rstd = torch_ops.batch_norm_with_stats(
                 x, weight, shift, norm.running_mean[row], norm.running_var[row], True, norm.momentum, self.eps
             )
             self.means.append(mean)
@@ -188,20 +168,17 @@ class StepNorm:
             tracked.index_add_(0, index, torch.ones_like(index))
             self.fused_rows = []
 
-    def saved(self) -> list[Tensor]:
-        """The statistics of every step, stacked for ``save_for_backward``."""
-        return [torch.stack(stats) for stats in (self.means, self.rstds, self.rs, self.ds) if stats]
+    def saved(self) -> dict[str, Tensor]:
+        """The statistics of every step, stacked and named, for ``save_for_backward``."""
+        stats = {"means": self.means, "rstds": self.rstds, "rs": self.rs, "ds": self.ds}
+        return {name: torch.stack(steps) for name, steps in stats.items() if steps}
 
-    def load(self, saved: list[Tensor]) -> None:
+    def load(self, saved: dict[str, Tensor]) -> None:
         """Take back what :meth:`saved` gave (at the start of a backward)."""
         self.weight_grads, self.shift_grads = [], []
         self.stacked = saved
-        if self.kind in ("layer", *_BATCH_KINDS):
-            self.means, self.rstds = list(saved[0].unbind(0)), list(saved[1].unbind(0))
-        if self.kind == "batch_renorm":
-            self.rs, self.ds = list(saved[2].unbind(0)), list(saved[3].unbind(0))
-        elif self.kind == "rms":
-            self.rstds = list(saved[0].unbind(0))
+        for name in saved:
+            setattr(self, name, list(saved[name].unbind(0)))
 
     def normalized(self, x: Tensor, features: slice) -> Tensor:
         """``N(x)`` (before ``γ`` and shift) of every step at once for ``x`` ``(T, B, F')``, the ``features`` of the
@@ -209,13 +186,13 @@ class StepNorm:
         if self.kind == "none":
             return x.clone()
         if self.kind == "rms":
-            return x * self.stacked[0]
-        mean, rstd = self.stacked[:2]
+            return x * self.stacked["rstds"]
+        mean, rstd = self.stacked["means"], self.stacked["rstds"]
         if self.kind == "layer":  # statistics per row (T, B, 1), else per feature (T, F)
             return torch.sub(x, mean).mul_(rstd)
         x_hat = torch.sub(x, mean[:, None, features]).mul_(rstd[:, None, features])
         if self.kind == "batch_renorm":
-            r, d = self.stacked[2:]
+            r, d = self.stacked["rs"], self.stacked["ds"]
             x_hat.mul_(r[:, None, features]).add_(d[:, None, features])
         return x_hat
 
@@ -240,11 +217,11 @@ class StepNorm:
         if self.kind == "batch_renorm":
             return self._renorm_backward(dy, x, t, mask, count, weight, rstd, shift)
         if self.kind == "layer":
-            dx, weight_grad, shift_grad = torch.ops.aten.native_layer_norm_backward(
+            dx, weight_grad, shift_grad = torch_ops.layer_norm_backward(
                 dy, x, [x.shape[-1]], self.means[t], rstd, weight, shift, [True, True, shift is not None]
             )
         elif self.kind == "batch" and self.batch_steps[t] and mask is None:
-            dx, weight_grad, shift_grad = torch.ops.aten.native_batch_norm_backward(
+            dx, weight_grad, shift_grad = torch_ops.batch_norm_backward(
                 dy, x, weight, None, None, self.means[t], rstd, True, self.eps, [True, True, shift is not None]
             )
         else:
@@ -270,7 +247,7 @@ class StepNorm:
         if not self.batch_steps[t]:  # a running step (r = 1, d = 0): BatchNorm's
             dx, weight_grad, shift_grad = self._backward_written_out(dy, x, t, mask, count, weight, rstd, shift)
         elif mask is None:
-            dx, weight_grad, shift_grad = torch.ops.aten.native_batch_norm_backward(
+            dx, weight_grad, shift_grad = torch_ops.batch_norm_backward(
                 dy, x, weight * r, None, None, self.means[t], rstd, True, self.eps, [True, True, True]
             )
             weight_grad = torch.addcmul(weight_grad * r, shift_grad, d)

@@ -1,32 +1,22 @@
 """The fast paths of :class:`~seqnorm.layers.base.RecurrentLayer`, beside its plain per-step reference loop.
 
-Which path runs is decided in one place, :func:`choose_path`:
+Which path runs is decided in one place, :func:`seqnorm.layers.plan.plan_for`, from what the cells and norms
+declare (its module docstring lists the conditions):
 
-- ``"reference"``: the plain loop, one :meth:`~seqnorm.cells.base.RecurrentCell.step_unchecked` per step, exactly as
-  written in the cells. Chosen with ``impl="reference"``, whenever an observer is hooked to a cell (it needs each
-  step's record), and when a per-timestep batch norm is about to raise its small-batch error (so the error and what
-  was updated before it are the reference's own).
-- ``"fused"``: torch's own LSTM/GRU kernel (``torch._VF.lstm``/``gru``, variable lengths through packing) when no cell
-  normalizes anything (``norm="none"``, or ``"weight"`` whose ``g * v / ||v||`` is computed once per call) and no
-  regularizer draws random numbers (training with ``dropout`` between layers, ``recurrent_dropout``,
-  ``input_dropout``, ``weight_dropout`` or zoneout): torch would draw different masks than the reference (or
-  none), and results must not depend on the path. Nor under ``torch.autocast``, where torch's CPU LSTM kernel
-  fails in bfloat16.
-- ``"fast"``: everything that does not depend on the recurrence is done for all time steps at once — the input
+- ``"torch_kernel"``: torch's own LSTM/GRU kernel (variable lengths through packing), :func:`run_fused`.
+- ``"loop"``: everything that does not depend on the recurrence is done for all time steps at once — the input
   projection ``W_ih x`` is one matmul, its norm one vectorized call (LayerNorm per position; per-timestep batch
   statistics over the ``(T, B)`` grid with the padding masked out; :meth:`forward_sequence` of the norms), the
   biases are folded in — and the loop runs a lean :meth:`~seqnorm.cells.base.RecurrentCell.recurrent_step` over
   ``unbind`` of the precomputed terms (never ``x[t]``, whose backward writes a full-size gradient at every step).
   Every regularizer runs here exactly as in the reference: the per-sequence masks come from the same
   :func:`~seqnorm.layers.dropout.draw_sequence_masks` call at the same point, and zoneout is drawn per step by the
-  cell's ``recurrent_step`` in the order its ``step_unchecked`` draws it. When a gradient is wanted and
-  :func:`seqnorm.layers.bptt.supports` accepts the cell (LayerNorm, RMSNorm, per-timestep BatchNorm or nothing on the
-  recurrence; no zoneout, recurrent dropout or projection), the loop is instead one autograd Function with a
-  hand-written backward through time (:mod:`seqnorm.layers.bptt`), which also runs an input BatchNorm/RMSNorm step by
-  step.
+  cell's ``recurrent_step`` in the order its ``step_unchecked`` draws it.
+- ``"bptt"``: as ``"loop"``, but the loop is one autograd Function with a hand-written backward through time
+  (:mod:`seqnorm.layers.bptt`), which also runs an input BatchNorm/RMSNorm step by step.
 
 :meth:`RecurrentLayer.step` without gradients runs the lean step of :mod:`seqnorm.layers.stepping` (each cell's step
-prepared once from its parameters and cached); otherwise :func:`step_cell`.
+prepared once from its parameters and cached); otherwise :func:`step_cell`, each cell on its planned path.
 
 All three give the same outputs, states, gradients and running statistics up to floating-point rounding; the
 ``tests/test_fast_path.py`` suite compares them for every cell and norm.
@@ -44,56 +34,26 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 from seqnorm.cells.base import RecurrentCell
 from seqnorm.layers import bptt
 from seqnorm.layers.dropout import draw_sequence_masks
+from seqnorm.layers.plan import Plan, cell_kernel, plan_for
 from seqnorm.layers.stack import PaddingLayout, padding_layout, run_stack
-from seqnorm.norms import TimestepBatchNorm
+from seqnorm.layers.torch_ops import CELL_KERNELS, SEQUENCE_KERNELS
 
 if TYPE_CHECKING:
     from seqnorm.layers.base import RecurrentLayer
 
-__all__ = ["Impl", "Path", "choose_path", "run_fast", "run_fused", "step_cell"]
+__all__ = ["Impl", "choose_path", "run_fast", "run_fused", "step_cell"]
 
 Impl = Literal["auto", "reference"]
-Path = Literal["reference", "fused", "fast"]
 IMPLS: tuple[str, ...] = ("auto", "reference")
+_SHORT_NAMES = {"torch_kernel": "fused", "bptt": "fast", "loop": "fast", "reference": "reference"}
 
 
-def choose_path(layer: RecurrentLayer, lengths: Tensor | None, batch: int) -> Path:
-    """The path :meth:`RecurrentLayer.forward` takes for this call (see the module docstring)."""
-    cells: list[RecurrentCell] = list(layer.cells)
-    if layer.impl == "reference" or any(cell.observer.active for cell in cells):
-        return "reference"
-    if layer.training and _would_raise_small_batch(cells, lengths, batch):
-        return "reference"
-    # Under autocast the fused kernels are out too: on CPU, oneDNN has no bfloat16 LSTM primitive for torch's call.
-    autocast = torch.is_autocast_enabled(cells[0].weight_ih.device.type)
-    if _is_plain(cells) and not _draws_random(layer) and not autocast:
-        return "fused"
-    return "fast"
-
-
-def _draws_random(layer: RecurrentLayer) -> bool:
-    """Whether a call draws random numbers, which torch's kernel would draw differently (or not at all)."""
-    if not layer.training:
-        return False
-    per_sequence = layer.recurrent_dropout or layer.input_dropout or layer.weight_dropout
-    return bool(per_sequence or (layer.dropout and layer.num_layers > 1) or any(c.draws_random for c in layer.cells))
-
-
-def _would_raise_small_batch(cells: list[RecurrentCell], lengths: Tensor | None, batch: int) -> bool:
-    strict = any(
-        isinstance(module, TimestepBatchNorm) and module.small_batch == "error"
-        for cell in cells
-        for module in cell.modules()
-    )
-    if not strict:
-        return False
-    # The fewest real rows at any step that runs: the rows as long as the longest sequence.
-    fewest = batch if lengths is None else int((lengths == lengths.max()).sum())
-    return fewest < 2
-
-
-def _is_plain(cells: list[RecurrentCell]) -> bool:
-    return not any(cell.has_norms for cell in cells)
+def choose_path(layer: RecurrentLayer, lengths: Tensor | None, batch: int) -> Literal["reference", "fused", "fast"]:
+    """:func:`~seqnorm.layers.plan.plan_for`'s forward path in three words: ``"fused"`` (torch's kernel),
+    ``"fast"`` (hoisted input terms: ``"loop"`` or ``"bptt"``) or ``"reference"``, for a batch of ``batch``."""
+    weight = layer.cells[0].weight_hh  # only where inputs would live and their dtype matter
+    facts = weight.new_empty(0, batch, layer.input_size)
+    return _SHORT_NAMES[plan_for(layer, facts, lengths).path]  # type: ignore[return-value]
 
 
 # --- torch's fused kernel ---
@@ -102,7 +62,7 @@ def _is_plain(cells: list[RecurrentCell]) -> bool:
 def run_fused(
     layer: RecurrentLayer, x: Tensor, h0: Tensor, c0: Tensor | None, lengths: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """``torch._VF.lstm``/``gru`` over ``x`` ``(T, B, I)``; variable lengths go through a ``PackedSequence``."""
+    """The cells' declared torch kernel over ``x`` ``(T, B, I)``; variable lengths go through a ``PackedSequence``."""
     weights: list[Tensor] = []
     for cell in layer.cells:
         weights += [cell.weight_ih, cell.weight_hh]  # weight norm: computed once here
@@ -110,7 +70,7 @@ def run_fused(
             weights += [cell.bias_ih, cell.bias_hh]
         if cell.weight_hr is not None:
             weights.append(cell.weight_hr)  # torch tells projections from h_0 and c_0 of different sizes
-    kernel = torch._VF.lstm if c0 is not None else torch._VF.gru
+    kernel = SEQUENCE_KERNELS[cell_kernel(layer.cells[0])]  # type: ignore[index]
     hx: Any = (h0, c0) if c0 is not None else h0
     flags = (layer.bias, layer.num_layers, 0.0, layer.training, layer.bidirectional)
     if lengths is None or int(lengths.min()) == x.shape[0]:
@@ -131,21 +91,28 @@ def run_fused(
 
 
 def run_fast(
-    layer: RecurrentLayer, x: Tensor, h0: Tensor, c0: Tensor | None, lengths: Tensor | None
+    layer: RecurrentLayer, x: Tensor, h0: Tensor, c0: Tensor | None, lengths: Tensor | None, plan: Plan
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """The same computation as the reference loop, with the input side of every step done at once per direction."""
+    """The same computation as the reference loop, with the input side of every step done at once per direction;
+    each direction runs the hand-written BPTT or the loop, as ``plan.cells`` says."""
     layout = padding_layout(lengths, x.shape[0], x.shape[1], x.device)
-    return run_stack(layer, x, h0, c0, layout, partial(_run_direction, layer))
+    routes = dict(zip(layer.cells, plan.cells, strict=True))
+    return run_stack(layer, x, h0, c0, layout, partial(_run_direction, layer, routes))
 
 
 def _run_direction(
-    layer: RecurrentLayer, cell: RecurrentCell, sequence: Tensor, state: Any, layout: PaddingLayout
+    layer: RecurrentLayer,
+    routes: dict[RecurrentCell, str],
+    cell: RecurrentCell,
+    sequence: Tensor,
+    state: Any,
+    layout: PaddingLayout,
 ) -> tuple[Tensor, Any]:
     # Drawn at the same point of the random stream as the reference loop draws them.
     dropped = draw_sequence_masks(layer, cell, sequence, state)
     if dropped.input is not None:
         sequence = sequence * dropped.input
-    if bptt.supports(cell, sequence, state, dropped.recurrent):
+    if routes[cell] == "bptt":
         return bptt.run_recurrence(cell, sequence, state, dropped.weight_hh, layout)
     terms = cell.input_terms(sequence, layout.active, layout.counts)  # (T, B, G*H)
     # Weight norm (and DropConnect): computed once per sequence, not once per step.
@@ -162,24 +129,21 @@ def _run_direction(
 
 
 def step_cell(
-    layer: RecurrentLayer, cell: RecurrentCell, x: Tensor, h: Tensor, c: Tensor | None, step: int
+    route: str, cell: RecurrentCell, x: Tensor, h: Tensor, c: Tensor | None, step: int
 ) -> tuple[Tensor, Tensor | None]:
     """One step of ``cell`` for :meth:`RecurrentLayer.step` on states ``(1, B, .)``; returns the new ``h``, ``c``.
 
-    ``x`` is ``(B, I)`` or ``(1, B, I)``. Without gradients, :meth:`RecurrentLayer.step` runs the lean step of
+    ``route`` is the cell's planned path: ``"torch_kernel"`` (its declared cell kernel) or ``"reference"``. ``x`` is
+    ``(B, I)`` or ``(1, B, I)``. Without gradients, :meth:`RecurrentLayer.step` runs the lean step of
     :mod:`seqnorm.layers.stepping` instead, where it applies.
     """
     x = x if x.dim() == 2 else x[0]
     state = h[0] if c is None else (h[0], c[0])
-    # torch's cell kernels have no projection and no zoneout.
-    autocast = torch.is_autocast_enabled(x.device.type)
-    special = cell.observer.active or cell.draws_random or cell.weight_hr is not None or autocast
-    if layer.impl == "reference" or special or not _is_plain([cell]):
-        state = cell.step_unchecked(x, state, step, None)
-    elif cell.has_cell_state:
-        state = torch._VF.lstm_cell(x, state, cell.weight_ih, cell.weight_hh, cell.bias_ih, cell.bias_hh)
+    if route == "torch_kernel":
+        kernel = CELL_KERNELS[cell_kernel(cell)]  # type: ignore[index]
+        state = kernel(x, state, cell.weight_ih, cell.weight_hh, cell.bias_ih, cell.bias_hh)
     else:
-        state = torch._VF.gru_cell(x, state, cell.weight_ih, cell.weight_hh, cell.bias_ih, cell.bias_hh)
+        state = cell.step_unchecked(x, state, step, None)
     if isinstance(state, Tensor):
         return state.unsqueeze(0), None
     return state[0].unsqueeze(0), state[1].unsqueeze(0)

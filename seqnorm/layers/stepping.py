@@ -23,13 +23,10 @@ from weakref import WeakKeyDictionary
 
 import torch
 from torch import Tensor, nn
-from torch.nn.utils import parametrize
 
 from seqnorm.cells.base import RecurrentCell
-from seqnorm.cells.gru import GRUCell
-from seqnorm.cells.lstm import LSTMCell
-from seqnorm.layers.bptt_norms import norm_kind
-from seqnorm.norms import TimestepBatchNorm
+from seqnorm.layers.plan import cell_kernel, norm_kind, plan_for
+from seqnorm.layers.torch_ops import CELL_KERNELS
 
 __all__ = ["LayerStep", "Step", "lean_layer_step"]
 
@@ -81,21 +78,19 @@ _CACHE: WeakKeyDictionary[nn.Module, _Snapshot] = WeakKeyDictionary()
 def lean_layer_step(layer: nn.Module, x: Tensor) -> LayerStep | None:
     """The cached lean step of every cell of ``layer`` (a unidirectional RecurrentLayer), or ``None``.
 
-    It applies with gradients disabled, without autocast, to float32/float64 inputs, no inter-layer dropout in
-    training and cells :func:`_supported` accepts. The cache is rebuilt when any parameter or buffer was updated in
-    place, moved or replaced, or the layer switched between training and evaluation.
+    It applies where :func:`~seqnorm.layers.plan.plan_for` plans ``"lean_step"``: gradients disabled, no autocast,
+    float32/float64 inputs, no inter-layer dropout in training, cells and norms that declare the form. The cache is
+    rebuilt when any parameter or buffer was updated in place, moved or replaced, or the layer switched between
+    training and evaluation.
     """
     if torch.is_grad_enabled():
         return None
     cached = _CACHE.get(layer)
     if cached is not None and cached.valid(layer.training, x.dtype):
         return cached.run
-    if torch.is_autocast_enabled(x.device.type):
+    if plan_for(layer, x, step=True).path != "lean_step":  # type: ignore[arg-type]
         return None
     cells = list(layer.cells)
-    dropout = layer.training and layer.dropout and len(cells) > 1
-    if layer.impl == "reference" or dropout or not all(_supported(cell, x) for cell in cells):
-        return None
     stores = [
         (store, name, tensor)
         for module in layer.modules()
@@ -103,8 +98,6 @@ def lean_layer_step(layer: nn.Module, x: Tensor) -> LayerStep | None:
         for name, tensor in store.items()
         if tensor is not None
     ]
-    if any(tensor.is_inference() for _, _, tensor in stores):
-        return None  # made under torch.inference_mode(): no version counter to tell when they change
     watched = tuple((store, name, tensor, tensor._version, tensor.data_ptr()) for store, name, tensor in stores)
     run = _layer_run([_build(cell) for cell in cells])
     observers = tuple(cell.observer for cell in cells)
@@ -135,24 +128,12 @@ def _layer_run(steps: list[Step]) -> LayerStep:
     return stacked
 
 
-def _supported(cell: RecurrentCell, x: Tensor) -> bool:
-    cell_class = type(cell).__bases__[0] if parametrize.is_parametrized(cell) else type(cell)
-    if cell_class not in (LSTMCell, GRUCell) or cell.draws_random or cell.weight_hr is not None:
-        return False
-    if cell.observer.active or (cell.training and any(isinstance(m, TimestepBatchNorm) for m in cell.modules())):
-        return False
-    if getattr(cell, "norm_placement", "separate") != "separate" or getattr(cell, "state_norm", "output") != "output":
-        return False
-    kinds = [norm_kind(norm) for norm in (cell.norm_ih, cell.norm_hh, cell.norm_c)]
-    return None not in kinds and x.dtype in (torch.float32, torch.float64)
-
-
 def _build(cell: RecurrentCell) -> Step:
     weight_ih, weight_hh = cell.weight_ih, cell.weight_hh  # weight norm evaluated here, once
     hidden = cell.hidden_size
     if cell.norm_ih is None and cell.norm_hh is None and cell.norm_c is None:
         return _kernel_step(cell, weight_ih, weight_hh)
-    if isinstance(cell, LSTMCell):
+    if cell_kernel(cell) == "lstm":
         # Both biases are added to the same pre-activations: they follow the input norm.
         input_term = _term(weight_ih.t(), cell.norm_ih, cell.folded_bias())
         return _lstm_step(input_term, _term(weight_hh.t(), cell.norm_hh, None), _term(None, cell.norm_c, None), hidden)
@@ -164,18 +145,19 @@ def _build(cell: RecurrentCell) -> Step:
 def _kernel_step(cell: RecurrentCell, weight_ih: Tensor, weight_hh: Tensor) -> Step:
     """Nothing normalizes: torch's fused cell kernel, with weight norm's weights computed once."""
     parameters = (weight_ih, weight_hh, cell.bias_ih, cell.bias_hh)
-    if isinstance(cell, LSTMCell):
+    kernel = CELL_KERNELS[cell_kernel(cell)]  # type: ignore[index]
+    if cell_kernel(cell) == "lstm":
 
         def lstm(x: Tensor, h: Tensor, c: Tensor | None, step: int) -> tuple[Tensor, Tensor | None]:
             x = x if x.dim() == 2 else x.select(0, 0)
-            h, c = torch._VF.lstm_cell(x, (h.select(0, 0), c.select(0, 0)), *parameters)
+            h, c = kernel(x, (h.select(0, 0), c.select(0, 0)), *parameters)
             return h.unsqueeze(0), c.unsqueeze(0)
 
         return lstm
 
     def gru(x: Tensor, h: Tensor, c: Tensor | None, step: int) -> tuple[Tensor, Tensor | None]:
         x = x if x.dim() == 2 else x.select(0, 0)
-        return torch._VF.gru_cell(x, h.select(0, 0), *parameters).unsqueeze(0), None
+        return kernel(x, h.select(0, 0), *parameters).unsqueeze(0), None
 
     return gru
 
@@ -183,7 +165,7 @@ def _kernel_step(cell: RecurrentCell, weight_ih: Tensor, weight_hh: Tensor) -> S
 def _term(weight_t: Tensor | None, norm: nn.Module | None, bias: Tensor | None) -> Term:
     """``N(v W^T) * γ + β + bias`` of a step (``weight_t`` ``None``: ``N(v)``), as one flat closure (no nesting:
     every Python call counts at batch size 1)."""
-    kind = norm_kind(norm)
+    kind = norm_kind(norm, "generation")
     beta = None if norm is None else norm.bias
     shift = beta if bias is None else (bias if beta is None else beta + bias)
     if kind == "none":

@@ -5,12 +5,12 @@ from __future__ import annotations
 import inspect
 from typing import Any, Literal
 
-from seqnorm.layers import GRU, LSTM, RecurrentLayer
+from seqnorm.layers import LAYERS, RecurrentLayer
 
 __all__ = ["CellName", "build_rnn"]
 
 CellName = Literal["lstm", "gru"]
-_LAYERS: dict[str, type[RecurrentLayer]] = {"lstm": LSTM, "gru": GRU}
+_LAYERS: dict[str, type[RecurrentLayer]] = LAYERS
 
 
 def build_rnn(cell: str, input_size: int, hidden_size: int, **kwargs: Any) -> RecurrentLayer:

@@ -32,7 +32,7 @@ Under ``torch.autocast``, statistics, normalization and running buffers are floa
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -69,12 +69,18 @@ class TimestepBatchNorm(nn.Module):
         beyond_max_steps: ``"last"`` or ``"pooled"``, the statistics of steps ``t >= max_steps`` (module docstring).
         owner: name used in error messages (the cell that holds this norm).
 
+    The fast forms (see :class:`~seqnorm.norms.LayerNorm`) of kind ``"batch"`` need ``scale``, a γ and
+    ``beyond_max_steps="last"``; generation's folds the running statistics, so it serves evaluation only.
+
     Inputs: ``x`` of shape ``(B, F)``, ``step`` (int), ``mask`` ``(B,)`` bool or ``None`` (all rows active).
 
     Attributes:
         running_mean, running_var: buffers of shape ``(max_steps, F)``.
         num_batches_tracked: buffer ``(max_steps,)``, training batches seen per step.
     """
+
+    fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "bptt", "generation"})
+    fast_kind: ClassVar[str | None] = "batch"
 
     def __init__(
         self,

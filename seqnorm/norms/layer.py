@@ -8,6 +8,8 @@ Under ``torch.autocast`` they compute in float32 (:func:`~seqnorm.norms.precisio
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -80,6 +82,13 @@ class _RowNorm(nn.Module):
 class LayerNorm(_RowNorm):
     r"""LayerNorm over the last dimension: :math:`y = \gamma \odot (x - \mu) / \sqrt{\sigma^2 + \epsilon} + \beta`."""
 
+    # Fast forms this exact class implements (read by seqnorm.layers.plan from the class's own namespace, so a
+    # subclass restates them or gets none): "loop": forward_step/forward_sequence compute forward's function;
+    # "bptt" and "generation": the hand-written BPTT (seqnorm.layers.bptt_norms) and the lean generation step
+    # (seqnorm.layers.stepping) restate this math under the name in fast_kind.
+    fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "bptt", "generation"})
+    fast_kind: ClassVar[str | None] = "layer"
+
     @float32_statistics
     def forward(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:
         return F.layer_norm(x, (self.num_features,), self.weight, self.bias, self.eps)
@@ -87,6 +96,9 @@ class LayerNorm(_RowNorm):
 
 class RMSNorm(_RowNorm):
     r"""RMSNorm over the last dimension: :math:`y = \gamma \odot x / \sqrt{\overline{x^2} + \epsilon} + \beta`."""
+
+    fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "bptt", "generation"})  # as LayerNorm's
+    fast_kind: ClassVar[str | None] = "rms"
 
     @float32_statistics
     def forward(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:

@@ -3,6 +3,8 @@ correction that ties training-time batch statistics to the running ones."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import Tensor
 
@@ -32,6 +34,9 @@ class TimestepBatchRenorm(TimestepBatchNorm):
         d_max_steps: batches over which ``d_max`` ramps from 0. Default: 25000.
         **kwargs: as for :class:`TimestepBatchNorm`.
     """
+
+    fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "bptt", "generation"})  # as TimestepBatchNorm's
+    fast_kind: ClassVar[str | None] = "batch_renorm"
 
     def __init__(
         self,

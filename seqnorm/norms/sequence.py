@@ -7,6 +7,8 @@ input term only (``input_stats="sequence"``).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from torch import Tensor
 
 from seqnorm.norms.batch import TimestepBatchNorm
@@ -52,12 +54,19 @@ class SequenceBatchNorm(_OverTime, TimestepBatchNorm):
     Arguments as :class:`TimestepBatchNorm` (``max_steps`` is 1).
     """
 
+    # Its statistics need the whole sequence: only the hoisted loop's forward_sequence, no per-step fast form.
+    fast_forms: ClassVar[frozenset[str]] = frozenset({"loop"})
+    fast_kind: ClassVar[str | None] = None
+
     def __init__(self, num_features: int, **kwargs: object) -> None:
         super().__init__(num_features, 1, **kwargs)  # type: ignore[arg-type]
 
 
 class SequenceBatchRenorm(_OverTime, TimestepBatchRenorm):
     """:class:`SequenceBatchNorm` with Ioffe's r/d correction (arguments as :class:`TimestepBatchRenorm`)."""
+
+    fast_forms: ClassVar[frozenset[str]] = frozenset({"loop"})  # as SequenceBatchNorm's
+    fast_kind: ClassVar[str | None] = None
 
     def __init__(self, num_features: int, **kwargs: object) -> None:
         super().__init__(num_features, 1, **kwargs)  # type: ignore[arg-type]

@@ -9,7 +9,7 @@ import torch
 from torch.testing import assert_close
 
 from seqnorm.callbacks.observe import Observation, find_cells, train_eval_gap
-from tests.conftest import BATCH_NORMS, LAYERS, NORMS
+from tests.conftest import BATCH_NORMS, KINDS, LAYERS, NORMS
 
 LENGTHS = torch.tensor([5, 3, 2, 5])
 
@@ -31,7 +31,7 @@ def _observe(layer: torch.nn.Module, x: torch.Tensor, gradients: bool = False) -
 
 
 @pytest.mark.parametrize("norm", NORMS)
-@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_every_cell_and_norm_gives_finite_statistics_without_padding(kind: str, norm: str) -> None:
     torch.manual_seed(0)
     layer = LAYERS[kind](3, 6, num_layers=2, bidirectional=True, norm=norm, small_batch="running")

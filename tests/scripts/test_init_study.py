@@ -8,8 +8,10 @@ from pathlib import Path
 import init_study
 import pytest
 
+from tests.conftest import KINDS
 
-@pytest.mark.parametrize("cell", ["lstm", "gru"])
+
+@pytest.mark.parametrize("cell", KINDS)
 def test_rows(tmp_path: Path, cell: str, read_csv: Callable, finite: Callable) -> None:
     out = tmp_path / cell
     init_study.main(

@@ -1,0 +1,266 @@
+"""Which path a layer's call or step takes, decided in one place from what its cells and norms declare.
+
+:func:`plan_for` returns a :class:`Plan`: the path and why. Forward paths:
+
+- ``"torch_kernel"``: torch's fused LSTM/GRU over the whole sequence (:func:`seqnorm.layers.fast.run_fused`). Needs
+  cells that declare ``torch_kernel``, nothing normalized (``"none"``, or plain ``"weight"``), no random draws (their
+  masks would differ from the reference's) and no autocast (torch's CPU LSTM kernel fails in bfloat16).
+- ``"bptt"``: the input side of all steps at once, then one autograd Function with a hand-written backward through
+  time (:mod:`seqnorm.layers.bptt`), which restates torch's LSTM/GRU step: needs ``torch_kernel``, norms that
+  declare the ``"bptt"`` form, and a gradient to compute. :attr:`Plan.cells` says which directions run it: one
+  whose input, state and parameters need no gradient runs the loop.
+- ``"loop"``: the input side at once, then the cell's lean ``recurrent_step``: needs cells that declare
+  ``hoisted_step`` and norms that declare the ``"loop"`` form.
+- ``"reference"``: the cell's own ``step_unchecked`` at every step. Anything that declares nothing runs it, as do
+  ``impl="reference"``, hooked observers (they need every step's record) and a batch norm about to raise its
+  small-batch error (so the error, and what was updated before it, are the reference's own).
+
+:meth:`~seqnorm.layers.base.RecurrentLayer.step` paths: ``"lean_step"`` (no gradient: the cached step of
+:mod:`seqnorm.layers.stepping`), else per cell ``"torch_kernel"`` (torch's cell kernel, nothing normalized) or
+``"reference"``.
+
+Declarations are class attributes, read from the class's *own* namespace (:func:`declared`): cells declare
+``torch_kernel``, ``hoisted_step`` (and ``gate_layout``, ``has_cell_state``); norm modules ``fast_forms`` and
+``fast_kind``. A subclass inherits none of them, because changing any method of the step would make a fast form
+compute something else; one that keeps the math restates the claim in one line. Weight norm's parametrization
+subclass is looked through. Set ``logging.getLogger("seqnorm.layers.plan")`` to DEBUG to see every forward's plan.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils.parametrize import type_before_parametrizations
+
+if TYPE_CHECKING:
+    from seqnorm.cells.base import RecurrentCell
+    from seqnorm.layers.base import RecurrentLayer
+
+__all__ = ["Path", "Plan", "bptt_blocker", "cell_kernel", "declared", "log", "norm_kind", "plan_for"]
+
+Path = Literal["torch_kernel", "bptt", "loop", "lean_step", "reference"]
+FastForm = Literal["loop", "bptt", "generation"]
+log = logging.getLogger(__name__)
+
+_BATCH_KINDS = ("batch", "batch_renorm")
+_FLOATS = (torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A path and why it was chosen; ``cells`` has each cell's path (layer-major, as ``layer.cells``) where they
+    may differ (``"bptt"``/``"loop"`` per direction; per cell for a step)."""
+
+    path: Path
+    reason: str
+    cells: tuple[Path, ...] = ()
+
+    def __str__(self) -> str:
+        per_cell = f" (cells: {', '.join(self.cells)})" if len(set(self.cells)) > 1 else ""
+        return f"{self.path}: {self.reason}{per_cell}"
+
+
+def declared(owner: nn.Module | type, name: str, default: Any) -> Any:
+    """``name`` as declared by ``owner``'s own class (not inherited; weight norm's parametrization looked through)."""
+    cls = owner if isinstance(owner, type) else type_before_parametrizations(owner)
+    return cls.__dict__.get(name, default)
+
+
+def cell_kernel(cell: RecurrentCell) -> Literal["lstm", "gru"] | None:
+    """The torch kernel whose step ``cell``'s class declares it computes, if any."""
+    return declared(cell, "torch_kernel", None)
+
+
+def norm_kind(module: nn.Module | None, form: FastForm) -> str | None:
+    """The kind under which the ``form`` (``"bptt"`` or ``"generation"``) restates ``module``; ``"none"`` for no
+    norm; ``None`` when the module does not declare that form or is configured beyond it."""
+    if module is None:
+        return "none"
+    if form not in declared(module, "fast_forms", frozenset()):
+        return None
+    kind = declared(module, "fast_kind", None)
+    if kind is None or module.weight is None:
+        return None
+    # Mean-only BN and pooled statistics beyond max_steps (beyond_max_steps="pooled") are the module's own.
+    if kind in _BATCH_KINDS and (not module.scale or module.beyond_max_steps != "last"):
+        return None
+    return kind
+
+
+def plan_for(
+    layer: RecurrentLayer,
+    x: Tensor,
+    lengths: Tensor | None = None,
+    state: tuple[Tensor, Tensor | None] | None = None,
+    *,
+    step: bool = False,
+) -> Plan:
+    """The path of ``layer`` for input ``x`` (``(T, B, I)``; with ``step=True`` one step, ``(B, I)``).
+
+    Only facts are read from ``x`` and ``state`` (``(h0, c0)``): batch size, dtype, device, ``requires_grad``.
+    """
+    return _step_plan(layer, x) if step else _forward_plan(layer, x, lengths, state)
+
+
+def bptt_blocker(layer: RecurrentLayer | None, cell: RecurrentCell, dtype: torch.dtype, device_type: str) -> str | None:
+    """Why :mod:`seqnorm.layers.bptt` cannot run ``cell`` exactly (gradients aside), or ``None`` if it can.
+
+    ``layer`` supplies the variational recurrent dropout (``None``: none drawn).
+    """
+    name = type_before_parametrizations(cell).__name__
+    if cell_kernel(cell) is None:
+        return f"{name} declares no torch_kernel, whose step the hand-written BPTT restates"
+    if cell.norm_placement != "separate" or cell.state_norm != "output":
+        return "norm_placement/state_norm other than the defaults"
+    if layer is not None and layer.training and layer.recurrent_dropout:
+        return "variational recurrent dropout"
+    if cell.draws_random:
+        return "zoneout"
+    if cell.weight_hr is not None:
+        return "a projection"
+    if norm_kind(cell.norm_hh, "bptt") is None or norm_kind(cell.norm_c, "bptt") is None:
+        return "a recurrent or cell-state norm without the 'bptt' form"
+    if dtype not in _FLOATS or torch.is_autocast_enabled(device_type):
+        return "half precision or autocast"
+    return None
+
+
+# --- whole sequences ---
+
+
+def _forward_plan(
+    layer: RecurrentLayer, x: Tensor, lengths: Tensor | None, state: tuple[Tensor, Tensor | None] | None
+) -> Plan:
+    cells: list[RecurrentCell] = list(layer.cells)
+    if layer.impl == "reference":
+        return Plan("reference", "impl='reference'")
+    for index, cell in enumerate(cells):
+        if cell.observer.active:
+            return Plan("reference", f"an observer is hooked to cells[{index}] and needs every step's record")
+    if layer.training and _would_raise_small_batch(cells, lengths, x.shape[1]):
+        return Plan("reference", "a batch norm with small_batch='error' raises at a step with < 2 real rows")
+    name = type_before_parametrizations(cells[0]).__name__
+    kernel = cell_kernel(cells[0])
+    if kernel is not None and all(cell_kernel(c) == kernel for c in cells) and not any(c.has_norms for c in cells):
+        if _draws_random(layer):
+            blocked = "random masks that torch's kernel would draw differently"
+        elif torch.is_autocast_enabled(x.device.type):
+            blocked = "autocast"
+        else:
+            return Plan("torch_kernel", f"{name} declares torch_kernel={kernel!r} and nothing is normalized")
+        kernel_note = f"; not torch's kernel: {blocked}"
+    else:
+        kernel_note = "" if kernel is not None else f"; {name} declares no torch_kernel"
+    undeclared = _hoisting_blocker(cells)
+    if undeclared is not None:
+        return Plan("reference", undeclared + kernel_note)
+    blockers = [bptt_blocker(layer, cell, x.dtype, x.device.type) for cell in cells]
+    wanted = _gradient_wanted(layer, cells, x, state)
+    routes: tuple[Path, ...] = tuple(
+        "bptt" if blocker is None and want else "loop" for blocker, want in zip(blockers, wanted, strict=True)
+    )
+    if "bptt" in routes:
+        reason = f"{name} declares torch_kernel={kernel!r} and its norms the 'bptt' form, a gradient is wanted"
+        return Plan("bptt", reason + kernel_note, routes)
+    why = next((blocker for blocker in blockers if blocker is not None), "no gradient is wanted")
+    return Plan("loop", f"{name} declares hoisted_step; no hand-written BPTT: {why}{kernel_note}", routes)
+
+
+def _hoisting_blocker(cells: list[RecurrentCell]) -> str | None:
+    for cell in cells:
+        name = type_before_parametrizations(cell).__name__
+        if not declared(cell, "hoisted_step", False):
+            return f"{name} declares no hoisted_step"
+        for norm in (cell.norm_ih, cell.norm_hh, cell.norm_gates, cell.norm_c):
+            if norm is not None and "loop" not in declared(norm, "fast_forms", frozenset()):
+                return f"{type(norm).__name__} in {name} declares no 'loop' form"
+    return None
+
+
+def _gradient_wanted(
+    layer: RecurrentLayer, cells: list[RecurrentCell], x: Tensor, state: tuple[Tensor, Tensor | None] | None
+) -> list[bool]:
+    """Per cell: whether its direction's input, initial state or parameters need a gradient (layer-major)."""
+    if not torch.is_grad_enabled():
+        return [False] * len(cells)
+    states = () if state is None else tuple(t for t in state if t is not None)
+    upstream = x.requires_grad or any(t.requires_grad for t in states)
+    wanted: list[bool] = []
+    directions = layer.num_directions
+    for first in range(0, len(cells), directions):
+        own = [any(p.requires_grad for p in cell.parameters()) for cell in cells[first : first + directions]]
+        wanted += [upstream or mine for mine in own]
+        upstream = upstream or any(own)  # the next layer's input is this layer's output
+    return wanted
+
+
+def _draws_random(layer: RecurrentLayer) -> bool:
+    """Whether a call draws random numbers, which torch's kernel would draw differently (or not at all)."""
+    if not layer.training:
+        return False
+    per_sequence = layer.recurrent_dropout or layer.input_dropout or layer.weight_dropout
+    return bool(per_sequence or (layer.dropout and layer.num_layers > 1) or any(c.draws_random for c in layer.cells))
+
+
+def _would_raise_small_batch(cells: list[RecurrentCell], lengths: Tensor | None, batch: int) -> bool:
+    # Norms with batch statistics carry their small-batch policy as `small_batch`.
+    strict = any(getattr(module, "small_batch", None) == "error" for cell in cells for module in cell.modules())
+    if not strict:
+        return False
+    # The fewest real rows at any step that runs: the rows as long as the longest sequence.
+    fewest = batch if lengths is None else int((lengths == lengths.max()).sum())
+    return fewest < 2
+
+
+# --- one step ---
+
+
+def _step_plan(layer: RecurrentLayer, x: Tensor) -> Plan:
+    cells: list[RecurrentCell] = list(layer.cells)
+    if layer.impl == "reference":
+        return Plan("reference", "impl='reference'", ("reference",) * len(cells))
+    autocast = torch.is_autocast_enabled(x.device.type)
+    if not torch.is_grad_enabled() and not autocast:
+        blocker = _lean_blocker(layer, cells, x)
+        if blocker is None:
+            return Plan("lean_step", "no gradient: each cell's step prepared once and cached")
+    routes = tuple(_cell_step_route(cell, autocast) for cell in cells)
+    path: Path = "torch_kernel" if all(route == "torch_kernel" for route in routes) else "reference"
+    reason = "torch's cell kernel: nothing normalized" if path == "torch_kernel" else "the cells' own steps"
+    return Plan(path, reason, routes)
+
+
+def _cell_step_route(cell: RecurrentCell, autocast: bool) -> Path:
+    # torch's cell kernels have no projection and no zoneout.
+    special = cell.observer.active or cell.draws_random or cell.weight_hr is not None or autocast
+    if special or cell.has_norms or cell_kernel(cell) is None:
+        return "reference"
+    return "torch_kernel"
+
+
+def _lean_blocker(layer: RecurrentLayer, cells: list[RecurrentCell], x: Tensor) -> str | None:
+    if layer.training and layer.dropout and len(cells) > 1:
+        return "inter-layer dropout in training"
+    if x.dtype not in _FLOATS:
+        return f"dtype {x.dtype}"
+    for cell in cells:
+        name = type_before_parametrizations(cell).__name__
+        if cell_kernel(cell) is None:
+            return f"{name} declares no torch_kernel, whose step the lean step restates"
+        if cell.draws_random or cell.weight_hr is not None or cell.observer.active:
+            return "zoneout, a projection or an observer"
+        if cell.norm_placement != "separate" or cell.state_norm != "output":
+            return "norm_placement/state_norm other than the defaults"
+        for norm in (cell.norm_ih, cell.norm_hh, cell.norm_c):
+            kind = norm_kind(norm, "generation")
+            if kind is None:
+                return f"{type(norm).__name__} declares no 'generation' form"
+            if cell.training and kind in _BATCH_KINDS:
+                return "batch statistics in training"  # the lean step folds the running statistics
+    if any(t.is_inference() for t in (*layer.parameters(), *layer.buffers())):
+        return "tensors made under torch.inference_mode (no version counter to tell when they change)"
+    return None

@@ -1,0 +1,40 @@
+"""The private or undocumented torch calls seqnorm makes, in one place, each with why a public one does not do.
+
+If a torch release renames or changes one of them, this is the file to adapt (and ``tests/test_fast_path.py``,
+``tests/test_bptt.py`` and ``tests/test_stepping.py`` are the tests that say so). Names are bound once at import:
+the fast paths call them at every step, where one attribute lookup fewer is measurable at batch size 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CELL_KERNELS",
+    "SEQUENCE_KERNELS",
+    "batch_norm_backward",
+    "batch_norm_with_stats",
+    "layer_norm_backward",
+    "layer_norm_with_stats",
+]
+
+# torch.nn.LSTM/GRU's own kernels over a whole sequence (padded or packed): the public modules would need their
+# weights copied into an nn.LSTM per call; torch.nn.LSTM.forward itself calls these with its flat weight list.
+SEQUENCE_KERNELS: dict[str, Callable[..., Any]] = {"lstm": torch._VF.lstm, "gru": torch._VF.gru}
+
+# torch.nn.LSTMCell/GRUCell's kernels for one step: the same reason, and no module-call overhead at batch size 1.
+CELL_KERNELS: dict[str, Callable[..., Any]] = {"lstm": torch._VF.lstm_cell, "gru": torch._VF.gru_cell}
+
+# LayerNorm and training-mode BatchNorm that also return the mean and 1/std they used (F.layer_norm/F.batch_norm
+# return only the output): the hand-written BPTT saves them for its backward instead of recomputing them.
+# native_batch_norm updates the running row in place with BN's rule, exactly as F.batch_norm does.
+layer_norm_with_stats: Callable[..., Any] = torch.native_layer_norm
+batch_norm_with_stats: Callable[..., Any] = torch.native_batch_norm
+
+# The backward kernels autograd itself runs for those two: the hand-written BPTT calls them step by step, so its
+# gradients are the ones autograd's per-step graph would give.
+layer_norm_backward: Callable[..., Any] = torch.ops.aten.native_layer_norm_backward
+batch_norm_backward: Callable[..., Any] = torch.ops.aten.native_batch_norm_backward
