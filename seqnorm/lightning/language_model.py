@@ -10,7 +10,7 @@ from torch import Tensor
 
 from seqnorm.lightning.base import TaskModule
 from seqnorm.models import CellName, RNNLanguageModel
-from seqnorm.norms import NormName
+from seqnorm.norms import NormName, NormSpec
 
 __all__ = ["LanguageModel"]
 
@@ -52,7 +52,7 @@ class LanguageModel(TaskModule):
         pad_index: int = 0,
         level: Literal["char", "word"] = "char",
         cell: CellName = "lstm",
-        norm: NormName = "layer",
+        norm: NormName | NormSpec = "layer",
         hidden_size: int = 256,
         embedding_dim: int = 64,
         num_layers: int = 1,
@@ -79,7 +79,7 @@ class LanguageModel(TaskModule):
             dropout,
             pad_index,
             tie_weights,
-            **self._rnn_kwargs(),
+            **self._rnn_kwargs(self._norm_spec(norm)),
         )
         self._init_metrics("loss")
 
