@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 from types import TracebackType
 from typing import Any

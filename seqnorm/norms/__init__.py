@@ -103,7 +103,17 @@ NormFactory = Callable[[int, Role, NormContext], "nn.Module | None"]
 
 
 NORM_KEYWORDS = frozenset(
-    {"eps", "momentum", "max_steps", "small_batch", "affine", "gamma_init", "beta_init", "input_stats", "beyond_max_steps"}
+    {
+        "eps",
+        "momentum",
+        "max_steps",
+        "small_batch",
+        "affine",
+        "gamma_init",
+        "beta_init",
+        "input_stats",
+        "beyond_max_steps",
+    }
 )
 """Spec fields that cells and layers also take as keywords (today's API); the rest go through the spec or
 ``norm_options``."""
@@ -176,7 +186,9 @@ def _batch_norm(renorm: bool) -> NormFactory:
             "dtype": ctx.dtype,
         }
         if renorm:
-            kwargs.update({name: getattr(spec, name) for name in ("r_max", "d_max", "warmup", "r_max_steps", "d_max_steps")})
+            kwargs.update(
+                {name: getattr(spec, name) for name in ("r_max", "d_max", "warmup", "r_max_steps", "d_max_steps")}
+            )
         if role == "input" and spec.input_stats == "sequence":
             return (SequenceBatchRenorm if renorm else SequenceBatchNorm)(features, **kwargs)
         kwargs["beyond_max_steps"] = spec.beyond_max_steps
