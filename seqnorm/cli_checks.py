@@ -8,11 +8,15 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from jsonargparse import Namespace
+
+from seqnorm.lightning.checkpoint_io import names_class
+from seqnorm.norms import NORMS, NormSpec, spec_from_dict
 
 __all__ = [
     "EVALUATION_FREE",
@@ -55,11 +59,13 @@ def apply_checkpoint_hparams(
     for name, saved in hparams.items():
         if name.startswith("_") or name in LINKED_FROM_DATA or name not in init_args:
             continue
+        if name == "norm":
+            saved = _norm_config(saved, f"--ckpt_path {ckpt_path}: hyper_parameters.norm")
         if given is None or name not in given:
             init_args[name] = saved
             continue
         value = given[name]
-        if value == saved or (subcommand != "fit" and name in EVALUATION_FREE):
+        if _same(name, value, saved) or (subcommand != "fit" and name in EVALUATION_FREE):
             continue
         keeps = "a resumed run keeps" if subcommand == "fit" else f"`{subcommand}` uses"
         raise ValueError(
@@ -67,6 +73,35 @@ def apply_checkpoint_hparams(
             f"{keeps} the checkpoint's model: drop the flag (or that line of the --config file), or start a new "
             "run without --ckpt_path"
         )
+
+
+def _norm_config(saved: Any, owner: str) -> Any:
+    """A saved ``norm`` as the parsed config writes it: a name as it is; a spec's plain data as a ``class_path``
+    namespace whose class comes from seqnorm's registry (:func:`~seqnorm.norms.spec_from_dict`), not from the file.
+    """
+    if isinstance(saved, str):
+        return saved
+    spec = spec_from_dict(saved, owner)
+    return Namespace(class_path=f"seqnorm.norms.{type(spec).__name__}", init_args=Namespace(**asdict(spec)))
+
+
+def _as_spec(value: Any) -> Any:
+    """A ``norm`` config value (a name, or a spec's ``class_path`` namespace) as the spec it makes, for comparing."""
+    if isinstance(value, str) and value in NORMS:
+        return NORMS[value].spec()
+    if isinstance(value, NormSpec):
+        return value
+    if isinstance(value, Namespace) and isinstance(value.get("class_path"), str):
+        for scheme in NORMS.values():
+            if names_class(value.class_path, scheme.spec):
+                init_args = value.get("init_args")
+                return scheme.spec(**(vars(init_args) if init_args else {}))
+    return value
+
+
+def _same(name: str, value: Any, saved: Any) -> bool:
+    # `--model.norm batch` means the spec the checkpoint saved as {"name": "batch", <defaults>}
+    return value == saved or (name == "norm" and _as_spec(value) == _as_spec(saved))
 
 
 def _data_flag(data: Namespace | None) -> str:

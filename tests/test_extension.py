@@ -7,6 +7,7 @@ The regression this guards: a 3-gate cell without cell state under ``norm="none"
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import pytest
@@ -17,7 +18,7 @@ from torch.testing import assert_close
 import seqnorm
 from seqnorm.cells.base import RecurrentCell
 from seqnorm.layers import RecurrentLayer
-from seqnorm.norms import NORMS, NormScheme
+from seqnorm.norms import NORMS, NormScheme, NormSpec
 from tests.conftest import CELLS, LAYERS, TORCH_KINDS
 
 TOLERANCE = {"rtol": 1e-9, "atol": 1e-9}
@@ -102,12 +103,24 @@ class LoopScaleNorm(ScaleNorm):
         return self.forward(x)
 
 
+@dataclass(frozen=True, kw_only=True)
+class ScaleNormSpec(NormSpec):
+    """The toy norm's spec: it has no options."""
+
+    name: ClassVar[str] = "scale"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoopScaleNormSpec(NormSpec):
+    name: ClassVar[str] = "scale_loop"
+
+
 @pytest.fixture
 def toy_norms() -> Iterator[None]:
-    """Registered the way norms are today (``seqnorm.norms.NORMS``; norm spec objects are being reworked)."""
+    """A new norm is a module, a spec and one registry entry (``seqnorm.norms.NORMS``)."""
     added = {
-        "scale": NormScheme("scale", lambda features, role, ctx: ScaleNorm(features)),
-        "scale_loop": NormScheme("scale_loop", lambda features, role, ctx: LoopScaleNorm(features)),
+        "scale": NormScheme("scale", ScaleNormSpec, lambda features, role, ctx: ScaleNorm(features)),
+        "scale_loop": NormScheme("scale_loop", LoopScaleNormSpec, lambda features, role, ctx: LoopScaleNorm(features)),
     }
     NORMS.update(added)
     yield

@@ -13,9 +13,9 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrizations, parametrize
 
 from seqnorm.init import init_recurrent_, resolve_init
-from seqnorm.norms import BeyondMaxSteps, NormContext, NormScheme, SmallBatchPolicy, check_placement, get_norm
+from seqnorm.norms import NORMS, BeyondMaxSteps, NormContext, NormSpec, SmallBatchPolicy, check_placement, resolve_norm
 
-__all__ = ["RecurrentCell", "StepObserver", "check_options", "check_positive_int", "check_proj_size", "check_rate"]
+__all__ = ["RecurrentCell", "StepObserver", "check_positive_int", "check_proj_size", "check_rate"]
 
 
 def check_proj_size(owner: str, proj_size: object, hidden_size: int, supported: bool) -> int:
@@ -40,18 +40,6 @@ def check_positive_int(owner: str, name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{owner}: expected {name} to be a positive int, got {value!r}")
     return value
-
-
-def check_options(
-    owner: str, norm: str, init: str, max_steps: int, small_batch: str, norm_options: Mapping[str, Any] | None
-) -> tuple[NormScheme, str]:
-    """Validate the options cells and layers share, naming ``owner``; returns the norm scheme and the init name."""
-    scheme = get_norm(norm, owner, norm_options)
-    init = resolve_init(init, owner)
-    check_positive_int(owner, "max_steps", max_steps)
-    if small_batch not in ("error", "running"):
-        raise ValueError(f"{owner}: expected small_batch to be 'error' or 'running', got {small_batch!r}")
-    return scheme, init
 
 
 class StepObserver(nn.Module):
@@ -100,7 +88,7 @@ class RecurrentCell(nn.Module):
         hidden_size: int,
         bias: bool = True,
         *,
-        norm: str = "none",
+        norm: str | NormSpec = "none",
         max_steps: int = 100,
         init: str = "default",
         forget_bias: float | None = None,
@@ -130,26 +118,36 @@ class RecurrentCell(nn.Module):
         self.zoneout_c = check_rate(owner, "zoneout_c", zoneout_c)
         if self.zoneout_c and not self.has_cell_state:
             raise ValueError(f"{owner}: expected zoneout_c=0 (there is no cell state), got {zoneout_c!r}")
-        self.scheme, self.init = check_options(owner, norm, init, max_steps, small_batch, norm_options)
-        self.placement = check_placement(
+        # A layer passes the spec it resolved and no keywords: then this is a lookup, not a second validation.
+        self.norm_spec = resolve_norm(
             owner,
-            self.scheme,
+            norm,
             norm_options,
-            has_cell_state=self.has_cell_state,
-            norm_placement=norm_placement,
-            state_norm=state_norm,
+            eps=eps,
+            momentum=momentum,
+            max_steps=max_steps,
+            small_batch=small_batch,
             affine=affine,
             gamma_init=gamma_init,
             beta_init=beta_init,
             input_stats=input_stats,
             beyond_max_steps=beyond_max_steps,
         )
+        self.scheme = NORMS[self.norm_spec.name]
+        self.init = resolve_init(init, owner)
+        self.placement = check_placement(
+            owner,
+            self.norm_spec,
+            has_cell_state=self.has_cell_state,
+            norm_placement=norm_placement,
+            state_norm=state_norm,
+        )
         self.norm_placement = self.placement.norm_placement
         self.state_norm = self.placement.state_norm
-        self.max_steps = max_steps
+        self.max_steps: int = getattr(self.norm_spec, "max_steps", max_steps)
         self.bias = bool(bias)
-        self.norm = norm
-        if forget_bias is None and norm != "none" and self.forget_gate is not None:
+        self.norm = self.norm_spec.name  # the registry name, as before specs (paths and reprs read it)
+        if forget_bias is None and self.norm != "none" and self.forget_gate is not None:
             forget_bias = 1.0
         if forget_bias is not None and (self.forget_gate is None or not bias):
             warnings.warn(f"{owner}: forget_bias={forget_bias} has no effect without a forget gate bias", stacklevel=2)
@@ -172,9 +170,7 @@ class RecurrentCell(nn.Module):
         else:
             self.register_parameter("weight_hr", None)
 
-        context = NormContext(
-            owner, max_steps, eps, momentum, small_batch, dict(norm_options or {}), self.placement, device, dtype
-        )
+        context = NormContext(owner, self.norm_spec, device, dtype)
         joint = self.norm_placement == "joint"
         self.norm_ih: nn.Module | None = None if joint else self.scheme.build(gate_size, "input", context)
         self.norm_hh: nn.Module | None = None if joint else self.scheme.build(gate_size, "recurrent", context)
@@ -237,6 +233,9 @@ class RecurrentCell(nn.Module):
         defaults = type(self.placement)()
         for name, value in vars(self.placement).items():
             if value != getattr(defaults, name):
+                text += f", {name}={value!r}"
+        for name, value in self.norm_spec.options().items():
+            if name != "max_steps":  # shown above for the norms that use it
                 text += f", {name}={value!r}"
         return text
 

@@ -48,8 +48,13 @@ class LSTMCell(RecurrentCell):
         input_size: features of ``x``.
         hidden_size: features of ``c`` (and of ``h`` without a projection).
         bias: use ``b_ih`` and ``b_hh``. Default: ``True``.
-        norm: ``"none" | "layer" | "rms" | "weight" | "batch" | "batch_renorm"``. Default: ``"none"``.
-        max_steps: time steps with their own batch statistics; later steps reuse the last. Default: 100.
+        norm: ``"none" | "layer" | "rms" | "weight" | "batch" | "batch_renorm"`` (that norm's default options), or a
+            spec from :mod:`seqnorm.norms.specs` carrying its options, e.g. ``BatchNormSpec(momentum=0.05)``.
+            Default: ``"none"``. The norm options below are the same fields as keywords: each must belong to the
+            norm (``momentum`` with ``"layer"`` is a ``ValueError``), one at its default value is not given, and
+            one that contradicts the spec is an error.
+        max_steps: time steps with their own batch statistics; later steps reuse the last. Default: 100. Accepted
+            whatever the norm (ignored by norms without per-timestep statistics).
         init: ``"default" | "xavier" | "kaiming" | "orthogonal" | "identity"`` (see :mod:`seqnorm.init`).
         forget_bias: value of the forget gate bias after initialization. Default: 1.0 for normalized cells,
             ``None`` (torch's initialization untouched) for ``norm="none"``.
@@ -57,8 +62,8 @@ class LSTMCell(RecurrentCell):
         momentum: running-statistics momentum of the batch norms. Default: 0.1.
         small_batch: ``"error"`` (default) or ``"running"``: what a batch norm does in training at a step with
             fewer than 2 active rows (batch size 1): raise, or normalize with the running statistics of the step.
-        norm_options: norm-specific options: ``r_max, d_max, warmup, r_max_steps, d_max_steps`` for
-            ``"batch_renorm"``; ``mean_only_bn`` for ``"weight"``.
+        norm_options: the spec fields that have no keyword: ``r_max, d_max, warmup, r_max_steps, d_max_steps`` for
+            ``"batch_renorm"``; ``mean_only_bn`` for ``"weight"`` (kept for existing code; a spec says it directly).
         zoneout_h, zoneout_c: zoneout rates in ``[0, 1)`` of ``h`` and ``c`` (Krueger et al. 2016), drawn from
             torch's random generator at every training step. In evaluation zoneout is off (no draw, the same
             outputs as rates of 0), where Krueger et al. use the expectation ``rate * h + (1 - rate) * h'``: a model

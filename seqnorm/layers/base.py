@@ -23,14 +23,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
-from seqnorm.cells.base import RecurrentCell, check_options, check_positive_int, check_proj_size, check_rate
+from seqnorm.cells.base import RecurrentCell, check_positive_int, check_proj_size, check_rate
+from seqnorm.init import resolve_init
 from seqnorm.layers.dropout import draw_sequence_masks
 from seqnorm.layers.fast import IMPLS, Impl, run_fast, run_fused, step_cell
 from seqnorm.layers.keys import TORCH_KEY, from_torch_keys, to_torch_keys
 from seqnorm.layers.plan import Plan, log, plan_for
 from seqnorm.layers.stack import PaddingLayout, padding_layout, run_stack
 from seqnorm.layers.stepping import lean_layer_step
-from seqnorm.norms import BeyondMaxSteps, SmallBatchPolicy, check_placement, get_norm
+from seqnorm.norms import BeyondMaxSteps, NormSpec, SmallBatchPolicy, check_placement, resolve_norm
 
 __all__ = ["RecurrentLayer", "RecurrentState"]
 
@@ -70,7 +71,7 @@ class RecurrentLayer(nn.Module):
         zoneout_h: float = 0.0,
         zoneout_c: float = 0.0,
         proj_size: int = 0,
-        norm: str = "none",
+        norm: str | NormSpec = "none",
         max_steps: int = 100,
         init: str = "default",
         forget_bias: float | None = None,
@@ -97,18 +98,24 @@ class RecurrentLayer(nn.Module):
         self.input_size = check_positive_int(owner, "input_size", input_size)
         self.hidden_size = check_positive_int(owner, "hidden_size", hidden_size)
         self.num_layers = check_positive_int(owner, "num_layers", num_layers)
-        check_options(owner, norm, init, max_steps, small_batch, norm_options)
-        switches = {
-            "norm_placement": norm_placement,
-            "state_norm": state_norm,
-            "affine": affine,
-            "gamma_init": gamma_init,
-            "beta_init": beta_init,
-            "input_stats": input_stats,
-            "beyond_max_steps": beyond_max_steps,
-        }
-        has_c = self.cell_class.has_cell_state
-        check_placement(owner, get_norm(norm, owner, norm_options), norm_options, has_cell_state=has_c, **switches)
+        # Resolved and checked here, once: the cells get the spec and no norm keywords.
+        self.norm_spec = resolve_norm(
+            owner,
+            norm,
+            norm_options,
+            eps=eps,
+            momentum=momentum,
+            max_steps=max_steps,
+            small_batch=small_batch,
+            affine=affine,
+            gamma_init=gamma_init,
+            beta_init=beta_init,
+            input_stats=input_stats,
+            beyond_max_steps=beyond_max_steps,
+        )
+        init = resolve_init(init, owner)
+        switches = {"norm_placement": norm_placement, "state_norm": state_norm}
+        check_placement(owner, self.norm_spec, has_cell_state=self.cell_class.has_cell_state, **switches)
         self.dropout = check_rate(owner, "dropout", dropout)
         self.recurrent_dropout = check_rate(owner, "recurrent_dropout", recurrent_dropout)
         self.input_dropout = check_rate(owner, "input_dropout", input_dropout)
@@ -121,21 +128,17 @@ class RecurrentLayer(nn.Module):
         self.batch_first = bool(batch_first)
         self.bidirectional = bool(bidirectional)
         self.proj_size = check_proj_size(owner, proj_size, hidden_size, self.cell_class.supports_projection)
-        self.norm = norm
+        self.norm = self.norm_spec.name
         directions = 2 if bidirectional else 1
         self.cells = nn.ModuleList(
             self.cell_class(
                 input_size if layer == 0 else self.state_size * directions,
                 hidden_size,
                 bias,
-                norm=norm,
-                max_steps=max_steps,
+                norm=self.norm_spec,
+                max_steps=max_steps,  # for the norms that ignore it (the spec holds it for those that use it)
                 init=init,
                 forget_bias=forget_bias,
-                eps=eps,
-                momentum=momentum,
-                small_batch=small_batch,
-                norm_options=norm_options,
                 zoneout_h=zoneout_h,
                 zoneout_c=zoneout_c,
                 proj_size=proj_size,
@@ -159,7 +162,8 @@ class RecurrentLayer(nn.Module):
         return self.proj_size or self.hidden_size
 
     def extra_repr(self) -> str:
-        text = f"{self.input_size}, {self.hidden_size}, num_layers={self.num_layers}, norm={self.norm!r}"
+        shown = self.norm_spec if self.norm_spec.options() else self.norm
+        text = f"{self.input_size}, {self.hidden_size}, num_layers={self.num_layers}, norm={shown!r}"
         for name in ("batch_first", "bidirectional"):
             if getattr(self, name):
                 text += f", {name}=True"

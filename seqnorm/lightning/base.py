@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
@@ -24,6 +25,7 @@ from seqnorm.lightning.resume import (
     settle_restart_totals,
     snapshot_random_states,
 )
+from seqnorm.norms import NormSpec, resolve_norm, spec_from_dict
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -35,7 +37,7 @@ DATA_STATE_KEY = "seqnorm_data"
 
 EVAL_STAGES = ("val", "test")
 RNN_ARGUMENTS = ("norm", "recurrent_dropout", "init", "max_steps", "small_batch")
-"""Arguments of both task modules that go to the recurrent layer as they are."""
+"""Arguments of both task modules that go to the recurrent layer (``small_batch`` folded into the norm's spec)."""
 
 
 class TaskModule(pl.LightningModule):
@@ -67,25 +69,48 @@ class TaskModule(pl.LightningModule):
         flag = f"{cls.__name__}.load_from_checkpoint"
         checkpoint = read_checkpoint(checkpoint_path, flag)
         task_class(checkpoint, _subclasses(cls), checkpoint_path, flag)
-        del checkpoint  # Lightning reads the file again; only the check needed it
+        norm = checkpoint["hyper_parameters"].get("norm")
+        if isinstance(norm, Mapping) and "norm" not in kwargs:
+            # A spec saved as plain data: made here by the registry, handed over as an object (jsonargparse, which
+            # Lightning builds CLI checkpoints with, checks `norm` against its type and would refuse the dict).
+            kwargs["norm"] = spec_from_dict(norm, f"{flag}: {checkpoint_path}: hyper_parameters.norm")
+        del checkpoint  # Lightning reads the file again; only the checks needed it
         return super().load_from_checkpoint(
             checkpoint_path, map_location, hparams_file, strict, weights_only=True, **kwargs
         )
 
-    def _rnn_kwargs(self) -> dict[str, Any]:
-        """The recurrent layer's keyword arguments: the model's own (:data:`RNN_ARGUMENTS`) plus ``rnn_options``.
+    def _norm_spec(self, norm: str | NormSpec | Mapping[str, Any]) -> NormSpec:
+        """The spec of ``norm`` with the model's ``max_steps`` and ``small_batch``; ``hparams.norm`` becomes data.
+
+        Call it right after ``save_hyperparameters()``. Checkpoints hold plain values only (they are read with
+        ``weights_only=True``, and a ``class_path`` in their hyperparameters is refused:
+        :mod:`~seqnorm.lightning.checkpoint_io`), so a spec is saved as ``spec.to_dict()``, which only seqnorm's
+        registry turns back into a spec; a name stays a name, as the shipped configs write it.
+        """
+        owner = type(self).__name__
+        if isinstance(norm, Mapping):  # what a checkpoint holds
+            norm = spec_from_dict(norm, owner)
+        plain = norm.to_dict() if isinstance(norm, NormSpec) else norm
+        self.hparams["norm"] = plain
+        if hasattr(self, "_hparams_initial"):  # what loggers record (hparams.yaml): the same plain data
+            self._hparams_initial["norm"] = plain
+        return resolve_norm(owner, norm, max_steps=self.hparams.max_steps, small_batch=self.hparams.small_batch)
+
+    def _rnn_kwargs(self, norm: NormSpec) -> dict[str, Any]:
+        """The recurrent layer's keyword arguments: ``norm`` (:meth:`_norm_spec`), the model's own
+        (:data:`RNN_ARGUMENTS`) and ``rnn_options``.
 
         Read from the saved hyperparameters, so call it after ``save_hyperparameters()``.
         """
-        named = {name: self.hparams[name] for name in RNN_ARGUMENTS}
+        named = {name: self.hparams[name] for name in RNN_ARGUMENTS if name != "small_batch"}
         options = dict(self.hparams.rnn_options or {})
-        clash = sorted(set(options) & set(named))
+        clash = sorted(set(options) & set(RNN_ARGUMENTS))
         if clash:
             raise ValueError(
                 f"{type(self).__name__}: expected rnn_options without arguments the model takes itself, got "
                 f"{', '.join(clash)} (use --model.{clash[0]})"
             )
-        return {**named, **options}
+        return {**named, "norm": norm, **options}
 
     def _init_metrics(self, *names: str) -> None:
         self.epoch_metrics = nn.ModuleDict({f"{stage}_{name}": MeanMetric() for stage in EVAL_STAGES for name in names})

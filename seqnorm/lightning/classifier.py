@@ -9,7 +9,7 @@ from torch import Tensor
 
 from seqnorm.lightning.base import TaskModule
 from seqnorm.models import CellName, Pooling, RNNClassifier
-from seqnorm.norms import NormName
+from seqnorm.norms import NormName, NormSpec
 
 __all__ = ["SequenceClassifier"]
 
@@ -34,7 +34,7 @@ class SequenceClassifier(TaskModule):
         num_classes: int,
         pad_index: int = 0,
         cell: CellName = "lstm",
-        norm: NormName = "layer",
+        norm: NormName | NormSpec = "layer",
         hidden_size: int = 128,
         embedding_dim: int = 64,
         num_layers: int = 1,
@@ -62,7 +62,7 @@ class SequenceClassifier(TaskModule):
             pooling,
             dropout,
             pad_index,
-            **self._rnn_kwargs(),
+            **self._rnn_kwargs(self._norm_spec(norm)),
         )
         self._init_metrics("loss", "acc")
 

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from seqnorm.lightning.base import TaskModule
 from seqnorm.models import CellName, RNNLanguageModel
-from seqnorm.norms import NormName
+from seqnorm.norms import NormName, NormSpec
 
 __all__ = ["LanguageModel"]
 
@@ -26,22 +26,27 @@ class LanguageModel(TaskModule):
         pad_index: the padding id; linked from the DataModule.
         level: ``"char"`` (reports bpc) or ``"word"`` (reports perplexity); linked from the DataModule.
         cell: ``"lstm"`` or ``"gru"``.
-        norm: normalization inside every cell (see :class:`seqnorm.LSTMCell`).
+        norm: normalization inside every cell: a registry name (``--model.norm layer``) or a spec carrying its
+            options (``--model.norm.class_path seqnorm.norms.BatchNormSpec --model.norm.init_args.momentum 0.05``;
+            see :mod:`seqnorm.norms.specs`). Checkpoints keep a spec as plain data (``spec.to_dict()``).
         hidden_size: recurrent state size.
         embedding_dim: token embedding size.
         num_layers: stacked recurrent layers.
         dropout: dropout on embeddings, between layers and before the output projection.
         recurrent_dropout: variational dropout on the recurrent state.
         init: weight initialization scheme (see :mod:`seqnorm.init`).
-        max_steps: time steps with their own batch-norm statistics (per-timestep BN only).
+        max_steps: time steps with their own batch-norm statistics (per-timestep BN only; folded into the spec,
+            accepted whatever the norm).
         small_batch: what per-timestep BN does at a step with fewer than 2 active rows: ``"error"`` or
             ``"running"`` (normalize with running statistics). With variable-length batches the tail of the longest
-            sequence is such a step, so BN runs on text usually need ``"running"``.
+            sequence is such a step, so BN runs on text usually need ``"running"``. Folded into the spec; with a
+            norm without batch statistics, ``"running"`` is a ``ValueError``.
         tie_weights: share the embedding and output matrices (``embedding_dim`` must equal ``hidden_size``).
-        rnn_options: further keyword arguments of :class:`seqnorm.LSTM` / :class:`seqnorm.GRU`: the placement
-            switches (``norm_placement``, ``state_norm``, ``affine``, ``gamma_init``, ``beta_init``, ``input_stats``,
-            ``beyond_max_steps``), regularizers (``zoneout_h``, ``zoneout_c``, ``input_dropout``,
-            ``weight_dropout``), ``eps``, ``momentum``, ``norm_options``, ``forget_bias``, ``proj_size``, ...
+        rnn_options: further keyword arguments of :class:`seqnorm.LSTM` / :class:`seqnorm.GRU` that are not norm
+            options: the cell switches ``norm_placement`` and ``state_norm``, regularizers (``zoneout_h``,
+            ``zoneout_c``, ``input_dropout``, ``weight_dropout``), ``forget_bias``, ``proj_size``, ``impl``. The
+            norm keywords (``eps``, ``momentum``, ``affine``, ``beyond_max_steps``, ``norm_options``, ...) still
+            work here for existing configs; ``norm``'s spec is where they belong.
         lr: Adam learning rate (the CLI's ``--optimizer`` replaces Adam entirely).
         weight_decay: Adam weight decay.
     """
@@ -52,7 +57,7 @@ class LanguageModel(TaskModule):
         pad_index: int = 0,
         level: Literal["char", "word"] = "char",
         cell: CellName = "lstm",
-        norm: NormName = "layer",
+        norm: NormName | NormSpec = "layer",
         hidden_size: int = 256,
         embedding_dim: int = 64,
         num_layers: int = 1,
@@ -79,7 +84,7 @@ class LanguageModel(TaskModule):
             dropout,
             pad_index,
             tie_weights,
-            **self._rnn_kwargs(),
+            **self._rnn_kwargs(self._norm_spec(norm)),
         )
         self._init_metrics("loss")
 

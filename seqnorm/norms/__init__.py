@@ -4,17 +4,16 @@ A cell asks the registry for a :class:`NormScheme` and builds from it up to thre
 term ``W_ih x``, ``norm_hh`` on the recurrent term ``W_hh h`` and ``norm_c`` on the LSTM cell state before its output
 ``tanh`` (the carried cell state stays raw, as in Ba et al. and Cooijmans et al.) — or, with the placement switches
 of :class:`Placement`, one ``norm_gates`` over the sum of the two terms and an ``N_c`` whose output is carried.
-Every norm is called as ``norm(x, step, mask)``. Adding a norm means writing its module and one registry entry here
-(with what it supports of the switches); cells do not change.
+Every norm is called as ``norm(x, step, mask)``. A norm's options travel in its spec (:mod:`seqnorm.norms.specs`);
+adding a norm means writing its module, its spec and one registry entry here; cells do not change.
 Under ``torch.autocast`` every norm computes its statistics in float32 (:mod:`seqnorm.norms.precision`); a new norm
 gets that by decorating its methods with :func:`float32_statistics`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -25,24 +24,46 @@ from seqnorm.norms.layer import LayerNorm, RMSNorm
 from seqnorm.norms.precision import float32_statistics
 from seqnorm.norms.renorm import TimestepBatchRenorm
 from seqnorm.norms.sequence import SequenceBatchNorm, SequenceBatchRenorm
+from seqnorm.norms.specs import (
+    BatchNormSpec,
+    BatchRenormSpec,
+    LayerNormSpec,
+    NoNormSpec,
+    NormSpec,
+    RMSNormSpec,
+    WeightNormSpec,
+    checked,
+    default_of,
+    field_names,
+)
 
 __all__ = [
     "NORMS",
+    "NORM_KEYWORDS",
+    "BatchNormSpec",
+    "BatchRenormSpec",
     "BeyondMaxSteps",
     "LayerNorm",
+    "LayerNormSpec",
+    "NoNormSpec",
     "NormContext",
     "NormName",
     "NormScheme",
+    "NormSpec",
     "Placement",
     "RMSNorm",
+    "RMSNormSpec",
     "SequenceBatchNorm",
     "SequenceBatchRenorm",
     "SmallBatchPolicy",
     "TimestepBatchNorm",
     "TimestepBatchRenorm",
+    "WeightNormSpec",
     "check_placement",
     "float32_statistics",
     "get_norm",
+    "resolve_norm",
+    "spec_from_dict",
 ]
 
 NormName = Literal["none", "layer", "rms", "weight", "batch", "batch_renorm"]
@@ -51,7 +72,10 @@ Role = Literal["input", "recurrent", "gates", "state"]
 
 @dataclass(frozen=True)
 class Placement:
-    r"""Where and how the norms sit in a cell: the placement switches every cell and layer accepts.
+    r"""Where the norms sit in a cell: the switches that change the cell's equations, so stay on the cell.
+
+    The norm's own options (``affine``, ``gamma_init``, ``input_stats``, ...) are fields of its spec
+    (:mod:`seqnorm.norms.specs`).
 
     Attributes:
         norm_placement: ``"separate"`` (default): ``N_ih(W_ih x) + N_hh(W_hh h) + b`` (Ba et al., Cooijmans et al.);
@@ -59,41 +83,40 @@ class Placement:
             recurrent term by ``r``, so the sum is not a single term there).
         state_norm: ``"output"`` (default): ``h' = o * tanh(N_c(c'))`` with the raw ``c'`` carried; ``"carried"``:
             ``c' <- N_c(c')`` is the new cell state too (LSTM only).
-        affine: learn the norms' gains γ (and the cell-state shift β); ``False``: bare normalizations.
-        gamma_init: initial γ; ``None``: the norm's own default (0.1 for batch norms, Cooijmans et al.; 1.0 for
-            layer/RMS norms).
-        beta_init: initial β of the cell-state norm (gate terms have no β: the cell bias follows them).
-        input_stats: ``"timestep"`` (default): per-timestep statistics for the input term's batch norm;
-            ``"sequence"``: statistics over batch × time, excluding padding (BN-e*, Deep Speech 2).
-        beyond_max_steps: ``"last"`` (default) or ``"pooled"``: statistics of per-timestep batch norms at steps
-            ``t >= max_steps`` (:mod:`seqnorm.norms.batch`).
     """
 
     norm_placement: Literal["separate", "joint"] = "separate"
     state_norm: Literal["output", "carried"] = "output"
-    affine: bool = True
-    gamma_init: float | None = None
-    beta_init: float = 0.0
-    input_stats: Literal["timestep", "sequence"] = "timestep"
-    beyond_max_steps: BeyondMaxSteps = "last"
 
 
 @dataclass(frozen=True)
 class NormContext:
-    """What a cell tells the registry when it builds its norms."""
+    """What a cell tells the registry when it builds its norms: who asks (for messages), the spec, the factory."""
 
     owner: str
-    max_steps: int = 100
-    eps: float = 1e-5
-    momentum: float = 0.1
-    small_batch: SmallBatchPolicy = "error"
-    options: Mapping[str, Any] = field(default_factory=dict)
-    placement: Placement = Placement()
+    spec: NormSpec
     device: torch.device | str | None = None
     dtype: torch.dtype | None = None
 
 
 NormFactory = Callable[[int, Role, NormContext], "nn.Module | None"]
+
+
+NORM_KEYWORDS = frozenset(
+    {
+        "eps",
+        "momentum",
+        "max_steps",
+        "small_batch",
+        "affine",
+        "gamma_init",
+        "beta_init",
+        "input_stats",
+        "beyond_max_steps",
+    }
+)
+"""Spec fields that cells and layers also take as keywords (today's API); the rest go through the spec or
+``norm_options``."""
 
 
 @dataclass(frozen=True)
@@ -102,21 +125,26 @@ class NormScheme:
 
     Attributes:
         name: the registry name.
+        spec: the spec class of this norm (:mod:`seqnorm.norms.specs`); ``spec()`` is what the name means.
         build: factory of the norm for a role: ``"input"`` / ``"recurrent"`` (the ``W_ih x`` and ``W_hh h`` terms,
             ``4H``/``3H`` features), ``"gates"`` (their sum, with ``norm_placement="joint"``) or ``"state"`` (the
             LSTM cell state, ``H`` features); returns ``None`` where nothing is applied.
         weight_norm: reparametrize ``weight_ih`` and ``weight_hh`` as ``g * v / ||v||`` per output row.
         batch_statistics: whether training uses statistics over the batch (so needs >= 2 active rows).
-        options: names accepted in ``norm_options`` for this scheme.
         switches: the :class:`Placement` fields this scheme gives a meaning to (others must keep their defaults).
     """
 
     name: str
+    spec: type[NormSpec]
     build: NormFactory
     weight_norm: bool = False
     batch_statistics: bool = False
-    options: frozenset[str] = frozenset()
     switches: frozenset[str] = frozenset()
+
+    @property
+    def options(self) -> frozenset[str]:
+        """Names accepted in ``norm_options``: the spec's fields that cells and layers do not take as keywords."""
+        return frozenset(field_names(self.spec)) - NORM_KEYWORDS
 
 
 def _nothing(features: int, role: Role, ctx: NormContext) -> None:
@@ -125,15 +153,15 @@ def _nothing(features: int, role: Role, ctx: NormContext) -> None:
 
 def _row_norm(cls: type[LayerNorm] | type[RMSNorm]) -> NormFactory:
     def build(features: int, role: Role, ctx: NormContext) -> nn.Module:
-        placement = ctx.placement
+        spec: LayerNormSpec = ctx.spec  # type: ignore[assignment]
         # The gate terms are followed by the cell bias, so only the state norm learns a shift.
         return cls(
             features,
-            eps=ctx.eps,
-            gain=1.0 if placement.gamma_init is None else placement.gamma_init,
+            eps=spec.eps,
+            gain=1.0 if spec.gamma_init is None else spec.gamma_init,
             center=role == "state",
-            affine=placement.affine,
-            shift=placement.beta_init,
+            affine=spec.affine,
+            shift=spec.beta_init,
             device=ctx.device,
             dtype=ctx.dtype,
         )
@@ -143,72 +171,65 @@ def _row_norm(cls: type[LayerNorm] | type[RMSNorm]) -> NormFactory:
 
 def _batch_norm(renorm: bool) -> NormFactory:
     def build(features: int, role: Role, ctx: NormContext) -> nn.Module:
-        placement = ctx.placement
+        spec: BatchRenormSpec = ctx.spec  # type: ignore[assignment]
         kwargs: dict[str, Any] = {
-            "eps": ctx.eps,
-            "momentum": ctx.momentum,
+            "eps": spec.eps,
+            "momentum": spec.momentum,
             # Cooijmans et al.: γ = 0.1 keeps the gates out of saturation at the start
-            "gain": 0.1 if placement.gamma_init is None else placement.gamma_init,
+            "gain": 0.1 if spec.gamma_init is None else spec.gamma_init,
             "center": role == "state",  # β of the gate terms is fixed at 0
-            "affine": placement.affine,
-            "shift": placement.beta_init,
-            "small_batch": ctx.small_batch,
+            "affine": spec.affine,
+            "shift": spec.beta_init,
+            "small_batch": spec.small_batch,
             "owner": ctx.owner,
             "device": ctx.device,
             "dtype": ctx.dtype,
         }
-        options = dict(ctx.options) if renorm else {}
-        if role == "input" and placement.input_stats == "sequence":
-            return (SequenceBatchRenorm if renorm else SequenceBatchNorm)(features, **kwargs, **options)
-        kwargs["beyond_max_steps"] = placement.beyond_max_steps
-        return (TimestepBatchRenorm if renorm else TimestepBatchNorm)(features, ctx.max_steps, **kwargs, **options)
+        if renorm:
+            kwargs.update(
+                {name: getattr(spec, name) for name in ("r_max", "d_max", "warmup", "r_max_steps", "d_max_steps")}
+            )
+        if role == "input" and spec.input_stats == "sequence":
+            return (SequenceBatchRenorm if renorm else SequenceBatchNorm)(features, **kwargs)
+        kwargs["beyond_max_steps"] = spec.beyond_max_steps
+        return (TimestepBatchRenorm if renorm else TimestepBatchNorm)(features, spec.max_steps, **kwargs)
 
     return build
 
 
 def _weight_norm_companion(features: int, role: Role, ctx: NormContext) -> nn.Module | None:
     # Salimans & Kingma's optional mean-only BN: per-timestep centering of the gate terms, no scaling.
-    if role == "state" or not ctx.options.get("mean_only_bn", False):
+    spec: WeightNormSpec = ctx.spec  # type: ignore[assignment]
+    if role == "state" or not spec.mean_only_bn:
         return None
     return TimestepBatchNorm(
         features,
-        ctx.max_steps,
-        eps=ctx.eps,
-        momentum=ctx.momentum,
+        spec.max_steps,
+        eps=spec.eps,
+        momentum=spec.momentum,
         scale=False,
         center=False,
-        small_batch=ctx.small_batch,
-        beyond_max_steps=ctx.placement.beyond_max_steps,
+        small_batch=spec.small_batch,
+        beyond_max_steps=spec.beyond_max_steps,
         owner=ctx.owner,
         device=ctx.device,
         dtype=ctx.dtype,
     )
 
 
-_ALL_SWITCHES = frozenset(
-    {"norm_placement", "state_norm", "affine", "gamma_init", "beta_init", "input_stats", "beyond_max_steps"}
-)
-_ROW_SWITCHES = frozenset({"norm_placement", "state_norm", "affine", "gamma_init", "beta_init"})
+_SWITCHES = frozenset({"norm_placement", "state_norm"})
 
 NORMS: dict[str, NormScheme] = {
-    "none": NormScheme("none", _nothing),
-    "layer": NormScheme("layer", _row_norm(LayerNorm), switches=_ROW_SWITCHES),
-    "rms": NormScheme("rms", _row_norm(RMSNorm), switches=_ROW_SWITCHES),
+    "none": NormScheme("none", NoNormSpec, _nothing),
+    "layer": NormScheme("layer", LayerNormSpec, _row_norm(LayerNorm), switches=_SWITCHES),
+    "rms": NormScheme("rms", RMSNormSpec, _row_norm(RMSNorm), switches=_SWITCHES),
     # With mean-only BN the gate terms have a (parameter-free, per-timestep) norm that can sit jointly.
     "weight": NormScheme(
-        "weight",
-        _weight_norm_companion,
-        weight_norm=True,
-        options=frozenset({"mean_only_bn"}),
-        switches=frozenset({"norm_placement", "beyond_max_steps"}),
+        "weight", WeightNormSpec, _weight_norm_companion, weight_norm=True, switches=frozenset({"norm_placement"})
     ),
-    "batch": NormScheme("batch", _batch_norm(renorm=False), batch_statistics=True, switches=_ALL_SWITCHES),
+    "batch": NormScheme("batch", BatchNormSpec, _batch_norm(renorm=False), batch_statistics=True, switches=_SWITCHES),
     "batch_renorm": NormScheme(
-        "batch_renorm",
-        _batch_norm(renorm=True),
-        batch_statistics=True,
-        options=frozenset({"r_max", "d_max", "warmup", "r_max_steps", "d_max_steps"}),
-        switches=_ALL_SWITCHES,
+        "batch_renorm", BatchRenormSpec, _batch_norm(renorm=True), batch_statistics=True, switches=_SWITCHES
     ),
 }
 
@@ -227,73 +248,141 @@ def get_norm(name: str, owner: str, options: Mapping[str, Any] | None = None) ->
     return scheme
 
 
-_CHOICES: dict[str, tuple[Any, ...]] = {
-    "norm_placement": ("separate", "joint"),
-    "state_norm": ("output", "carried"),
-    "input_stats": ("timestep", "sequence"),
-    "beyond_max_steps": ("last", "pooled"),
-    "affine": (True, False),
-}
+def _supporting(name: str) -> str:
+    """The registry names whose spec has the field ``name``, quoted, as error messages list them."""
+    return ", ".join(repr(key) for key in sorted(NORMS) if name in field_names(NORMS[key].spec))
+
+
+def _not_given(name: str, value: object) -> bool:
+    # A keyword left at its default says nothing (as the placement switches always did): the LightningModules pass
+    # small_batch="error" whatever the norm, and old checkpoints hold it with norm="layer". `bool` apart: 1 == True.
+    default = _KEYWORD_DEFAULTS[name]
+    return value == default and isinstance(value, bool) == isinstance(default, bool)
+
+
+def resolve_norm(
+    owner: str, norm: str | NormSpec, norm_options: Mapping[str, Any] | None = None, **keywords: Any
+) -> NormSpec:
+    """The spec that ``norm=`` together with the norm keywords of a cell or layer means; errors name ``owner``.
+
+    ``norm`` is a registry name (its default spec) or a spec. ``keywords`` (a subset of :data:`NORM_KEYWORDS`)
+    and ``norm_options`` are folded into the spec; a keyword at its default is not given. A given option that the
+    norm does not have is a ``ValueError`` naming it — except ``max_steps``, which every cell and layer accepts
+    (``shared/DESIGN.md``) and norms without per-timestep statistics ignore. An option set both in a spec and as a
+    keyword (to different values) is an error too. A spec passed alone is returned as it is: it was checked when
+    it was made.
+    """
+    if isinstance(norm, NormSpec):
+        scheme = NORMS.get(norm.name)  # type: ignore[arg-type]
+        if scheme is None or type(norm) is not scheme.spec:
+            choices = ", ".join(f"{s.spec.__name__}" for s in NORMS.values())
+            raise ValueError(f"{owner}: expected a norm spec registered in seqnorm.NORMS ({choices}), got {norm!r}")
+        get_norm(norm.name, owner, norm_options)  # norm_options' names
+        spec, given = norm, True
+    else:
+        scheme = get_norm(norm, owner, norm_options)
+        spec, given = scheme.spec(), False
+    changes: dict[str, Any] = {}
+    for name, value in keywords.items():
+        if name not in NORM_KEYWORDS:
+            raise TypeError(f"resolve_norm: unexpected keyword {name!r}")
+        if _not_given(name, value):
+            continue
+        if name not in field_names(spec):
+            if name == "max_steps":
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(f"{owner}: expected max_steps to be a positive int, got {value!r}")
+                continue
+            raise ValueError(
+                f"{owner}: expected norm to be one of {_supporting(name)} for {name}={value!r}, got norm={spec.name!r}"
+            )
+        changes[name] = value
+    changes.update(norm_options or {})
+    for name, value in changes.items():
+        current = getattr(spec, name)
+        if given and current != default_of(type(spec), name) and current != value:
+            raise ValueError(
+                f"{owner}: expected {name}={current!r} as norm={spec!r} sets it (or no {name} beside the spec), got "
+                f"{name}={value!r}"
+            )
+    return checked(owner, spec, **changes) if changes else spec
+
+
+def spec_from_dict(data: Mapping[str, Any], owner: str) -> NormSpec:
+    """The spec that :meth:`NormSpec.to_dict` wrote, made by seqnorm's registry (never by a name from ``data``)."""
+    if not isinstance(data, Mapping) or not isinstance(data.get("name"), str):
+        raise ValueError(
+            f"{owner}: expected norm as a registry name or {{'name': <registry name>, <option>: <value>, ...}}, "
+            f"got {data!r}"
+        )
+    scheme = get_norm(data["name"], owner)
+    options = {key: value for key, value in data.items() if key != "name"}
+    unknown = sorted(set(options) - set(field_names(scheme.spec)))
+    if unknown:
+        accepted = ", ".join(field_names(scheme.spec)) or "none"
+        raise ValueError(f"{owner}: expected options of norm={scheme.name!r} ({accepted}), got {', '.join(unknown)}")
+    return checked(owner, scheme.spec(), **options)
 
 
 def check_placement(
     owner: str,
-    scheme: NormScheme,
-    options: Mapping[str, Any] | None,
+    spec: NormSpec,
     *,
     has_cell_state: bool,
-    **switches: Any,
+    norm_placement: str = "separate",
+    state_norm: str = "output",
 ) -> Placement:
-    """The :class:`Placement` of ``switches`` (keyword per field), or a ``ValueError`` naming ``owner`` and the switch.
+    """The :class:`Placement` of a cell, or a ``ValueError`` naming ``owner`` and the switch.
 
     A switch left at its default is always accepted; one set to something else must be a valid value that the
-    scheme supports and that makes sense for the cell (``has_cell_state``: an LSTM) and the other switches.
+    norm supports and that makes sense for the cell (``has_cell_state``: an LSTM) and for the spec.
     """
-    defaults = Placement()
-    placement = Placement(**switches)
-    changed = {name for name in switches if getattr(placement, name) != getattr(defaults, name)}
-    for name, choices in _CHOICES.items():
-        value = getattr(placement, name)
-        if value not in choices or type(value) is not type(choices[0]):
+    scheme = NORMS[spec.name]
+    for name, value, choices in (
+        ("norm_placement", norm_placement, ("separate", "joint")),
+        ("state_norm", state_norm, ("output", "carried")),
+    ):
+        if value not in choices or not isinstance(value, str):
             raise ValueError(f"{owner}: expected {name} to be one of {', '.join(map(repr, choices))}, got {value!r}")
-    for name in ("gamma_init", "beta_init"):
-        value = getattr(placement, name)
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-        ):
-            raise ValueError(f"{owner}: expected {name} to be a finite number, got {value!r}")
-    for name in sorted(changed - scheme.switches):
-        supported = sorted(n for n, s in NORMS.items() if name in s.switches)
+        if value != choices[0] and name not in scheme.switches:
+            supported = sorted(n for n, s in NORMS.items() if name in s.switches)
+            raise ValueError(
+                f"{owner}: expected norm to be one of {', '.join(map(repr, supported))} for {name}={value!r}, "
+                f"got norm={spec.name!r}"
+            )
+    placement = Placement(norm_placement, state_norm)  # type: ignore[arg-type]
+    if scheme.weight_norm and norm_placement == "joint" and not getattr(spec, "mean_only_bn", False):
         raise ValueError(
-            f"{owner}: expected norm to be one of {', '.join(map(repr, supported))} for {name}="
-            f"{getattr(placement, name)!r}, got norm={scheme.name!r}"
-        )
-    mean_only = bool((options or {}).get("mean_only_bn", False))
-    if scheme.weight_norm and changed and not mean_only:
-        raise ValueError(
-            f"{owner}: expected norm_options={{'mean_only_bn': True}} for "
-            f"{', '.join(f'{n}={getattr(placement, n)!r}' for n in sorted(changed))} with norm='weight' "
+            f"{owner}: expected norm_options={{'mean_only_bn': True}} for norm_placement='joint' with norm='weight' "
             "(weight norm alone has no norm to place), got no mean-only BN"
         )
-    if placement.norm_placement == "joint" and not has_cell_state:
+    if norm_placement == "joint" and not has_cell_state:
         raise ValueError(
             f"{owner}: expected norm_placement='separate' (the GRU candidate gates its recurrent term by r, so the "
             "input and recurrent terms are not one sum), got 'joint'"
         )
-    if placement.state_norm == "carried" and not has_cell_state:
+    if state_norm == "carried" and not has_cell_state:
         raise ValueError(f"{owner}: expected state_norm='output' (there is no cell state), got 'carried'")
-    if placement.input_stats == "sequence" and placement.norm_placement == "joint":
+    if getattr(spec, "input_stats", "timestep") == "sequence" and norm_placement == "joint":
         raise ValueError(
             f"{owner}: expected input_stats='timestep' with norm_placement='joint' (the joint norm sees the "
             "recurrent term, which exists one step at a time), got 'sequence'"
         )
-    if not placement.affine and ("gamma_init" in changed or "beta_init" in changed):
-        raise ValueError(
-            f"{owner}: expected gamma_init=None and beta_init=0 with affine=False (nothing to initialize), "
-            f"got gamma_init={placement.gamma_init!r}, beta_init={placement.beta_init!r}"
-        )
-    if "beta_init" in changed and not has_cell_state:
-        raise ValueError(
-            f"{owner}: expected beta_init=0 (only an LSTM's cell-state norm has a β), got {placement.beta_init!r}"
-        )
+    beta_init = getattr(spec, "beta_init", 0.0)
+    if beta_init != 0 and not has_cell_state:
+        raise ValueError(f"{owner}: expected beta_init=0 (only an LSTM's cell-state norm has a β), got {beta_init!r}")
     return placement
+
+
+def _keyword_defaults() -> dict[str, Any]:
+    # One default per keyword, taken from the specs (the cell and layer signatures repeat them for `help()`; a
+    # test checks that they agree).
+    found: dict[str, Any] = {}
+    for scheme in NORMS.values():
+        for name in field_names(scheme.spec):
+            if name in NORM_KEYWORDS:
+                found.setdefault(name, default_of(scheme.spec, name))
+    return found
+
+
+_KEYWORD_DEFAULTS = _keyword_defaults()

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import seqnorm
 from seqnorm.callbacks import HiddenStateStats
+from tests.conftest import running_fallback
 
 LENGTHS = [6, 4, 3, 1, 6, 5, 2, 2]  # two batches of 4; steps 4 and 5 of the first batch have one real row
 BATCH_NORM_LENGTHS = [6, 6, 3, 2, 6, 5, 2, 2]  # at least 2 real rows at every step of the first batch
@@ -34,7 +35,7 @@ class TinySequenceModel(pl.LightningModule):
     ) -> None:
         super().__init__()
         layer = {"lstm": seqnorm.LSTM, "gru": seqnorm.GRU}[cell]
-        options: dict[str, Any] = {"norm": norm, "small_batch": "running", "batch_first": True}
+        options: dict[str, Any] = {"norm": norm, **running_fallback(norm), "batch_first": True}
         self.body = nn.ModuleDict(
             {"encoder": layer(INPUT_SIZE, hidden_size, num_layers, bidirectional=bidirectional, **options)}
         )

@@ -1,0 +1,288 @@
+"""Norm specs: one frozen dataclass per registered norm, carrying exactly the options of that norm.
+
+``norm=`` takes a registry name (``"batch"``, the short form: that norm's default spec) or a spec
+(``BatchNormSpec(max_steps=256, momentum=0.05)``). A spec validates its fields once, when it is made; cells and layers
+build their norms from it without checking again. Each spec names its registry entry (``spec.name``).
+
+The specs are named ``<Norm>Spec`` because :mod:`seqnorm.norms` already exports the norm *modules*
+(:class:`~seqnorm.norms.LayerNorm`, :class:`~seqnorm.norms.RMSNorm`, ...); one suffix for all keeps the six parallel,
+and ``BatchNormSpec`` does not read like a module as torch's ``BatchNorm1d`` does.
+
+What is *not* here stays on the cell, because it changes the cell's equations rather than a norm:
+``norm_placement`` and ``state_norm`` (:class:`~seqnorm.norms.Placement`).
+
+In configs a spec is written as jsonargparse writes any class (``--model.norm.class_path
+seqnorm.norms.BatchNormSpec --model.norm.init_args.momentum 0.05``); in checkpoints as plain data
+(:meth:`NormSpec.to_dict`), which only seqnorm's registry turns back into a spec (:func:`seqnorm.norms.spec_from_dict`).
+"""
+
+from __future__ import annotations
+
+import math
+from contextvars import ContextVar
+from dataclasses import dataclass, fields, replace
+from typing import Any, ClassVar, Literal
+
+from seqnorm.norms.batch import BeyondMaxSteps, SmallBatchPolicy
+
+__all__ = [
+    "BatchNormSpec",
+    "BatchRenormSpec",
+    "InputStats",
+    "LayerNormSpec",
+    "NoNormSpec",
+    "NormSpec",
+    "RMSNormSpec",
+    "WeightNormSpec",
+    "checked",
+    "default_of",
+    "field_names",
+]
+
+InputStats = Literal["timestep", "sequence"]
+
+
+# Whom a failed check names: the spec itself, or the cell, layer or model that was given the options (`checked`).
+_owner: ContextVar[str | None] = ContextVar("seqnorm_norm_spec_owner", default=None)
+
+
+def _fail(owner: str, expected: str, got: object) -> ValueError:
+    return ValueError(f"{owner}: expected {expected}, got {got}")
+
+
+def _check_choice(owner: str, name: str, value: object, choices: tuple[Any, ...]) -> None:
+    # `type(...) is` so that 1 and 0 do not pass for True and False
+    if value not in choices or type(value) is not type(choices[0]):
+        raise _fail(owner, f"{name} to be one of {', '.join(map(repr, choices))}", repr(value))
+
+
+def _is_number(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _check_number(owner: str, name: str, value: object, low: float, what: str) -> None:
+    if not _is_number(value) or value < low:  # type: ignore[operator]
+        raise _fail(owner, f"{name} to be {what}", repr(value))
+
+
+def _check_int(owner: str, name: str, value: object, low: int, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise _fail(owner, f"{name} to be {what}", repr(value))
+
+
+class NormSpec:
+    """Base of the norm specs (not itself a dataclass, so configs can name any subclass by ``class_path``).
+
+    Subclasses are frozen dataclasses: hashable, comparable, and never changed after their check. ``name`` is the
+    registry entry the spec belongs to.
+    """
+
+    name: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        self.check(_owner.get() or type(self).__name__)
+
+    def check(self, owner: str) -> None:
+        """Raise a ``ValueError`` naming ``owner`` for a field out of range or options that contradict each other."""
+
+    def options(self) -> dict[str, Any]:
+        """The fields that differ from their defaults (what ``repr`` shows)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}  # type: ignore[arg-type]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for hyperparameters and checkpoints: ``{"name": <registry name>, <every field>: value}``."""
+        return {"name": self.name, **{f.name: getattr(self, f.name) for f in fields(self)}}  # type: ignore[arg-type]
+
+    def __repr__(self) -> str:
+        # Only what was set: a default spec reads `BatchNormSpec()`, as it is written.
+        return f"{type(self).__name__}({', '.join(f'{key}={value!r}' for key, value in self.options().items())})"
+
+
+def checked(owner: str, spec: NormSpec, **changes: Any) -> NormSpec:
+    """``dataclasses.replace(spec, **changes)``, its check failing with a ``ValueError`` that names ``owner``.
+
+    ``LSTM(3, 4, norm="batch", momentum=2.0)`` should read ``LSTM: expected momentum in [0, 1], got 2.0``: the user
+    typed ``LSTM``, not ``BatchNormSpec``.
+    """
+    token = _owner.set(owner)
+    try:
+        return replace(spec, **changes)  # type: ignore[type-var]
+    finally:
+        _owner.reset(token)
+
+
+def default_of(spec: type[NormSpec], name: str) -> Any:
+    """The default of field ``name`` of ``spec``."""
+    return next(f.default for f in fields(spec) if f.name == name)  # type: ignore[arg-type]
+
+
+def field_names(spec: type[NormSpec] | NormSpec) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(spec))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, repr=False, kw_only=True)
+class NoNormSpec(NormSpec):
+    """``norm="none"``: no normalization, exactly ``torch.nn.LSTMCell``/``GRUCell``. No options."""
+
+    name: ClassVar[str] = "none"
+
+
+@dataclass(frozen=True, repr=False, kw_only=True)
+class _Affine(NormSpec):
+    """The learned gain γ (and cell-state shift β) that layer, RMS and batch norms share."""
+
+    affine: bool = True
+    gamma_init: float | None = None
+    beta_init: float = 0.0
+
+    def check(self, owner: str) -> None:
+        _check_choice(owner, "affine", self.affine, (True, False))
+        for name in ("gamma_init", "beta_init"):
+            value = getattr(self, name)
+            if value is not None and not _is_number(value):
+                raise _fail(owner, f"{name} to be a finite number", repr(value))
+        if not self.affine and (self.gamma_init is not None or self.beta_init != 0):
+            raise _fail(
+                owner,
+                "gamma_init=None and beta_init=0 with affine=False (nothing to initialize)",
+                f"gamma_init={self.gamma_init!r}, beta_init={self.beta_init!r}",
+            )
+
+
+@dataclass(frozen=True, repr=False, kw_only=True)
+class _Row(_Affine):
+    eps: float = 1e-5
+
+    def check(self, owner: str) -> None:
+        _check_number(owner, "eps", self.eps, 0.0, "a non-negative finite number")
+        super().check(owner)
+
+
+@dataclass(frozen=True, repr=False, kw_only=True)
+class LayerNormSpec(_Row):
+    r"""``norm="layer"`` (Ba et al. 2016): each row normalized over its features, in training and evaluation alike.
+
+    Args:
+        eps: added to the variance. Default: 1e-5.
+        affine: learn the gains γ (and the cell-state norm's shift β); ``False``: bare normalizations.
+        gamma_init: initial γ; ``None``: 1.0.
+        beta_init: initial β of the LSTM cell-state norm (gate terms have no β: the cell bias follows them).
+    """
+
+    name: ClassVar[str] = "layer"
+
+
+@dataclass(frozen=True, repr=False, kw_only=True)
+class RMSNormSpec(_Row):
+    """``norm="rms"`` (Zhang & Sennrich 2019): rows scaled by their RMS; options as :class:`LayerNormSpec`."""
+
+    name: ClassVar[str] = "rms"
+
+
+@dataclass(frozen=True, repr=False, kw_only=True)
+class _Statistics(NormSpec):
+    """Options of per-timestep batch statistics (:class:`~seqnorm.norms.TimestepBatchNorm`)."""
+
+    eps: float = 1e-5
+    momentum: float = 0.1
+    max_steps: int = 100
+    small_batch: SmallBatchPolicy = "error"
+    beyond_max_steps: BeyondMaxSteps = "last"
+
+    def check(self, owner: str) -> None:
+        _check_number(owner, "eps", self.eps, 0.0, "a non-negative finite number")
+        if not _is_number(self.momentum) or not 0.0 <= self.momentum <= 1.0:
+            raise _fail(owner, "momentum in [0, 1]", repr(self.momentum))
+        _check_int(owner, "max_steps", self.max_steps, 1, "a positive int")
+        if self.small_batch not in ("error", "running"):
+            raise _fail(owner, "small_batch to be 'error' or 'running'", repr(self.small_batch))
+        _check_choice(owner, "beyond_max_steps", self.beyond_max_steps, ("last", "pooled"))
+
+
+@dataclass(frozen=True, repr=False, kw_only=True)
+class WeightNormSpec(_Statistics):
+    """``norm="weight"`` (Salimans & Kingma 2016): ``W = g · v/‖v‖`` per output row of ``W_ih`` and ``W_hh``.
+
+    Args:
+        mean_only_bn: add their mean-only batch norm: per-timestep centering of the gate terms, no scaling.
+        eps, momentum, max_steps, small_batch, beyond_max_steps: of that mean-only BN, as
+            :class:`BatchNormSpec`; with ``mean_only_bn=False`` they must keep their defaults (there are no
+            statistics to configure), except ``max_steps``, which every norm accepts and this one then ignores.
+    """
+
+    name: ClassVar[str] = "weight"
+    mean_only_bn: bool = False
+
+    def check(self, owner: str) -> None:
+        super().check(owner)
+        _check_choice(owner, "mean_only_bn", self.mean_only_bn, (True, False))
+        if not self.mean_only_bn:
+            # max_steps is accepted whatever the norm (shared/DESIGN.md), so it is ignored here rather than refused
+            unused = {key: value for key, value in self.options().items() if key not in ("mean_only_bn", "max_steps")}
+            if unused:
+                raise _fail(
+                    owner,
+                    f"mean_only_bn=True for {', '.join(f'{k}={v!r}' for k, v in unused.items())} with norm='weight' "
+                    "(they configure its mean-only batch norm)",
+                    "mean_only_bn=False",
+                )
+
+
+@dataclass(frozen=True, repr=False, kw_only=True)
+class _Batch(_Affine, _Statistics):
+    input_stats: InputStats = "timestep"
+
+    def check(self, owner: str) -> None:
+        _Statistics.check(self, owner)
+        _check_choice(owner, "input_stats", self.input_stats, ("timestep", "sequence"))
+        _Affine.check(self, owner)
+
+
+@dataclass(frozen=True, repr=False, kw_only=True)
+class BatchNormSpec(_Batch):
+    """``norm="batch"`` (Cooijmans et al. 2016): per-timestep batch statistics, γ initialized to 0.1, β of the gate
+    terms fixed at 0.
+
+    Args:
+        eps: added to the variance. Default: 1e-5.
+        momentum: weight of the new batch in the running moments. Default: 0.1.
+        max_steps: time steps with their own statistics; later steps follow ``beyond_max_steps``. Default: 100.
+        small_batch: ``"error"`` (default) or ``"running"``: what a training step with fewer than 2 active rows
+            does: raise, or normalize with the running statistics of the step.
+        beyond_max_steps: ``"last"`` (default) or ``"pooled"``: the statistics of steps ``t >= max_steps``
+            (:mod:`seqnorm.norms.batch`).
+        input_stats: ``"timestep"`` (default) or ``"sequence"``: the input term's statistics per step, or over
+            batch × time excluding padding (BN-e*, Deep Speech 2).
+        affine, gamma_init, beta_init: as :class:`LayerNormSpec`; ``gamma_init=None`` means 0.1.
+    """
+
+    name: ClassVar[str] = "batch"
+
+
+@dataclass(frozen=True, repr=False, kw_only=True)
+class BatchRenormSpec(_Batch):
+    """``norm="batch_renorm"`` (Ioffe 2017): :class:`BatchNormSpec` with the r/d correction and its schedule.
+
+    Args:
+        r_max: final bound of ``r``. Default: 3.0.
+        d_max: final bound of ``d``. Default: 5.0.
+        warmup: training batches (per step) of plain BN before the correction starts. Default: 5000.
+        r_max_steps: batches over which ``r_max`` ramps from 1. Default: 40000.
+        d_max_steps: batches over which ``d_max`` ramps from 0. Default: 25000.
+        the rest: as :class:`BatchNormSpec`.
+    """
+
+    name: ClassVar[str] = "batch_renorm"
+    r_max: float = 3.0
+    d_max: float = 5.0
+    warmup: int = 5000
+    r_max_steps: int = 40000
+    d_max_steps: int = 25000
+
+    def check(self, owner: str) -> None:
+        super().check(owner)
+        _check_number(owner, "r_max", self.r_max, 1.0, "a finite number >= 1")
+        _check_number(owner, "d_max", self.d_max, 0.0, "a finite number >= 0")
+        _check_int(owner, "warmup", self.warmup, 0, "an int >= 0")
+        _check_int(owner, "r_max_steps", self.r_max_steps, 1, "a positive int")
+        _check_int(owner, "d_max_steps", self.d_max_steps, 1, "a positive int")
