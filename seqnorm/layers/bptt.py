@@ -1,10 +1,11 @@
 """A hand-written backward through time for the fast path's recurrence (Haste's approach, in plain PyTorch ops).
 
 :func:`run_recurrence` runs one direction of one layer — what the fast path's loop of
-:meth:`~seqnorm.cells.base.RecurrentCell.recurrent_step` computes — as one ``torch.autograd.Function``. Its inputs
-are the projections ``W_ih x`` of all steps (one matmul with its own autograd graph; their norm — LayerNorm, RMSNorm
-or per-timestep BatchNorm — and the biases are applied step by step inside; without a norm, the input terms of
-:meth:`~seqnorm.cells.base.RecurrentCell.input_terms`), the initial state, ``W_hh^T`` and the norms' parameters.
+:meth:`~seqnorm.cells.base.RecurrentCell.step_unchecked` on hoisted input terms computes — as one
+``torch.autograd.Function``. Its inputs are the projections ``W_ih x`` of all steps (one matmul with its own autograd
+graph; their norm — LayerNorm, RMSNorm or per-timestep BatchNorm — and the biases are applied step by step inside;
+without a norm, the input terms of :meth:`~seqnorm.cells.base.RecurrentCell.input_terms`), the initial state,
+``W_hh^T`` and the norms' parameters.
 
 - **Forward**: the loop runs without recording a graph and saves only what the backward needs: the raw recurrent
   terms ``W_hh h``, the activated gates, for LSTMs the cell states and ``tanh(N_c(c))``, each norm's per-step
@@ -40,7 +41,7 @@ __all__ = ["run_recurrence", "supports"]
 
 
 def supports(cell: RecurrentCell, sequence: Tensor, state: Any, recurrent_mask: Tensor | None) -> bool:
-    """Whether :func:`run_recurrence` computes exactly what ``cell.recurrent_step`` would, and a gradient is wanted.
+    """Whether :func:`run_recurrence` computes exactly what the cell's hoisted steps would, and a gradient is wanted.
 
     The plan's own test (:func:`~seqnorm.layers.plan.bptt_blocker`) for one cell outside a layer.
     """

@@ -9,8 +9,8 @@
   time (:mod:`seqnorm.layers.bptt`), which restates torch's LSTM/GRU step: needs ``torch_kernel``, norms that
   declare the ``"bptt"`` form, and a gradient to compute. :attr:`Plan.cells` says which directions run it: one
   whose input, state and parameters need no gradient runs the loop.
-- ``"loop"``: the input side at once, then the cell's lean ``recurrent_step``: needs cells that declare
-  ``hoisted_step`` and norms that declare the ``"loop"`` form.
+- ``"loop"``: the input side at once, then the cell's ``step_unchecked`` given each step's input term: needs cells
+  that declare ``hoisted_step`` and norms that declare the ``"loop"`` form.
 - ``"reference"``: the cell's own ``step_unchecked`` at every step. Anything that declares nothing runs it, as do
   ``impl="reference"``, hooked observers (they need every step's record) and a batch norm about to raise its
   small-batch error (so the error, and what was updated before it, are the reference's own).
