@@ -35,7 +35,7 @@ from seqnorm.layers import bptt
 from seqnorm.layers.dropout import draw_sequence_masks
 from seqnorm.layers.plan import Plan, cell_kernel, plan_for
 from seqnorm.layers.stack import PaddingLayout, padding_layout, run_stack
-from seqnorm.layers.torch_ops import CELL_KERNELS, SEQUENCE_KERNELS
+from seqnorm.torch_ops import CELL_KERNELS, SEQUENCE_KERNELS
 
 if TYPE_CHECKING:
     from seqnorm.layers.base import RecurrentLayer

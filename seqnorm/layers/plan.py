@@ -76,14 +76,16 @@ def cell_kernel(cell: RecurrentCell) -> Literal["lstm", "gru"] | None:
 
 
 def norm_kind(module: nn.Module | None, form: FastForm) -> str | None:
-    """The kind under which the ``form`` (``"bptt"`` or ``"generation"``) restates ``module``; ``"none"`` for no
-    norm; ``None`` when the module does not declare that form or is configured beyond it."""
+    """The family (``fast_kind``) of ``module`` when it declares the ``form`` (``"bptt"`` or ``"generation"``) and
+    its options are within it; ``"none"`` for no norm; ``None`` otherwise. The form's math is the module's own
+    (:class:`~seqnorm.norms.protocol.StepPieces`); a norm outside the library's families declares no kind: ``"own"``.
+    """
     if module is None:
         return "none"
     if form not in declared(module, "fast_forms", frozenset()):
         return None
-    kind = declared(module, "fast_kind", None)
-    if kind is None or module.weight is None:
+    kind = declared(module, "fast_kind", None) or "own"
+    if getattr(module, "weight", None) is None:
         return None
     # Mean-only BN and pooled statistics beyond max_steps (beyond_max_steps="pooled") are the module's own.
     if kind in _BATCH_KINDS and (not module.scale or module.beyond_max_steps != "last"):
