@@ -278,28 +278,26 @@ class RecurrentCell(nn.Module):
         input_normed: Tensor | None = None,
         input_term: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """The step's input and recurrent terms ``(N_ih(W_ih x) + folded_bias(), N_hh(W_hh h) + recurrent_bias())``.
+        """The (normalized) input and recurrent terms ``N(W_ih x) + b_ih`` and ``N(W_hh h) + b_hh``.
 
         With ``norm_placement="joint"``: ``(N(W_ih x + W_hh h) + b_ih + b_hh, None)``. ``weight_hh`` replaces
         ``W_hh`` for this step (the layers pass a DropConnect-masked copy, or the weight-normed one computed once);
         ``input_normed`` is ``N_ih(W_ih x)`` when the layer computed it for the whole sequence (sequence-wise input
-        statistics). ``input_term`` is the hoisted form's input term from :meth:`input_terms` (``x`` is then not
-        read): the norms run through their ``forward_step`` and nothing is recorded (the layers hoist only while no
-        observer is hooked).
+        statistics). ``input_term`` is the hoisted form's input term from :meth:`input_terms`, which carries
+        :meth:`folded_bias` (``x`` is then not read, and the recurrent term carries :meth:`recurrent_bias`): the norms
+        run through their ``forward_step`` and nothing is recorded (the layers hoist only while no observer is hooked).
         """
         lean = input_term is not None
-        normed: Tensor | None = None
         if input_term is None:
             input_raw = F.linear(x, self.weight_ih)  # type: ignore[arg-type]
             if input_normed is not None:
-                normed = input_normed
+                input_term = input_normed
             else:
-                normed = input_raw if self.norm_ih is None else self.norm_ih(input_raw, step, mask)
-            bias = self.folded_bias()
-            input_term = normed if bias is None else normed + bias
+                input_term = input_raw if self.norm_ih is None else self.norm_ih(input_raw, step, mask)
+            if self.bias_ih is not None and self.norm_gates is None:  # (the joint norm's biases follow it, below)
+                input_term = input_term + self.bias_ih
         recurrent_raw = torch.mm(h, (self.weight_hh if weight_hh is None else weight_hh).t())
         recurrent_term: Tensor | None
-        recurrent: Tensor | None = None
         if self.norm_gates is not None:
             norm = self.norm_gates.forward_step if lean else self.norm_gates
             input_term = norm(input_term + recurrent_raw, step, mask)
@@ -308,18 +306,21 @@ class RecurrentCell(nn.Module):
                 input_term = input_term + self.bias_ih + self.bias_hh
         else:
             if self.norm_hh is None:
-                recurrent = recurrent_raw
+                recurrent_term = recurrent_raw
             else:
-                recurrent = (self.norm_hh.forward_step if lean else self.norm_hh)(recurrent_raw, step, mask)
-            rest = self.recurrent_bias()
-            recurrent_term = recurrent if rest is None else recurrent + rest
+                recurrent_term = (self.norm_hh.forward_step if lean else self.norm_hh)(recurrent_raw, step, mask)
+            bias = self.recurrent_bias() if lean else self.bias_hh
+            if bias is not None:
+                recurrent_term = recurrent_term + bias
         if record is not None and not lean:
-            # The observed terms keep each bias on its own side, whatever the step folds.
-            if recurrent is not None and self.bias_ih is not None:
-                record.update(input_term=normed + self.bias_ih, recurrent_term=recurrent + self.bias_hh)
-            else:
-                record.update(input_term=input_term if recurrent is None else normed, recurrent_term=recurrent)
-            record.update(step=step, mask=mask, input_raw=input_raw, recurrent_raw=recurrent_raw)
+            record.update(
+                step=step,
+                mask=mask,
+                input_raw=input_raw,
+                recurrent_raw=recurrent_raw,
+                input_term=input_term,
+                recurrent_term=recurrent_term,
+            )
         return input_term, recurrent_term
 
     def initial_state(self, batch_size: int, like: Tensor) -> Any:
