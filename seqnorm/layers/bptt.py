@@ -34,7 +34,7 @@ from torch import Tensor
 
 from seqnorm.cells.base import RecurrentCell
 from seqnorm.layers.bptt_norms import StepNorm
-from seqnorm.layers.plan import bptt_blocker, cell_kernel, norm_kind
+from seqnorm.layers.plan import bptt_blocker, cell_kernel, norm_blocker
 from seqnorm.layers.stack import PaddingLayout
 
 __all__ = ["run_recurrence", "supports"]
@@ -135,7 +135,7 @@ class _Call:
         self.counts = layout.counts
         # The input norm runs inside the Function where it declares the form (measured faster than the vectorized
         # form, which allocates several fresh (T, B, G*H) tensors); otherwise input_terms applies it beforehand.
-        inside = norm_kind(cell.norm_ih, "bptt") not in (None, "none")
+        inside = cell.norm_ih is not None and norm_blocker(cell.norm_ih, "bptt") is None
         self.norm_ih = StepNorm(cell.norm_ih if inside else None)
         self.norm_hh = StepNorm(cell.norm_hh)
         self.norm_c = StepNorm(cell.norm_c)

@@ -73,7 +73,7 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
         beyond_max_steps: ``"last"`` or ``"pooled"``, the statistics of steps ``t >= max_steps`` (module docstring).
         owner: name used in error messages (the cell that holds this norm).
 
-    The fast forms (see :class:`~seqnorm.norms.LayerNorm`) of kind ``"batch"`` need ``scale``, a γ and
+    The ``"bptt"`` and ``"generation"`` forms (see :class:`~seqnorm.norms.LayerNorm`) need ``scale``, a γ and
     ``beyond_max_steps="last"``; generation's folds the running statistics, so it serves evaluation only.
 
     Inputs: ``x`` of shape ``(B, F)``, ``step`` (int), ``mask`` ``(B,)`` bool or ``None`` (all rows active).
@@ -84,7 +84,6 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
     """
 
     fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "bptt", "generation"})
-    fast_kind: ClassVar[str | None] = "batch"
 
     def __init__(
         self,

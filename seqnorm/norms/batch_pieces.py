@@ -34,9 +34,8 @@ def masked_moments(x: Tensor, mask: Tensor | None, active: int) -> tuple[Tensor,
 
 
 class BatchNormPieces:
-    """:class:`~seqnorm.norms.protocol.StepPieces` of per-timestep BatchNorm (the plan routes here only ``scale``,
-    a ``γ`` and ``beyond_max_steps="last"``). ``call.scratch["batch_steps"]`` says per step whether it used batch
-    statistics (else the running ones)."""
+    """:class:`~seqnorm.norms.protocol.StepPieces` of per-timestep BatchNorm. ``call.scratch["batch_steps"]`` says
+    per step whether it used batch statistics (else the running ones)."""
 
     # Provided by TimestepBatchNorm.
     eps: float
@@ -44,9 +43,21 @@ class BatchNormPieces:
     max_steps: int
     training: bool
     weight: Tensor | None
+    scale: bool
+    beyond_max_steps: str
     running_mean: Tensor
     running_var: Tensor
     num_batches_tracked: Tensor
+
+    def fast_form_blocker(self, form: str) -> str | None:
+        """What of this instance the pieces below do not cover (read by :func:`seqnorm.layers.plan.norm_blocker`)."""
+        if not self.scale:
+            return "mean-only BatchNorm (scale=False)"
+        if self.beyond_max_steps != "last":
+            return "pooled statistics beyond max_steps"
+        if form == "generation" and self.training:
+            return "batch statistics in training"  # generation folds the running statistics
+        return None
 
     def bptt_step(
         self,

@@ -99,10 +99,8 @@ class LayerNorm(_RowNorm):
 
     # Fast forms this exact class implements (read by seqnorm.layers.plan from the class's own namespace, so a
     # subclass restates them or gets none): "loop": forward_step/forward_sequence compute forward's function;
-    # "bptt" and "generation": the StepPieces methods below (seqnorm.norms.protocol); fast_kind names the family
-    # for the plan's checks of options a form does not cover.
+    # "bptt" and "generation": the StepPieces methods below (seqnorm.norms.protocol).
     fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "bptt", "generation"})
-    fast_kind: ClassVar[str | None] = "layer"
 
     @float32_statistics
     def forward(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:
@@ -151,7 +149,6 @@ class RMSNorm(_RowNorm):
     r"""RMSNorm over the last dimension: :math:`y = \gamma \odot x / \sqrt{\overline{x^2} + \epsilon} + \beta`."""
 
     fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "bptt", "generation"})  # as LayerNorm's
-    fast_kind: ClassVar[str | None] = "rms"
 
     @float32_statistics
     def forward(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:

@@ -11,7 +11,9 @@ The forms (which one runs is :mod:`seqnorm.layers.plan`'s choice):
   once per cached step and the function it returns at every step.
 
 A norm declares the forms it implements in ``fast_forms`` (the plan reads that declaration, never this Protocol);
-declaring ``"bptt"`` or ``"generation"`` promises the matching methods here. In every piece ``weight`` is ``γ`` and
+declaring ``"bptt"`` or ``"generation"`` promises the matching methods here. An instance configured beyond what its
+pieces cover may say why in an optional ``fast_form_blocker(form) -> str | None`` (per-timestep BatchNorm: mean-only,
+pooled statistics, generation in training); the plan then runs another path. In every piece ``weight`` is ``γ`` and
 ``shift`` the norm's ``β`` plus whatever bias follows the norm (the caller folds them; either may be ``None``).
 """
 

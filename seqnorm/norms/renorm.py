@@ -39,7 +39,6 @@ class TimestepBatchRenorm(TimestepBatchNorm):
     """
 
     fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "bptt", "generation"})  # as TimestepBatchNorm's
-    fast_kind: ClassVar[str | None] = "batch_renorm"
 
     def __init__(
         self,
