@@ -80,7 +80,7 @@ class RecurrentCell(nn.Module):
     # unless it restates the claim (the restatement is its author's "same math" marker).
     gate_layout: ClassVar[tuple[str, ...]] = ()  # the gate blocks of W_ih/W_hh in order, e.g. ("i", "f", "g", "o")
     torch_kernel: ClassVar[Literal["lstm", "gru"] | None] = None  # the step is torch's LSTM/GRU step (norms aside)
-    hoisted_step: ClassVar[bool] = False  # input_terms + recurrent_step compute step_unchecked's function
+    hoisted_step: ClassVar[bool] = False  # step_unchecked with input_term from input_terms is its own function
 
     def __init__(
         self,
@@ -268,38 +268,50 @@ class RecurrentCell(nn.Module):
 
     def gate_terms(
         self,
-        x: Tensor,
+        x: Tensor | None,
         h: Tensor,
         step: int,
         mask: Tensor | None,
         record: dict[str, Any] | None = None,
         weight_hh: Tensor | None = None,
         input_normed: Tensor | None = None,
+        input_term: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """The (normalized) input and recurrent terms ``N(W_ih x) + b_ih`` and ``N(W_hh h) + b_hh``.
 
         With ``norm_placement="joint"``: ``(N(W_ih x + W_hh h) + b_ih + b_hh, None)``. ``weight_hh`` replaces
-        ``W_hh`` for this step (the layers pass a DropConnect-masked copy); ``input_normed`` is ``N_ih(W_ih x)``
-        when the layer computed it for the whole sequence (sequence-wise input statistics).
+        ``W_hh`` for this step (the layers pass a DropConnect-masked copy, or the weight-normed one computed once);
+        ``input_normed`` is ``N_ih(W_ih x)`` when the layer computed it for the whole sequence (sequence-wise input
+        statistics). ``input_term`` is the hoisted form's input term from :meth:`input_terms`, which carries
+        :meth:`folded_bias` (``x`` is then not read, and the recurrent term carries :meth:`recurrent_bias`): the norms
+        run through their ``forward_step`` and nothing is recorded (the layers hoist only while no observer is hooked).
         """
-        input_raw = F.linear(x, self.weight_ih)
-        recurrent_raw = F.linear(h, self.weight_hh if weight_hh is None else weight_hh)
-        recurrent_term: Tensor | None
-        if self.norm_gates is not None:
-            input_term = self.norm_gates(input_raw + recurrent_raw, step, mask)
-            recurrent_term = None
-            if self.bias_ih is not None:
-                input_term = input_term + self.bias_ih + self.bias_hh
-        else:
+        lean = input_term is not None
+        if input_term is None:
+            input_raw = F.linear(x, self.weight_ih)  # type: ignore[arg-type]
             if input_normed is not None:
                 input_term = input_normed
             else:
                 input_term = input_raw if self.norm_ih is None else self.norm_ih(input_raw, step, mask)
-            recurrent_term = recurrent_raw if self.norm_hh is None else self.norm_hh(recurrent_raw, step, mask)
-            if self.bias_ih is not None:
+            if self.bias_ih is not None and self.norm_gates is None:  # (the joint norm's biases follow it, below)
                 input_term = input_term + self.bias_ih
-                recurrent_term = recurrent_term + self.bias_hh
-        if record is not None:
+        recurrent_raw = torch.mm(h, (self.weight_hh if weight_hh is None else weight_hh).t())
+        recurrent_term: Tensor | None
+        if self.norm_gates is not None:
+            norm = self.norm_gates.forward_step if lean else self.norm_gates
+            input_term = norm(input_term + recurrent_raw, step, mask)
+            recurrent_term = None
+            if self.bias_ih is not None:
+                input_term = input_term + self.bias_ih + self.bias_hh
+        else:
+            if self.norm_hh is None:
+                recurrent_term = recurrent_raw
+            else:
+                recurrent_term = (self.norm_hh.forward_step if lean else self.norm_hh)(recurrent_raw, step, mask)
+            bias = self.recurrent_bias() if lean else self.bias_hh
+            if bias is not None:
+                recurrent_term = recurrent_term + bias
+        if record is not None and not lean:
             record.update(
                 step=step,
                 mask=mask,
@@ -316,19 +328,22 @@ class RecurrentCell(nn.Module):
 
     def step_unchecked(
         self,
-        x: Tensor,
+        x: Tensor | None,
         state: Any,
         step: int,
         mask: Tensor | None,
         recurrent_mask: Tensor | None = None,
         weight_hh: Tensor | None = None,
         input_normed: Tensor | None = None,
+        *,
+        input_term: Tensor | None = None,
     ) -> Any:
-        """One step without input checks (the layers call this in their time loop).
+        """One step without input checks: the reference loop and the hoisted loop both call this.
 
         ``recurrent_mask`` ``(B, H)`` is a variational dropout mask (already scaled by ``1/(1-p)``) applied to the
         state where it enters the recurrent term; ``weight_hh`` replaces ``W_hh`` (DropConnect, drawn by the layer
-        once per sequence); ``input_normed`` is this step's ``N_ih(W_ih x)`` from :meth:`sequence_input_norm`.
+        once per sequence); ``input_normed`` is this step's ``N_ih(W_ih x)`` from :meth:`sequence_input_norm`;
+        ``input_term`` is this step's slice of :meth:`input_terms` (then ``x`` is ``None``: see :meth:`gate_terms`).
         Zoneout, drawn at every step, is the cell's own.
         """
         raise NotImplementedError
@@ -349,8 +364,7 @@ class RecurrentCell(nn.Module):
         """``N_ih(W_ih x) + b`` for every step of ``x`` ``(T, B, input_size)`` at once: one matmul, one norm.
 
         ``mask`` ``(T, B)`` and its per-step sums ``counts`` mark the real rows for per-timestep batch statistics.
-        Which biases are folded in is the subclass's choice (:meth:`folded_bias`), matching its
-        :meth:`recurrent_step`.
+        Which biases are folded in is the subclass's choice (:meth:`folded_bias`, :meth:`recurrent_bias`).
         """
         weight_ih = self.weight_ih  # a weight-norm parametrization computes it here, once for all steps
         if self.norm_ih is None:
@@ -363,21 +377,9 @@ class RecurrentCell(nn.Module):
         """The bias added to the input term by :meth:`input_terms` (``b_ih``, plus what of ``b_hh`` may move there)."""
         return self.bias_ih
 
-    def recurrent_step(
-        self,
-        input_term: Tensor,
-        state: Any,
-        step: int,
-        mask: Tensor | None,
-        recurrent_mask: Tensor | None,
-        weight_hh_t: Tensor,
-    ) -> Any:
-        """One step from a precomputed input term (:meth:`input_terms`) and ``W_hh^T`` computed once per sequence.
-
-        The same function as :meth:`step_unchecked`, with fewer operations per step (norms through their
-        ``forward_step``); it records nothing, so the layers use it only while no observer is hooked.
-        """
-        raise NotImplementedError
+    def recurrent_bias(self) -> Tensor | None:
+        """The bias added to the normalized recurrent term: ``b_hh``, unless :meth:`folded_bias` took it."""
+        return self.bias_hh
 
     # --- input checks --------------------------------------------------------------------------------------------
 

@@ -66,56 +66,29 @@ class GRUCell(RecurrentCell):
 
     def step_unchecked(
         self,
-        x: Tensor,
+        x: Tensor | None,
         state: Tensor,
         step: int,
         mask: Tensor | None,
         recurrent_mask: Tensor | None = None,
         weight_hh: Tensor | None = None,
         input_normed: Tensor | None = None,
+        *,
+        input_term: Tensor | None = None,
     ) -> Tensor:
         h_prev = state
         h_in = h_prev if recurrent_mask is None else h_prev * recurrent_mask
         record: dict[str, Any] | None = {} if self.observer.active else None
-        input_term, recurrent_term = self.gate_terms(x, h_in, step, mask, record, weight_hh, input_normed)
-        assert recurrent_term is not None  # a GRU has no joint placement
-        a_r, a_z, a_n = input_term.chunk(3, dim=1)
-        u_r, u_z, u_n = recurrent_term.chunk(3, dim=1)
-        r = torch.sigmoid(a_r + u_r)
-        z = torch.sigmoid(a_z + u_z)
-        n = torch.tanh(a_n + r * u_n)
+        # b_hh stays on the recurrent side (recurrent_bias): its candidate part is gated by r.
+        a, u = self.gate_terms(x, h_in, step, mask, record, weight_hh, input_normed, input_term)
+        assert u is not None  # a GRU has no joint placement
+        hidden = self.hidden_size
+        r, z = torch.sigmoid(a[:, : 2 * hidden] + u[:, : 2 * hidden]).chunk(2, dim=1)
+        n = torch.tanh(a[:, 2 * hidden :] + r * u[:, 2 * hidden :])
         h = self.zoneout((1 - z) * n + z * h_prev, h_prev, self.zoneout_h)
         if mask is not None:
             h = torch.where(mask.unsqueeze(1), h, h_prev)
         if record is not None:
             record.update(gates=torch.cat([r, z, n], dim=1), h=h)
             self.observer(record)
-        return h
-
-    def recurrent_step(
-        self,
-        input_term: Tensor,
-        state: Tensor,
-        step: int,
-        mask: Tensor | None,
-        recurrent_mask: Tensor | None,
-        weight_hh_t: Tensor,
-    ) -> Tensor:
-        h_prev = state
-        h_in = h_prev if recurrent_mask is None else h_prev * recurrent_mask
-        # b_hh stays on the recurrent side: its candidate part is gated by r.
-        if self.norm_hh is None:
-            recurrent_term = (
-                torch.mm(h_in, weight_hh_t) if self.bias_hh is None else torch.addmm(self.bias_hh, h_in, weight_hh_t)
-            )
-        else:
-            recurrent_term = self.norm_hh.forward_step(torch.mm(h_in, weight_hh_t), step, mask)
-            if self.bias_hh is not None:
-                recurrent_term = recurrent_term + self.bias_hh
-        hidden = self.hidden_size
-        r, z = torch.sigmoid(input_term[:, : 2 * hidden] + recurrent_term[:, : 2 * hidden]).chunk(2, dim=1)
-        n = torch.tanh(input_term[:, 2 * hidden :] + r * recurrent_term[:, 2 * hidden :])
-        h = self.zoneout((1 - z) * n + z * h_prev, h_prev, self.zoneout_h)
-        if mask is not None:
-            h = torch.where(mask.unsqueeze(1), h, h_prev)
         return h

@@ -133,23 +133,28 @@ class LSTMCell(RecurrentCell):
 
     def step_unchecked(
         self,
-        x: Tensor,
+        x: Tensor | None,
         state: tuple[Tensor, Tensor],
         step: int,
         mask: Tensor | None,
         recurrent_mask: Tensor | None = None,
         weight_hh: Tensor | None = None,
         input_normed: Tensor | None = None,
+        *,
+        input_term: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         h_prev, c_prev = state
         h_in = h_prev if recurrent_mask is None else h_prev * recurrent_mask
         record: dict[str, Any] | None = {} if self.observer.active else None
-        input_term, recurrent_term = self.gate_terms(x, h_in, step, mask, record, weight_hh, input_normed)
-        pre = input_term if recurrent_term is None else input_term + recurrent_term  # None: the joint norm's sum
+        terms = self.gate_terms(x, h_in, step, mask, record, weight_hh, input_normed, input_term)
+        pre = terms[0] if terms[1] is None else terms[0] + terms[1]  # None: the joint norm's sum
         i, f, g, o = pre.chunk(4, dim=1)
         i, f, g, o = torch.sigmoid(i), torch.sigmoid(f), torch.tanh(g), torch.sigmoid(o)
         c = f * c_prev + i * g
-        c_out = c if self.norm_c is None else self.norm_c(c, step, mask)
+        if self.norm_c is None:
+            c_out = c
+        else:
+            c_out = self.norm_c(c, step, mask) if input_term is None else self.norm_c.forward_step(c, step, mask)
         if self.state_norm == "carried":
             c = c_out
         h = o * torch.tanh(c_out)
@@ -162,7 +167,7 @@ class LSTMCell(RecurrentCell):
     def _settle(
         self, h: Tensor, c: Tensor, h_prev: Tensor, c_prev: Tensor, mask: Tensor | None
     ) -> tuple[Tensor, Tensor]:
-        """What both step paths do after the gates: projection, zoneout (h drawn before c), padded rows keep state."""
+        """After the gates: projection, zoneout (h drawn before c), padded rows keep their state."""
         if self.weight_hr is not None:
             h = F.linear(h, self.weight_hr)
         h, c = self.zoneout(h, h_prev, self.zoneout_h), self.zoneout(c, c_prev, self.zoneout_c)
@@ -174,35 +179,10 @@ class LSTMCell(RecurrentCell):
 
     def folded_bias(self) -> Tensor | None:
         # Both biases are added to the same pre-activations, so the input term carries their sum — unless a joint
-        # norm comes between (then recurrent_step adds them after it).
+        # norm comes between (then gate_terms adds them after it).
         if self.bias_ih is None or self.norm_gates is not None:
             return None
         return self.bias_ih + self.bias_hh
 
-    def recurrent_step(
-        self,
-        input_term: Tensor,
-        state: tuple[Tensor, Tensor],
-        step: int,
-        mask: Tensor | None,
-        recurrent_mask: Tensor | None,
-        weight_hh_t: Tensor,
-    ) -> tuple[Tensor, Tensor]:
-        h_prev, c_prev = state
-        h_in = h_prev if recurrent_mask is None else h_prev * recurrent_mask
-        if self.norm_gates is not None:
-            gates = self.norm_gates.forward_step(torch.addmm(input_term, h_in, weight_hh_t), step, mask)
-            if self.bias_ih is not None:
-                gates = gates + self.bias_ih + self.bias_hh
-        elif self.norm_hh is None:
-            gates = torch.addmm(input_term, h_in, weight_hh_t)
-        else:
-            gates = input_term + self.norm_hh.forward_step(torch.mm(h_in, weight_hh_t), step, mask)
-        i, f, g, o = gates.chunk(4, dim=1)
-        c = torch.sigmoid(f) * c_prev + torch.sigmoid(i) * torch.tanh(g)
-        c_out = c if self.norm_c is None else self.norm_c.forward_step(c, step, mask)
-        if self.state_norm == "carried":
-            c = c_out
-        h = torch.sigmoid(o) * torch.tanh(c_out)
-        h, c = self._settle(h, c, h_prev, c_prev, mask)
-        return h, c
+    def recurrent_bias(self) -> Tensor | None:
+        return None  # folded into the input term (or added after the joint norm)

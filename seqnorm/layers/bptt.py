@@ -1,10 +1,11 @@
 """A hand-written backward through time for the fast path's recurrence (Haste's approach, in plain PyTorch ops).
 
 :func:`run_recurrence` runs one direction of one layer — what the fast path's loop of
-:meth:`~seqnorm.cells.base.RecurrentCell.recurrent_step` computes — as one ``torch.autograd.Function``. Its inputs
-are the projections ``W_ih x`` of all steps (one matmul with its own autograd graph; their norm — LayerNorm, RMSNorm
-or per-timestep BatchNorm — and the biases are applied step by step inside; without a norm, the input terms of
-:meth:`~seqnorm.cells.base.RecurrentCell.input_terms`), the initial state, ``W_hh^T`` and the norms' parameters.
+:meth:`~seqnorm.cells.base.RecurrentCell.step_unchecked` on hoisted input terms computes — as one
+``torch.autograd.Function``. Its inputs are the projections ``W_ih x`` of all steps (one matmul with its own autograd
+graph; their norm — LayerNorm, RMSNorm or per-timestep BatchNorm — and the biases are applied step by step inside;
+without a norm, the input terms of :meth:`~seqnorm.cells.base.RecurrentCell.input_terms`), the initial state,
+``W_hh^T`` and the norms' parameters.
 
 - **Forward**: the loop runs without recording a graph and saves only what the backward needs: the raw recurrent
   terms ``W_hh h``, the activated gates, for LSTMs the cell states and ``tanh(N_c(c))``, each norm's per-step
@@ -33,14 +34,14 @@ from torch import Tensor
 
 from seqnorm.cells.base import RecurrentCell
 from seqnorm.layers.bptt_norms import StepNorm
-from seqnorm.layers.plan import bptt_blocker, cell_kernel, norm_kind
+from seqnorm.layers.plan import bptt_blocker, cell_kernel, norm_blocker
 from seqnorm.layers.stack import PaddingLayout
 
 __all__ = ["run_recurrence", "supports"]
 
 
 def supports(cell: RecurrentCell, sequence: Tensor, state: Any, recurrent_mask: Tensor | None) -> bool:
-    """Whether :func:`run_recurrence` computes exactly what ``cell.recurrent_step`` would, and a gradient is wanted.
+    """Whether :func:`run_recurrence` computes exactly what the cell's hoisted steps would, and a gradient is wanted.
 
     The plan's own test (:func:`~seqnorm.layers.plan.bptt_blocker`) for one cell outside a layer.
     """
@@ -65,7 +66,7 @@ def run_recurrence(
         layout: where the real rows are (:func:`~seqnorm.layers.stack.padding_layout`).
     """
     call = _Call(cell, layout)
-    if call.norm_ih.kind == "none":
+    if call.norm_ih.identity:
         inputs, ih_weight, ih_shift = cell.input_terms(sequence, layout.active, layout.counts), None, None
     else:
         # The input norm runs inside the loop (INSIDE_INPUT_NORMS); the bias that follows it is its shift.
@@ -134,7 +135,7 @@ class _Call:
         self.counts = layout.counts
         # The input norm runs inside the Function where it declares the form (measured faster than the vectorized
         # form, which allocates several fresh (T, B, G*H) tensors); otherwise input_terms applies it beforehand.
-        inside = norm_kind(cell.norm_ih, "bptt") not in (None, "none")
+        inside = cell.norm_ih is not None and norm_blocker(cell.norm_ih, "bptt") is None
         self.norm_ih = StepNorm(cell.norm_ih if inside else None)
         self.norm_hh = StepNorm(cell.norm_hh)
         self.norm_c = StepNorm(cell.norm_c)
@@ -165,7 +166,7 @@ def _input_grads(
 ) -> tuple[Tensor, tuple[Tensor | None, Tensor | None]]:
     """The gradient w.r.t. the Function's ``inputs`` (through the input norm, if it runs inside) and its γ/shift."""
     norm = call.norm_ih
-    if norm.kind == "none":
+    if norm.identity:
         return grad_terms, (None, None)
     steps = [
         norm.backward(grad, x, t, mask, count, weight, shift)
@@ -216,7 +217,7 @@ class _LSTMRecurrence(torch.autograd.Function):
         hidden = gates // 4
         norm_ih, norm_hh, norm_c = call.norm_ih, call.norm_hh, call.norm_c
         # Without a recurrent norm (nor its shift) the raw term is never needed again: addmm straight into the gates.
-        raw = None if norm_hh.kind == "none" and hh_shift is None else inputs.new_empty(steps, batch, gates)
+        raw = None if norm_hh.identity and hh_shift is None else inputs.new_empty(steps, batch, gates)
         acts = inputs.new_empty(steps, batch, gates)  # σ(i), σ(f), tanh(g), σ(o)
         cs = inputs.new_empty(steps, batch, hidden)
         tanh_cs = inputs.new_empty(steps, batch, hidden)  # tanh(N_c(c')), before the padded rows keep their state
@@ -258,7 +259,7 @@ class _LSTMRecurrence(torch.autograd.Function):
             h, c = h_t, c_t
         for norm in (norm_ih, norm_hh, norm_c):
             norm.finish_forward()
-        inputs = None if norm_ih.kind == "none" else inputs  # needed only for the input norm's backward
+        inputs = None if norm_ih.identity else inputs  # needed only for the input norm's backward
         weights = (ih_weight, ih_shift, h0, c0, weight_hh_t, hh_weight, hh_shift, c_weight, c_shift)
         call.save(ctx, _LSTMSaved(inputs, *weights, hs, cs, tanh_cs, acts, raw))
         return hs, hs[-1].clone(), cs[-1].clone()
@@ -309,7 +310,7 @@ class _LSTMRecurrence(torch.autograd.Function):
             mask, count = call.masks[t], call.counts[t]
             dh, dh_keep = _split_masked(dh, mask)
             dc, dc_keep = _split_masked(dc, mask)
-            if norm_c.kind == "none" and c_shift is None:
+            if norm_c.identity and c_shift is None:
                 dc = torch.addcmul(dc, dh, d_tanh_t)
             else:
                 dc = norm_c.backward(dh * d_tanh_t, c_t, t, mask, count, c_weight, c_shift).add_(dc)
@@ -365,7 +366,7 @@ class _GRURecurrence(torch.autograd.Function):
             h = h_t
         norm_ih.finish_forward()
         norm_hh.finish_forward()
-        inputs = None if norm_ih.kind == "none" else inputs  # needed only for the input norm's backward
+        inputs = None if norm_ih.identity else inputs  # needed only for the input norm's backward
         call.save(ctx, _GRUSaved(inputs, ih_weight, ih_shift, h0, weight_hh_t, hh_weight, hh_shift, hs, acts, raw))
         return hs, hs[-1].clone()
 

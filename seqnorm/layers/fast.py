@@ -7,11 +7,10 @@ declare (its module docstring lists the conditions):
 - ``"loop"``: everything that does not depend on the recurrence is done for all time steps at once — the input
   projection ``W_ih x`` is one matmul, its norm one vectorized call (LayerNorm per position; per-timestep batch
   statistics over the ``(T, B)`` grid with the padding masked out; :meth:`forward_sequence` of the norms), the
-  biases are folded in — and the loop runs a lean :meth:`~seqnorm.cells.base.RecurrentCell.recurrent_step` over
-  ``unbind`` of the precomputed terms (never ``x[t]``, whose backward writes a full-size gradient at every step).
-  Every regularizer runs here exactly as in the reference: the per-sequence masks come from the same
-  :func:`~seqnorm.layers.dropout.draw_sequence_masks` call at the same point, and zoneout is drawn per step by the
-  cell's ``recurrent_step`` in the order its ``step_unchecked`` draws it.
+  biases are folded in — and the loop runs the cell's own :meth:`~seqnorm.cells.base.RecurrentCell.step_unchecked`
+  with each step's precomputed term (``unbind``, never ``x[t]``, whose backward writes a full-size gradient at every
+  step). Every regularizer runs here exactly as in the reference: the per-sequence masks come from the same
+  :func:`~seqnorm.layers.dropout.draw_sequence_masks` call at the same point, and zoneout is drawn by the same step.
 - ``"bptt"``: as ``"loop"``, but the loop is one autograd Function with a hand-written backward through time
   (:mod:`seqnorm.layers.bptt`), which also runs an input BatchNorm/RMSNorm step by step.
 
@@ -36,7 +35,7 @@ from seqnorm.layers import bptt
 from seqnorm.layers.dropout import draw_sequence_masks
 from seqnorm.layers.plan import Plan, cell_kernel, plan_for
 from seqnorm.layers.stack import PaddingLayout, padding_layout, run_stack
-from seqnorm.layers.torch_ops import CELL_KERNELS, SEQUENCE_KERNELS
+from seqnorm.torch_ops import CELL_KERNELS, SEQUENCE_KERNELS
 
 if TYPE_CHECKING:
     from seqnorm.layers.base import RecurrentLayer
@@ -116,11 +115,11 @@ def _run_direction(
         return bptt.run_recurrence(cell, sequence, state, dropped.weight_hh, layout)
     terms = cell.input_terms(sequence, layout.active, layout.counts)  # (T, B, G*H)
     # Weight norm (and DropConnect): computed once per sequence, not once per step.
-    weight_hh_t = (cell.weight_hh if dropped.weight_hh is None else dropped.weight_hh).t()
+    weight_hh = cell.weight_hh if dropped.weight_hh is None else dropped.weight_hh
     outputs = []
     for step, (term, mask) in enumerate(zip(terms.unbind(0), layout.masks, strict=True)):
-        # Zoneout is drawn inside recurrent_step, at the point of the stream where step_unchecked draws it.
-        state = cell.recurrent_step(term, state, step, mask, dropped.recurrent, weight_hh_t)
+        # The reference's step with the hoisted input term: zoneout is drawn at the same point of the stream.
+        state = cell.step_unchecked(None, state, step, mask, dropped.recurrent, weight_hh, input_term=term)
         outputs.append(state if isinstance(state, Tensor) else state[0])
     return torch.stack(outputs), state
 

@@ -9,8 +9,8 @@
   time (:mod:`seqnorm.layers.bptt`), which restates torch's LSTM/GRU step: needs ``torch_kernel``, norms that
   declare the ``"bptt"`` form, and a gradient to compute. :attr:`Plan.cells` says which directions run it: one
   whose input, state and parameters need no gradient runs the loop.
-- ``"loop"``: the input side at once, then the cell's lean ``recurrent_step``: needs cells that declare
-  ``hoisted_step`` and norms that declare the ``"loop"`` form.
+- ``"loop"``: the input side at once, then the cell's ``step_unchecked`` given each step's input term: needs cells
+  that declare ``hoisted_step`` and norms that declare the ``"loop"`` form.
 - ``"reference"``: the cell's own ``step_unchecked`` at every step. Anything that declares nothing runs it, as do
   ``impl="reference"``, hooked observers (they need every step's record) and a batch norm about to raise its
   small-batch error (so the error, and what was updated before it, are the reference's own).
@@ -20,8 +20,9 @@
 ``"reference"``.
 
 Declarations are class attributes, read from the class's *own* namespace (:func:`declared`): cells declare
-``torch_kernel``, ``hoisted_step`` (and ``gate_layout``, ``has_cell_state``); norm modules ``fast_forms`` and
-``fast_kind``. A subclass inherits none of them, because changing any method of the step would make a fast form
+``torch_kernel``, ``hoisted_step`` (and ``gate_layout``, ``has_cell_state``); norm modules ``fast_forms`` (an
+instance configured beyond a form says why in ``fast_form_blocker``: :func:`norm_blocker`). A subclass inherits none
+of them, because changing any method of the step would make a fast form
 compute something else; one that keeps the math restates the claim in one line. Weight norm's parametrization
 subclass is looked through. Set ``logging.getLogger("seqnorm.layers.plan")`` to DEBUG to see every forward's plan.
 """
@@ -40,13 +41,12 @@ if TYPE_CHECKING:
     from seqnorm.cells.base import RecurrentCell
     from seqnorm.layers.base import RecurrentLayer
 
-__all__ = ["Path", "Plan", "bptt_blocker", "cell_kernel", "declared", "log", "norm_kind", "plan_for"]
+__all__ = ["Path", "Plan", "bptt_blocker", "cell_kernel", "declared", "log", "norm_blocker", "plan_for"]
 
 Path = Literal["torch_kernel", "bptt", "loop", "lean_step", "reference"]
 FastForm = Literal["loop", "bptt", "generation"]
 log = logging.getLogger(__name__)
 
-_BATCH_KINDS = ("batch", "batch_renorm")
 _FLOATS = (torch.float32, torch.float64)
 
 
@@ -75,20 +75,23 @@ def cell_kernel(cell: RecurrentCell) -> Literal["lstm", "gru"] | None:
     return declared(cell, "torch_kernel", None)
 
 
-def norm_kind(module: nn.Module | None, form: FastForm) -> str | None:
-    """The kind under which the ``form`` (``"bptt"`` or ``"generation"``) restates ``module``; ``"none"`` for no
-    norm; ``None`` when the module does not declare that form or is configured beyond it."""
+def norm_blocker(module: nn.Module | None, form: FastForm) -> str | None:
+    """Why ``module`` cannot run the ``form`` (``"bptt"`` or ``"generation"``), or ``None`` if it can (no norm can).
+
+    The class declares the forms it implements (``fast_forms``); an instance configured beyond one says so through
+    its optional ``fast_form_blocker(form)`` (mean-only or pooled BatchNorm, say). The form's math is the module's own
+    (:class:`~seqnorm.norms.protocol.StepPieces`).
+    """
     if module is None:
-        return "none"
+        return None
+    name = type_before_parametrizations(module).__name__
     if form not in declared(module, "fast_forms", frozenset()):
-        return None
-    kind = declared(module, "fast_kind", None)
-    if kind is None or module.weight is None:
-        return None
-    # Mean-only BN and pooled statistics beyond max_steps (beyond_max_steps="pooled") are the module's own.
-    if kind in _BATCH_KINDS and (not module.scale or module.beyond_max_steps != "last"):
-        return None
-    return kind
+        return f"{name} declares no {form!r} form"
+    instance_check = getattr(module, "fast_form_blocker", None)
+    blocker = None if instance_check is None else instance_check(form)
+    if blocker is None and getattr(module, "weight", None) is None:
+        return f"{name} without γ (affine=False)"
+    return blocker
 
 
 def plan_for(
@@ -122,8 +125,10 @@ def bptt_blocker(layer: RecurrentLayer | None, cell: RecurrentCell, dtype: torch
         return "zoneout"
     if cell.weight_hr is not None:
         return "a projection"
-    if norm_kind(cell.norm_hh, "bptt") is None or norm_kind(cell.norm_c, "bptt") is None:
-        return "a recurrent or cell-state norm without the 'bptt' form"
+    for norm in (cell.norm_hh, cell.norm_c):
+        blocker = norm_blocker(norm, "bptt")
+        if blocker is not None:
+            return f"a recurrent or cell-state norm: {blocker}"
     if dtype not in _FLOATS or torch.is_autocast_enabled(device_type):
         return "half precision or autocast"
     return None
@@ -256,11 +261,9 @@ def _lean_blocker(layer: RecurrentLayer, cells: list[RecurrentCell], x: Tensor) 
         if cell.norm_placement != "separate" or cell.state_norm != "output":
             return "norm_placement/state_norm other than the defaults"
         for norm in (cell.norm_ih, cell.norm_hh, cell.norm_c):
-            kind = norm_kind(norm, "generation")
-            if kind is None:
-                return f"{type(norm).__name__} declares no 'generation' form"
-            if cell.training and kind in _BATCH_KINDS:
-                return "batch statistics in training"  # the lean step folds the running statistics
+            blocker = norm_blocker(norm, "generation")
+            if blocker is not None:
+                return blocker
     if any(t.is_inference() for t in (*layer.parameters(), *layer.buffers())):
         return "tensors made under torch.inference_mode (no version counter to tell when they change)"
     return None

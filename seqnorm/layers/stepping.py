@@ -2,11 +2,10 @@
 
 At batch size 1 a step is a chain of tiny operations, so what counts is how many there are. Without autograd the
 cell's parameters are constants between optimizer steps, so everything that depends on them alone is computed once
-and cached: weight norm's ``g * v / ||v||``, the biases folded together and, for per-timestep BatchNorm (and batch
-renormalization, which is BN with running moments there) in evaluation, each step's ``γ / sqrt(running_var + eps)``
-and shift for all steps at once; RMSNorm is ``y γ sqrt(F) / hypot(||y||, sqrt(F eps))``, four operations where
-torch's CPU ``rms_norm`` kernel is several times slower than ``layer_norm`` at batch size 1. A step is then two
-matrix-vector products and about ten fused element-wise operations (``addcmul``, ``F.layer_norm``, ``lerp``).
+and cached: weight norm's ``g * v / ||v||``, the biases folded together, and whatever each norm's
+:meth:`~seqnorm.norms.protocol.StepPieces.generation_step` computes once (for per-timestep BatchNorm in evaluation,
+each step's ``γ / sqrt(running_var + eps)`` and shift for all steps at once). A step is then two matrix-vector
+products and about ten fused element-wise operations (``addcmul``, ``F.layer_norm``, ``lerp``).
 
 The cache is keyed on the storage and version counter of every parameter and buffer of the cell, so any in-place
 update (an optimizer step, ``load_state_dict``, BN running statistics) or a move to another device rebuilds it. It is
@@ -16,7 +15,6 @@ not reproduce exactly (see :func:`lean_layer_step`), the cells' own steps run.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from weakref import WeakKeyDictionary
@@ -25,8 +23,8 @@ import torch
 from torch import Tensor, nn
 
 from seqnorm.cells.base import RecurrentCell
-from seqnorm.layers.plan import cell_kernel, norm_kind, plan_for
-from seqnorm.layers.torch_ops import CELL_KERNELS
+from seqnorm.layers.plan import cell_kernel, plan_for
+from seqnorm.torch_ops import CELL_KERNELS
 
 __all__ = ["LayerStep", "Step", "lean_layer_step"]
 
@@ -163,48 +161,20 @@ def _kernel_step(cell: RecurrentCell, weight_ih: Tensor, weight_hh: Tensor) -> S
 
 
 def _term(weight_t: Tensor | None, norm: nn.Module | None, bias: Tensor | None) -> Term:
-    """``N(v W^T) * γ + β + bias`` of a step (``weight_t`` ``None``: ``N(v)``), as one flat closure (no nesting:
-    every Python call counts at batch size 1)."""
-    kind = norm_kind(norm, "generation")
+    """``N(v W^T) * γ + β + bias`` of a step (``weight_t`` ``None``: ``N(v)``); the norm's part is its own
+    :meth:`~seqnorm.norms.protocol.StepPieces.generation_step`, whose parameter-only work is done here, once."""
     beta = None if norm is None else norm.bias
     shift = beta if bias is None else (bias if beta is None else beta + bias)
-    if kind == "none":
+    if norm is None:
         if weight_t is None:
             return (lambda v, step: v) if shift is None else (lambda v, step: v + shift)
         if shift is None:
             return lambda v, step: torch.matmul(v, weight_t)
         return lambda v, step: torch.matmul(v, weight_t).add_(shift)
-    if kind == "layer":
-        shape, weight, eps = (norm.num_features,), norm.weight, norm.eps
-        if weight_t is None:
-            return lambda v, step: torch.layer_norm(v, shape, weight, shift, eps)
-        return lambda v, step: torch.layer_norm(torch.matmul(v, weight_t), shape, weight, shift, eps)
-    if kind == "rms":
-        # y / sqrt(mean(y^2) + eps) * γ = y * (γ sqrt(F)) / hypot(||y||, sqrt(F eps)): four operations instead of
-        # torch's CPU rms_norm kernel, several times slower at batch size 1 (equal to float rounding).
-        features = norm.num_features
-        weight = norm.weight * math.sqrt(features)
-        floor = torch.tensor(math.sqrt(features * norm.eps), dtype=weight.dtype, device=weight.device)
-
-        def rms(v: Tensor, step: int) -> Tensor:
-            y = v if weight_t is None else torch.matmul(v, weight_t)
-            length = torch.hypot(torch.linalg.vector_norm(y, dim=-1, keepdim=True), floor)
-            if shift is None:
-                return torch.div(y, length).mul_(weight)
-            return torch.addcdiv(shift, y * weight, length)
-
-        return rms
-    # Per-timestep BatchNorm in evaluation: (y - mean_t) / sqrt(var_t + eps) * γ + shift = y * scale_t + offset_t,
-    # one row per step (steps beyond max_steps use the last).
-    scales = torch.rsqrt(norm.running_var + norm.eps) * norm.weight  # (max_steps, F)
-    offsets = -norm.running_mean * scales if shift is None else shift - norm.running_mean * scales
-    rows, last = list(zip(offsets.unbind(0), scales.unbind(0), strict=True)), norm.max_steps - 1
-
-    def batch(v: Tensor, step: int) -> Tensor:
-        offset, scale = rows[min(step, last)]
-        return torch.addcmul(offset, v if weight_t is None else torch.matmul(v, weight_t), scale)
-
-    return batch
+    normalize = norm.generation_step(shift)
+    if weight_t is None:
+        return normalize
+    return lambda v, step: normalize(torch.matmul(v, weight_t), step)
 
 
 def _lstm_step(input_term: Term, recurrent_term: Term, state_term: Term, hidden: int) -> Step:

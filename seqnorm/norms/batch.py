@@ -28,6 +28,9 @@ step, without a Python loop over the steps that own a row of statistics.
 
 Under ``torch.autocast``, statistics, normalization and running buffers are float32
 (:func:`~seqnorm.norms.precision.float32_statistics`).
+
+The pieces of :class:`~seqnorm.norms.protocol.StepPieces` (the hand-written BPTT's step and backward, generation's
+folded scale and offset per step) are in :mod:`seqnorm.norms.batch_pieces`, which this module's class inherits.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from seqnorm.norms.batch_pieces import BatchNormPieces, masked_moments
 from seqnorm.norms.precision import float32_statistics
 
 __all__ = ["BeyondMaxSteps", "SmallBatchPolicy", "TimestepBatchNorm", "masked_moments"]
@@ -46,7 +50,7 @@ SmallBatchPolicy = Literal["error", "running"]
 BeyondMaxSteps = Literal["last", "pooled"]
 
 
-class TimestepBatchNorm(nn.Module):
+class TimestepBatchNorm(BatchNormPieces, nn.Module):
     r"""Batch normalization with per-time-step statistics.
 
     .. math::
@@ -69,7 +73,7 @@ class TimestepBatchNorm(nn.Module):
         beyond_max_steps: ``"last"`` or ``"pooled"``, the statistics of steps ``t >= max_steps`` (module docstring).
         owner: name used in error messages (the cell that holds this norm).
 
-    The fast forms (see :class:`~seqnorm.norms.LayerNorm`) of kind ``"batch"`` need ``scale``, a γ and
+    The ``"bptt"`` and ``"generation"`` forms (see :class:`~seqnorm.norms.LayerNorm`) need ``scale``, a γ and
     ``beyond_max_steps="last"``; generation's folds the running statistics, so it serves evaluation only.
 
     Inputs: ``x`` of shape ``(B, F)``, ``step`` (int), ``mask`` ``(B,)`` bool or ``None`` (all rows active).
@@ -80,7 +84,6 @@ class TimestepBatchNorm(nn.Module):
     """
 
     fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "bptt", "generation"})
-    fast_kind: ClassVar[str | None] = "batch"
 
     def __init__(
         self,
@@ -311,16 +314,3 @@ class TimestepBatchNorm(nn.Module):
         unbiased = var * (active / (active - 1))
         self.running_var[t].lerp_(unbiased.to(self.running_var.dtype), self.momentum)
         self.num_batches_tracked[t] += 1
-
-
-def masked_moments(x: Tensor, mask: Tensor | None, active: int) -> tuple[Tensor, Tensor]:
-    """Mean and biased variance over the rows of ``x`` where ``mask`` is true (all rows when ``mask`` is None)."""
-    if mask is None:
-        # Sums, not torch.var_mean(x, dim=0): on CPU that strided reduction is several times slower at RNN sizes.
-        mean = x.sum(0) / active
-        return mean, (x - mean).square().sum(0) / active
-    keep = mask.unsqueeze(1)
-    # where, not multiplication by the mask: an inf or NaN in a padded row must not reach the statistics
-    mean = torch.where(keep, x, 0.0).sum(0) / active
-    var = torch.where(keep, x - mean, 0.0).square().sum(0) / active
-    return mean, var

@@ -8,7 +8,10 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from seqnorm import torch_ops
 from seqnorm.norms.batch import TimestepBatchNorm
+from seqnorm.norms.batch_pieces import masked_moments
+from seqnorm.norms.protocol import NormCall
 
 __all__ = ["TimestepBatchRenorm"]
 
@@ -36,7 +39,6 @@ class TimestepBatchRenorm(TimestepBatchNorm):
     """
 
     fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "bptt", "generation"})  # as TimestepBatchNorm's
-    fast_kind: ClassVar[str | None] = "batch_renorm"
 
     def __init__(
         self,
@@ -107,3 +109,94 @@ class TimestepBatchRenorm(TimestepBatchNorm):
         if not self.scale:
             return x - mean + d * std_running
         return (x - mean) / std_batch * r + d
+
+    # --- StepPieces in training (in evaluation renormalization is BatchNorm with the running moments: inherited) ---
+
+    def bptt_step(
+        self,
+        x: Tensor,
+        step: int,
+        mask: Tensor | None,
+        count: int,
+        weight: Tensor,
+        shift: Tensor | None,
+        call: NormCall,
+    ) -> Tensor:
+        """``γ (x̂ r + d) + shift`` with ``r``, ``d`` constants (as :meth:`forward`); running steps are BatchNorm's."""
+        if not self.training:
+            return super().bptt_step(x, step, mask, count, weight, shift, call)
+        call.scratch["renorm"] = True
+        if count < 2:  # the "running" fallback, as BatchNorm's: r = 1, d = 0
+            call.keep(rs=torch.ones_like(weight), ds=torch.zeros_like(weight))
+            return super().bptt_step(x, step, mask, count, weight, shift, call)
+        lower, upper, d_max = self._bptt_limits(step, x.dtype, call)
+        row = min(step, self.max_steps - 1)
+        running_mean, running_var = self.running_mean[row], self.running_var[row]
+        running_rstd = torch.rsqrt(running_var + self.eps)  # the running moments before this step's update
+        previous_mean = running_mean.clone()  # both branches below update the row in place
+        if mask is None:
+            # The fused kernel updates the running row in place with BN's rule (momentum, unbiased variance).
+            x_hat, mean, rstd = torch_ops.batch_norm_with_stats(
+                x, None, None, running_mean, running_var, True, self.momentum, self.eps
+            )
+            call.scratch.setdefault("fused_rows", []).append(row)
+        else:
+            mean, var = masked_moments(x, mask, count)
+            rstd = torch.rsqrt(var + self.eps)
+            x_hat = (x - mean) * rstd
+            self._update_running(mean, var, count, step)
+        r = torch.div(running_rstd, rstd).clamp_(lower, upper)  # σ_B / σ_run
+        d = torch.sub(mean, previous_mean).mul_(running_rstd).clamp_(-d_max, d_max)
+        call.scratch.setdefault("batch_steps", []).append(True)
+        call.keep(means=mean, rstds=rstd, rs=r, ds=d)
+        offset = torch.mul(d, weight) if shift is None else torch.addcmul(shift, d, weight)
+        return torch.addcmul(offset, x_hat, weight * r)
+
+    def _bptt_limits(self, step: int, dtype: torch.dtype, call: NormCall) -> tuple[Tensor, Tensor, Tensor]:
+        """``(1/r_max, r_max, d_max)`` of ``step``, from the batch counts before this step's update."""
+        if step < self.max_steps:
+            limits = call.scratch.get("limits")
+            if limits is None:
+                # Rows below max_steps are each updated by their own step only: read all of them once, up front.
+                r_max, d_max = (limit.to(dtype) for limit in self.limits(slice(0, self.max_steps)))
+                bounds = torch.reciprocal(r_max).unbind(0), r_max.unbind(0), d_max.unbind(0)
+                limits = call.scratch["limits"] = list(zip(*bounds, strict=True))
+            return limits[step]
+        # Later steps share the last row and read what the previous steps counted there.
+        self.bptt_finish(call)
+        r_max, d_max = (limit.to(dtype) for limit in self.limits(step))
+        return 1.0 / r_max, r_max, d_max
+
+    def bptt_backward(
+        self,
+        dy: Tensor,
+        x: Tensor,
+        step: int,
+        mask: Tensor | None,
+        count: int,
+        weight: Tensor,
+        shift: Tensor | None,
+        call: NormCall,
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """BatchNorm's backward with the weight ``γ r``; ``dγ = Σ dy (x̂ r + d)``."""
+        if not call.scratch.get("renorm"):
+            return super().bptt_backward(dy, x, step, mask, count, weight, shift, call)
+        mean, rstd = call.steps["means"][step], call.steps["rstds"][step]
+        r, d = call.steps["rs"][step], call.steps["ds"][step]
+        if not call.scratch["batch_steps"][step]:  # a running step (r = 1, d = 0): BatchNorm's
+            return self._backward_written_out(dy, x, mask, count, weight, mean, rstd, shift, False)
+        if mask is None:
+            dx, weight_grad, shift_grad = torch_ops.batch_norm_backward(
+                dy, x, weight * r, None, None, mean, rstd, True, self.eps, [True, True, True]
+            )
+        else:
+            dx, weight_grad, _ = self._backward_written_out(dy, x, mask, count, weight * r, mean, rstd, shift, True)
+            shift_grad = dy.sum(0)
+        return dx, torch.addcmul(weight_grad * r, shift_grad, d), shift_grad
+
+    def bptt_normalized(self, x: Tensor, features: slice, call: NormCall) -> Tensor:
+        x_hat = super().bptt_normalized(x, features, call)
+        if call.scratch.get("renorm"):
+            r, d = call.stacked["rs"], call.stacked["ds"]
+            x_hat.mul_(r[:, None, features]).add_(d[:, None, features])
+        return x_hat

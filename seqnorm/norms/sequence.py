@@ -56,7 +56,6 @@ class SequenceBatchNorm(_OverTime, TimestepBatchNorm):
 
     # Its statistics need the whole sequence: only the hoisted loop's forward_sequence, no per-step fast form.
     fast_forms: ClassVar[frozenset[str]] = frozenset({"loop"})
-    fast_kind: ClassVar[str | None] = None
 
     def __init__(self, num_features: int, **kwargs: object) -> None:
         super().__init__(num_features, 1, **kwargs)  # type: ignore[arg-type]
@@ -66,7 +65,6 @@ class SequenceBatchRenorm(_OverTime, TimestepBatchRenorm):
     """:class:`SequenceBatchNorm` with Ioffe's r/d correction (arguments as :class:`TimestepBatchRenorm`)."""
 
     fast_forms: ClassVar[frozenset[str]] = frozenset({"loop"})  # as SequenceBatchNorm's
-    fast_kind: ClassVar[str | None] = None
 
     def __init__(self, num_features: int, **kwargs: object) -> None:
         super().__init__(num_features, 1, **kwargs)  # type: ignore[arg-type]

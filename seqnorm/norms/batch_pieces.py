@@ -1,0 +1,159 @@
+"""Per-timestep BatchNorm's pieces for the hand-written BPTT and the generation step (:class:`StepPieces`).
+
+:class:`BatchNormPieces` is a base of :class:`~seqnorm.norms.TimestepBatchNorm` (and, through it, of
+:class:`~seqnorm.norms.TimestepBatchRenorm`, which overrides the training pieces): its methods read the module's own
+buffers and options. A BPTT step computes what ``forward_step`` computes, with the same running-statistics updates
+(torch's fused kernel on unmasked training steps), and keeps each step's mean and ``1/std``; its backward is torch's
+BatchNorm backward kernel where autograd would run it, written out for masked and running-statistics steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from seqnorm import torch_ops
+from seqnorm.norms.protocol import NormCall
+
+__all__ = ["BatchNormPieces", "masked_moments"]
+
+
+def masked_moments(x: Tensor, mask: Tensor | None, active: int) -> tuple[Tensor, Tensor]:
+    """Mean and biased variance over the rows of ``x`` where ``mask`` is true (all rows when ``mask`` is None)."""
+    if mask is None:
+        # Sums, not torch.var_mean(x, dim=0): on CPU that strided reduction is several times slower at RNN sizes.
+        mean = x.sum(0) / active
+        return mean, (x - mean).square().sum(0) / active
+    keep = mask.unsqueeze(1)
+    # where, not multiplication by the mask: an inf or NaN in a padded row must not reach the statistics
+    mean = torch.where(keep, x, 0.0).sum(0) / active
+    var = torch.where(keep, x - mean, 0.0).square().sum(0) / active
+    return mean, var
+
+
+class BatchNormPieces:
+    """:class:`~seqnorm.norms.protocol.StepPieces` of per-timestep BatchNorm. ``call.scratch["batch_steps"]`` says
+    per step whether it used batch statistics (else the running ones)."""
+
+    # Provided by TimestepBatchNorm.
+    eps: float
+    momentum: float
+    max_steps: int
+    training: bool
+    weight: Tensor | None
+    scale: bool
+    beyond_max_steps: str
+    running_mean: Tensor
+    running_var: Tensor
+    num_batches_tracked: Tensor
+
+    def fast_form_blocker(self, form: str) -> str | None:
+        """What of this instance the pieces below do not cover (read by :func:`seqnorm.layers.plan.norm_blocker`)."""
+        if not self.scale:
+            return "mean-only BatchNorm (scale=False)"
+        if self.beyond_max_steps != "last":
+            return "pooled statistics beyond max_steps"
+        if form == "generation" and self.training:
+            return "batch statistics in training"  # generation folds the running statistics
+        return None
+
+    def bptt_step(
+        self,
+        x: Tensor,
+        step: int,
+        mask: Tensor | None,
+        count: int,
+        weight: Tensor,
+        shift: Tensor | None,
+        call: NormCall,
+    ) -> Tensor:
+        row = min(step, self.max_steps - 1)
+        # Fewer than 2 rows in training: the "running" fallback (the plan sends the erroring policy elsewhere).
+        use_batch = self.training and count >= 2
+        call.scratch.setdefault("batch_steps", []).append(use_batch)
+        if use_batch and mask is None:
+            # torch's fused kernel updates the running row in place with BN's rule (momentum, unbiased variance), as
+            # forward_step does; the batch is counted in bptt_finish, once for all steps.
+            call.scratch.setdefault("fused_rows", []).append(row)
+            y, mean, rstd = torch_ops.batch_norm_with_stats(
+                x, weight, shift, self.running_mean[row], self.running_var[row], True, self.momentum, self.eps
+            )
+            call.keep(means=mean, rstds=rstd)
+            return y
+        if use_batch:
+            mean, var = masked_moments(x, mask, count)
+            rstd = torch.rsqrt(var + self.eps)
+            self._update_running(mean, var, count, step)  # type: ignore[attr-defined]
+        else:
+            running_mean, running_var = self.running_moments(step)  # type: ignore[attr-defined]
+            mean = running_mean.clone()  # a later step (t >= max_steps) may update this row in place
+            rstd = torch.rsqrt(running_var + self.eps)
+        call.keep(means=mean, rstds=rstd)
+        y = (x - mean) * rstd * weight
+        return y if shift is None else y + shift
+
+    def bptt_finish(self, call: NormCall) -> None:
+        """Count the batches of the fused kernel's steps (the masked steps counted their own)."""
+        rows = call.scratch.pop("fused_rows", None)
+        if rows:
+            index = torch.tensor(rows, device=self.num_batches_tracked.device)
+            self.num_batches_tracked.index_add_(0, index, torch.ones_like(index))
+
+    def bptt_backward(
+        self,
+        dy: Tensor,
+        x: Tensor,
+        step: int,
+        mask: Tensor | None,
+        count: int,
+        weight: Tensor,
+        shift: Tensor | None,
+        call: NormCall,
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        mean, rstd = call.steps["means"][step], call.steps["rstds"][step]
+        batch_step = call.scratch["batch_steps"][step]
+        if batch_step and mask is None:
+            wanted = [True, True, shift is not None]
+            return torch_ops.batch_norm_backward(dy, x, weight, None, None, mean, rstd, True, self.eps, wanted)
+        return self._backward_written_out(dy, x, mask, count, weight, mean, rstd, shift, batch_step)
+
+    @staticmethod
+    def _backward_written_out(
+        dy: Tensor,
+        x: Tensor,
+        mask: Tensor | None,
+        count: int,
+        weight: Tensor,
+        mean: Tensor,
+        rstd: Tensor,
+        shift: Tensor | None,
+        batch_step: bool,
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Masked batch-statistics steps, and running-statistics steps (constants: a scaling)."""
+        scaled = dy * weight
+        shift_grad = None if shift is None else dy.sum(0)
+        x_hat = (x - mean) * rstd
+        if not batch_step:
+            return scaled * rstd, (dy * x_hat).sum(0), shift_grad
+        # Padded rows have dy = 0, so sums over all rows are sums over the real ones; they get no gradient.
+        dx = (scaled - scaled.sum(0) / count - x_hat * ((scaled * x_hat).sum(0) / count)) * rstd
+        return torch.where(mask.unsqueeze(1), dx, 0.0), (dy * x_hat).sum(0), shift_grad  # type: ignore[union-attr]
+
+    def bptt_normalized(self, x: Tensor, features: slice, call: NormCall) -> Tensor:
+        mean, rstd = call.stacked["means"], call.stacked["rstds"]  # per feature: (T, F)
+        return torch.sub(x, mean[:, None, features]).mul_(rstd[:, None, features])
+
+    def generation_step(self, shift: Tensor | None) -> Callable[[Tensor, int], Tensor]:
+        # In evaluation (y - mean_t) / sqrt(var_t + eps) * γ + shift = y * scale_t + offset_t: each step's scale and
+        # offset folded once, one row per step (steps beyond max_steps use the last).
+        scales = torch.rsqrt(self.running_var + self.eps) * self.weight  # (max_steps, F)
+        offsets = -self.running_mean * scales if shift is None else shift - self.running_mean * scales
+        rows, last = list(zip(offsets.unbind(0), scales.unbind(0), strict=True)), self.max_steps - 1
+
+        def batch(y: Tensor, step: int) -> Tensor:
+            offset, scale = rows[min(step, last)]
+            return torch.addcmul(offset, y, scale)
+
+        return batch
