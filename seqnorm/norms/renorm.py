@@ -13,7 +13,19 @@ from seqnorm.norms.batch import TimestepBatchNorm
 from seqnorm.norms.batch_pieces import masked_moments
 from seqnorm.norms.protocol import NormCall
 
-__all__ = ["TimestepBatchRenorm"]
+__all__ = ["TimestepBatchRenorm", "renorm_correction"]
+
+
+def renorm_correction(
+    batch_rstd: Tensor, running_rstd: Tensor, mean: Tensor, running_mean: Tensor, r_max: Tensor, d_max: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Ioffe's ``r = clip(σ_B / σ_run, 1/r_max, r_max)`` and ``d = clip((μ_B - μ_run) / σ_run, -d_max, d_max)``,
+    constants of the backward pass (detached), from the inverse standard deviations ``1/σ``; the one place the
+    correction is computed (the reference, the vectorized loop and the hand-written BPTT call it)."""
+    r = torch.div(running_rstd, batch_rstd.detach())
+    r = torch.minimum(torch.maximum(r, torch.reciprocal(r_max)), r_max)
+    d = torch.sub(mean.detach(), running_mean).mul_(running_rstd)
+    return r, torch.minimum(torch.maximum(d, -d_max), d_max)
 
 
 class TimestepBatchRenorm(TimestepBatchNorm):
@@ -86,29 +98,17 @@ class TimestepBatchRenorm(TimestepBatchNorm):
         d_max = self.d_max * (seen / self.d_max_steps).clamp(max=1.0)
         return r_max, d_max
 
-    def _normalize_batch(self, x: Tensor, mean: Tensor, var: Tensor, step: int) -> Tensor:
-        r_max, d_max = (limit.to(x.dtype) for limit in self.limits(step))
-        running_mean, running_var = self.running_moments(step)
-        std_batch = torch.sqrt(var + self.eps)
-        std_running = torch.sqrt(running_var + self.eps)
-        r = (std_batch / std_running).detach().clamp(min=1.0 / r_max, max=r_max)
-        d = ((mean - running_mean) / std_running).detach().clamp(min=-d_max, max=d_max)
+    def _normalize_batch_steps(
+        self, x: Tensor, mean: Tensor, var: Tensor, rows: slice, running_mean: Tensor, running_var: Tensor
+    ) -> Tensor:
+        # Each step's own limits and running moments (before this update; pooled beyond max_steps: given).
+        r_max, d_max = (limit.to(x.dtype).view(-1, 1, 1) for limit in self.limits(rows))
+        rstd = torch.rsqrt(var + self.eps)
+        running_rstd = torch.rsqrt(running_var + self.eps)
+        r, d = renorm_correction(rstd, running_rstd, mean, running_mean, r_max, d_max)
         if not self.scale:
-            return x - mean + d * std_running
-        return (x - mean) / std_batch * r + d
-
-    def _normalize_batch_steps(self, x: Tensor, mean: Tensor, var: Tensor, steps: int) -> Tensor:
-        # As _normalize_batch, with each step's own limits and running moments (rows 0..T-1, before this update).
-        r_max, d_max = (limit.to(x.dtype).view(steps, 1, 1) for limit in self.limits(slice(0, steps)))
-        std_batch = torch.sqrt(var + self.eps)
-        std_running = torch.sqrt(self.running_var[:steps].unsqueeze(1) + self.eps)
-        r = torch.minimum(torch.maximum((std_batch / std_running).detach(), 1.0 / r_max), r_max)
-        d = torch.minimum(
-            torch.maximum(((mean - self.running_mean[:steps].unsqueeze(1)) / std_running).detach(), -d_max), d_max
-        )
-        if not self.scale:
-            return x - mean + d * std_running
-        return (x - mean) / std_batch * r + d
+            return x - mean + d / running_rstd
+        return (x - mean) * rstd * r + d
 
     # --- StepPieces in training (in evaluation renormalization is BatchNorm with the running moments: inherited) ---
 
@@ -129,7 +129,7 @@ class TimestepBatchRenorm(TimestepBatchNorm):
         if count < 2:  # the "running" fallback, as BatchNorm's: r = 1, d = 0
             call.keep(rs=torch.ones_like(weight), ds=torch.zeros_like(weight))
             return super().bptt_step(x, step, mask, count, weight, shift, call)
-        lower, upper, d_max = self._bptt_limits(step, x.dtype, call)
+        r_max, d_max = self._bptt_limits(step, x.dtype, call)
         row = min(step, self.max_steps - 1)
         running_mean, running_var = self.running_mean[row], self.running_var[row]
         running_rstd = torch.rsqrt(running_var + self.eps)  # the running moments before this step's update
@@ -145,27 +145,25 @@ class TimestepBatchRenorm(TimestepBatchNorm):
             rstd = torch.rsqrt(var + self.eps)
             x_hat = (x - mean) * rstd
             self._update_running(mean, var, count, step)
-        r = torch.div(running_rstd, rstd).clamp_(lower, upper)  # σ_B / σ_run
-        d = torch.sub(mean, previous_mean).mul_(running_rstd).clamp_(-d_max, d_max)
+        r, d = renorm_correction(rstd, running_rstd, mean, previous_mean, r_max, d_max)
         call.scratch.setdefault("batch_steps", []).append(True)
         call.keep(means=mean, rstds=rstd, rs=r, ds=d)
         offset = torch.mul(d, weight) if shift is None else torch.addcmul(shift, d, weight)
         return torch.addcmul(offset, x_hat, weight * r)
 
-    def _bptt_limits(self, step: int, dtype: torch.dtype, call: NormCall) -> tuple[Tensor, Tensor, Tensor]:
-        """``(1/r_max, r_max, d_max)`` of ``step``, from the batch counts before this step's update."""
+    def _bptt_limits(self, step: int, dtype: torch.dtype, call: NormCall) -> tuple[Tensor, Tensor]:
+        """``(r_max, d_max)`` of ``step``, from the batch counts before this step's update."""
         if step < self.max_steps:
             limits = call.scratch.get("limits")
             if limits is None:
                 # Rows below max_steps are each updated by their own step only: read all of them once, up front.
                 r_max, d_max = (limit.to(dtype) for limit in self.limits(slice(0, self.max_steps)))
-                bounds = torch.reciprocal(r_max).unbind(0), r_max.unbind(0), d_max.unbind(0)
-                limits = call.scratch["limits"] = list(zip(*bounds, strict=True))
+                limits = call.scratch["limits"] = list(zip(r_max.unbind(0), d_max.unbind(0), strict=True))
             return limits[step]
         # Later steps share the last row and read what the previous steps counted there.
         self.bptt_finish(call)
         r_max, d_max = (limit.to(dtype) for limit in self.limits(step))
-        return 1.0 / r_max, r_max, d_max
+        return r_max, d_max
 
     def bptt_backward(
         self,
