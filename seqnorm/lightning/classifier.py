@@ -9,7 +9,7 @@ from torch import Tensor
 
 from seqnorm.lightning.base import TaskModule
 from seqnorm.models import CellName, Pooling, RNNClassifier
-from seqnorm.norms import NormName, NormSpec
+from seqnorm.norms import NormSpec
 
 __all__ = ["SequenceClassifier"]
 
@@ -34,7 +34,7 @@ class SequenceClassifier(TaskModule):
         num_classes: int,
         pad_index: int = 0,
         cell: CellName = "lstm",
-        norm: NormName | NormSpec = "layer",
+        norm: str | NormSpec = "layer",
         hidden_size: int = 128,
         embedding_dim: int = 64,
         num_layers: int = 1,

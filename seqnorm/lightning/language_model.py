@@ -10,7 +10,7 @@ from torch import Tensor
 
 from seqnorm.lightning.base import TaskModule
 from seqnorm.models import CellName, RNNLanguageModel
-from seqnorm.norms import NormName, NormSpec
+from seqnorm.norms import NormSpec
 
 __all__ = ["LanguageModel"]
 
@@ -57,7 +57,7 @@ class LanguageModel(TaskModule):
         pad_index: int = 0,
         level: Literal["char", "word"] = "char",
         cell: CellName = "lstm",
-        norm: NormName | NormSpec = "layer",
+        norm: str | NormSpec = "layer",
         hidden_size: int = 256,
         embedding_dim: int = 64,
         num_layers: int = 1,

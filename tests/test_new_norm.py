@@ -1,0 +1,194 @@
+"""A new norm is one module (with its spec) plus one registry entry: the proof.
+
+Everything the library needs of :class:`ToyScaleNorm` is in this file: the module, implementing
+:class:`~seqnorm.norms.protocol.StepPieces` and declaring its fast forms, its spec (a :class:`~seqnorm.norms.NormSpec`
+subclass with a ``name``) and one ``NORMS`` entry. ``seqnorm.LSTM``/``GRU`` then take ``norm="toy_scale"``, the plan
+runs the hand-written BPTT in training and the lean step for generation, both equal the reference loop (float64,
+1e-9, variable lengths), and the layer trains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.testing import assert_close
+
+import seqnorm
+from seqnorm.norms import NORMS, NormContext, NormScheme, NormSpec
+from seqnorm.norms.protocol import NormCall, StepPieces
+
+TOLERANCE = {"rtol": 1e-9, "atol": 1e-9}
+NAME = "toy_scale"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToyScaleSpec(NormSpec):
+    """The toy norm's options: its ``eps``."""
+
+    name: ClassVar[str] = NAME
+    eps: float = 1e-5
+
+
+class ToyScaleNorm(nn.Module):
+    """ScaleNorm (Nguyen & Salazar 2019), ``γ x / (||x|| / sqrt(F) + eps)`` per row, with every form's pieces."""
+
+    fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "bptt", "generation"})
+
+    def __init__(self, num_features: int, eps: float = 1e-5, *, device: Any = None, dtype: Any = None) -> None:
+        super().__init__()
+        self.num_features, self.eps, self.bias = num_features, eps, None
+        self.weight = nn.Parameter(torch.empty(num_features, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:  # the cells reset their norms with their own parameters
+        nn.init.uniform_(self.weight, 0.5, 1.5)
+
+    def _scale(self, x: Tensor) -> Tensor:
+        return 1.0 / (torch.linalg.vector_norm(x, dim=-1, keepdim=True) / self.num_features**0.5 + self.eps)
+
+    # --- reference and loop ---
+
+    def forward(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:
+        return self.weight * x * self._scale(x)
+
+    def forward_step(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:
+        return self.forward(x)
+
+    def forward_sequence(self, x: Tensor, mask: Tensor | None = None, counts: list[int] | None = None) -> Tensor:
+        return self.forward(x)
+
+    # --- StepPieces: the hand-written BPTT ---
+
+    def bptt_step(
+        self, x: Tensor, step: int, mask: Any, count: int, weight: Tensor, shift: Any, call: NormCall
+    ) -> Tensor:
+        scale = self._scale(x)
+        call.keep(scales=scale)
+        y = x * scale * weight
+        return y if shift is None else y + shift
+
+    def bptt_finish(self, call: NormCall) -> None:
+        pass
+
+    def bptt_backward(
+        self, dy: Tensor, x: Tensor, step: int, mask: Any, count: int, weight: Tensor, shift: Any, call: NormCall
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        scale = call.steps["scales"][step]
+        scaled = dy * weight
+        # d(scale)/dx = -scale^2 x / (||x|| sqrt(F)); at x = 0 (h_0 = 0) the term is 0, as autograd's subgradient.
+        length = ((1.0 / scale - self.eps) * self.num_features).clamp_min(torch.finfo(x.dtype).tiny)
+        dx = scaled * scale - x * (scale.square() * (scaled * x).sum(1, keepdim=True) / length)
+        return dx, (dy * x * scale).sum(0), None if shift is None else dy.sum(0)
+
+    def bptt_normalized(self, x: Tensor, features: slice, call: NormCall) -> Tensor:
+        return x * call.stacked["scales"]
+
+    # --- StepPieces: generation ---
+
+    def generation_step(self, shift: Tensor | None) -> Callable[[Tensor, int], Tensor]:
+        def scale_norm(y: Tensor, step: int) -> Tensor:
+            out = self.forward(y)
+            return out if shift is None else out + shift
+
+        return scale_norm
+
+
+def build_toy_scale(features: int, role: str, ctx: NormContext) -> nn.Module:
+    spec: ToyScaleSpec = ctx.spec  # type: ignore[assignment]
+    return ToyScaleNorm(features, spec.eps, device=ctx.device, dtype=ctx.dtype)
+
+
+@pytest.fixture
+def toy_scale() -> Iterator[None]:
+    NORMS[NAME] = NormScheme(NAME, ToyScaleSpec, build_toy_scale)  # the one registry entry
+    yield
+    del NORMS[NAME]
+
+
+def _pair(layer_class: type, **kwargs: Any) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    fast = layer_class(3, 5, num_layers=2, norm=NAME, dtype=torch.float64, **kwargs)
+    reference = layer_class(3, 5, num_layers=2, norm=NAME, impl="reference", dtype=torch.float64, **kwargs)
+    reference.load_state_dict(fast.state_dict())
+    return fast, reference
+
+
+@pytest.mark.usefixtures("toy_scale")
+def test_the_toy_is_a_step_pieces_norm_built_from_the_registry() -> None:
+    layer = seqnorm.LSTM(3, 5, norm=NAME, eps=1e-3)
+    norms = [module for module in layer.modules() if isinstance(module, ToyScaleNorm)]
+    assert len(norms) == 3  # input, recurrent and cell-state norms of the one cell
+    assert all(isinstance(norm, StepPieces) and norm.eps == 1e-3 for norm in norms)
+
+
+@pytest.mark.usefixtures("toy_scale")
+@pytest.mark.parametrize("layer_class", [seqnorm.LSTM, seqnorm.GRU])
+def test_a_registered_norm_runs_the_bptt_and_equals_the_reference(layer_class: type) -> None:
+    fast, reference = _pair(layer_class)
+    x, lengths = torch.randn(6, 4, 3, dtype=torch.float64), torch.tensor([6, 3, 5, 6])
+    assert fast.plan(x, lengths=lengths).path == "bptt"
+    assert reference.plan(x, lengths=lengths).path == "reference"
+    results = []
+    for layer in (fast, reference):
+        x_in = x.clone().requires_grad_()
+        output, state = layer(x_in, lengths=lengths)
+        h_n = state if isinstance(state, Tensor) else state[0]
+        (output.square().sum() + h_n.sum()).backward()
+        results.append((output, h_n, x_in.grad, [p.grad for p in layer.parameters()]))
+    (out_f, h_f, dx_f, grads_f), (out_r, h_r, dx_r, grads_r) = results
+    assert_close(out_f, out_r, **TOLERANCE)
+    assert_close(h_f, h_r, **TOLERANCE)
+    assert_close(dx_f, dx_r, **TOLERANCE)
+    for grad_f, grad_r in zip(grads_f, grads_r, strict=True):
+        assert_close(grad_f, grad_r, **TOLERANCE)
+
+
+@pytest.mark.usefixtures("toy_scale")
+@pytest.mark.parametrize("layer_class", [seqnorm.LSTM, seqnorm.GRU])
+def test_a_registered_norm_runs_the_lean_step_and_equals_the_reference(layer_class: type) -> None:
+    fast, reference = _pair(layer_class)
+    fast.eval(), reference.eval()
+    x = torch.randn(5, 4, 3, dtype=torch.float64)
+    with torch.no_grad():
+        assert fast.plan(x[0]).path == "lean_step"
+        assert reference.plan(x[0]).path == "reference"
+        state_f = state_r = None
+        for x_t in x:
+            out_f, state_f = fast.step(x_t, state_f)
+            out_r, state_r = reference.step(x_t, state_r)
+            assert_close(out_f, out_r, **TOLERANCE)
+        assert_close(fast(x)[0], reference(x)[0], **TOLERANCE)
+
+
+@pytest.mark.usefixtures("toy_scale")
+@pytest.mark.parametrize("layer_class", [seqnorm.LSTM, seqnorm.GRU])
+def test_a_registered_norm_trains(layer_class: type) -> None:
+    layer, _ = _pair(layer_class)
+    head = nn.Linear(5, 1, dtype=torch.float64)
+    optimizer = torch.optim.Adam([*layer.parameters(), *head.parameters()], lr=3e-2)
+    x, lengths = torch.randn(6, 4, 3, dtype=torch.float64), torch.tensor([6, 3, 5, 6])
+    target = torch.randn(4, 1, dtype=torch.float64)
+    losses = []
+    for _ in range(20):
+        optimizer.zero_grad()
+        output, _ = layer(x, lengths=lengths)
+        loss = nn.functional.mse_loss(head(output[lengths - 1, torch.arange(4)]), target)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
+@pytest.mark.usefixtures("toy_scale")
+def test_the_lightning_modules_take_any_registered_name() -> None:
+    from seqnorm.lightning import LanguageModel
+
+    model = LanguageModel(vocab_size=11, norm=NAME, hidden_size=8, embedding_dim=4)
+    assert any(isinstance(module, ToyScaleNorm) for module in model.modules())
+    with pytest.raises(ValueError, match=r"expected norm to be one of .*'toy_scale'"):
+        LanguageModel(vocab_size=11, norm="toy_scales")
