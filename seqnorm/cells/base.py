@@ -13,7 +13,16 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrizations, parametrize
 
 from seqnorm.init import init_recurrent_, resolve_init
-from seqnorm.norms import NORMS, BeyondMaxSteps, NormContext, NormSpec, SmallBatchPolicy, check_placement, resolve_norm
+from seqnorm.norms import (
+    DEFAULT_MAX_STEPS,
+    NORMS,
+    BeyondMaxSteps,
+    NormContext,
+    NormSpec,
+    SmallBatchPolicy,
+    check_placement,
+    resolve_norm,
+)
 
 __all__ = ["RecurrentCell", "StepObserver", "check_positive_int", "check_proj_size", "check_rate"]
 
@@ -89,7 +98,7 @@ class RecurrentCell(nn.Module):
         bias: bool = True,
         *,
         norm: str | NormSpec = "none",
-        max_steps: int = 100,
+        max_steps: int = DEFAULT_MAX_STEPS,
         init: str = "default",
         forget_bias: float | None = None,
         eps: float = 1e-5,

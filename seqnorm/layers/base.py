@@ -31,7 +31,7 @@ from seqnorm.layers.keys import TORCH_KEY, from_torch_keys, to_torch_keys
 from seqnorm.layers.plan import Plan, log, plan_for
 from seqnorm.layers.stack import PaddingLayout, padding_layout, run_stack
 from seqnorm.layers.stepping import lean_layer_step
-from seqnorm.norms import BeyondMaxSteps, NormSpec, SmallBatchPolicy, check_placement, resolve_norm
+from seqnorm.norms import DEFAULT_MAX_STEPS, BeyondMaxSteps, NormSpec, SmallBatchPolicy, check_placement, resolve_norm
 
 __all__ = ["RecurrentLayer", "RecurrentState"]
 
@@ -72,7 +72,7 @@ class RecurrentLayer(nn.Module):
         zoneout_c: float = 0.0,
         proj_size: int = 0,
         norm: str | NormSpec = "none",
-        max_steps: int = 100,
+        max_steps: int = DEFAULT_MAX_STEPS,
         init: str = "default",
         forget_bias: float | None = None,
         eps: float = 1e-5,

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from seqnorm.lightning.base import TaskModule
 from seqnorm.models import CellName, Pooling, RNNClassifier
-from seqnorm.norms import NormSpec
+from seqnorm.norms import DEFAULT_MAX_STEPS, NormSpec
 
 __all__ = ["SequenceClassifier"]
 
@@ -43,7 +43,7 @@ class SequenceClassifier(TaskModule):
         dropout: float = 0.0,
         recurrent_dropout: float = 0.0,
         init: str = "default",
-        max_steps: int = 100,
+        max_steps: int = DEFAULT_MAX_STEPS,
         small_batch: Literal["error", "running"] = "error",
         rnn_options: dict[str, Any] | None = None,
         lr: float = 2e-3,

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from seqnorm.lightning.base import TaskModule
 from seqnorm.models import CellName, RNNLanguageModel
-from seqnorm.norms import NormSpec
+from seqnorm.norms import DEFAULT_MAX_STEPS, NormSpec
 
 __all__ = ["LanguageModel"]
 
@@ -64,7 +64,7 @@ class LanguageModel(TaskModule):
         dropout: float = 0.0,
         recurrent_dropout: float = 0.0,
         init: str = "default",
-        max_steps: int = 100,
+        max_steps: int = DEFAULT_MAX_STEPS,
         small_batch: Literal["error", "running"] = "error",
         tie_weights: bool = False,
         rnn_options: dict[str, Any] | None = None,

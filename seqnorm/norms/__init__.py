@@ -19,7 +19,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from seqnorm.norms.batch import BeyondMaxSteps, SmallBatchPolicy, TimestepBatchNorm
+from seqnorm.norms.batch import DEFAULT_MAX_STEPS, BeyondMaxSteps, SmallBatchPolicy, TimestepBatchNorm
 from seqnorm.norms.layer import LayerNorm, RMSNorm
 from seqnorm.norms.precision import float32_statistics
 from seqnorm.norms.renorm import TimestepBatchRenorm
@@ -38,6 +38,7 @@ from seqnorm.norms.specs import (
 )
 
 __all__ = [
+    "DEFAULT_MAX_STEPS",
     "NORMS",
     "NORM_KEYWORDS",
     "BatchNormSpec",

@@ -44,7 +44,10 @@ from torch import Tensor, nn
 from seqnorm.norms.batch_pieces import BatchNormPieces, masked_moments
 from seqnorm.norms.precision import float32_statistics
 
-__all__ = ["BeyondMaxSteps", "SmallBatchPolicy", "TimestepBatchNorm", "masked_moments"]
+__all__ = ["DEFAULT_MAX_STEPS", "BeyondMaxSteps", "SmallBatchPolicy", "TimestepBatchNorm", "masked_moments"]
+
+DEFAULT_MAX_STEPS = 100
+"""Time steps with their own batch statistics unless ``max_steps`` says otherwise: the one place the default is."""
 
 SmallBatchPolicy = Literal["error", "running"]
 BeyondMaxSteps = Literal["last", "pooled"]
@@ -88,7 +91,7 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
     def __init__(
         self,
         num_features: int,
-        max_steps: int = 100,
+        max_steps: int = DEFAULT_MAX_STEPS,
         *,
         eps: float = 1e-5,
         momentum: float = 0.1,
@@ -250,14 +253,7 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
             raise self._small_batch_error(first + index, counts[index], batch)
         # A step with no real row divides by 1, not 0: its NaN would reach the gradient through the fallback's where.
         active = torch.tensor([max(count, 1) for count in counts], dtype=x.dtype, device=x.device).view(steps, 1, 1)
-        if mask is None:
-            mean = x.sum(1, keepdim=True) / active
-            var = (x - mean).square().sum(1, keepdim=True) / active
-        else:
-            keep = mask.unsqueeze(2)
-            # where, not multiplication by the mask: an inf or NaN in a padded row must not reach the statistics
-            mean = torch.where(keep, x, 0.0).sum(1, keepdim=True) / active
-            var = torch.where(keep, x - mean, 0.0).square().sum(1, keepdim=True) / active
+        mean, var = masked_moments(x, mask, active, dim=1)  # (T, 1, F)
         x_hat = self._normalize_batch_steps(x, mean, var, rows, running_mean, running_var)
         if not all(use_batch):
             fallback = self._normalize_running_steps(x, running_mean, running_var)

@@ -20,17 +20,24 @@ from seqnorm.norms.protocol import NormCall
 __all__ = ["BatchNormPieces", "masked_moments"]
 
 
-def masked_moments(x: Tensor, mask: Tensor | None, active: int) -> tuple[Tensor, Tensor]:
-    """Mean and biased variance over the rows of ``x`` where ``mask`` is true (all rows when ``mask`` is None)."""
+def masked_moments(x: Tensor, mask: Tensor | None, active: int | Tensor, dim: int = 0) -> tuple[Tensor, Tensor]:
+    """Mean and biased variance over the batch dimension ``dim`` of ``x``, counting only rows where ``mask`` is true.
+
+    ``x`` is ``(B, F)`` with ``dim=0`` (one step; the moments are ``(F,)``) or ``(T, B, F)`` with ``dim=1`` (a block of
+    steps; the moments keep that dimension, ``(T, 1, F)``). ``mask`` is ``x``'s shape without ``F`` (``None``: every
+    row), ``active`` the number of real rows (per step, shaped ``(T, 1, 1)``, for a block).
+    """
+    keepdim = dim != 0
     if mask is None:
         # Sums, not torch.var_mean(x, dim=0): on CPU that strided reduction is several times slower at RNN sizes.
-        mean = x.sum(0) / active
-        return mean, (x - mean).square().sum(0) / active
-    keep = mask.unsqueeze(1)
-    # where, not multiplication by the mask: an inf or NaN in a padded row must not reach the statistics
-    mean = torch.where(keep, x, 0.0).sum(0) / active
-    var = torch.where(keep, x - mean, 0.0).square().sum(0) / active
-    return mean, var
+        mean = x.sum(dim, keepdim=True) / active
+        var = (x - mean).square().sum(dim, keepdim=keepdim) / active
+    else:
+        keep = mask.unsqueeze(-1)
+        # where, not multiplication by the mask: an inf or NaN in a padded row must not reach the statistics
+        mean = torch.where(keep, x, 0.0).sum(dim, keepdim=True) / active
+        var = torch.where(keep, x - mean, 0.0).square().sum(dim, keepdim=keepdim) / active
+    return (mean if keepdim else mean.squeeze(dim)), var
 
 
 class BatchNormPieces:

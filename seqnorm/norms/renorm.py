@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from seqnorm import torch_ops
-from seqnorm.norms.batch import TimestepBatchNorm
+from seqnorm.norms.batch import DEFAULT_MAX_STEPS, TimestepBatchNorm
 from seqnorm.norms.batch_pieces import masked_moments
 from seqnorm.norms.protocol import NormCall
 
@@ -55,7 +55,7 @@ class TimestepBatchRenorm(TimestepBatchNorm):
     def __init__(
         self,
         num_features: int,
-        max_steps: int = 100,
+        max_steps: int = DEFAULT_MAX_STEPS,
         *,
         r_max: float = 3.0,
         d_max: float = 5.0,

@@ -23,7 +23,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar, Literal
 
-from seqnorm.norms.batch import BeyondMaxSteps, SmallBatchPolicy
+from seqnorm.norms.batch import DEFAULT_MAX_STEPS, BeyondMaxSteps, SmallBatchPolicy
 
 __all__ = [
     "BatchNormSpec",
@@ -185,7 +185,7 @@ class _Statistics(NormSpec):
 
     eps: float = 1e-5
     momentum: float = 0.1
-    max_steps: int = 100
+    max_steps: int = DEFAULT_MAX_STEPS
     small_batch: SmallBatchPolicy = "error"
     beyond_max_steps: BeyondMaxSteps = "last"
 
