@@ -161,6 +161,19 @@ def test_rnn_options_reach_the_layer_and_bad_ones_are_named() -> None:
         SequenceClassifier(10, 2, cell="gru", rnn_options={"state_norm": "carried"})
 
 
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [('{"zonout_h": 0.1}', "Unexpected keys: {'zonout_h'}"), ('{"norm_placement": "jint"}', "Got value: jint")],
+)
+def test_rnn_options_are_typed_on_the_command_line(capsys: pytest.CaptureFixture, options: str, expected: str) -> None:
+    # RNNOptions is a TypedDict: jsonargparse refuses an unknown key or a value outside its choices while parsing,
+    # before any data is read or model built.
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--model", "LanguageModel", "--data", "TextCorpus", "--model.rnn_options", options, *QUIET])
+    assert exit_info.value.code == 2
+    assert expected in capsys.readouterr().err
+
+
 def test_print_config(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--model", "LanguageModel", "--data", "TextCorpus", "--model.norm", "rms", "--print_config"])

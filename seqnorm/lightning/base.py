@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 import lightning.pytorch as pl
 import torch
@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
 from seqnorm.data.loader import ResumableDataLoader
+from seqnorm.layers.fast import Impl
 from seqnorm.lightning.checkpoint_io import read_checkpoint, task_class
 from seqnorm.lightning.resume import (
     RANDOM_STATE_KEY,
@@ -25,12 +26,13 @@ from seqnorm.lightning.resume import (
     settle_restart_totals,
     snapshot_random_states,
 )
-from seqnorm.norms import NormSpec, resolve_norm, spec_from_dict
+from seqnorm.norms import BeyondMaxSteps, NormSpec, resolve_norm, spec_from_dict
+from seqnorm.norms.specs import InputStats
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["DATA_STATE_KEY", "TaskModule"]
+__all__ = ["DATA_STATE_KEY", "RNNOptions", "TaskModule"]
 
 DATA_STATE_KEY = "seqnorm_data"
 """Checkpoint key holding the DataModule's state (vocabulary, level, unit), read back by ``seqnorm generate``."""
@@ -38,6 +40,41 @@ DATA_STATE_KEY = "seqnorm_data"
 EVAL_STAGES = ("val", "test")
 RNN_ARGUMENTS = ("norm", "recurrent_dropout", "init", "max_steps", "small_batch")
 """Arguments of both task modules that go to the recurrent layer (``small_batch`` folded into the norm's spec)."""
+
+
+class RNNOptions(TypedDict, total=False):
+    """Further keyword arguments of :class:`seqnorm.LSTM` / :class:`seqnorm.GRU` for the task modules.
+
+    ``--model.rnn_options '{"norm_placement": "joint", "zoneout_h": 0.1}'``: typed, so jsonargparse checks every key
+    and value on the command line and in configs (an unknown key or a value outside its choices is refused before
+    anything is built). The norm's own options belong on its spec (``--model.norm.init_args.momentum 0.05``).
+    """
+
+    # The cell's placement switches (they change its equations) and regularizers.
+    norm_placement: Literal["separate", "joint"]
+    state_norm: Literal["output", "carried"]
+    zoneout_h: float
+    zoneout_c: float
+    input_dropout: float
+    weight_dropout: float
+    forget_bias: float | None
+    proj_size: int
+    impl: Impl
+    # Norm options as configs wrote them before norm specs: still accepted, folded into the norm's spec.
+    eps: float
+    momentum: float
+    affine: bool
+    gamma_init: float | None
+    beta_init: float
+    input_stats: InputStats
+    beyond_max_steps: BeyondMaxSteps
+    norm_options: dict[str, Any] | None
+    # The model's own arguments: listed so that the model, not the parser, refuses them, naming the flag to use.
+    norm: Any
+    recurrent_dropout: Any
+    init: Any
+    max_steps: Any
+    small_batch: Any
 
 
 class TaskModule(pl.LightningModule):

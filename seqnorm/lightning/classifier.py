@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import torch.nn.functional as F
 from torch import Tensor
 
-from seqnorm.lightning.base import TaskModule
+from seqnorm.lightning.base import RNNOptions, TaskModule
 from seqnorm.models import CellName, Pooling, RNNClassifier
 from seqnorm.norms import DEFAULT_MAX_STEPS, NormSpec
 
@@ -45,7 +45,7 @@ class SequenceClassifier(TaskModule):
         init: str = "default",
         max_steps: int = DEFAULT_MAX_STEPS,
         small_batch: Literal["error", "running"] = "error",
-        rnn_options: dict[str, Any] | None = None,
+        rnn_options: RNNOptions | None = None,
         lr: float = 2e-3,
         weight_decay: float = 0.0,
     ) -> None:

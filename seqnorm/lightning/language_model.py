@@ -8,7 +8,7 @@ from typing import Any, Literal
 import torch.nn.functional as F
 from torch import Tensor
 
-from seqnorm.lightning.base import TaskModule
+from seqnorm.lightning.base import RNNOptions, TaskModule
 from seqnorm.models import CellName, RNNLanguageModel
 from seqnorm.norms import DEFAULT_MAX_STEPS, NormSpec
 
@@ -46,7 +46,8 @@ class LanguageModel(TaskModule):
             options: the cell switches ``norm_placement`` and ``state_norm``, regularizers (``zoneout_h``,
             ``zoneout_c``, ``input_dropout``, ``weight_dropout``), ``forget_bias``, ``proj_size``, ``impl``. The
             norm keywords (``eps``, ``momentum``, ``affine``, ``beyond_max_steps``, ``norm_options``, ...) still
-            work here for existing configs; ``norm``'s spec is where they belong.
+            work here for existing configs; ``norm``'s spec is where they belong. Typed (:class:`RNNOptions`): the
+            CLI checks every key and value while parsing.
         lr: Adam learning rate (the CLI's ``--optimizer`` replaces Adam entirely).
         weight_decay: Adam weight decay.
     """
@@ -67,7 +68,7 @@ class LanguageModel(TaskModule):
         max_steps: int = DEFAULT_MAX_STEPS,
         small_batch: Literal["error", "running"] = "error",
         tie_weights: bool = False,
-        rnn_options: dict[str, Any] | None = None,
+        rnn_options: RNNOptions | None = None,
         lr: float = 2e-3,
         weight_decay: float = 0.0,
     ) -> None:
