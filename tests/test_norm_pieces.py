@@ -1,11 +1,11 @@
-"""A norm written here, outside the library, that implements :class:`~seqnorm.norms.protocol.StepPieces` and declares
-every fast form: the plan runs it on the hand-written BPTT and the lean generation step, and both equal the reference
-loop (float64, 1e-9) and pass gradcheck. Nothing in ``seqnorm.layers`` knows this norm."""
+"""A norm written outside the library (``ToyScaleNorm`` of tests/test_new_norm.py) that implements
+:class:`~seqnorm.norms.protocol.StepPieces` and declares every fast form, swapped into the cells here (no registry):
+the plan runs it on the hand-written BPTT and the lean generation step, and both equal the reference loop (float64,
+1e-9) and pass gradcheck. Nothing in ``seqnorm.layers`` knows this norm."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 import torch
@@ -13,65 +13,11 @@ from torch import Tensor, nn
 from torch.autograd import gradcheck
 from torch.testing import assert_close
 
-from seqnorm.norms.protocol import NormCall, StepPieces
+from seqnorm.norms.protocol import StepPieces
 from tests.conftest import LAYERS, TORCH_KINDS
+from tests.test_new_norm import ToyScaleNorm
 
 TOLERANCE = {"rtol": 1e-9, "atol": 1e-9}
-
-
-class PiecesScaleNorm(nn.Module):
-    """ScaleNorm (Nguyen & Salazar 2019), ``γ x / (||x|| / sqrt(F) + eps)`` per row, with every form's pieces."""
-
-    fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "bptt", "generation"})
-
-    def __init__(self, num_features: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.num_features, self.eps, self.bias = num_features, eps, None
-        self.weight = nn.Parameter(torch.empty(num_features, dtype=torch.float64).uniform_(0.5, 1.5))
-
-    def _scale(self, x: Tensor) -> Tensor:
-        return 1.0 / (torch.linalg.vector_norm(x, dim=-1, keepdim=True) / self.num_features**0.5 + self.eps)
-
-    def forward(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:
-        return self.weight * x * self._scale(x)
-
-    def forward_step(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:
-        return self.forward(x)
-
-    def forward_sequence(self, x: Tensor, mask: Tensor | None = None, counts: list[int] | None = None) -> Tensor:
-        return self.forward(x)
-
-    def bptt_step(
-        self, x: Tensor, step: int, mask: Any, count: int, weight: Tensor, shift: Any, call: NormCall
-    ) -> Tensor:
-        scale = self._scale(x)
-        call.keep(scales=scale)
-        y = x * scale * weight
-        return y if shift is None else y + shift
-
-    def bptt_finish(self, call: NormCall) -> None:
-        pass
-
-    def bptt_backward(
-        self, dy: Tensor, x: Tensor, step: int, mask: Any, count: int, weight: Tensor, shift: Any, call: NormCall
-    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        scale = call.steps["scales"][step]
-        scaled = dy * weight
-        # d(scale)/dx = -scale^2 x / (||x|| sqrt(F)), with ||x|| = (1/scale - eps) sqrt(F); at x = 0 (h_0 = 0) the
-        # term is 0, as autograd's subgradient of the norm.
-        length = ((1.0 / scale - self.eps) * self.num_features).clamp_min(torch.finfo(x.dtype).tiny)
-        dx = scaled * scale - x * (scale.square() * (scaled * x).sum(1, keepdim=True) / length)
-        return dx, (dy * x * scale).sum(0), None if shift is None else dy.sum(0)
-
-    def bptt_normalized(self, x: Tensor, features: slice, call: NormCall) -> Tensor:
-        return x * call.stacked["scales"]
-
-    def generation_step(self, shift: Tensor | None) -> Callable[[Tensor, int], Tensor]:
-        def scale_norm(y: Tensor, step: int) -> Tensor:
-            out = self.forward(y)
-            return out if shift is None else out + shift
-
-        return scale_norm
 
 
 def _layer(kind: str, **kwargs: Any) -> nn.Module:
@@ -81,7 +27,7 @@ def _layer(kind: str, **kwargs: Any) -> nn.Module:
     for cell in layer.cells:
         for role in ("norm_ih", "norm_hh", "norm_c"):
             if getattr(cell, role, None) is not None:
-                setattr(cell, role, PiecesScaleNorm(getattr(cell, role).num_features))
+                setattr(cell, role, ToyScaleNorm(getattr(cell, role).num_features, dtype=torch.float64))
     return layer
 
 
@@ -93,7 +39,7 @@ def _pair(kind: str) -> tuple[nn.Module, nn.Module]:
 
 
 def test_the_toy_implements_the_protocol() -> None:
-    assert isinstance(PiecesScaleNorm(3), StepPieces)
+    assert isinstance(ToyScaleNorm(3), StepPieces)
 
 
 @pytest.mark.parametrize("kind", TORCH_KINDS)
