@@ -298,7 +298,8 @@ def _download(spec: DatasetSpec, download: Download, folder: Path, known_hash: s
             "sha256:<hex>, or pass the extracted text with --data.path"
         )
     path = _retrieve(spec, download, folder, known_hash)
-    digest = _sha256(path)
+    # pooch has just hashed the file against a SHA-256 given as known_hash: reading it again would only repeat that.
+    digest = known_hash.rpartition(":")[2].lower() if _is_sha256(known_hash) else _sha256(path)
     recorded = _read_manifest(folder).get(path.name)
     if recorded is None or recorded == digest or _is_sha256(known_hash):  # a SHA-256 given now is authoritative
         if recorded != digest:

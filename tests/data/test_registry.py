@@ -119,6 +119,7 @@ def test_verified_download_loads_as_a_corpus_and_is_cached(
     assert {split: len(d) for split, d in corpus.datasets.items()} == {"train": 24, "val": 3, "test": 3}
     (served / "corpus.txt").unlink()  # a second run uses the verified cached copy
     assert fetch_dataset("local", cache) == {"train": cache / "local" / "corpus.txt"}
+    assert json.loads((cache / "local" / MANIFEST).read_text()) == {"corpus.txt": _sha256(CORPUS.encode())}
 
 
 def test_archive_members_become_splits(
