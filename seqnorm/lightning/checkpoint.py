@@ -120,8 +120,7 @@ class ResumableCheckpoint(ModelCheckpoint):
             self.save_last is True
             and not self._should_skip_saving_checkpoint(trainer)
             and not self._should_save_on_train_epoch_end(trainer)
-            and self._last_written_at_step != trainer.global_step
-        ):
+        ):  # a new best saved at this step (last.ckpt first) makes the skip test true
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     # ---- exceptions, signals, the end of training --------------------------------------------------------------
