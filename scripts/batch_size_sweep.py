@@ -202,6 +202,28 @@ def plot(rows: Sequence[dict[str, Any]], value: str, path: Path) -> None:
     plt.close(figure)
 
 
+def plot_curves(rows: Sequence[dict[str, Any]], curves: Sequence[dict[str, Any]], value: str, path: Path) -> None:
+    """Validation along training at each cell's chosen rate, mean over its seeds (how far from convergence)."""
+    plt = _common.pyplot()
+    figure, axes = plt.subplots(figsize=(6.5, 4), dpi=100)
+    for row in rows:
+        points: dict[int, list[float]] = {}
+        for point in curves:
+            if (point["norm"], point["batch_size"], point["lr"]) == (row["norm"], row["batch_size"], row["lr"]):
+                points.setdefault(point["tokens"], []).append(point[value])
+        if points:
+            tokens = sorted(points)
+            means = [sum(points[t]) / len(points[t]) for t in tokens]
+            axes.plot(tokens, means, marker=".", label=f"{row['norm']} B={row['batch_size']} lr={row['lr']:g}")
+    axes.set_xlabel("training tokens seen")
+    axes.set_ylabel(value.replace("_", " ") + " (running statistics for BN)")
+    axes.set_title("Validation along training (mean over seeds, chosen rate)", fontsize=10)
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     argv = list(sys.argv[1:] if argv is None else argv)
     run = _common.RunLog(argv, NAME)
@@ -303,6 +325,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         _common.write_csv(
             args.out / "curves.csv", facts["curves"], ["norm", "batch_size", "lr", "seed", "tokens", value]
         )
+        plot_curves(rows, facts["curves"], value, args.out / "learning_curves.png")
     plot(rows, value, args.out / "val_by_batch_size.png")
     return rows
 

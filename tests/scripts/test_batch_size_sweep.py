@@ -35,7 +35,7 @@ def test_grid_rows_and_statuses(tmp_path: Path, read_csv: Callable, finite: Call
             assert finite(row["val_loss"]) and finite(row["val_bpc"]), key
             assert int(row["tokens"]) >= 160
     markdown = (out / "results.md").read_text()
-    assert "| norm | batch_size | status | val_loss |" in markdown
+    assert "| norm | batch_size | status | lr | seeds | val_bpc |" in markdown
     assert "Command: `python scripts/batch_size_sweep.py --quick" in markdown
     assert (out / "val_by_batch_size.png").stat().st_size > 0
     # BN is evaluated twice (running and exact statistics); the batch-independent norms once.
@@ -72,11 +72,18 @@ def test_protocol_chooses_the_best_mean_and_reports_every_run(tmp_path: Path, re
 
 def test_lines_and_equal_updates(tmp_path: Path, read_csv: Callable, finite: Callable) -> None:
     out = tmp_path / "sweep"
-    argv = [*TINY, "--unit", "line", "--updates", "3", "--norms", "none", "--batch-sizes", "2", "4", "--out", str(out)]
+    argv = [*TINY, "--unit", "line", "--updates", "3", "--evaluations", "2", "--norms", "none", "--batch-sizes", "2",
+            "4", "--out", str(out)]  # fmt: skip
     batch_size_sweep.main(argv)
     rows = read_csv(out / "results.csv")
     assert [int(row["updates"]) for row in rows] == [3, 3]
-    assert all(row["status"] == "ok" and finite(row["val_loss"]) for row in rows)
+    assert all(row["status"] == "ok" and finite(row["val_loss"]) and finite(row["last_gain"]) for row in rows)
+    curves = read_csv(out / "curves.csv")
+    trials = read_csv(out / "trials.csv")
+    assert {(c["lr"], c["seed"], c["batch_size"]) for c in curves} == {
+        (t["lr"], t["seed"], t["batch_size"]) for t in trials
+    }
+    assert min(int(c["tokens"]) for c in curves) == 0 and (out / "learning_curves.png").exists()
     assert "lines (pieces of at most 8)" in (out / "results.md").read_text()
 
 

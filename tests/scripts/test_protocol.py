@@ -139,12 +139,12 @@ def test_exact_statistics_recomputes_bn_buffers_on_a_copy(tmp_path, unit: str) -
     corpus, splits = _data.load_sequences(data_args, 12, unit)
     model = _common.build_model(corpus.vocab_size, argparse.Namespace(embedding=8, hidden=8, seed=0), "batch", 12)
     _common.train_language_model(model, splits["train"], batch_size=4, tokens=96, lr=1e-2)
-    before = {name: value.clone() for name, value in model.state_dict().items()}
+    before = {name: value.clone() for name, value in [*model.named_parameters(), *model.named_buffers()]}
     exact = _protocol.exact_statistics(model, splits["train"], tokens=500)
-    for name, value in model.state_dict().items():  # the original is untouched
+    for name, value in [*model.named_parameters(), *model.named_buffers()]:  # the original is untouched
         torch.testing.assert_close(value, before[name], rtol=0, atol=0)
-    exact_state = exact.state_dict()
-    buffers = {name for name, _ in model.named_buffers() if "running" in name}
-    assert buffers and any(not torch.equal(exact_state[name], before[name]) for name in buffers)
-    for name, _ in model.named_parameters():
-        torch.testing.assert_close(exact_state[name], before[name], rtol=0, atol=0)
+    exact_buffers = dict(exact.named_buffers())
+    running = [name for name in exact_buffers if "running" in name]
+    assert running and any(not torch.equal(exact_buffers[name], before[name]) for name in running)
+    for name, value in exact.named_parameters():  # update_bn leaves parameters alone
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0)
