@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,6 +45,7 @@ __all__ = [
     "QUICK",
     "SELECTIONS",
     "Cell",
+    "TrialCache",
     "add_arguments",
     "choose_lr",
     "exact_statistics",
@@ -75,6 +78,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--bn-stats-tokens", type=int, help="training tokens seqnorm.update_bn averages BN's exact statistics over"
+    )
+    group.add_argument(
+        "--trials-cache",
+        type=Path,
+        metavar="FILE",
+        help="JSON-lines file of finished runs: a run with the same settings, cell, rate and seed is read back "
+        "instead of trained again (resume or extend a long grid); the notes count the runs read back",
     )
 
 
@@ -176,21 +186,80 @@ class Cell:
         return [row for row in self.trials if row["lr"] == lr]
 
 
+@dataclass
+class TrialCache:
+    """Finished runs kept in a JSON-lines file, keyed by the script's settings, the cell, the rate and the seed.
+
+    A run is deterministic given its settings and seed (one CPU thread), so reading it back gives what training it
+    again would. ``path=None`` keeps nothing. Rows must be JSON-serializable (lists, not tensors).
+
+    Attributes:
+        path: the file, appended to after every run.
+        settings: everything that changes a run's outcome besides cell, rate and seed.
+        hits: runs read back so far.
+    """
+
+    path: Path | None
+    settings: dict[str, Any]
+    hits: int = 0
+    _rows: dict[str, Trial] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._settings = json.dumps(self.settings, sort_keys=True, default=str)
+        if self.path is not None and self.path.exists():
+            for line in self.path.read_text().splitlines():
+                entry = json.loads(line)
+                if entry["settings"] == self._settings:
+                    self._rows[entry["key"]] = entry["row"]
+
+    @classmethod
+    def for_args(cls, args: argparse.Namespace, script: str, ignore: Sequence[str] = ()) -> TrialCache:
+        """The cache of ``--trials-cache``; settings are ``args`` except what only picks cells or places output."""
+        skipped = {"out", "threads", "quick", "trials_cache", "cache_dir", "lrs", "seeds", "select", *ignore}
+        skipped |= {"norms", "batch_sizes", "no_pooled", "no_untrained_stats"}  # these pick cells
+        settings = {"script": script, **{k: v for k, v in vars(args).items() if k not in skipped}}
+        return cls(getattr(args, "trials_cache", None), settings)
+
+    def run(self, key: str, train: Callable[[], Trial]) -> Trial:
+        """The cached row of ``key``, or ``train()``'s (then appended to the file)."""
+        if key in self._rows:
+            self.hits += 1
+            return dict(self._rows[key])
+        row = train()
+        self._rows[key] = row
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a") as handle:
+                handle.write(json.dumps({"settings": self._settings, "key": key, "row": row}) + "\n")
+        return row
+
+
 def run_cell(
     train_one: Callable[[float, int], Trial],
     lrs: Sequence[float],
     seeds: int,
     select: str = "mean",
     key: str = "val_loss",
+    cache: TrialCache | None = None,
+    name: str = "",
 ) -> Cell:
-    """Run ``train_one(lr, seed)`` over the grid by the ``select`` rule and choose the learning rate by ``key``."""
+    """Run ``train_one(lr, seed)`` over the grid by the ``select`` rule and choose the learning rate by ``key``.
+
+    With a ``cache``, runs are stored and read back under ``name`` (the cell), the rate and the seed.
+    """
     if select not in SELECTIONS:
         raise ValueError(f"run_cell: expected select to be one of {', '.join(SELECTIONS)}, got {select!r}")
+
+    def one(lr: float, seed: int) -> Trial:
+        if cache is None:
+            return {"lr": lr, "seed": seed, **train_one(lr, seed)}
+        return {"lr": lr, "seed": seed, **cache.run(f"{name}|lr={lr!r}|seed={seed}", lambda: train_one(lr, seed))}
+
     first_seeds = range(seeds) if select == "mean" else range(1)
-    trials = [{"lr": lr, "seed": seed, **train_one(lr, seed)} for lr in lrs for seed in first_seeds]
+    trials = [one(lr, seed) for lr in lrs for seed in first_seeds]
     lr = choose_lr(trials, key)
     if select == "first" and lr is not None:
-        trials += [{"lr": lr, "seed": seed, **train_one(lr, seed)} for seed in range(1, seeds)]
+        trials += [one(lr, seed) for seed in range(1, seeds)]
         if choose_lr([row for row in trials if row["lr"] == lr], key) is None:
             lr = None  # a later seed failed at the rate seed 0 chose
     return Cell(lr, trials)
@@ -237,8 +306,8 @@ def grid_row(cell: Cell, key: str) -> dict[str, str]:
     return row
 
 
-def notes(args: argparse.Namespace) -> list[str]:
-    """The protocol's lines for ``results.md``."""
+def notes(args: argparse.Namespace, cache: TrialCache | None = None) -> list[str]:
+    """The protocol's lines for ``results.md`` (with how many runs ``cache`` read back)."""
     rule = (
         "the lowest mean validation loss over all seeds"
         if args.select == "mean"
@@ -251,4 +320,10 @@ def notes(args: argparse.Namespace) -> list[str]:
         "Per-timestep BN (batch, batch_renorm) is evaluated twice: `_exact` columns after seqnorm.update_bn "
         f"recomputed its statistics as exact averages over {args.bn_stats_tokens} training tokens; `ema_gap` is the "
         "running averages' value minus the exact one (their lag; positive = running averages worse).",
-    ]
+        *(
+            [f"{cache.hits} runs were read back from {cache.path} (same settings, cell, rate and seed) instead of "
+             "trained again."]
+            if cache is not None and cache.hits
+            else []
+        ),
+    ]  # fmt: skip

@@ -89,6 +89,7 @@ def run_grid(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[
         return {"val_loss": loss, value: _data.loss_value(loss, corpus.level)}
 
     rows, trials, curves = [], [], []
+    cache = _protocol.TrialCache.for_args(args, NAME)
     for batch_size in args.batch_sizes:
         for norm in args.norms:
 
@@ -111,17 +112,26 @@ def run_grid(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[
                     else None,
                     evaluate_fn=(lambda m: measure(m)[value]) if args.evaluations else None,
                 )
-                curve = [(tokens, loss) for tokens, loss in result.curve if result.status == "ok"]
-                for tokens, point in curve:
-                    curves.append(
-                        {"norm": norm, "batch_size": batch_size, "lr": lr, "seed": seed, "tokens": tokens, value: point}
-                    )
-                if len(curve) >= 2:
-                    row["last_gain"] = curve[-2][1] - curve[-1][1]
+                row["curve"] = [[tokens, loss] for tokens, loss in result.curve] if result.status == "ok" else []
+                if len(row["curve"]) >= 2:
+                    row["last_gain"] = row["curve"][-2][1] - row["curve"][-1][1]
                 return row
 
-            cell = _protocol.run_cell(train_one, args.lrs, args.seeds, args.select)
+            name = f"{norm}|B={batch_size}"
+            cell = _protocol.run_cell(train_one, args.lrs, args.seeds, args.select, cache=cache, name=name)
             trials += [{"norm": norm, "batch_size": batch_size, **row} for row in cell.trials]
+            curves += [
+                {
+                    "norm": norm,
+                    "batch_size": batch_size,
+                    "lr": t["lr"],
+                    "seed": t["seed"],
+                    "tokens": tokens,
+                    value: point,
+                }
+                for t in cell.trials
+                for tokens, point in t["curve"]
+            ]
             row = {"norm": norm, "batch_size": batch_size, **_protocol.summarize(cell)}
             rows.append(row)
             exact = f", exact {row[value + '_exact']:.4f}" if value + "_exact" in row else ""
@@ -137,6 +147,7 @@ def run_grid(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[
         "train_tokens": train.tokens,
         "val_tokens": val.tokens,
         "curves": curves,
+        "cache": cache,
     }
     return rows, trials, facts
 
@@ -245,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         f"Equal budget: {budget_text} per run, in {shape}, batches drawn at random; {facts['train_tokens']} "
         f"training tokens in the split, {facts['val_tokens']} validation tokens. LSTM hidden {args.hidden}, "
         f"embedding {args.embedding}, Adam, gradient norm clipped at 1. val_loss is nats per real token, eval mode.",
-        *_protocol.notes(args),
+        *_protocol.notes(args, facts["cache"]),
         f"No-context baseline (training-split token frequencies): val_loss {facts['unigram']:.4f}, {value} "
         f"{_data.loss_value(facts['unigram'], level):.4f}; a model below it has learned to use context.",
         "Per-timestep BN trains with the library's default small_batch policy; with fixed windows every step has all "

@@ -110,14 +110,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     train, val = train_windows["train"], long_windows["val"].head(args.val_tokens)
     print(f"{corpus.source}: train on {T} steps ({args.tokens} tokens), evaluate {len(val)} windows of {L} steps")
     rows, curves, trials = [], {}, []
+    cache = _protocol.TrialCache.for_args(args, NAME)
     for norm, max_steps, beyond in variants(args):
         extra = {"beyond_max_steps": beyond} if beyond != "last" else {}
-        by_position: dict[tuple[float, int], torch.Tensor] = {}
 
-        def train_one(
-            lr: float, seed: int, norm: str = norm, max_steps: int = max_steps, extra: dict = extra,
-            by_position: dict = by_position,
-        ) -> dict:  # fmt: skip
+        def train_one(lr: float, seed: int, norm: str = norm, max_steps: int = max_steps, extra: dict = extra) -> dict:
             model = _common.build_model(corpus.vocab_size, args, norm, max_steps=max_steps, seed=seed, **extra)
             positions: list[torch.Tensor] = []
 
@@ -145,11 +142,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                 lr=lr,
                 seed=seed,
             )
-            if positions:
-                by_position[(lr, seed)] = positions[0]  # running statistics (the first measurement)
+            row["by_position"] = positions[0].tolist() if positions else []  # running statistics (the first)
             return row
 
-        cell = _protocol.run_cell(train_one, args.lrs, args.seeds, args.select)
+        name = f"{norm}|max_steps={max_steps}|{beyond}"
+        cell = _protocol.run_cell(train_one, args.lrs, args.seeds, args.select, cache=cache, name=name)
         label = f"{norm} (max_steps={max_steps}{', pooled' if beyond == 'pooled' else ''})"
         trials += [{"variant": label, **row} for row in cell.trials]
         row: dict[str, Any] = {
@@ -158,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             "stats_beyond_T": beyond_note(norm, max_steps, T, beyond),
             **_protocol.summarize(cell),
         }
-        chosen = [by_position[(cell.lr, t["seed"])] for t in cell.chosen if (cell.lr, t["seed"]) in by_position]
+        chosen = [torch.tensor(t["by_position"]) for t in cell.chosen if t["by_position"]]
         if chosen:
             curves[label] = torch.stack(chosen).mean(0)
         rows.append(row)
@@ -183,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         f"T = {T} training steps, L = {L} evaluation steps; LSTM hidden {args.hidden}, batch {args.batch_size}, "
         f"{args.tokens} training tokens. Losses in nats per token, eval mode, averaged over "
         f"{len(val)} validation windows; loss_within_T is positions 0..{T - 1}, loss_beyond_T positions {T}..{L - 1}.",
-        *_protocol.notes(args),
+        *_protocol.notes(args, cache),
         "The learning rate is chosen on loss_within_T (the training length), so the choice does not look at the "
         "generalization being measured; for BN, ema_gap is on loss_beyond_T.",
         "Position 0 has no context, so loss_within_T includes the cold start; beyond_minus_within near or below 0 "

@@ -91,13 +91,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         return {"val_loss": loss, value: _common.loss_value(loss, corpus.level)}
 
     rows, curves, trials = [], [], []
+    cache = _protocol.TrialCache.for_args(args, NAME)
     for norm in args.norms:
         for batch_size in args.batch_sizes:
-            runs: dict[tuple[float, int], list[tuple[int, float]]] = {}
 
-            def train_one(
-                lr: float, seed: int, norm: str = norm, batch_size: int = batch_size, runs: dict = runs
-            ) -> dict[str, Any]:
+            def train_one(lr: float, seed: int, norm: str = norm, batch_size: int = batch_size) -> dict[str, Any]:
                 model = _common.build_model(corpus.vocab_size, args, norm, max_steps=args.steps, seed=seed)
                 row, result = _protocol.trial(
                     model,
@@ -113,16 +111,17 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                     evaluate_every=max(1, args.tokens // args.evaluations),
                     evaluate_fn=lambda m: measure(m)["val_loss"],
                 )
-                if result.status == "ok":
-                    runs[(lr, seed)] = result.curve
-                    row["best_val_loss"] = min(loss for _, loss in result.curve[1:])
+                row["curve"] = [[tokens, loss] for tokens, loss in result.curve] if result.status == "ok" else []
+                if row["curve"]:
+                    row["best_val_loss"] = min(loss for _, loss in row["curve"][1:])
                 return row
 
-            cell = _protocol.run_cell(train_one, args.lrs, args.seeds, args.select)
+            name = f"{norm}|B={batch_size}"
+            cell = _protocol.run_cell(train_one, args.lrs, args.seeds, args.select, cache=cache, name=name)
             trials += [{"norm": norm, "batch_size": batch_size, **row} for row in cell.trials]
             row = {"norm": norm, "batch_size": batch_size, **_protocol.summarize(cell)}
             rows.append(row)
-            chosen = [runs[(cell.lr, trial["seed"])] for trial in cell.chosen if (cell.lr, trial["seed"]) in runs]
+            chosen = [trial["curve"] for trial in cell.chosen if trial["curve"]]
             for tokens, loss, std in mean_curve(chosen) if chosen else []:
                 curves.append(
                     {
@@ -149,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         f"{': each window seen at most once' if args.tokens <= epoch_tokens else ''}) in windows of {args.steps} "
         f"steps; LSTM hidden {args.hidden}; val_loss (nats per token, eval mode) on {len(val)} validation windows "
         "at the end of training.",
-        *_protocol.notes(args),
+        *_protocol.notes(args, cache),
         f"No-context baseline: val_loss {unigram:.4f} ({value} {_common.loss_value(unigram, corpus.level):.4f}).",
         f"Learning curves (validation every ~1/{args.evaluations} of the budget, mean over seeds at the chosen "
         "rate, running statistics for BN): curves.csv, learning_curves.png.",

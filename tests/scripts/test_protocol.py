@@ -148,3 +148,30 @@ def test_exact_statistics_recomputes_bn_buffers_on_a_copy(tmp_path, unit: str) -
     assert running and any(not torch.equal(exact_buffers[name], before[name]) for name in running)
     for name, value in exact.named_parameters():  # update_bn leaves parameters alone
         torch.testing.assert_close(value, before[name], rtol=0, atol=0)
+
+
+def test_trial_cache_reads_back_runs_of_the_same_settings_only(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "trials.jsonl"
+    train_one, calls = _fake(LOSSES)
+    first = _protocol.run_cell(train_one, [0.01, 0.1], 3, "mean", cache=_protocol.TrialCache(path, {"a": 1}), name="c")
+    assert len(calls) == 6
+    cache = _protocol.TrialCache(path, {"a": 1})
+    again = _protocol.run_cell(train_one, [0.01, 0.1], 3, "mean", cache=cache, name="c")
+    assert len(calls) == 6 and cache.hits == 6  # nothing trained again
+    assert again.trials == first.trials and again.lr == first.lr
+    _protocol.run_cell(train_one, [0.01, 0.1], 3, "mean", cache=_protocol.TrialCache(path, {"a": 2}), name="c")
+    assert len(calls) == 12  # other settings: trained
+    _protocol.run_cell(train_one, [0.01, 0.1], 3, "mean", cache=_protocol.TrialCache(path, {"a": 1}), name="d")
+    assert len(calls) == 18  # another cell: trained
+
+
+def test_sweep_resumes_from_its_trials_cache(tmp_path, read_csv) -> None:  # type: ignore[no-untyped-def]
+    import batch_size_sweep
+
+    argv = ["--quick", "--tokens", "64", "--steps", "8", "--hidden", "8", "--embedding", "8", "--val-tokens", "64",
+            "--norms", "none", "--batch-sizes", "2", "--trials-cache", str(tmp_path / "trials.jsonl")]  # fmt: skip
+    batch_size_sweep.main([*argv, "--out", str(tmp_path / "a")])
+    batch_size_sweep.main([*argv, "--out", str(tmp_path / "b")])
+    assert read_csv(tmp_path / "a" / "trials.csv") == read_csv(tmp_path / "b" / "trials.csv")
+    assert "3 runs were read back" in (tmp_path / "b" / "results.md").read_text()
+    assert "read back" not in (tmp_path / "a" / "results.md").read_text()
