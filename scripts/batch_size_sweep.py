@@ -174,6 +174,16 @@ def outcome(row: dict[str, Any], key: str) -> str:
     return _protocol.pm(row[key], row[f"{key}_std"])
 
 
+def summary(rows: Sequence[dict[str, Any]], value: str) -> list[dict[str, Any]]:
+    """One row per norm, one column per batch size: ``mean ± std`` of ``value``, or why the cell could not train."""
+    return by_batch_size(rows, lambda row: outcome(row, value))
+
+
+def summary_columns(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The batch-size columns of :func:`summary`, in the order the sweep ran them."""
+    return [f"B={size}" for size in dict.fromkeys(row["batch_size"] for row in rows)]
+
+
 def plot(rows: Sequence[dict[str, Any]], value: str, path: Path) -> None:
     plt = _common.pyplot()
     figure, axes = plt.subplots(figsize=(6.5, 4), dpi=100)
@@ -248,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     columns += [name for key in measured for name in (key, f"{key}_std")]
     columns += ["updates", "tokens", "seconds"]
     bn_rows = [row for row in rows if _protocol.uses_batch_statistics(row["norm"])]
-    sizes = [f"B={size}" for size in dict.fromkeys(row["batch_size"] for row in rows)]
+    sizes = summary_columns(rows)
     budget_text = f"{args.updates} updates" if args.updates else f"{args.tokens} training tokens"
     shape = f"windows of {args.steps} steps" if args.unit == "window" else f"lines (pieces of at most {args.steps})"
     errors = sorted({row["status"] for row in rows if row["status"] != "ok"})
@@ -276,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     extra = [
         (
             f"{value}, mean ± std over seeds (norm x batch size)",
-            by_batch_size(rows, lambda r: outcome(r, value)),
+            summary(rows, value),
             ["norm", *sizes],
         ),
     ]
