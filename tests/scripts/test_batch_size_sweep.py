@@ -53,9 +53,15 @@ def test_protocol_chooses_the_best_mean_and_reports_every_run(tmp_path: Path, re
     lrs = ["0.0001", "0.01"]
     argv = [*TINY, "--norms", "none", "layer", "--batch-sizes", "2", "8", "--lrs", *lrs, "--seeds", "3",
             "--select", "mean", "--out", str(out)]  # fmt: skip
-    batch_size_sweep.main(argv)
+    returned = batch_size_sweep.main(argv)
     trials = read_csv(out / "trials.csv")
     assert len(trials) == 2 * 2 * len(lrs) * 3
+    table = batch_size_sweep.summary(returned, "val_bpc")  # what demo.py prints
+    assert [row["norm"] for row in table] == ["none", "layer"] and batch_size_sweep.summary_columns(returned) == [
+        "B=2",
+        "B=8",
+    ]
+    assert all(" ± " in row[column] for row in table for column in ("B=2", "B=8"))
     for row in read_csv(out / "results.csv"):
         runs = [t for t in trials if (t["norm"], t["batch_size"]) == (row["norm"], row["batch_size"])]
         means = {lr: statistics.fmean(float(t["val_loss"]) for t in runs if t["lr"] == lr) for lr in lrs}
