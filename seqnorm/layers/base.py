@@ -31,7 +31,15 @@ from seqnorm.layers.keys import TORCH_KEY, from_torch_keys, to_torch_keys
 from seqnorm.layers.plan import Plan, log, plan_for
 from seqnorm.layers.stack import PaddingLayout, padding_layout, run_stack
 from seqnorm.layers.stepping import lean_layer_step
-from seqnorm.norms import DEFAULT_MAX_STEPS, BeyondMaxSteps, NormSpec, SmallBatchPolicy, check_placement, resolve_norm
+from seqnorm.norms import (
+    DEFAULT_MAX_STEPS,
+    DEFAULT_SMALL_BATCH,
+    BeyondMaxSteps,
+    NormSpec,
+    SmallBatchPolicy,
+    check_placement,
+    resolve_norm,
+)
 
 __all__ = ["RecurrentLayer", "RecurrentState"]
 
@@ -76,8 +84,8 @@ class RecurrentLayer(nn.Module):
         init: str = "default",
         forget_bias: float | None = None,
         eps: float = 1e-5,
-        momentum: float = 0.1,
-        small_batch: SmallBatchPolicy = "error",
+        momentum: float | None = 0.1,
+        small_batch: SmallBatchPolicy = DEFAULT_SMALL_BATCH,
         norm_options: Mapping[str, Any] | None = None,
         norm_placement: str = "separate",
         state_norm: str = "output",

@@ -147,7 +147,7 @@ def _forward_plan(
         if cell.observer.active:
             return Plan("reference", f"an observer is hooked to cells[{index}] and needs every step's record")
     if layer.training and _would_raise_small_batch(cells, lengths, x.shape[1]):
-        return Plan("reference", "a batch norm with small_batch='error' raises at a step with < 2 real rows")
+        return Plan("reference", "a batch norm raises its small-batch error (a step or batch with < 2 real rows)")
     name = type_before_parametrizations(cells[0]).__name__
     kernel = cell_kernel(cells[0])
     if kernel is not None and all(cell_kernel(c) == kernel for c in cells) and not any(c.has_norms for c in cells):
@@ -212,13 +212,14 @@ def _draws_random(layer: RecurrentLayer) -> bool:
 
 
 def _would_raise_small_batch(cells: list[RecurrentCell], lengths: Tensor | None, batch: int) -> bool:
-    # Norms with batch statistics carry their small-batch policy as `small_batch`.
-    strict = any(getattr(module, "small_batch", None) == "error" for cell in cells for module in cell.modules())
-    if not strict:
+    # Norms with batch statistics declare when they raise (`raises_small_batch`).
+    checks = [getattr(m, "raises_small_batch", None) for cell in cells for m in cell.modules()]
+    checks = [check for check in checks if check is not None]
+    if not checks:
         return False
     # The fewest real rows at any step that runs: the rows as long as the longest sequence.
     fewest = batch if lengths is None else int((lengths == lengths.max()).sum())
-    return fewest < 2
+    return any(check(batch, fewest) for check in checks)
 
 
 # --- one step ---

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch.nn.functional as F
 from torch import Tensor
 
 from seqnorm.lightning.base import RNNOptions, TaskModule
 from seqnorm.models import CellName, Pooling, RNNClassifier
-from seqnorm.norms import DEFAULT_MAX_STEPS, NormSpec
+from seqnorm.norms import DEFAULT_MAX_STEPS, DEFAULT_SMALL_BATCH, NormSpec, SmallBatchPolicy
 
 __all__ = ["SequenceClassifier"]
 
@@ -44,7 +42,7 @@ class SequenceClassifier(TaskModule):
         recurrent_dropout: float = 0.0,
         init: str = "default",
         max_steps: int = DEFAULT_MAX_STEPS,
-        small_batch: Literal["error", "running"] = "error",
+        small_batch: SmallBatchPolicy = DEFAULT_SMALL_BATCH,
         rnn_options: RNNOptions | None = None,
         lr: float = 2e-3,
         weight_decay: float = 0.0,

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from seqnorm.lightning.base import RNNOptions, TaskModule
 from seqnorm.models import CellName, RNNLanguageModel
-from seqnorm.norms import DEFAULT_MAX_STEPS, NormSpec
+from seqnorm.norms import DEFAULT_MAX_STEPS, DEFAULT_SMALL_BATCH, NormSpec, SmallBatchPolicy
 
 __all__ = ["LanguageModel"]
 
@@ -37,10 +37,11 @@ class LanguageModel(TaskModule):
         init: weight initialization scheme (see :mod:`seqnorm.init`).
         max_steps: time steps with their own batch-norm statistics (per-timestep BN only; folded into the spec,
             accepted whatever the norm).
-        small_batch: what per-timestep BN does at a step with fewer than 2 active rows: ``"error"`` or
-            ``"running"`` (normalize with running statistics). With variable-length batches the tail of the longest
-            sequence is such a step, so BN runs on text usually need ``"running"``. Folded into the spec; with a
-            norm without batch statistics, ``"running"`` is a ``ValueError``.
+        small_batch: what per-timestep BN does at a step with fewer than 2 active rows (the tail of the longest
+            sequence of a variable-length batch): ``"tail"`` (default: normalize it with the running statistics of
+            the step and count it, ``norm/fallback_steps``; a batch of one row raises), ``"error"`` (strict) or
+            ``"running"`` (batch size 1 too). Folded into the spec; with a norm without batch statistics, a
+            non-default value is a ``ValueError``.
         tie_weights: share the embedding and output matrices (``embedding_dim`` must equal ``hidden_size``).
         rnn_options: further keyword arguments of :class:`seqnorm.LSTM` / :class:`seqnorm.GRU` that are not norm
             options: the cell switches ``norm_placement`` and ``state_norm``, regularizers (``zoneout_h``,
@@ -66,7 +67,7 @@ class LanguageModel(TaskModule):
         recurrent_dropout: float = 0.0,
         init: str = "default",
         max_steps: int = DEFAULT_MAX_STEPS,
-        small_batch: Literal["error", "running"] = "error",
+        small_batch: SmallBatchPolicy = DEFAULT_SMALL_BATCH,
         tie_weights: bool = False,
         rnn_options: RNNOptions | None = None,
         lr: float = 2e-3,
