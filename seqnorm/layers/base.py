@@ -40,6 +40,7 @@ from seqnorm.norms import (
     check_placement,
     resolve_norm,
 )
+from seqnorm.norms.sync import synchronized_steps
 
 __all__ = ["RecurrentLayer", "RecurrentState"]
 
@@ -258,6 +259,17 @@ class RecurrentLayer(nn.Module):
 
     def _run(self, x: Tensor, h0: Tensor, c0: Tensor | None, lengths: Tensor | None) -> tuple[Tensor, ...]:
         """Run ``x`` ``(T, B, I)`` on the path :func:`~seqnorm.layers.plan.plan_for` picks; output, h_n, c_n."""
+        steps = x.shape[0]
+        longest = synchronized_steps(self, steps, x.device)
+        if longest is not None:
+            # Norms synchronized across processes (they declare no fast form: the reference path): every process runs
+            # as many steps as the longest input of any, the extra ones padding (no active row here; the collectives
+            # of those steps still need this process).
+            if lengths is None:
+                lengths = torch.full((x.shape[1],), steps, dtype=torch.long)
+            x = torch.cat([x, x.new_zeros(longest - steps, *x.shape[1:])])
+            output, *final = self._run_reference(x, h0, c0, lengths, run_every_step=True)
+            return (output[:steps], *final)
         plan = plan_for(self, x, lengths, (h0, c0))
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s.forward: %s", type(self).__name__, plan)
@@ -268,10 +280,12 @@ class RecurrentLayer(nn.Module):
         return self._run_reference(x, h0, c0, lengths)
 
     def _run_reference(
-        self, x: Tensor, h0: Tensor, c0: Tensor | None, lengths: Tensor | None
+        self, x: Tensor, h0: Tensor, c0: Tensor | None, lengths: Tensor | None, run_every_step: bool = False
     ) -> tuple[Tensor, Tensor, Tensor | None]:
-        """The reference time loop over ``x`` ``(T, B, I)``; returns output ``(T, B, D*H)``, ``h_n``, ``c_n``."""
-        layout = padding_layout(lengths, x.shape[0], x.shape[1], x.device)
+        """The reference time loop over ``x`` ``(T, B, I)``; returns output ``(T, B, D*H)``, ``h_n``, ``c_n``.
+
+        Steps after the longest sequence are skipped unless ``run_every_step``."""
+        layout = padding_layout(lengths, x.shape[0], x.shape[1], x.device, run_every_step)
         return run_stack(self, x, h0, c0, layout, self._run_direction)
 
     def _run_direction(
