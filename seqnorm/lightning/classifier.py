@@ -72,7 +72,7 @@ class SequenceClassifier(TaskModule):
         loss = F.cross_entropy(logits, batch["labels"])
         examples = batch["labels"].shape[0]
         if stage == "train":
-            self.log("train/loss", loss, prog_bar=True, batch_size=examples)
+            self.log("train/loss", loss, prog_bar=True, batch_size=examples, sync_dist=True)
         else:
             self._update_metric(stage, "loss", loss, examples)
             accuracy = (logits.argmax(1) == batch["labels"]).float().mean()
@@ -93,7 +93,7 @@ class SequenceClassifier(TaskModule):
         return self(batch["inputs"], batch["lengths"]).argmax(1)
 
     def on_validation_epoch_end(self) -> None:
-        self.log_dict({f"val/{key}": value for key, value in self._epoch_values("val").items()}, prog_bar=True)
+        self.log_dict({f"val/{key}": v for key, v in self._epoch_values("val").items()}, prog_bar=True, sync_dist=True)
 
     def on_test_epoch_end(self) -> None:
-        self.log_dict({f"test/{key}": value for key, value in self._epoch_values("test").items()})
+        self.log_dict({f"test/{key}": v for key, v in self._epoch_values("test").items()}, sync_dist=True)

@@ -101,7 +101,7 @@ class LanguageModel(TaskModule):
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss, tokens = self._loss(batch)
-        self.log("train/loss", loss, prog_bar=True, batch_size=int(tokens))
+        self.log("train/loss", loss, prog_bar=True, batch_size=int(tokens), sync_dist=True)
         return loss
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
@@ -136,4 +136,4 @@ class LanguageModel(TaskModule):
             logged[f"{stage}/bpc"] = loss / math.log(2)
         else:
             logged[f"{stage}/ppl"] = loss.exp()
-        self.log_dict(logged, prog_bar=stage == "val")
+        self.log_dict(logged, prog_bar=stage == "val", sync_dist=True)  # already global (torchmetrics): silences DDP

@@ -34,6 +34,7 @@ __all__ = [
     "SyncTimestepBatchNorm",
     "SyncTimestepBatchRenorm",
     "convert_sync_batchnorm",
+    "revert_sync_batchnorm",
     "synchronized_steps",
 ]
 
@@ -158,6 +159,17 @@ def convert_sync_batchnorm(module: nn.Module, process_group: Any = None) -> nn.M
             )
         norm.__class__ = synchronized
         norm.process_group = process_group
+    return module
+
+
+def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
+    """Undo :func:`convert_sync_batchnorm` in place (the norms compute local statistics again); returns ``module``."""
+    unsynchronized = {synchronized: plain for plain, synchronized in _SYNCHRONIZED.items()}
+    for norm in module.modules():
+        plain = unsynchronized.get(type(norm))
+        if plain is not None:
+            norm.__class__ = plain
+            del norm.process_group
     return module
 
 
