@@ -24,8 +24,8 @@ from tests.conftest import QUIET
 STEPS, SPLIT = 12, 5
 
 
-@pytest.fixture(autouse=True)
-def _float64() -> Iterator[None]:
+@pytest.fixture
+def float64() -> Iterator[None]:
     """Parity in float64, so that 1e-9 tolerances compare the math, not rounding."""
     torch.set_default_dtype(torch.float64)
     yield
@@ -51,6 +51,7 @@ def _layer(kind: str, norm: str) -> seqnorm.LSTM:
     return layer
 
 
+@pytest.mark.usefixtures("float64")
 @pytest.mark.parametrize("kind", sorted(LAYERS))
 @pytest.mark.parametrize("norm", ["none", "layer", "batch"])
 def test_layer_continues_a_sequence_from_first_step(kind: str, norm: str) -> None:
@@ -89,6 +90,7 @@ def _model(cell: str, norm: str, **kwargs: object) -> LanguageModel:
     return model
 
 
+@pytest.mark.usefixtures("float64")
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 @pytest.mark.parametrize("norm", ["none", "layer", "batch"])
 def test_carried_state_equals_one_long_sequence(cell: str, norm: str) -> None:
@@ -108,6 +110,7 @@ def test_carried_state_equals_one_long_sequence(cell: str, norm: str) -> None:
         assert not got.requires_grad  # detached: no gradient crosses a window boundary
 
 
+@pytest.mark.usefixtures("float64")
 def test_restart_numbers_every_window_from_zero() -> None:
     model = _model("lstm", "batch", max_steps=40)  # stream_steps="restart"
     ids = torch.randint(4, 11, (2 * 15,))
@@ -120,6 +123,7 @@ def test_restart_numbers_every_window_from_zero() -> None:
     assert not torch.allclose(logits, continued)
 
 
+@pytest.mark.usefixtures("float64")
 def test_gradients_stop_at_the_window_boundary() -> None:
     model = _model("lstm", "layer")
     model.train()
@@ -135,6 +139,7 @@ def test_gradients_stop_at_the_window_boundary() -> None:
         assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.usefixtures("float64")
 def test_window_zero_starts_from_zeros_and_stages_keep_their_own_state() -> None:
     model = _model("gru", "layer")
     batches = _stream_batches(torch.randint(4, 11, (2 * 22,)), 2, 8)
@@ -149,6 +154,7 @@ def test_window_zero_starts_from_zeros_and_stages_keep_their_own_state() -> None
     assert_close(second, model.model.forward_with_state(batches[1]["inputs"], None, val_state)[0])
 
 
+@pytest.mark.usefixtures("float64")
 def test_carry_round_trips_through_the_checkpoint_hooks() -> None:
     model = _model("lstm", "layer")
     batches = _stream_batches(torch.randint(4, 11, (2 * 22,)), 2, 8)
