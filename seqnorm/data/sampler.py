@@ -29,7 +29,7 @@ from torch.utils.data import Sampler
 
 from seqnorm.data.errors import DataError
 
-__all__ = ["BucketBatchSampler", "EpochBatchSampler", "RandomBatchSampler"]
+__all__ = ["BucketBatchSampler", "EpochBatchSampler", "InOrderBatchSampler", "RandomBatchSampler"]
 
 
 class _EpochIndices(Sampler[int]):
@@ -225,6 +225,31 @@ class RandomBatchSampler(EpochBatchSampler):
         indices = list(range(self.num_examples))
         self._rng().shuffle(indices)
         return self._cut(indices)
+
+
+class InOrderBatchSampler(EpochBatchSampler):
+    """Yield ``range(num_examples)`` in order, cut into batches, the same every epoch: for stream windows, whose
+    order carries the recurrent state from one batch to the next (:mod:`seqnorm.data.streams`).
+
+    An :class:`EpochBatchSampler` only so that :class:`~seqnorm.data.ResumableDataLoader` resumes it mid-epoch.
+
+    Example:
+        >>> list(InOrderBatchSampler(3, 1))
+        [[0], [1], [2]]
+    """
+
+    def __init__(self, num_examples: int, batch_size: int = 1, *, drop_last: bool = False, seed: int = 0) -> None:
+        super().__init__(num_examples, batch_size, drop_last=drop_last, seed=seed)
+        if self.num_replicas > 1:
+            # Sharding the windows would hand a stream's consecutive windows to different processes, whose carried
+            # states could not follow them; each process would need streams of its own.
+            raise DataError(
+                f"--data.unit stream: expected one process, got {self.num_replicas} (torch.distributed): stateful "
+                "stream windows cannot be sharded across processes yet; use --data.unit window or line with DDP"
+            )
+
+    def _epoch_batches(self) -> list[list[int]]:
+        return self._cut(list(range(self.num_examples)))
 
 
 class BucketBatchSampler(EpochBatchSampler):

@@ -188,10 +188,13 @@ class TaskModule(pl.LightningModule):
             rewind_finished_epoch(checkpoint["loops"])
             self._rewind_unfinished(trainer, checkpoint)
 
-    def _rewind_unfinished(self, trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
-        """A save on an exception inside a training step or a validation: make the resume redo it exactly once."""
+    def _rewind_unfinished(self, trainer: pl.Trainer, checkpoint: dict[str, Any]) -> bool:
+        """A save on an exception inside a training step or a validation: make the resume redo it exactly once.
+
+        Returns whether a training step was rewound (its batch is trained on again after the resume).
+        """
         if trainer.sanity_checking:
-            return
+            return False
         epoch_loop = trainer.fit_loop.epoch_loop
         combined = trainer.fit_loop._combined_loader
         # the loader states in the checkpoint are those of Lightning's stateful train loaders, in this order
@@ -203,13 +206,14 @@ class TaskModule(pl.LightningModule):
         )
         if not rewound:
             rewind_unfinished_validation(checkpoint["loops"])
-            return
+            return False
         taken, states, optimization = self._step_start
         # Without a snapshot of this batch the step never began (an exception in a callback's on_train_batch_start):
         # nothing of it has drawn random numbers or counted optimizer calls yet.
         if taken == epoch_loop.batch_progress.total.ready:
             checkpoint[RANDOM_STATE_KEY] = random_states(states)
             checkpoint["loops"]["fit_loop"]["epoch_loop.automatic_optimization.optim_progress"] = optimization
+        return True
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # What a checkpoint written before this step finishes must hold (see _rewind_unfinished); the batch counter
