@@ -111,3 +111,33 @@ def test_a_foreign_subclass_is_refused() -> None:
         ValueError, match=r"^convert_sync_batchnorm: expected seqnorm's own batch norms .* got a subclass"
     ):
         seqnorm.convert_sync_batchnorm(module)
+
+
+def _diagnostic_on_rank_zero(rank: int, folder: str) -> None:
+    # HiddenStateStats' train/eval gap runs a training-mode forward on rank 0 alone: without local_statistics its
+    # collectives would wait for rank 1 forever (the timeout below turns that into a failure).
+    from datetime import timedelta
+
+    from seqnorm.norms.sync import local_statistics
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=2, timeout=timedelta(seconds=120)
+    )
+    try:
+        layer, x, _ = _setup("lstm", "batch", "timestep")
+        seqnorm.convert_sync_batchnorm(layer)
+        if rank == 0:
+            with local_statistics(layer):
+                local, _ = layer(x)
+            alone, _ = _setup("lstm", "batch", "timestep")[0](x)
+            torch.save((local.detach(), alone.detach()), f"{folder}/local.pt")
+        dist.barrier()
+        layer(x[:, rank::2])  # and synchronization is back afterwards: both take part
+    finally:
+        dist.destroy_process_group()
+
+
+def test_local_statistics_lets_one_process_run_alone(tmp_path: Path) -> None:
+    mp.spawn(_diagnostic_on_rank_zero, args=(str(tmp_path),), nprocs=2, join=True)
+    local, alone = torch.load(tmp_path / "local.pt")
+    assert_close(local, alone, rtol=1e-12, atol=1e-12)  # this process's own statistics, as an unconverted layer

@@ -20,6 +20,8 @@ steps: ``2T + 2`` collectives forward (one finds the longest input) and ``2T + 1
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import torch
@@ -36,6 +38,7 @@ __all__ = [
     "SyncTimestepBatchNorm",
     "SyncTimestepBatchRenorm",
     "convert_sync_batchnorm",
+    "local_statistics",
     "revert_sync_batchnorm",
     "synchronized_steps",
 ]
@@ -70,14 +73,16 @@ class _Synchronized:
     # No fast form: every process runs the reference path, so all make the same collectives in the same order.
     fast_forms: ClassVar[frozenset[str]] = frozenset()
     process_group: Any = None
+    local_only = False  # set by local_statistics()
     training: bool
 
     @property
     def synchronizing(self) -> bool:
-        """Whether calls communicate: an initialized process group of more than one process."""
-        return (
-            dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) > 1  # type: ignore[arg-type]
-        )
+        """Whether calls communicate: an initialized process group of more than one process, not switched off by
+        :func:`local_statistics`."""
+        if self.local_only or not (dist.is_available() and dist.is_initialized()):
+            return False
+        return dist.get_world_size(self.process_group) > 1
 
     @property
     def whole_sequence(self) -> bool:
@@ -179,6 +184,21 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
             norm.__class__ = plain
             del norm.process_group
     return module
+
+
+@contextmanager
+def local_statistics(module: nn.Module) -> Iterator[None]:
+    """Within the block, the synchronized norms of ``module`` use this process's statistics only: for a computation
+    one process makes alone (a diagnostic on rank 0), where a collective would wait for the others forever."""
+    norms = [m for m in module.modules() if isinstance(m, _Synchronized)]
+    previous = [norm.local_only for norm in norms]
+    for norm in norms:
+        norm.local_only = True
+    try:
+        yield
+    finally:
+        for norm, value in zip(norms, previous, strict=True):
+            norm.local_only = value
 
 
 def synchronized_steps(module: nn.Module, steps: int, device: torch.device) -> int | None:
