@@ -136,3 +136,20 @@ def test_checkpoints_from_before_the_tail_default_still_load() -> None:
     assert LanguageModel(20, norm="batch", small_batch="error").model.rnn.norm_spec.small_batch == "error"
     with pytest.raises(ValueError, match=r"small_batch"):
         LanguageModel(20, norm="layer", small_batch="running")
+
+
+def test_population_pass_on_stream_windows_carries_the_state() -> None:
+    # On stream windows the recurrent term's statistics are those of carried states, as training sees them: not
+    # those of windows that each start from zeros.
+    corpus = TextCorpus(unit="stream", window_length=9, batch_size=4)
+    model = LanguageModel(corpus.vocab_size, corpus.pad_index, hidden_size=8, embedding_dim=4, norm="batch")
+    batches = [batch for _, batch in zip(range(4), corpus.train_dataloader(), strict=False)]
+    assert [int(batch["window"]) for batch in batches] == [0, 1, 2, 3]
+    seqnorm.update_bn(batches, model, forward=lambda m, b: m.population_forward(b))
+    carried = _norm_buffers(model)
+    seqnorm.update_bn(batches, model, forward=lambda m, b: m(b["inputs"], b["lengths"]))
+    from_zeros = _norm_buffers(model)
+    recurrent = [name for name in carried if "norm_hh" in name and name.endswith("running_mean")]
+    assert recurrent and not torch.allclose(carried[recurrent[0]][0], from_zeros[recurrent[0]][0])
+    inputs = [name for name in carried if "norm_ih" in name and name.endswith("running_mean")]
+    assert_close(carried[inputs[0]], from_zeros[inputs[0]])  # W_ih x does not depend on the state

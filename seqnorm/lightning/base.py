@@ -170,6 +170,11 @@ class TaskModule(pl.LightningModule):
                 metric.reset()
         return values
 
+    def population_forward(self, batch: dict[str, Tensor]) -> Tensor:
+        """The forward pass :class:`~seqnorm.lightning.PreciseBN` runs on a training batch (in training mode, without
+        gradients) to collect exact BN statistics: the model on the batch's inputs and lengths."""
+        return self(batch["inputs"], batch["lengths"])
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
 

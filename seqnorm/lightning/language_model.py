@@ -134,6 +134,11 @@ class LanguageModel(TaskModule):
         self.carried[stage] = _detach(final)
         return logits
 
+    def population_forward(self, batch: dict[str, Tensor]) -> Tensor:
+        # Stream windows carry their state as in training (a stage of its own, from zeros at window 0), so the
+        # statistics are those of the states training sees, not of windows that all start from zeros.
+        return self._logits(batch, "population")
+
     def _loss(self, batch: dict[str, Tensor], stage: str = "train") -> tuple[Tensor, Tensor]:
         """Mean loss per real target token, and the number of those tokens."""
         logits = self._logits(batch, stage)
