@@ -233,3 +233,13 @@ def test_momentum_none_in_specs_and_errors() -> None:
     assert seqnorm.norms.BatchNormSpec(momentum=None).momentum is None
     with pytest.raises(ValueError, match=r"momentum in \[0, 1\] or None, got 2.0"):
         LAYERS["lstm"](3, 4, norm="batch", momentum=2.0)
+
+
+def test_update_bn_passes_do_not_count_as_fallback_steps() -> None:
+    layer = LAYERS["lstm"](2, 3, norm="batch")
+    x = torch.randn(5, 3, 2)
+    layer(x, lengths=torch.tensor([5, 2, 3]))
+    counts = [m.fallback_steps for m in layer.modules() if isinstance(m, TimestepBatchNorm)]
+    assert counts == [2, 2, 2]
+    seqnorm.update_bn([(x, torch.tensor([5, 2, 3]))], layer, forward=lambda m, b: m(b[0], lengths=b[1]))
+    assert [m.fallback_steps for m in layer.modules() if isinstance(m, TimestepBatchNorm)] == counts

@@ -145,7 +145,7 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
         running_mean, running_var: buffers of shape ``(max_steps, F)``.
         num_batches_tracked: buffer ``(max_steps,)``, training batches seen per step.
         fallback_steps: training steps normalized with running statistics because fewer than 2 rows were active
-            (a count kept since construction; not saved).
+            (a count kept since construction, :func:`seqnorm.update_bn`'s passes excluded; not saved).
     """
 
     fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "bptt", "generation"})
@@ -364,7 +364,8 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
         if not all(use_batch):
             fallback = self._normalize_running_steps(x, running_mean, running_var)
             x_hat = torch.where(torch.tensor(use_batch, device=x.device).view(steps, 1, 1), x_hat, fallback)
-            self.fallback_steps += use_batch.count(False)
+            if self._population is None:  # training steps only, not seqnorm.update_bn's passes
+                self.fallback_steps += use_batch.count(False)
         if pooled:  # pooled statistics come from the per-step rows; a long-range step owns none
             return self._affine(x_hat)
         if self._population is not None:
