@@ -16,22 +16,22 @@ __all__ = ["PreciseBN"]
 
 class PreciseBN(pl.Callback):
     """Before every validation inside ``fit``, and at the end of ``fit``, recompute the running statistics of every
-        per-timestep batch norm with :func:`seqnorm.update_bn` over the first ``num_batches`` training batches.
+    per-timestep batch norm with :func:`seqnorm.update_bn` over the first ``num_batches`` training batches.
 
-        Validation then measures BatchNorm with the population statistics of the current weights instead of an
-        exponential moving average that lags behind them (after ``k`` updates with momentum 0.1, ``0.9^k`` of the initial
-        ``(0, 1)`` is still in it), and the checkpoint written after that validation holds them. The batches come from a
-        fresh ``datamodule.train_dataloader()`` (its first epoch's order: the same batches each time), run in training
-        mode without gradients through the task module's ``population_forward`` (stream windows carry their state as in
-    training); the random number generators are forked, so the training run draws exactly what it would
-        without the callback. Training itself normalizes with batch statistics, so the new running statistics change
-        only what reads them: steps that fall back to them (``small_batch="tail"``) and batch renorm's correction.
+    Validation then measures BatchNorm with the population statistics of the current weights instead of an
+    exponential moving average that lags behind them (after ``k`` updates with momentum 0.1, ``0.9^k`` of the initial
+    ``(0, 1)`` is still in it), and the checkpoint written after that validation holds them. The batches come from a
+    fresh ``datamodule.train_dataloader()`` (its first epoch's order: the same batches each time), run in training
+    mode without gradients through the task module's ``population_forward`` (stream windows carry their state as in
+    training); the random number generators are forked, so the training run draws exactly what it would without the
+    callback. Training itself normalizes with batch statistics, so the new running statistics change only what reads
+    them: steps that fall back to them (``small_batch="tail"``) and batch renorm's correction.
 
-        From the CLI: ``seqnorm fit ... --trainer.callbacks+=seqnorm.lightning.PreciseBN
-        --trainer.callbacks.init_args.num_batches 100``.
+    From the CLI: ``seqnorm fit ... --trainer.callbacks+=seqnorm.lightning.PreciseBN
+    --trainer.callbacks.init_args.num_batches 100``.
 
-        Args:
-            num_batches: training batches to average over; ``None``: the whole training loader. Default: 200.
+    Args:
+        num_batches: training batches to average over; ``None``: the whole training loader. Default: 200.
     """
 
     def __init__(self, num_batches: int | None = 200) -> None:
