@@ -8,6 +8,20 @@ from seqnorm.cells import CELLS, GRUCell, LSTMCell
 from seqnorm.init import INITS
 from seqnorm.layers import GRU, LAYERS, LSTM, RecurrentState
 from seqnorm.norms import NORMS
+from seqnorm.norms.population import update_bn
+from seqnorm.norms.sync import convert_sync_batchnorm
 
-__all__ = ["CELLS", "GRU", "INITS", "LAYERS", "LSTM", "NORMS", "GRUCell", "LSTMCell", "RecurrentState"]
+__all__ = [
+    "CELLS",
+    "GRU",
+    "INITS",
+    "LAYERS",
+    "LSTM",
+    "NORMS",
+    "GRUCell",
+    "LSTMCell",
+    "RecurrentState",
+    "convert_sync_batchnorm",
+    "update_bn",
+]
 __version__ = "0.1.0"

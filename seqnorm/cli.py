@@ -24,12 +24,14 @@ from typing import Any
 
 import torch
 from jsonargparse import Namespace, auto_cli
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from lightning.pytorch.plugins.layer_sync import LayerSync
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from seqnorm.cli_checks import apply_checkpoint_hparams, check_data_matches, check_writable_dir, user_error
 from seqnorm.data import LabeledText, TextCorpus, Vocabulary
-from seqnorm.lightning import LanguageModel, SequenceClassifier
+from seqnorm.lightning import LanguageModel, SequenceClassifier, SyncBatchNorm
 from seqnorm.lightning.base import DATA_STATE_KEY
 from seqnorm.lightning.checkpoint_io import ALLOWED_GLOBALS, names_class, read_checkpoint, task_class
 from seqnorm.lightning.generate import generate_text
@@ -74,7 +76,9 @@ class SeqnormCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # set_defaults, not trainer_defaults: it parses class_path dicts (and `--trainer.callbacks+=X` appends)
-        parser.set_defaults({"trainer.callbacks": DEFAULT_CALLBACKS})
+        # seqnorm's batch samplers shard themselves across processes (seqnorm.data.sampler); Lightning's
+        # DistributedSampler injection cannot wrap a batch sampler.
+        parser.set_defaults({"trainer.callbacks": DEFAULT_CALLBACKS, "trainer.use_distributed_sampler": False})
         # Each link applies where both ends exist: level -> LanguageModel, num_classes -> SequenceClassifier.
         for source, target in (
             ("data.vocab_size", "model.init_args.vocab_size"),
@@ -138,6 +142,14 @@ class SeqnormCLI(LightningCLI):
                 self._resumed["path"],
             )
             self._resumed = None
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
+        # --trainer.sync_batchnorm true: seqnorm's per-timestep BN too, through Lightning's LayerSync mechanism.
+        plugins = config.get("plugins") or []
+        plugins = list(plugins) if isinstance(plugins, list | tuple) else [plugins]
+        if config.get("sync_batchnorm") and not any(isinstance(plugin, LayerSync) for plugin in plugins):
+            config["plugins"] = [*plugins, SyncBatchNorm()]
+        return super()._instantiate_trainer(config, callbacks)
 
     def _run_subcommand(self, subcommand: str) -> None:
         with torch.serialization.safe_globals(ALLOWED_GLOBALS):

@@ -46,17 +46,74 @@ def test_per_timestep_statistics_after_training(kind: str, norm: str) -> None:
 @pytest.mark.parametrize("norm", BATCH_NORMS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_batch_size_one_in_training_is_a_clear_error(kind: str, norm: str) -> None:
-    layer = LAYERS[kind](3, 4, norm=norm)
-    with pytest.raises(ValueError, match=r"expected at least 2 active .* got 1 \(batch size 1\).*norm=\"layer\""):
+    layer = LAYERS[kind](3, 4, norm=norm)  # the default policy, "tail"
+    batch_one = (
+        r"expected a batch of at least 2 rows .* got batch size 1\. .*cannot train at batch size 1.*norm=\"layer\""
+    )
+    with pytest.raises(ValueError, match=batch_one):
         layer(torch.randn(5, 1, 3))
     cell = CELLS[kind](3, 4, norm=norm)
-    with pytest.raises(ValueError, match=rf"^{type(cell).__name__}: expected at least 2 active"):
+    with pytest.raises(ValueError, match=rf"^{type(cell).__name__}: expected a batch of at least 2 rows"):
         cell(torch.randn(1, 3))
-    with pytest.raises(ValueError, match=r"got 1 \(batch size 4\)"):
-        cell(torch.randn(4, 3), mask=torch.tensor([False, True, False, False]))
     layer.eval()  # population statistics need no batch
     output, _ = layer(torch.randn(5, 1, 3))
     assert torch.isfinite(output).all()
+
+
+@pytest.mark.parametrize("norm", BATCH_NORMS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_strict_policy_raises_at_a_single_row_step(kind: str, norm: str) -> None:
+    layer = LAYERS[kind](3, 4, norm=norm, small_batch="error")
+    with pytest.raises(ValueError, match=r"expected at least 2 active .* step 3 .* got 1 \(batch size 3\)"):
+        layer(torch.randn(6, 3, 3), lengths=torch.tensor([6, 2, 3]))
+    cell = CELLS[kind](3, 4, norm=norm, small_batch="error")
+    with pytest.raises(ValueError, match=r"got 1 \(batch size 4\)"):
+        cell(torch.randn(4, 3), mask=torch.tensor([False, True, False, False]))
+    with pytest.raises(ValueError, match=r"got batch size 1\."):
+        cell(torch.randn(1, 3))
+
+
+def test_tail_step_is_normalized_with_its_running_statistics() -> None:
+    bn = TimestepBatchNorm(3, max_steps=4, dtype=torch.float64)
+    with torch.no_grad():
+        bn.running_mean.copy_(torch.randn(4, 3, dtype=torch.float64))
+        bn.running_var.copy_(torch.rand(4, 3, dtype=torch.float64) + 0.5)
+        bn.weight.copy_(torch.rand(3, dtype=torch.float64) + 0.5)
+        bn.bias.copy_(torch.randn(3, dtype=torch.float64))
+    before = {name: tensor.clone() for name, tensor in bn.state_dict().items()}
+    x = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([False, True, False])
+    y = bn(x, step=2, mask=mask)
+    expected = (x[1] - before["running_mean"][2]) / torch.sqrt(before["running_var"][2] + bn.eps)
+    assert_close(y[1], expected * bn.weight + bn.bias)
+    for name, tensor in bn.state_dict().items():
+        assert torch.equal(tensor, before[name]), f"{name} changed on a fallback step"
+    assert bn.fallback_steps == 1
+    # the running moments are constants in the backward pass, as in evaluation
+    (grad,) = torch.autograd.grad(y[1].sum(), x)
+    assert_close(grad[1], bn.weight.detach() / torch.sqrt(before["running_var"][2] + bn.eps))
+    assert torch.equal(grad[[0, 2]], torch.zeros(2, 3, dtype=torch.float64))
+    # a step with two rows uses the batch: no fallback, and it updates its row
+    bn(x.detach(), step=2, mask=torch.tensor([True, True, False]))
+    assert bn.fallback_steps == 1 and bn.num_batches_tracked[2] == 1
+
+
+@pytest.mark.parametrize("norm", BATCH_NORMS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_variable_length_batch_trains_by_default_and_counts_tail_steps(kind: str, norm: str) -> None:
+    layer = LAYERS[kind](3, 4, norm=norm, max_steps=8)
+    lengths = torch.tensor([6, 2, 3])  # steps 3, 4, 5 have one real row
+    output, _ = layer(torch.randn(6, 3, 3), lengths=lengths)
+    output.sum().backward()
+    assert torch.isfinite(output).all()
+    norms = [m for m in layer.modules() if isinstance(m, TimestepBatchNorm)]
+    per_step = [n for n in norms if not getattr(n, "whole_sequence", False)]
+    assert per_step and all(n.fallback_steps == 3 for n in per_step)
+    tracked = per_step[0].num_batches_tracked[:6].tolist()
+    assert tracked == [1, 1, 1, 0, 0, 0]
+    layer.eval()
+    layer(torch.randn(6, 3, 3), lengths=lengths)
+    assert all(n.fallback_steps == 3 for n in per_step)  # evaluation counts nothing
 
 
 @pytest.mark.parametrize("norm", BATCH_NORMS)

@@ -48,7 +48,7 @@ def test_constructor_errors(cls: type) -> None:
         ValueError, match=rf"^{name}: expected norm_options accepted by norm='layer' \(none\), got r_max$"
     ):
         cls(3, 4, norm="layer", norm_options={"r_max": 2.0})
-    with pytest.raises(ValueError, match=r"small_batch to be 'error' or 'running', got 'skip'"):
+    with pytest.raises(ValueError, match=r"small_batch to be 'tail', 'error' or 'running', got 'skip'"):
         cls(3, 4, norm="batch", small_batch="skip")
 
 

@@ -104,12 +104,15 @@ def test_fast_equals_reference_at_batch_size_one(kind: str, norm: str) -> None:
 @pytest.mark.parametrize("norm", BATCH_NORMS)
 @pytest.mark.parametrize("kind", TORCH_KINDS)
 def test_small_batch_fallback_and_error_as_reference(kind: str, norm: str) -> None:
-    reference, fast = _pair(kind, norm, bidirectional=True, small_batch="running")
     lengths = torch.tensor([6, 2, 4])  # steps 4 and 5 have a single real row: running statistics
     x = torch.randn(6, 3, 3, dtype=torch.float64)
-    assert choose_path(fast, lengths, 3) == "fast"
-    _assert_same(_run(reference, x, None, lengths), _run(fast, x, None, lengths))
-    strict = LAYERS[kind](3, 4, norm=norm)
+    for policy in ("tail", "running"):
+        reference, fast = _pair(kind, norm, bidirectional=True, small_batch=policy)
+        assert choose_path(fast, lengths, 3) == "fast"
+        _assert_same(_run(reference, x, None, lengths), _run(fast, x, None, lengths))
+        counts = [[getattr(m, "fallback_steps", None) for m in layer.modules()] for layer in (reference, fast)]
+        assert counts[0] == counts[1] and 2 in counts[0]  # every path counts the fallback steps alike
+    strict = LAYERS[kind](3, 4, norm=norm, small_batch="error")
     assert choose_path(strict, lengths, 3) == "reference"  # the reference raises, after what it updated
     with pytest.raises(ValueError, match=r"at step 4 .* got 1 \(batch size 3\)"):
         strict(x.float(), lengths=lengths)

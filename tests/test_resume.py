@@ -94,15 +94,20 @@ def _fit(run: Path, bucket: bool, *extra: str) -> tuple[list[tuple[Any, ...]], d
     return list(RECORDS), checkpoint["state_dict"]
 
 
-_UNINTERRUPTED: dict[bool, tuple[list[tuple[Any, ...]], dict[str, torch.Tensor]]] = {}
+_UNINTERRUPTED: dict[tuple[Any, ...], tuple[list[tuple[Any, ...]], dict[str, torch.Tensor]]] = {}
 
 
-def _uninterrupted(bucket: bool, tmp_path_factory: pytest.TempPathFactory) -> tuple[list, dict[str, torch.Tensor]]:
-    if bucket not in _UNINTERRUPTED:
-        workdir = tmp_path_factory.mktemp(f"uninterrupted_{bucket}")
+def _uninterrupted(
+    bucket: bool, tmp_path_factory: pytest.TempPathFactory, *extra: str
+) -> tuple[list, dict[str, torch.Tensor]]:
+    key = (bucket, *extra)
+    if key not in _UNINTERRUPTED:
+        workdir = tmp_path_factory.mktemp(
+            f"uninterrupted_{bucket}_{len(_UNINTERRUPTED)}" if extra else f"uninterrupted_{bucket}"
+        )
         write_story(workdir / "story.txt")
-        _UNINTERRUPTED[bucket] = _fit(workdir / "run", bucket, "--trainer.max_steps", str(TOTAL))
-    return _UNINTERRUPTED[bucket]
+        _UNINTERRUPTED[key] = _fit(workdir / "run", bucket, "--trainer.max_steps", str(TOTAL), *extra)
+    return _UNINTERRUPTED[key]
 
 
 @pytest.mark.parametrize("bucket", [True, False], ids=["bucketed", "unbucketed"])
@@ -220,3 +225,42 @@ def test_resume_twice_after_interrupts_inside_steps(tmp_path: Path, tmp_path_fac
     uninterrupted = next(tmp_path_factory.getbasetemp().glob("uninterrupted_True*")) / "run" / "checkpoints"
     loops = torch.load(tmp_path / "third" / "checkpoints" / "last.ckpt", weights_only=True)["loops"]
     assert loops == torch.load(uninterrupted / "last.ckpt", weights_only=True)["loops"]
+
+
+STREAM = ["--data.unit", "stream", "--data.batch_size", "8", "--data.window_length", "181"]
+"""Stateful truncated BPTT on the story: 8 streams of 1264 characters, read in 8 windows per epoch (the last one
+3 steps long), each starting from the previous window's final state."""
+
+
+@pytest.mark.parametrize(
+    ("stop", "how"),
+    [
+        (5, "max_steps"),  # mid-epoch: the carried state is in last.ckpt
+        (5, "step"),  # Ctrl-C inside a step: the state before that step is saved, the step redone
+        (EPOCH, "interrupt"),  # the epoch's last window: the next run starts at window 0, from zeros
+        (EPOCH + 2, "interrupt"),
+    ],
+)
+def test_stateful_stream_resumes_exactly(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, stop: int, how: str
+) -> None:
+    reference, reference_parameters = _uninterrupted(False, tmp_path_factory, *STREAM)
+    write_story(tmp_path / "story.txt")
+    if how == "max_steps":
+        first, _ = _fit(tmp_path / "first", False, *STREAM, "--trainer.max_steps", str(stop))
+    elif how == "step":
+        first, _ = _fit(
+            tmp_path / "first", False, *STREAM, "--trainer.max_steps", str(TOTAL), *_interrupt_inside(stop, how)
+        )
+    else:
+        interrupt = [f"--trainer.callbacks+={HERE}.InterruptAfter", "--trainer.callbacks.step", str(stop)]
+        first, _ = _fit(tmp_path / "first", False, *STREAM, "--trainer.max_steps", str(TOTAL), *interrupt)
+    last = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    assert "seqnorm_stream_state" in torch.load(last, weights_only=True)
+    resumed, parameters = _fit(
+        tmp_path / "resumed", False, *STREAM, "--trainer.max_steps", str(TOTAL), "--ckpt_path", str(last)
+    )
+
+    assert (_steps_redone(first, resumed, how) if how == "step" else first + resumed) == reference
+    different = [name for name, value in parameters.items() if not torch.equal(value, reference_parameters[name])]
+    assert not different

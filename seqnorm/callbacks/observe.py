@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from seqnorm.cells.base import RecurrentCell
 from seqnorm.layers.base import RecurrentLayer
 from seqnorm.norms import TimestepBatchNorm
+from seqnorm.norms.sync import local_statistics
 
 __all__ = ["CellSummary", "Observation", "ObservedCell", "find_cells", "train_eval_gap"]
 
@@ -341,7 +342,8 @@ def train_eval_gap(
     """
     mine = [cell for cell in cells if cell.layer is layer]
     runs: list[dict[str, dict[int, tuple[Tensor, Tensor | None]]]] = []
-    with _preserved(layer):
+    # local_statistics: a diagnostic one process may make alone must not wait on synchronized norms' collectives.
+    with _preserved(layer), local_statistics(layer):
         for train_norms in (False, True):
             layer.eval()
             for module in layer.modules():

@@ -15,6 +15,7 @@ from torch.nn.utils import parametrizations, parametrize
 from seqnorm.init import init_recurrent_, resolve_init
 from seqnorm.norms import (
     DEFAULT_MAX_STEPS,
+    DEFAULT_SMALL_BATCH,
     NORMS,
     BeyondMaxSteps,
     NormContext,
@@ -102,8 +103,8 @@ class RecurrentCell(nn.Module):
         init: str = "default",
         forget_bias: float | None = None,
         eps: float = 1e-5,
-        momentum: float = 0.1,
-        small_batch: SmallBatchPolicy = "error",
+        momentum: float | None = 0.1,
+        small_batch: SmallBatchPolicy = DEFAULT_SMALL_BATCH,
         norm_options: Mapping[str, Any] | None = None,
         zoneout_h: float = 0.0,
         zoneout_c: float = 0.0,

@@ -59,9 +59,11 @@ class LSTMCell(RecurrentCell):
         forget_bias: value of the forget gate bias after initialization. Default: 1.0 for normalized cells,
             ``None`` (torch's initialization untouched) for ``norm="none"``.
         eps: epsilon of every norm. Default: 1e-5.
-        momentum: running-statistics momentum of the batch norms. Default: 0.1.
-        small_batch: ``"error"`` (default) or ``"running"``: what a batch norm does in training at a step with
-            fewer than 2 active rows (batch size 1): raise, or normalize with the running statistics of the step.
+        momentum: running-statistics momentum of the batch norms; ``None``: cumulative average. Default: 0.1.
+        small_batch: what a batch norm does in training at a step with fewer than 2 active rows: ``"tail"``
+            (default; in a batch of 2+ rows, normalize it with the running statistics of the step; batch size 1
+            raises), ``"error"`` (raise) or ``"running"`` (fall back, batch size 1 too). See
+            :mod:`seqnorm.norms.batch`.
         norm_options: the spec fields that have no keyword: ``r_max, d_max, warmup, r_max_steps, d_max_steps`` for
             ``"batch_renorm"``; ``mean_only_bn`` for ``"weight"`` (kept for existing code; a spec says it directly).
         zoneout_h, zoneout_c: zoneout rates in ``[0, 1)`` of ``h`` and ``c`` (Krueger et al. 2016), drawn from

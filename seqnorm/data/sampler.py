@@ -6,6 +6,12 @@ a whole epoch by length would give the same batches every epoch, in order of len
 (fairseq, AllenNLP's bucket iterators) is kept: shuffle, cut into pools of about ``pool_size`` batches, sort each pool
 by length, cut it into batches, then shuffle the order of the batches.
 
+Under data parallelism (several processes of an initialized ``torch.distributed`` group, e.g. Lightning's DDP) every
+process computes the same epoch order and takes its own share: batch ``k`` goes to process ``k % world_size``.
+Training samplers (``shuffle``) drop the last ``< world_size`` batches of an epoch so that every process runs the same
+number of steps (a process waiting for a gradient all-reduce the others never make would hang); evaluation orders
+keep every batch (shares may differ by one batch: evaluation makes no per-step collective).
+
 Both draw from a generator seeded from ``(seed, epoch)`` alone, never from the global random state. That makes an
 epoch's order reproducible by itself, which is what exact resume needs: :meth:`EpochBatchSampler.load_state_dict`
 with ``{"epoch": e, "position": p}`` makes the next iteration yield batches ``p, p+1, ...`` of epoch ``e``.
@@ -18,11 +24,12 @@ import random
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from seqnorm.data.errors import DataError
 
-__all__ = ["BucketBatchSampler", "EpochBatchSampler", "RandomBatchSampler"]
+__all__ = ["BucketBatchSampler", "EpochBatchSampler", "InOrderBatchSampler", "RandomBatchSampler"]
 
 
 class _EpochIndices(Sampler[int]):
@@ -32,9 +39,11 @@ class _EpochIndices(Sampler[int]):
         self.batches = batches
 
     def __iter__(self) -> Iterator[int]:
-        return (index for batch in self.batches._epoch_batches() for index in batch)
+        return (index for batch in self.batches._shard() for index in batch)
 
     def __len__(self) -> int:
+        if self.batches.num_replicas > 1:
+            return sum(len(batch) for batch in self.batches._shard())
         if self.batches.drop_last:
             return len(self.batches) * self.batches.batch_size
         return self.batches.num_examples
@@ -60,7 +69,7 @@ class _EpochPass(Iterator[list[int]]):
         if self.batches is None:
             sampler = self.sampler
             self.epoch, self.start, sampler._start = sampler.epoch, sampler._start, 0
-            self.batches = sampler._epoch_batches()
+            self.batches = sampler._shard()
             sampler._latest = self
         if self.start + self.yielded >= len(self.batches):
             raise StopIteration
@@ -79,9 +88,26 @@ class EpochBatchSampler(Sampler[list[int]]):
     took instead (see :class:`seqnorm.data.loader.ResumableDataLoader`).
     """
 
-    def __init__(self, num_examples: int, batch_size: int, *, drop_last: bool, seed: int) -> None:
+    even_shares: bool = True
+    """Whether every process gets the same number of batches (training); evaluation orders keep every batch."""
+
+    def __init__(
+        self,
+        num_examples: int,
+        batch_size: int,
+        *,
+        drop_last: bool,
+        seed: int,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+    ) -> None:
         if batch_size < 1:
             raise DataError(f"--data.batch_size must be at least 1, got {batch_size}")
+        distributed = dist.is_available() and dist.is_initialized()
+        self.num_replicas = num_replicas if num_replicas is not None else (dist.get_world_size() if distributed else 1)
+        self.rank = rank if rank is not None else (dist.get_rank() if distributed else 0)
+        if not 0 <= self.rank < self.num_replicas:
+            raise DataError(f"{type(self).__name__}: expected rank in [0, {self.num_replicas}), got {self.rank}")
         self.num_examples = num_examples
         self.batch_size = batch_size
         self.drop_last = drop_last
@@ -95,6 +121,14 @@ class EpochBatchSampler(Sampler[list[int]]):
     def _epoch_batches(self) -> list[list[int]]:
         raise NotImplementedError
 
+    def _shard(self) -> list[list[int]]:
+        """This process's batches of the epoch: every ``num_replicas``-th from ``rank`` (module docstring)."""
+        batches = self._epoch_batches()
+        if self.num_replicas == 1:
+            return batches
+        usable = len(batches) - len(batches) % self.num_replicas if self.even_shares else len(batches)
+        return batches[self.rank : usable : self.num_replicas]
+
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order :meth:`__iter__` yields (Lightning calls this every epoch).
 
@@ -106,10 +140,14 @@ class EpochBatchSampler(Sampler[list[int]]):
         self.epoch = epoch
 
     def __len__(self) -> int:
-        """Batches in a whole epoch, also while resuming mid-epoch (Lightning counts the consumed ones itself)."""
-        if self.drop_last:
-            return self.num_examples // self.batch_size
-        return math.ceil(self.num_examples / self.batch_size)
+        """This process's batches in a whole epoch, also while resuming mid-epoch (Lightning counts the consumed ones
+        itself)."""
+        total = (
+            self.num_examples // self.batch_size if self.drop_last else math.ceil(self.num_examples / self.batch_size)
+        )
+        if self.even_shares:
+            return total // self.num_replicas
+        return len(range(self.rank, total, self.num_replicas))
 
     def _cut(self, indices: list[int]) -> list[list[int]]:
         batches = [indices[start : start + self.batch_size] for start in range(0, len(indices), self.batch_size)]
@@ -162,6 +200,8 @@ class RandomBatchSampler(EpochBatchSampler):
         batch_size: examples per batch (the last batch may be smaller unless ``drop_last``).
         drop_last: drop a last batch smaller than ``batch_size``.
         seed: the base seed; epoch ``e`` uses a generator seeded from ``(seed, e)``.
+        num_replicas, rank: the processes sharing each epoch and this one's rank (module docstring); ``None``: from
+            ``torch.distributed`` if initialized, else 1 and 0.
 
     Example:
         >>> batches = list(RandomBatchSampler(5, 2, seed=0))
@@ -169,13 +209,47 @@ class RandomBatchSampler(EpochBatchSampler):
         ([0, 1, 2, 3, 4], [2, 2, 1])
     """
 
-    def __init__(self, num_examples: int, batch_size: int, *, drop_last: bool = False, seed: int = 0) -> None:
-        super().__init__(num_examples, batch_size, drop_last=drop_last, seed=seed)
+    def __init__(
+        self,
+        num_examples: int,
+        batch_size: int,
+        *,
+        drop_last: bool = False,
+        seed: int = 0,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+    ) -> None:
+        super().__init__(num_examples, batch_size, drop_last=drop_last, seed=seed, num_replicas=num_replicas, rank=rank)
 
     def _epoch_batches(self) -> list[list[int]]:
         indices = list(range(self.num_examples))
         self._rng().shuffle(indices)
         return self._cut(indices)
+
+
+class InOrderBatchSampler(EpochBatchSampler):
+    """Yield ``range(num_examples)`` in order, cut into batches, the same every epoch: for stream windows, whose
+    order carries the recurrent state from one batch to the next (:mod:`seqnorm.data.streams`).
+
+    An :class:`EpochBatchSampler` only so that :class:`~seqnorm.data.ResumableDataLoader` resumes it mid-epoch.
+
+    Example:
+        >>> list(InOrderBatchSampler(3, 1))
+        [[0], [1], [2]]
+    """
+
+    def __init__(self, num_examples: int, batch_size: int = 1, *, drop_last: bool = False, seed: int = 0) -> None:
+        super().__init__(num_examples, batch_size, drop_last=drop_last, seed=seed)
+        if self.num_replicas > 1:
+            # Sharding the windows would hand a stream's consecutive windows to different processes, whose carried
+            # states could not follow them; each process would need streams of its own.
+            raise DataError(
+                f"--data.unit stream: expected one process, got {self.num_replicas} (torch.distributed): stateful "
+                "stream windows cannot be sharded across processes yet; use --data.unit window or line with DDP"
+            )
+
+    def _epoch_batches(self) -> list[list[int]]:
+        return self._cut(list(range(self.num_examples)))
 
 
 class BucketBatchSampler(EpochBatchSampler):
@@ -189,6 +263,8 @@ class BucketBatchSampler(EpochBatchSampler):
         drop_last: drop batches smaller than ``batch_size``.
         seed: the base seed; epoch ``e`` uses a generator seeded from ``(seed, e)``.
         pool_size: batches per sorting pool.
+        num_replicas, rank: as :class:`RandomBatchSampler`; with ``shuffle`` (training) every process gets the same
+            number of batches, without it (evaluation) every batch is kept.
 
     Example:
         >>> sampler = BucketBatchSampler([5, 1, 4, 2, 3, 6], batch_size=2, shuffle=False)
@@ -205,12 +281,15 @@ class BucketBatchSampler(EpochBatchSampler):
         drop_last: bool = False,
         seed: int = 0,
         pool_size: int = 50,
+        num_replicas: int | None = None,
+        rank: int | None = None,
     ) -> None:
         if pool_size < 1:
             raise DataError(f"BucketBatchSampler: pool_size must be at least 1, got {pool_size}")
-        super().__init__(len(lengths), batch_size, drop_last=drop_last, seed=seed)
+        super().__init__(len(lengths), batch_size, drop_last=drop_last, seed=seed, num_replicas=num_replicas, rank=rank)
         self.lengths = list(lengths)
         self.shuffle = shuffle
+        self.even_shares = shuffle
         self.pool_size = pool_size
 
     def _epoch_batches(self) -> list[list[int]]:

@@ -4,20 +4,26 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from torch.utils.data import Dataset
+import torch
+from torch.utils.data import DataLoader, Dataset
 
 from seqnorm.data.base import SPLITS, SequenceDataModule, check_at_least, check_fraction
 from seqnorm.data.collate import LanguageModelingDataset, collate_lm
 from seqnorm.data.errors import DataError
 from seqnorm.data.files import read_text
+from seqnorm.data.loader import ResumableDataLoader
 from seqnorm.data.registry import DatasetSpec, fetch_dataset, get_spec
+from seqnorm.data.sampler import InOrderBatchSampler
+from seqnorm.data.streams import StreamWindows, collate_stream, contiguous_streams
 from seqnorm.data.synthetic import synthetic_lines
 from seqnorm.data.units import (
+    STREAM_UNITS,
     UNITS,
     carve,
     encode_stream,
     encode_units,
     split_units,
+    stream_ids,
     token_stream,
     vocab_counts,
 )
@@ -34,8 +40,12 @@ class TextCorpus(SequenceDataModule):
 
     The text is cut into units (see :mod:`seqnorm.data.units`): natural units (lines, paragraphs, sentences)
     become input ``[<bos>] + tokens`` and target ``tokens + [<eos>]``; ``window`` units are fixed windows of the
-    token stream, input ``window[:-1]`` and target ``window[1:]``. The vocabulary comes from the training split
-    only. Nothing is read until first needed, and then only once: :attr:`vocab_size` works right after
+    token stream, input ``window[:-1]`` and target ``window[1:]``, each window an independent sequence (shuffled,
+    the state starts from zero: Cooijmans et al.'s protocol). ``stream`` units cut each split's token stream into
+    ``batch_size`` contiguous streams read in consecutive windows, in order, for stateful truncated BPTT: row ``b``
+    of batch ``k + 1`` continues row ``b`` of batch ``k`` (:mod:`seqnorm.data.streams`), and
+    :class:`~seqnorm.lightning.LanguageModel` carries its state across them. The vocabulary comes from the training
+    split only. Nothing is read until first needed, and then only once: :attr:`vocab_size` works right after
     construction (LightningCLI links it to the model on instantiation).
 
     Args:
@@ -46,12 +56,14 @@ class TextCorpus(SequenceDataModule):
         test_path: the test text (also used by ``predict``).
         dataset: a registered corpus, see :data:`seqnorm.data.DATASETS` (downloaded once into ``cache_dir``).
         level: ``"char"`` or ``"word"`` tokens. ``None``: the dataset's default, else ``"char"``.
-        unit: ``"line"``, ``"paragraph"``, ``"sentence"`` or ``"window"``. ``None``: the dataset's default, else
-            ``"line"``.
-        window_length: ids per window for ``unit="window"``, and the most any natural unit is cut into (inputs are
-            at most ``window_length - 1`` long).
-        batch_size: sequences per batch (1 or more).
-        bucket: batch sequences of similar length together (:class:`BucketBatchSampler`) to reduce padding.
+        unit: ``"line"``, ``"paragraph"``, ``"sentence"``, ``"window"`` or ``"stream"``. ``None``: the dataset's
+            default, else ``"line"``.
+        window_length: ids per window for ``unit="window"`` and ``"stream"`` (the truncated-BPTT length plus one),
+            and the most any natural unit is cut into (inputs are at most ``window_length - 1`` long).
+        batch_size: sequences per batch (1 or more); with ``unit="stream"`` the number of streams, in every split
+            (each split must hold at least ``2 * batch_size`` tokens).
+        bucket: batch sequences of similar length together (:class:`BucketBatchSampler`) to reduce padding
+            (ignored by ``unit="stream"``, whose batches are in stream order).
         min_freq: tokens seen fewer times in training map to ``<unk>``.
         max_vocab_size: the largest vocabulary, specials included; ``None`` for no limit.
         encoding: the text encoding of the files.
@@ -63,7 +75,8 @@ class TextCorpus(SequenceDataModule):
         dataset_hash: a checksum (``sha256:<hex>`` or ``md5:<hex>``) for a dataset with none registered (text8).
 
     Batches are dicts: ``inputs`` and ``targets`` ``(B, T)`` int64 padded with :attr:`pad_index`, ``lengths``
-    ``(B,)`` int64.
+    ``(B,)`` int64; with ``unit="stream"`` also ``window`` (the window's index in the epoch, 0-d int64) and
+    ``start`` (the stream position of its first input): see :func:`~seqnorm.data.streams.collate_stream`.
 
     Example:
         >>> corpus = TextCorpus(batch_size=4)  # the embedded bracket task, offline
@@ -83,7 +96,7 @@ class TextCorpus(SequenceDataModule):
         test_path: str | None = None,
         dataset: str | None = None,
         level: Literal["char", "word"] | None = None,
-        unit: Literal["line", "paragraph", "sentence", "window"] | None = None,
+        unit: Literal["line", "paragraph", "sentence", "window", "stream"] | None = None,
         window_length: int = 128,
         batch_size: int = 32,
         bucket: bool = True,
@@ -122,7 +135,7 @@ class TextCorpus(SequenceDataModule):
         if unit is not None and unit not in UNITS:
             raise DataError(f"--data.unit {unit!r}: choose one of {', '.join(UNITS)}")
         self.level: Literal["char", "word"] = level or (self.spec.level if self.spec else "char")  # type: ignore[assignment]
-        self.unit: Literal["line", "paragraph", "sentence", "window"] = unit or (  # type: ignore[assignment]
+        self.unit: Literal["line", "paragraph", "sentence", "window", "stream"] = unit or (  # type: ignore[assignment]
             self.spec.unit if self.spec else "line"
         )
         # No save_hyperparameters(): under LightningCLI it would record the given `level=None`, which Lightning
@@ -169,7 +182,7 @@ class TextCorpus(SequenceDataModule):
         }
 
     def _units(self, text: str) -> Any:
-        return token_stream(text, self.level) if self.unit == "window" else split_units(text, self.unit)
+        return token_stream(text, self.level) if self.unit in STREAM_UNITS else split_units(text, self.unit)
 
     def _load_items(self) -> dict[str, Any]:
         texts = self._read()
@@ -191,6 +204,8 @@ class TextCorpus(SequenceDataModule):
         if self._vocab is None:
             counts = vocab_counts(self._items["train"], self.level, self.unit)
             self._vocab = Vocabulary.from_counts(counts, self.min_freq, self.max_vocab_size)
+        if self.unit == "stream":
+            return self._stream_datasets()
         datasets = {}
         for split, items in self._items.items():
             if self.unit == "window":
@@ -205,6 +220,39 @@ class TextCorpus(SequenceDataModule):
                 f"{self.batch_size}: lower --data.batch_size or --data.window_length, or add text"
             )
         return datasets
+
+    def _stream_datasets(self) -> dict[str, Dataset]:
+        assert self._items is not None and self._vocab is not None
+        datasets: dict[str, Dataset] = {}
+        for split, items in self._items.items():
+            ids = stream_ids(items, self._vocab)
+            if len(ids) == 0:
+                continue  # a split carved with fraction 0 has no text: no loader for it
+            try:
+                streams = contiguous_streams(ids, self.batch_size)
+            except DataError as error:
+                raise DataError(f"{self.source}: the {split} split: {error}") from None
+            datasets[split] = StreamWindows(streams, self.window_length)
+        return datasets
+
+    def _loader(self, split: str, *, shuffle: bool, bucket: bool) -> DataLoader:
+        if self.unit != "stream":
+            return super()._loader(split, shuffle=shuffle, bucket=bucket)
+        if split not in self.datasets:
+            raise DataError(
+                f"{self.source}: no {split} text: raise --data.{split}_fraction or pass --data.{split}_path"
+            )
+        dataset = self.datasets[split]
+        # One item is a whole batch, in order: the state carried from batch k into batch k+1 continues each stream.
+        # Resumable in every split (only training is ever resumed; the others merely share the loader).
+        return ResumableDataLoader(
+            dataset,
+            batch_sampler=InOrderBatchSampler(len(dataset), 1, seed=self.seed),
+            collate_fn=collate_stream,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            generator=torch.Generator().manual_seed(self.seed),
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """The vocabulary and tokenization, saved in checkpoints so a resumed run keeps the same ids."""

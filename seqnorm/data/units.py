@@ -9,7 +9,9 @@ Natural units are variable-length pieces of text:
 
 Each natural unit becomes ``[<bos>] + tokens + [<eos>]``, and the model predicts it shifted by one: input
 ``[<bos>] + tokens``, target ``tokens + [<eos>]``. The ``window`` unit instead reads the corpus as one token stream
-(characters including newlines, or words with an ``<eos>`` after each line) cut into fixed windows. Sequences longer
+(characters including newlines, or words with an ``<eos>`` after each line) cut into fixed windows; the ``stream``
+unit reads the same token stream as ``B`` contiguous streams whose consecutive windows continue each other, for
+stateful truncated BPTT (:mod:`seqnorm.data.streams`). Sequences longer
 than ``window_length`` ids, of either kind, are cut into windows that overlap by one id, so every id after the
 first is a target exactly once.
 """
@@ -27,10 +29,23 @@ from seqnorm.data.collate import chunk_sequence
 from seqnorm.data.errors import DataError
 from seqnorm.data.vocab import EOS, Level, Vocabulary, tokenize
 
-__all__ = ["UNITS", "Unit", "carve", "encode_stream", "encode_units", "split_units", "token_stream", "vocab_counts"]
+__all__ = [
+    "STREAM_UNITS",
+    "UNITS",
+    "Unit",
+    "carve",
+    "encode_stream",
+    "encode_units",
+    "split_units",
+    "stream_ids",
+    "token_stream",
+    "vocab_counts",
+]
 
-Unit = Literal["line", "paragraph", "sentence", "window"]
-UNITS = ("line", "paragraph", "sentence", "window")
+Unit = Literal["line", "paragraph", "sentence", "window", "stream"]
+UNITS = ("line", "paragraph", "sentence", "window", "stream")
+STREAM_UNITS = ("window", "stream")
+"""Units that read the corpus as one token stream (:func:`token_stream`) instead of natural units."""
 
 _BLANK_LINES = re.compile(r"\n\s*\n")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
@@ -52,7 +67,7 @@ def split_units(text: str, unit: Unit) -> list[str]:
 
 
 def token_stream(text: str, level: Level) -> str | list[str]:
-    """The whole text as one token stream for ``window`` units.
+    """The whole text as one token stream for ``window`` and ``stream`` units.
 
     Characters: the text itself (a ``str`` is a sequence of characters and far smaller than a list of them).
     Words: each line's words followed by ``<eos>``, the usual word-level LM convention (Zaremba et al. 2014).
@@ -99,7 +114,7 @@ def carve(items: Items, val_fraction: float | None, test_fraction: float | None)
 def vocab_counts(items: str | Sequence[str], level: Level, unit: Unit) -> Counter[str]:
     """Token counts of one split's units (or stream), for :meth:`Vocabulary.from_counts`."""
     counts: Counter[str] = Counter()
-    if unit == "window":
+    if unit in STREAM_UNITS:
         counts.update(items)  # a str counts its characters (in C); a list counts its words
     else:
         for item in items:
@@ -117,10 +132,13 @@ def encode_units(units: Sequence[str], vocab: Vocabulary, level: Level, window_l
     return sequences
 
 
+def stream_ids(stream: str | Sequence[str], vocab: Vocabulary) -> torch.Tensor:
+    """A token stream's ids, ``(L,)`` int64."""
+    if isinstance(stream, str):
+        return vocab.encode_chars(stream)
+    return torch.tensor(vocab.encode(stream), dtype=torch.int64)
+
+
 def encode_stream(stream: str | Sequence[str], vocab: Vocabulary, window_length: int) -> list[torch.Tensor]:
     """A token stream's ids cut into windows of ``window_length`` ids (the last may be shorter)."""
-    if isinstance(stream, str):
-        ids = vocab.encode_chars(stream)
-    else:
-        ids = torch.tensor(vocab.encode(stream), dtype=torch.int64)
-    return chunk_sequence(ids, window_length)
+    return chunk_sequence(stream_ids(stream, vocab), window_length)

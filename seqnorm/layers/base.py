@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from functools import partial
 from typing import Any, ClassVar, NamedTuple
 
 import torch
@@ -31,7 +32,16 @@ from seqnorm.layers.keys import TORCH_KEY, from_torch_keys, to_torch_keys
 from seqnorm.layers.plan import Plan, log, plan_for
 from seqnorm.layers.stack import PaddingLayout, padding_layout, run_stack
 from seqnorm.layers.stepping import lean_layer_step
-from seqnorm.norms import DEFAULT_MAX_STEPS, BeyondMaxSteps, NormSpec, SmallBatchPolicy, check_placement, resolve_norm
+from seqnorm.norms import (
+    DEFAULT_MAX_STEPS,
+    DEFAULT_SMALL_BATCH,
+    BeyondMaxSteps,
+    NormSpec,
+    SmallBatchPolicy,
+    check_placement,
+    resolve_norm,
+)
+from seqnorm.norms.sync import synchronized_steps
 
 __all__ = ["RecurrentLayer", "RecurrentState"]
 
@@ -76,8 +86,8 @@ class RecurrentLayer(nn.Module):
         init: str = "default",
         forget_bias: float | None = None,
         eps: float = 1e-5,
-        momentum: float = 0.1,
-        small_batch: SmallBatchPolicy = "error",
+        momentum: float | None = 0.1,
+        small_batch: SmallBatchPolicy = DEFAULT_SMALL_BATCH,
         norm_options: Mapping[str, Any] | None = None,
         norm_placement: str = "separate",
         state_norm: str = "output",
@@ -201,10 +211,23 @@ class RecurrentLayer(nn.Module):
     # --- whole sequences -----------------------------------------------------------------------------------------
 
     def forward(
-        self, input: Tensor | PackedSequence, hx: Any = None, lengths: Tensor | list[int] | None = None
+        self,
+        input: Tensor | PackedSequence,
+        hx: Any = None,
+        lengths: Tensor | list[int] | None = None,
+        *,
+        first_step: int = 0,
     ) -> tuple[Tensor | PackedSequence, Any]:
+        """Run the whole sequence; returns what ``torch.nn.LSTM``/``GRU`` return.
+
+        ``first_step`` is the time index of the input's first step, as seen by per-timestep norms (step ``t`` of
+        ``input`` uses the statistics of step ``first_step + t``). With ``hx`` the final state of the previous
+        chunk, ``layer(chunk, hx, first_step=k)`` continues a sequence cut into chunks, as stateful truncated
+        BPTT does. Unidirectional layers only (a reverse direction has no continuation).
+        """
         x, lengths, h0, c0, unbatched = self._prepare(input, hx, lengths)
-        output, h_n, c_n = self._run(x, h0, c0, lengths)
+        first_step = self._check_first_step(first_step)
+        output, h_n, c_n = self._run(x, h0, c0, lengths, first_step)
         state: Any = h_n if c_n is None else (h_n, c_n)
         if isinstance(input, PackedSequence):
             return _repack(output, lengths, input), state
@@ -212,15 +235,30 @@ class RecurrentLayer(nn.Module):
             return output.squeeze(1), (h_n.squeeze(1) if c_n is None else (h_n.squeeze(1), c_n.squeeze(1)))
         return (output.transpose(0, 1) if self.batch_first else output), state
 
-    def plan(self, input: Tensor | PackedSequence, hx: Any = None, lengths: Tensor | list[int] | None = None) -> Plan:
+    def plan(
+        self,
+        input: Tensor | PackedSequence,
+        hx: Any = None,
+        lengths: Tensor | list[int] | None = None,
+        *,
+        first_step: int = 0,
+    ) -> Plan:
         """The path a call with these arguments takes now, and why (:mod:`seqnorm.layers.plan`); runs nothing.
 
         With a 2-D ``input`` ``(B, input_size)`` and no ``hx``/``lengths``: the path of :meth:`step` instead.
         """
-        if isinstance(input, Tensor) and input.dim() == 2 and hx is None and lengths is None:
+        if isinstance(input, Tensor) and input.dim() == 2 and hx is None and lengths is None and not first_step:
             return plan_for(self, input, step=True)
         x, lengths, h0, c0, _ = self._prepare(input, hx, lengths)
-        return plan_for(self, x, lengths, (h0, c0))
+        return plan_for(self, x, lengths, (h0, c0), first_step=self._check_first_step(first_step))
+
+    def _check_first_step(self, first_step: object) -> int:
+        owner = type(self).__name__
+        if isinstance(first_step, bool) or not isinstance(first_step, int) or first_step < 0:
+            raise ValueError(f"{owner}: expected first_step to be an int >= 0, got {first_step!r}")
+        if first_step and self.bidirectional:
+            raise ValueError(f"{owner}: expected first_step=0 with bidirectional=True, got {first_step}")
+        return first_step
 
     def _prepare(
         self, input: Tensor | PackedSequence, hx: Any, lengths: Tensor | list[int] | None
@@ -248,26 +286,48 @@ class RecurrentLayer(nn.Module):
         h0, c0 = self._initial_state(hx, batch, x, unbatched)
         return x, lengths, h0, c0, unbatched
 
-    def _run(self, x: Tensor, h0: Tensor, c0: Tensor | None, lengths: Tensor | None) -> tuple[Tensor, ...]:
+    def _run(
+        self, x: Tensor, h0: Tensor, c0: Tensor | None, lengths: Tensor | None, first_step: int = 0
+    ) -> tuple[Tensor, ...]:
         """Run ``x`` ``(T, B, I)`` on the path :func:`~seqnorm.layers.plan.plan_for` picks; output, h_n, c_n."""
-        plan = plan_for(self, x, lengths, (h0, c0))
+        steps = x.shape[0]
+        longest = synchronized_steps(self, steps, x.device)
+        if longest is not None:
+            # Norms synchronized across processes (they declare no fast form: the reference path): every process runs
+            # as many steps as the longest input of any, the extra ones padding (no active row here; the collectives
+            # of those steps still need this process).
+            if lengths is None:
+                lengths = torch.full((x.shape[1],), steps, dtype=torch.long)
+            x = torch.cat([x, x.new_zeros(longest - steps, *x.shape[1:])])
+            output, *final = self._run_reference(x, h0, c0, lengths, first_step, run_every_step=True)
+            return (output[:steps], *final)
+        plan = plan_for(self, x, lengths, (h0, c0), first_step=first_step)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s.forward: %s", type(self).__name__, plan)
         if plan.path == "torch_kernel":
             return run_fused(self, x, h0, c0, lengths)
         if plan.path in ("bptt", "loop"):
             return run_fast(self, x, h0, c0, lengths, plan)
-        return self._run_reference(x, h0, c0, lengths)
+        return self._run_reference(x, h0, c0, lengths, first_step)
 
     def _run_reference(
-        self, x: Tensor, h0: Tensor, c0: Tensor | None, lengths: Tensor | None
+        self,
+        x: Tensor,
+        h0: Tensor,
+        c0: Tensor | None,
+        lengths: Tensor | None,
+        first_step: int = 0,
+        run_every_step: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor | None]:
-        """The reference time loop over ``x`` ``(T, B, I)``; returns output ``(T, B, D*H)``, ``h_n``, ``c_n``."""
-        layout = padding_layout(lengths, x.shape[0], x.shape[1], x.device)
-        return run_stack(self, x, h0, c0, layout, self._run_direction)
+        """The reference time loop over ``x`` ``(T, B, I)``; returns output ``(T, B, D*H)``, ``h_n``, ``c_n``.
+
+        Steps after the longest sequence are skipped unless ``run_every_step``."""
+        layout = padding_layout(lengths, x.shape[0], x.shape[1], x.device, run_every_step)
+        run_direction = partial(self._run_direction, first_step=first_step) if first_step else self._run_direction
+        return run_stack(self, x, h0, c0, layout, run_direction)
 
     def _run_direction(
-        self, cell: RecurrentCell, sequence: Tensor, state: Any, layout: PaddingLayout
+        self, cell: RecurrentCell, sequence: Tensor, state: Any, layout: PaddingLayout, first_step: int = 0
     ) -> tuple[Tensor, Any]:
         # Variational (input, recurrent) and DropConnect masks: one per sequence, the same at every step.
         dropped = draw_sequence_masks(self, cell, sequence, state)
@@ -277,9 +337,15 @@ class RecurrentLayer(nn.Module):
         # Sequence-wise input statistics (input_stats="sequence") need every step before the first one runs.
         input_normed = cell.sequence_input_norm(sequence, layout.active, layout.counts) or [None] * layout.steps
         # unbind, not x[t]: indexing makes every step's backward write a full-size gradient.
-        for t, x_t in enumerate(sequence.unbind(0)):
+        for t, x_t in enumerate(sequence.unbind(0), first_step):
             state = cell.step_unchecked(
-                x_t, state, t, layout.masks[t], dropped.recurrent, dropped.weight_hh, input_normed[t]
+                x_t,
+                state,
+                t,
+                layout.masks[t - first_step],
+                dropped.recurrent,
+                dropped.weight_hh,
+                input_normed[t - first_step],
             )
             outputs.append(state if isinstance(state, Tensor) else state[0])
         return torch.stack(outputs), state

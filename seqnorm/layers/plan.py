@@ -13,7 +13,9 @@
   that declare ``hoisted_step`` and norms that declare the ``"loop"`` form.
 - ``"reference"``: the cell's own ``step_unchecked`` at every step. Anything that declares nothing runs it, as do
   ``impl="reference"``, hooked observers (they need every step's record) and a batch norm about to raise its
-  small-batch error (so the error, and what was updated before it, are the reference's own).
+  small-batch error (so the error, and what was updated before it, are the reference's own), and a call starting
+  at ``first_step > 0`` with a norm whose statistics depend on the step index (the fast paths number steps from 0;
+  norms without per-timestep statistics ignore the index, so they keep their fast path).
 
 :meth:`~seqnorm.layers.base.RecurrentLayer.step` paths: ``"lean_step"`` (no gradient: the cached step of
 :mod:`seqnorm.layers.stepping`), else per cell ``"torch_kernel"`` (torch's cell kernel, nothing normalized) or
@@ -101,12 +103,14 @@ def plan_for(
     state: tuple[Tensor, Tensor | None] | None = None,
     *,
     step: bool = False,
+    first_step: int = 0,
 ) -> Plan:
     """The path of ``layer`` for input ``x`` (``(T, B, I)``; with ``step=True`` one step, ``(B, I)``).
 
     Only facts are read from ``x`` and ``state`` (``(h0, c0)``): batch size, dtype, device, ``requires_grad``.
+    ``first_step`` is the time index of the sequence's first step (:meth:`RecurrentLayer.forward`).
     """
-    return _step_plan(layer, x) if step else _forward_plan(layer, x, lengths, state)
+    return _step_plan(layer, x) if step else _forward_plan(layer, x, lengths, state, first_step)
 
 
 def bptt_blocker(layer: RecurrentLayer | None, cell: RecurrentCell, dtype: torch.dtype, device_type: str) -> str | None:
@@ -138,16 +142,22 @@ def bptt_blocker(layer: RecurrentLayer | None, cell: RecurrentCell, dtype: torch
 
 
 def _forward_plan(
-    layer: RecurrentLayer, x: Tensor, lengths: Tensor | None, state: tuple[Tensor, Tensor | None] | None
+    layer: RecurrentLayer,
+    x: Tensor,
+    lengths: Tensor | None,
+    state: tuple[Tensor, Tensor | None] | None,
+    first_step: int = 0,
 ) -> Plan:
     cells: list[RecurrentCell] = list(layer.cells)
     if layer.impl == "reference":
         return Plan("reference", "impl='reference'")
+    if first_step and any(_indexed_by_step(cell) for cell in cells):
+        return Plan("reference", f"first_step={first_step} with per-timestep statistics (fast paths count from 0)")
     for index, cell in enumerate(cells):
         if cell.observer.active:
             return Plan("reference", f"an observer is hooked to cells[{index}] and needs every step's record")
     if layer.training and _would_raise_small_batch(cells, lengths, x.shape[1]):
-        return Plan("reference", "a batch norm with small_batch='error' raises at a step with < 2 real rows")
+        return Plan("reference", "a batch norm raises its small-batch error (a step or batch with < 2 real rows)")
     name = type_before_parametrizations(cells[0]).__name__
     kernel = cell_kernel(cells[0])
     if kernel is not None and all(cell_kernel(c) == kernel for c in cells) and not any(c.has_norms for c in cells):
@@ -173,6 +183,11 @@ def _forward_plan(
         return Plan("bptt", reason + kernel_note, routes)
     why = next((blocker for blocker in blockers if blocker is not None), "no gradient is wanted")
     return Plan("loop", f"{name} declares hoisted_step; no hand-written BPTT: {why}{kernel_note}", routes)
+
+
+def _indexed_by_step(cell: RecurrentCell) -> bool:
+    """Whether a norm of ``cell`` keeps statistics per time step, so the step index changes what it computes."""
+    return any(getattr(module, "max_steps", 1) > 1 for module in cell.modules() if module is not cell)
 
 
 def _hoisting_blocker(cells: list[RecurrentCell]) -> str | None:
@@ -212,13 +227,14 @@ def _draws_random(layer: RecurrentLayer) -> bool:
 
 
 def _would_raise_small_batch(cells: list[RecurrentCell], lengths: Tensor | None, batch: int) -> bool:
-    # Norms with batch statistics carry their small-batch policy as `small_batch`.
-    strict = any(getattr(module, "small_batch", None) == "error" for cell in cells for module in cell.modules())
-    if not strict:
+    # Norms with batch statistics declare when they raise (`raises_small_batch`).
+    checks = [getattr(m, "raises_small_batch", None) for cell in cells for m in cell.modules()]
+    checks = [check for check in checks if check is not None]
+    if not checks:
         return False
     # The fewest real rows at any step that runs: the rows as long as the longest sequence.
     fewest = batch if lengths is None else int((lengths == lengths.max()).sum())
-    return fewest < 2
+    return any(check(batch, fewest) for check in checks)
 
 
 # --- one step ---

@@ -53,11 +53,16 @@ class PaddingLayout:
     lengths: Tensor | None
 
 
-def padding_layout(lengths: Tensor | None, total_steps: int, batch: int, device: torch.device) -> PaddingLayout:
-    """The layout of a batch of ``batch`` sequences padded to ``total_steps`` (``lengths`` on the CPU, or None)."""
+def padding_layout(
+    lengths: Tensor | None, total_steps: int, batch: int, device: torch.device, run_every_step: bool = False
+) -> PaddingLayout:
+    """The layout of a batch of ``batch`` sequences padded to ``total_steps`` (``lengths`` on the CPU, or None).
+
+    Steps after the longest sequence are not run, unless ``run_every_step`` (synchronized norms: every process runs
+    every step of the longest input of any)."""
     if lengths is None:
         return PaddingLayout(total_steps, None, [batch] * total_steps, [None] * total_steps, None)
-    steps = int(lengths.max())
+    steps = total_steps if run_every_step else int(lengths.max())
     real = torch.arange(steps).unsqueeze(1) < lengths.unsqueeze(0)  # (T, B), on the CPU like lengths
     counts = real.sum(1).tolist()
     if min(counts) == batch:

@@ -26,8 +26,8 @@ from seqnorm.lightning.resume import (
     settle_restart_totals,
     snapshot_random_states,
 )
-from seqnorm.norms import BeyondMaxSteps, NormSpec, resolve_norm, spec_from_dict
-from seqnorm.norms.specs import InputStats
+from seqnorm.norms import DEFAULT_SMALL_BATCH, BeyondMaxSteps, NormSpec, TimestepBatchNorm, resolve_norm, spec_from_dict
+from seqnorm.norms.specs import InputStats, field_names
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -37,6 +37,8 @@ __all__ = ["DATA_STATE_KEY", "RNNOptions", "TaskModule"]
 DATA_STATE_KEY = "seqnorm_data"
 """Checkpoint key holding the DataModule's state (vocabulary, level, unit), read back by ``seqnorm generate``."""
 
+FALLBACK_TOTAL_KEY = "seqnorm_fallback_total"
+"""Checkpoint key of the run's count of BN fallback steps (``norm/fallback_total`` continues after a resume)."""
 EVAL_STAGES = ("val", "test")
 RNN_ARGUMENTS = ("norm", "recurrent_dropout", "init", "max_steps", "small_batch")
 """Arguments of both task modules that go to the recurrent layer (``small_batch`` folded into the norm's spec)."""
@@ -62,7 +64,7 @@ class RNNOptions(TypedDict, total=False):
     impl: Impl
     # Norm options as configs wrote them before norm specs: still accepted, folded into the norm's spec.
     eps: float
-    momentum: float
+    momentum: float | None
     affine: bool
     gamma_init: float | None
     beta_init: float
@@ -131,7 +133,11 @@ class TaskModule(pl.LightningModule):
         self.hparams["norm"] = plain
         if hasattr(self, "_hparams_initial"):  # what loggers record (hparams.yaml): the same plain data
             self._hparams_initial["norm"] = plain
-        return resolve_norm(owner, norm, max_steps=self.hparams.max_steps, small_batch=self.hparams.small_batch)
+        small_batch = self.hparams.small_batch
+        if small_batch == "error" and "small_batch" not in field_names(type(resolve_norm(owner, norm))):
+            # The default before "tail": checkpoints of that time hold it whatever the norm.
+            small_batch = DEFAULT_SMALL_BATCH
+        return resolve_norm(owner, norm, max_steps=self.hparams.max_steps, small_batch=small_batch)
 
     def _rnn_kwargs(self, norm: NormSpec) -> dict[str, Any]:
         """The recurrent layer's keyword arguments: ``norm`` (:meth:`_norm_spec`), the model's own
@@ -164,6 +170,11 @@ class TaskModule(pl.LightningModule):
                 metric.reset()
         return values
 
+    def population_forward(self, batch: dict[str, Tensor]) -> Tensor:
+        """The forward pass :class:`~seqnorm.lightning.PreciseBN` runs on a training batch (in training mode, without
+        gradients) to collect exact BN statistics: the model on the batch's inputs and lengths."""
+        return self(batch["inputs"], batch["lengths"])
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
 
@@ -176,15 +187,19 @@ class TaskModule(pl.LightningModule):
         # Exact resume: the dropout masks after the resume must be those the uninterrupted run draws, and the loop
         # must continue in the epoch it stopped in (see seqnorm.lightning.resume).
         checkpoint[RANDOM_STATE_KEY] = random_states()
+        checkpoint[FALLBACK_TOTAL_KEY] = getattr(self, "fallback_total", 0)
         trainer = self._trainer
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING and "loops" in checkpoint:
             rewind_finished_epoch(checkpoint["loops"])
             self._rewind_unfinished(trainer, checkpoint)
 
-    def _rewind_unfinished(self, trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
-        """A save on an exception inside a training step or a validation: make the resume redo it exactly once."""
+    def _rewind_unfinished(self, trainer: pl.Trainer, checkpoint: dict[str, Any]) -> bool:
+        """A save on an exception inside a training step or a validation: make the resume redo it exactly once.
+
+        Returns whether a training step was rewound (its batch is trained on again after the resume).
+        """
         if trainer.sanity_checking:
-            return
+            return False
         epoch_loop = trainer.fit_loop.epoch_loop
         combined = trainer.fit_loop._combined_loader
         # the loader states in the checkpoint are those of Lightning's stateful train loaders, in this order
@@ -196,13 +211,14 @@ class TaskModule(pl.LightningModule):
         )
         if not rewound:
             rewind_unfinished_validation(checkpoint["loops"])
-            return
+            return False
         taken, states, optimization = self._step_start
         # Without a snapshot of this batch the step never began (an exception in a callback's on_train_batch_start):
         # nothing of it has drawn random numbers or counted optimizer calls yet.
         if taken == epoch_loop.batch_progress.total.ready:
             checkpoint[RANDOM_STATE_KEY] = random_states(states)
             checkpoint["loops"]["fit_loop"]["epoch_loop.automatic_optimization.optim_progress"] = optimization
+        return True
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # What a checkpoint written before this step finishes must hold (see _rewind_unfinished); the batch counter
@@ -212,10 +228,32 @@ class TaskModule(pl.LightningModule):
         optimization = epoch_loop.automatic_optimization.optim_progress.state_dict()
         self._step_start = (epoch_loop.batch_progress.total.ready, snapshot_random_states(), optimization)
 
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Log per-timestep BN's fallback steps (``small_batch="tail"``/``"running"``: steps normalized with running
+        statistics because fewer than 2 rows were active): ``norm/fallback_steps`` in this batch (the most any one
+        norm had: all norms of a layer see the same steps) and ``norm/fallback_total`` since the run began (also in
+        the progress bar). Nothing is logged for a model without per-timestep BN."""
+        norms = self._batch_norms()
+        if not norms:
+            return
+        counts = [norm.fallback_steps for norm in norms]
+        previous = getattr(self, "_fallback_counts", [0] * len(counts))
+        self._fallback_counts = counts
+        steps = max(now - before for now, before in zip(counts, previous, strict=True))
+        self.fallback_total = getattr(self, "fallback_total", 0) + steps
+        self.log("norm/fallback_steps", float(steps), on_step=True, on_epoch=False)
+        self.log("norm/fallback_total", float(self.fallback_total), on_step=True, on_epoch=False, prog_bar=True)
+
+    def _batch_norms(self) -> list[TimestepBatchNorm]:
+        if not hasattr(self, "_batch_norm_modules"):
+            self._batch_norm_modules = [m for m in self.modules() if isinstance(m, TimestepBatchNorm)]
+        return self._batch_norm_modules
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Restored in on_train_start, not now: between here and the first training step Lightning builds the
         # optimizer, runs the sanity check and makes the train iterator.
         self._random_states_to_restore = checkpoint.get(RANDOM_STATE_KEY)
+        self.fallback_total = checkpoint.get(FALLBACK_TOTAL_KEY, 0)
 
     def on_train_start(self) -> None:
         states, self._random_states_to_restore = getattr(self, "_random_states_to_restore", None), None

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch.nn.functional as F
 from torch import Tensor
 
 from seqnorm.lightning.base import RNNOptions, TaskModule
 from seqnorm.models import CellName, Pooling, RNNClassifier
-from seqnorm.norms import DEFAULT_MAX_STEPS, NormSpec
+from seqnorm.norms import DEFAULT_MAX_STEPS, DEFAULT_SMALL_BATCH, NormSpec, SmallBatchPolicy
 
 __all__ = ["SequenceClassifier"]
 
@@ -44,7 +42,7 @@ class SequenceClassifier(TaskModule):
         recurrent_dropout: float = 0.0,
         init: str = "default",
         max_steps: int = DEFAULT_MAX_STEPS,
-        small_batch: Literal["error", "running"] = "error",
+        small_batch: SmallBatchPolicy = DEFAULT_SMALL_BATCH,
         rnn_options: RNNOptions | None = None,
         lr: float = 2e-3,
         weight_decay: float = 0.0,
@@ -74,7 +72,7 @@ class SequenceClassifier(TaskModule):
         loss = F.cross_entropy(logits, batch["labels"])
         examples = batch["labels"].shape[0]
         if stage == "train":
-            self.log("train/loss", loss, prog_bar=True, batch_size=examples)
+            self.log("train/loss", loss, prog_bar=True, batch_size=examples, sync_dist=True)
         else:
             self._update_metric(stage, "loss", loss, examples)
             accuracy = (logits.argmax(1) == batch["labels"]).float().mean()
@@ -95,7 +93,7 @@ class SequenceClassifier(TaskModule):
         return self(batch["inputs"], batch["lengths"]).argmax(1)
 
     def on_validation_epoch_end(self) -> None:
-        self.log_dict({f"val/{key}": value for key, value in self._epoch_values("val").items()}, prog_bar=True)
+        self.log_dict({f"val/{key}": v for key, v in self._epoch_values("val").items()}, prog_bar=True, sync_dist=True)
 
     def on_test_epoch_end(self) -> None:
-        self.log_dict({f"test/{key}": value for key, value in self._epoch_values("test").items()})
+        self.log_dict({f"test/{key}": v for key, v in self._epoch_values("test").items()}, sync_dist=True)

@@ -5,14 +5,18 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
+import lightning.pytorch as pl
 import torch.nn.functional as F
 from torch import Tensor
 
 from seqnorm.lightning.base import RNNOptions, TaskModule
 from seqnorm.models import CellName, RNNLanguageModel
-from seqnorm.norms import DEFAULT_MAX_STEPS, NormSpec
+from seqnorm.norms import DEFAULT_MAX_STEPS, DEFAULT_SMALL_BATCH, NormSpec, SmallBatchPolicy
 
-__all__ = ["LanguageModel"]
+__all__ = ["STREAM_STATE_KEY", "LanguageModel"]
+
+STREAM_STATE_KEY = "seqnorm_stream_state"
+"""Checkpoint key of the recurrent state carried between training windows (``unit="stream"``)."""
 
 
 class LanguageModel(TaskModule):
@@ -20,6 +24,11 @@ class LanguageModel(TaskModule):
 
     Logs ``train/loss`` (nats per token, each step), ``val/loss`` and ``val/bpc`` (bits per character, character
     level) or ``val/ppl`` (perplexity, word level), and the ``test/`` twins. Padding is ignored by the loss.
+
+    Stateful truncated BPTT: batches of ``TextCorpus(unit="stream")`` carry a ``window`` index. Then the final state
+    of each window, detached, starts the next window of the same stage (train, val and test each keep their own),
+    and window 0 (every epoch's first) starts from zeros. The training carry is saved in checkpoints, so a resumed
+    run continues the streams where it stopped. ``predict`` runs every window from zeros.
 
     Args:
         vocab_size: number of token ids; linked from the DataModule by the CLI.
@@ -37,10 +46,16 @@ class LanguageModel(TaskModule):
         init: weight initialization scheme (see :mod:`seqnorm.init`).
         max_steps: time steps with their own batch-norm statistics (per-timestep BN only; folded into the spec,
             accepted whatever the norm).
-        small_batch: what per-timestep BN does at a step with fewer than 2 active rows: ``"error"`` or
-            ``"running"`` (normalize with running statistics). With variable-length batches the tail of the longest
-            sequence is such a step, so BN runs on text usually need ``"running"``. Folded into the spec; with a
-            norm without batch statistics, ``"running"`` is a ``ValueError``.
+        small_batch: what per-timestep BN does at a step with fewer than 2 active rows (the tail of the longest
+            sequence of a variable-length batch): ``"tail"`` (default: normalize it with the running statistics of
+            the step and count it, ``norm/fallback_steps``; a batch of one row raises), ``"error"`` (strict) or
+            ``"running"`` (batch size 1 too). Folded into the spec; with a norm without batch statistics, a
+            non-default value is a ``ValueError``.
+        stream_steps: the time index per-timestep BN sees in stream windows. ``"restart"``: steps ``0 .. T-1`` in
+            every window, so each position of a window has its own statistics (all ``T`` of them trained in every
+            batch, and evaluation sees the same positions as training). ``"continue"``: the stream position, so
+            window ``k`` has steps ``k*T .. k*T+T-1``, and steps beyond ``max_steps`` follow the norm's
+            ``beyond_max_steps`` policy. Norms without per-timestep statistics ignore it.
         tie_weights: share the embedding and output matrices (``embedding_dim`` must equal ``hidden_size``).
         rnn_options: further keyword arguments of :class:`seqnorm.LSTM` / :class:`seqnorm.GRU` that are not norm
             options: the cell switches ``norm_placement`` and ``state_norm``, regularizers (``zoneout_h``,
@@ -66,7 +81,8 @@ class LanguageModel(TaskModule):
         recurrent_dropout: float = 0.0,
         init: str = "default",
         max_steps: int = DEFAULT_MAX_STEPS,
-        small_batch: Literal["error", "running"] = "error",
+        small_batch: SmallBatchPolicy = DEFAULT_SMALL_BATCH,
+        stream_steps: Literal["restart", "continue"] = "restart",
         tie_weights: bool = False,
         rnn_options: RNNOptions | None = None,
         lr: float = 2e-3,
@@ -75,6 +91,10 @@ class LanguageModel(TaskModule):
         super().__init__()
         if level not in ("char", "word"):
             raise ValueError(f"LanguageModel: expected level to be 'char' or 'word', got {level!r}")
+        if stream_steps not in ("restart", "continue"):
+            raise ValueError(
+                f"LanguageModel: expected stream_steps to be 'restart' or 'continue', got {stream_steps!r}"
+            )
         self.save_hyperparameters()
         self.model = RNNLanguageModel(
             vocab_size,
@@ -88,27 +108,54 @@ class LanguageModel(TaskModule):
             **self._rnn_kwargs(self._norm_spec(norm)),
         )
         self._init_metrics("loss")
+        self.carried: dict[str, Any] = {}
+        """Per stage, the detached final state of the latest stream window (``None``/absent: start from zeros)."""
+        self._carry_undo: tuple[int, Any] = (-1, None)  # (training batch counter, the carry before that batch)
 
     def forward(self, inputs: Tensor, lengths: Tensor | None = None) -> Tensor:
         return self.model(inputs, lengths)
 
-    def _loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    def _logits(self, batch: dict[str, Tensor], stage: str) -> Tensor:
+        """The batch's logits; stream windows start from the stage's carried state and leave theirs behind."""
+        if "window" not in batch:
+            return self(batch["inputs"], batch["lengths"])
+        state = self.carried.get(stage) if int(batch["window"]) > 0 else None
+        if state is not None:
+            state = _to(state, batch["inputs"])
+            if _rows(state) != batch["inputs"].shape[0]:
+                state = None  # another number of streams (a resumed run with another --data.batch_size)
+        first_step = int(batch["start"]) if self.hparams.stream_steps == "continue" else 0
+        # Streams are never padded: no lengths, so no masks on the way.
+        logits, final = self.model.forward_with_state(batch["inputs"], None, state, first_step=first_step)
+        if stage == "train" and self._trainer is not None:
+            # A checkpoint written on an exception inside this step redoes it: it must keep the carry before it.
+            self._carry_undo = (self.trainer.fit_loop.epoch_loop.batch_progress.total.ready, self.carried.get(stage))
+        # Detached: gradients stop at the window boundary (truncated BPTT); the values flow on.
+        self.carried[stage] = _detach(final)
+        return logits
+
+    def population_forward(self, batch: dict[str, Tensor]) -> Tensor:
+        # Stream windows carry their state as in training (a stage of its own, from zeros at window 0), so the
+        # statistics are those of the states training sees, not of windows that all start from zeros.
+        return self._logits(batch, "population")
+
+    def _loss(self, batch: dict[str, Tensor], stage: str = "train") -> tuple[Tensor, Tensor]:
         """Mean loss per real target token, and the number of those tokens."""
-        logits = self(batch["inputs"], batch["lengths"])
+        logits = self._logits(batch, stage)
         loss = F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), ignore_index=self.hparams.pad_index)
         return loss, batch["lengths"].sum()
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss, tokens = self._loss(batch)
-        self.log("train/loss", loss, prog_bar=True, batch_size=int(tokens))
+        loss, tokens = self._loss(batch, "train")
+        self.log("train/loss", loss, prog_bar=True, batch_size=int(tokens), sync_dist=True)
         return loss
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        loss, tokens = self._loss(batch)
+        loss, tokens = self._loss(batch, "val")
         self._update_metric("val", "loss", loss, tokens)
 
     def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        loss, tokens = self._loss(batch)
+        loss, tokens = self._loss(batch, "test")
         self._update_metric("test", "loss", loss, tokens)
 
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
@@ -118,6 +165,24 @@ class LanguageModel(TaskModule):
             logits.transpose(1, 2), batch["targets"], ignore_index=self.hparams.pad_index, reduction="none"
         )
         return losses.sum(1) / batch["lengths"].to(losses.dtype)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._batch_rewound = False
+        super().on_save_checkpoint(checkpoint)
+        carried = self.carried.get("train")
+        if self._batch_rewound and self._carry_undo[0] == self.trainer.fit_loop.epoch_loop.batch_progress.total.ready:
+            carried = self._carry_undo[1]  # the rewound step had already carried its state on
+        if carried is not None:
+            checkpoint[STREAM_STATE_KEY] = {"train": _as_dict(carried)}
+
+    def _rewind_unfinished(self, trainer: pl.Trainer, checkpoint: dict[str, Any]) -> bool:
+        self._batch_rewound = super()._rewind_unfinished(trainer, checkpoint)
+        return self._batch_rewound
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        saved = checkpoint.get(STREAM_STATE_KEY, {}).get("train")
+        self.carried = {} if saved is None else {"train": _from_dict(saved)}
 
     def on_validation_epoch_end(self) -> None:
         self._log_epoch("val")
@@ -135,4 +200,28 @@ class LanguageModel(TaskModule):
             logged[f"{stage}/bpc"] = loss / math.log(2)
         else:
             logged[f"{stage}/ppl"] = loss.exp()
-        self.log_dict(logged, prog_bar=stage == "val")
+        self.log_dict(logged, prog_bar=stage == "val", sync_dist=True)  # already global (torchmetrics): silences DDP
+
+
+# The carried state: ``(h, c)`` for LSTMs, ``h`` for GRUs, each ``(num_layers, B, H)``.
+
+
+def _detach(state: Any) -> Any:
+    return state.detach() if isinstance(state, Tensor) else tuple(t.detach() for t in state)
+
+
+def _to(state: Any, like: Tensor) -> Any:
+    return state.to(like.device) if isinstance(state, Tensor) else tuple(t.to(like.device) for t in state)
+
+
+def _rows(state: Any) -> int:
+    return (state if isinstance(state, Tensor) else state[0]).shape[1]
+
+
+def _as_dict(state: Any) -> dict[str, Tensor]:
+    # Plain tensors under names: checkpoints are read with weights_only=True.
+    return {"h": state} if isinstance(state, Tensor) else {"h": state[0], "c": state[1]}
+
+
+def _from_dict(saved: dict[str, Tensor]) -> Any:
+    return saved["h"] if "c" not in saved else (saved["h"], saved["c"])

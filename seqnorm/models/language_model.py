@@ -28,6 +28,7 @@ class RNNLanguageModel(nn.Module):
         **rnn_kwargs: ``norm``, ``init``, ``max_steps``, ``recurrent_dropout``, ... of :class:`~seqnorm.LSTM`.
 
     Inputs: ``inputs`` ``(B, T)`` token ids and ``lengths`` ``(B,)``. Output: logits ``(B, T, vocab_size)``.
+    :meth:`forward_with_state` also takes and returns the recurrent state (stateful truncated BPTT).
     """
 
     def __init__(
@@ -56,9 +57,25 @@ class RNNLanguageModel(nn.Module):
             self.projection.weight = self.embedding.weight
 
     def forward(self, inputs: Tensor, lengths: Tensor | None = None) -> Tensor:
+        return self.forward_with_state(inputs, lengths)[0]
+
+    def forward_with_state(
+        self, inputs: Tensor, lengths: Tensor | None = None, state: Any = None, *, first_step: int = 0
+    ) -> tuple[Tensor, Any]:
+        """Logits ``(B, T, vocab_size)`` and the recurrent layer's final state, starting from ``state``.
+
+        Args:
+            inputs: ``(B, T)`` token ids.
+            lengths: ``(B,)`` real lengths, or ``None`` (no padding).
+            state: what a previous call returned (``(h, c)`` for LSTMs, ``h`` for GRUs, each
+                ``(num_layers, B, H)``), or ``None`` for zeros. Detach it to truncate backpropagation there.
+            first_step: the time index of ``inputs``' first step for per-timestep norms
+                (:meth:`seqnorm.LSTM.forward`).
+        """
         embedded = self.dropout(self.embedding(inputs))  # (B, T, E)
-        output, _ = self.rnn(embedded, lengths=lengths)  # (B, T, H), zero at padding
-        return self.projection(self.dropout(output))  # (B, T, V)
+        offset = {"first_step": first_step} if first_step else {}  # only seqnorm's layers take it
+        output, state = self.rnn(embedded, state, lengths=lengths, **offset)  # (B, T, H), zero at padding
+        return self.projection(self.dropout(output)), state  # (B, T, V)
 
     @torch.no_grad()
     def step(self, tokens: Tensor, state: RecurrentState | None = None) -> tuple[Tensor, RecurrentState]:

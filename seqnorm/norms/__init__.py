@@ -19,7 +19,14 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from seqnorm.norms.batch import DEFAULT_MAX_STEPS, BeyondMaxSteps, SmallBatchPolicy, TimestepBatchNorm
+from seqnorm.norms.batch import (
+    DEFAULT_MAX_STEPS,
+    DEFAULT_SMALL_BATCH,
+    SMALL_BATCH_POLICIES,
+    BeyondMaxSteps,
+    SmallBatchPolicy,
+    TimestepBatchNorm,
+)
 from seqnorm.norms.layer import LayerNorm, RMSNorm
 from seqnorm.norms.precision import float32_statistics
 from seqnorm.norms.renorm import TimestepBatchRenorm
@@ -39,8 +46,10 @@ from seqnorm.norms.specs import (
 
 __all__ = [
     "DEFAULT_MAX_STEPS",
+    "DEFAULT_SMALL_BATCH",
     "NORMS",
     "NORM_KEYWORDS",
+    "SMALL_BATCH_POLICIES",
     "BatchNormSpec",
     "BatchRenormSpec",
     "BeyondMaxSteps",
@@ -256,7 +265,7 @@ def _supporting(name: str) -> str:
 
 def _not_given(name: str, value: object) -> bool:
     # A keyword left at its default says nothing (as the placement switches always did): the LightningModules pass
-    # small_batch="error" whatever the norm, and old checkpoints hold it with norm="layer". `bool` apart: 1 == True.
+    # the default small_batch whatever the norm. `bool` apart: 1 == True.
     default = _KEYWORD_DEFAULTS[name]
     return value == default and isinstance(value, bool) == isinstance(default, bool)
 

@@ -18,9 +18,23 @@ Batch Renormalization (Ioffe 2017) builds on it in :mod:`seqnorm.norms.renorm`; 
 over batch × time, Cooijmans et al.'s BN-e*) in :mod:`seqnorm.norms.sequence`.
 
 In training, batch statistics are taken over the *active* rows only (``mask``), so padding never enters them. A step
-with fewer than 2 active rows has no batch variance; by default that is a ``ValueError`` (batch size 1 is the common
-cause). ``small_batch="running"`` is the documented fallback: such a step is normalized with its running statistics,
-as in evaluation, and does not update them.
+with fewer than 2 active rows has no batch variance; what happens then is ``small_batch``:
+
+- ``"tail"`` (default): in a batch of 2 or more rows, such a step — the tail of the longest sequence of a
+  variable-length batch, where the others are padding — is normalized with the running statistics of that step, as
+  in evaluation, and does not update them. The running moments are the estimate of that step's population
+  statistics, the very ones evaluation uses, so the lone row is normalized as it will be at test time; one row has no
+  variance, and its value as a "batch mean" would drag the running mean toward one sequence (normalizing it with its
+  own mean would zero it). In the backward pass the running moments are constants, as in evaluation. Every such step
+  is counted in :attr:`TimestepBatchNorm.fallback_steps`. A *batch* of one row in training is still a ``ValueError``:
+  per-timestep BN cannot train at batch size 1 (use ``norm="layer"``).
+- ``"error"``: the strict form, any step with fewer than 2 active rows is a ``ValueError``.
+- ``"running"``: every such step falls back to the running statistics, batch size 1 included (then nothing is ever
+  normalized with batch statistics, nor updates them: BN degenerates into a fixed affine map).
+
+``momentum=None`` makes the running moments cumulative averages (each step's row weights every batch alike), as in
+``torch.nn.BatchNorm1d``. :func:`seqnorm.update_bn` recomputes them exactly over a loader
+(:meth:`TimestepBatchNorm.collect_population`).
 
 :meth:`TimestepBatchNorm.forward_sequence` normalizes a whole sequence ``(T, B, F)`` in one vectorized pass (the
 layers' fast path uses it for the input term): the same outputs and buffer updates as calling ``forward`` step by
@@ -44,13 +58,57 @@ from torch import Tensor, nn
 from seqnorm.norms.batch_pieces import BatchNormPieces, masked_moments
 from seqnorm.norms.precision import float32_statistics
 
-__all__ = ["DEFAULT_MAX_STEPS", "BeyondMaxSteps", "SmallBatchPolicy", "TimestepBatchNorm", "masked_moments"]
+__all__ = [
+    "DEFAULT_MAX_STEPS",
+    "DEFAULT_SMALL_BATCH",
+    "SMALL_BATCH_POLICIES",
+    "BeyondMaxSteps",
+    "PopulationMoments",
+    "SmallBatchPolicy",
+    "TimestepBatchNorm",
+    "masked_moments",
+]
 
 DEFAULT_MAX_STEPS = 100
 """Time steps with their own batch statistics unless ``max_steps`` says otherwise: the one place the default is."""
 
-SmallBatchPolicy = Literal["error", "running"]
+SmallBatchPolicy = Literal["tail", "error", "running"]
+SMALL_BATCH_POLICIES: tuple[str, ...] = ("tail", "error", "running")
+DEFAULT_SMALL_BATCH: SmallBatchPolicy = "tail"
+"""What a training step with fewer than 2 active rows does unless ``small_batch`` says otherwise (module docstring)."""
 BeyondMaxSteps = Literal["last", "pooled"]
+
+
+class PopulationMoments:
+    """Exact moments of every row's inputs over many batches: counts, means and sums of squared deviations in float64,
+    merged batch by batch with Chan et al.'s pairwise update (no catastrophic cancellation, any batch sizes).
+
+    Attributes:
+        count: ``(R, 1)`` active rows seen per row of statistics.
+        mean, m2: ``(R, F)`` their mean and sum of squared deviations from it.
+    """
+
+    def __init__(self, rows: int, features: int, device: torch.device) -> None:
+        self.count = torch.zeros(rows, 1, dtype=torch.float64, device=device)
+        self.mean = torch.zeros(rows, features, dtype=torch.float64, device=device)
+        self.m2 = torch.zeros(rows, features, dtype=torch.float64, device=device)
+
+    def add(self, rows: slice, mean: Tensor, var: Tensor, counts: list[int]) -> None:
+        """Merge steps of batch moments ``mean``, ``var`` (biased, ``(T, 1, F)``, over ``counts`` rows) into rows."""
+        count_b = torch.tensor(counts, dtype=torch.float64, device=self.count.device).unsqueeze(1)  # (T, 1)
+        mean_b, m2_b = mean.squeeze(1).double(), var.squeeze(1).double() * count_b
+        count_a, mean_a = self.count[rows], self.mean[rows]
+        total = count_a + count_b
+        delta = mean_b - mean_a
+        share = count_b / total.clamp(min=1.0)  # a step with no active row (count 0) changes nothing
+        self.mean[rows] = mean_a + delta * share
+        self.m2[rows] += m2_b + delta.square() * count_a * share
+        self.count[rows] = total
+
+    def moments(self) -> tuple[Tensor, Tensor, Tensor]:
+        """``(mean, unbiased var, known)``: ``known`` ``(R,)`` marks the rows with at least 2 rows seen."""
+        known = self.count.squeeze(1) >= 2
+        return self.mean, self.m2 / (self.count - 1).clamp(min=1.0), known
 
 
 class TimestepBatchNorm(BatchNormPieces, nn.Module):
@@ -66,13 +124,15 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
         num_features: feature size ``F``.
         max_steps: number of time steps with their own statistics. Default: 100.
         eps: added to the variance. Default: 1e-5.
-        momentum: weight of the new batch in the running moments. Default: 0.1.
+        momentum: weight of the new batch in the running moments; ``None``: cumulative average (each batch of a step
+            weighs alike, as ``torch.nn.BatchNorm1d``'s). Default: 0.1.
         gain: initial value of :math:`\gamma` (Cooijmans et al. use 0.1). Default: 0.1.
         center: learn :math:`\beta`. The gate terms of a cell use ``False`` (β fixed at 0, the cell bias follows).
         scale: divide by the standard deviation; ``False`` gives mean-only BN (Salimans & Kingma 2016).
         affine: learn :math:`\gamma` (if ``scale``) and :math:`\beta` (if ``center``); ``False``: neither.
         shift: initial value of :math:`\beta`. Default: 0.0.
-        small_batch: ``"error"`` or ``"running"``, what a training step with fewer than 2 active rows does.
+        small_batch: ``"tail"`` (default), ``"error"`` or ``"running"``: what a training step with fewer than 2
+            active rows does (module docstring).
         beyond_max_steps: ``"last"`` or ``"pooled"``, the statistics of steps ``t >= max_steps`` (module docstring).
         owner: name used in error messages (the cell that holds this norm).
 
@@ -84,6 +144,8 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
     Attributes:
         running_mean, running_var: buffers of shape ``(max_steps, F)``.
         num_batches_tracked: buffer ``(max_steps,)``, training batches seen per step.
+        fallback_steps: training steps normalized with running statistics because fewer than 2 rows were active
+            (a count kept since construction, :func:`seqnorm.update_bn`'s passes excluded; not saved).
     """
 
     fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "bptt", "generation"})
@@ -94,13 +156,13 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
         max_steps: int = DEFAULT_MAX_STEPS,
         *,
         eps: float = 1e-5,
-        momentum: float = 0.1,
+        momentum: float | None = 0.1,
         gain: float = 0.1,
         center: bool = True,
         scale: bool = True,
         affine: bool = True,
         shift: float = 0.0,
-        small_batch: SmallBatchPolicy = "error",
+        small_batch: SmallBatchPolicy = DEFAULT_SMALL_BATCH,
         beyond_max_steps: BeyondMaxSteps = "last",
         owner: str = "TimestepBatchNorm",
         device: torch.device | str | None = None,
@@ -110,10 +172,10 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
         name = type(self).__name__
         if max_steps < 1:
             raise ValueError(f"{name}: expected max_steps >= 1, got {max_steps}")
-        if not 0.0 <= momentum <= 1.0:
-            raise ValueError(f"{name}: expected momentum in [0, 1], got {momentum}")
-        if small_batch not in ("error", "running"):
-            raise ValueError(f"{name}: expected small_batch to be 'error' or 'running', got {small_batch!r}")
+        if momentum is not None and not 0.0 <= momentum <= 1.0:
+            raise ValueError(f"{name}: expected momentum in [0, 1] or None, got {momentum}")
+        if small_batch not in SMALL_BATCH_POLICIES:
+            raise ValueError(f"{name}: expected small_batch to be 'tail', 'error' or 'running', got {small_batch!r}")
         if beyond_max_steps not in ("last", "pooled"):
             raise ValueError(f"{name}: expected beyond_max_steps to be 'last' or 'pooled', got {beyond_max_steps!r}")
         factory = {"device": device, "dtype": dtype}
@@ -127,6 +189,8 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
         self.small_batch = small_batch
         self.beyond_max_steps = beyond_max_steps
         self.owner = owner
+        self.fallback_steps = 0
+        self._population: PopulationMoments | None = None
         self.weight = nn.Parameter(torch.empty(num_features, **factory)) if scale and affine else None
         self.bias = nn.Parameter(torch.empty(num_features, **factory)) if center and affine else None
         self.register_buffer("running_mean", torch.zeros(max_steps, num_features, **factory))
@@ -175,6 +239,48 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
         second = (weights * (self.running_var + self.running_mean.square())).sum(0)
         return mean, (second - mean.square()).clamp(min=0.0)
 
+    @property
+    def fused_update(self) -> bool:
+        """Whether torch's fused kernel may form a training step's statistics: it updates the running row itself, by
+        a float momentum, and no population moments are being collected (:meth:`collect_population`)."""
+        return self.momentum is not None and self._population is None
+
+    def raises_small_batch(self, batch: int, fewest: int) -> bool:
+        """Whether a training call on ``batch`` rows, ``fewest`` of them active at some step, raises the small-batch
+        ``ValueError`` (the layers' plan reads this to run such a call on the reference path)."""
+        if not self.training or self._population is not None:
+            return False
+        if self.small_batch == "error":
+            return fewest < 2
+        return self.small_batch == "tail" and batch < 2
+
+    # --- population statistics (seqnorm.update_bn) ---
+
+    def collect_population(self) -> None:
+        """Start collecting exact population moments: from now on training calls accumulate every step's moments
+        over its active rows (float64) instead of updating the running ones, and never raise the small-batch error
+        (a step with one active row still counts: its row is part of the population). :meth:`apply_population`
+        ends it."""
+        self._population = PopulationMoments(self.max_steps, self.num_features, self.running_mean.device)
+
+    def apply_population(self) -> None:
+        """Replace the running moments of every step seen on at least 2 rows by the collected exact mean and
+        unbiased variance, and stop collecting. Steps seen on fewer keep their running moments;
+        ``num_batches_tracked`` is left as it is (it counts training batches: batch renorm's schedule and the
+        ``"pooled"`` weights read it)."""
+        population, self._population = self._population, None
+        if population is None:
+            raise RuntimeError(f"{self.owner}: apply_population() without collect_population()")
+        mean, var, known = population.moments()
+        with torch.no_grad():
+            keep = known.unsqueeze(1)
+            self.running_mean.copy_(torch.where(keep, mean.to(self.running_mean.dtype), self.running_mean))
+            self.running_var.copy_(torch.where(keep, var.to(self.running_var.dtype), self.running_var))
+
+    def discard_population(self) -> None:
+        """Stop collecting without changing anything (an interrupted :func:`seqnorm.update_bn`)."""
+        self._population = None
+
     @float32_statistics
     def forward(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:
         if not self.training:
@@ -196,6 +302,7 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
             self.training
             and mask is None
             and self.scale
+            and self.fused_update
             and x.shape[0] >= 2
             and (step < self.max_steps or self.beyond_max_steps == "last")
             and type(self)._normalize_batch_steps is TimestepBatchNorm._normalize_batch_steps
@@ -247,20 +354,36 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
             running_var = self.running_var[rows].unsqueeze(1)
         if not self.training:
             return self._affine(self._normalize_running_steps(x, running_mean, running_var))
+        mean, var, counts, batch = self._batch_moments(x, mask, counts, running_mean)  # (T, 1, F)
         use_batch = [count >= 2 for count in counts]
-        if not all(use_batch) and self.small_batch == "error":
+        if not all(use_batch) and self.raises_small_batch(batch, min(counts)):
             index = use_batch.index(False)
             raise self._small_batch_error(first + index, counts[index], batch)
-        # A step with no real row divides by 1, not 0: its NaN would reach the gradient through the fallback's where.
         active = torch.tensor([max(count, 1) for count in counts], dtype=x.dtype, device=x.device).view(steps, 1, 1)
-        mean, var = masked_moments(x, mask, active, dim=1)  # (T, 1, F)
         x_hat = self._normalize_batch_steps(x, mean, var, rows, running_mean, running_var)
         if not all(use_batch):
             fallback = self._normalize_running_steps(x, running_mean, running_var)
             x_hat = torch.where(torch.tensor(use_batch, device=x.device).view(steps, 1, 1), x_hat, fallback)
-        if not pooled:  # pooled statistics come from the per-step rows; a long-range step owns none
+            if self._population is None:  # training steps only, not seqnorm.update_bn's passes
+                self.fallback_steps += use_batch.count(False)
+        if pooled:  # pooled statistics come from the per-step rows; a long-range step owns none
+            return self._affine(x_hat)
+        if self._population is not None:
+            self._population.add(rows, mean, var, counts)
+        else:
             self._update_running_steps(mean, var, active, use_batch, rows)
         return self._affine(x_hat)
+
+    def _batch_moments(
+        self, x: Tensor, mask: Tensor | None, counts: list[int], running_mean: Tensor
+    ) -> tuple[Tensor, Tensor, list[int], int]:
+        """Each step's mean and biased variance ``(T, 1, F)`` over the active rows of ``x`` ``(T, B, F)``, the active
+        rows per step and the batch size they come from (here the local ones; across processes in
+        :mod:`seqnorm.norms.sync`, which uses ``running_mean`` as the shift of its sums)."""
+        # A step with no real row divides by 1, not 0: its NaN would reach the gradient through the fallback's where.
+        active = torch.tensor([max(count, 1) for count in counts], dtype=x.dtype, device=x.device)
+        mean, var = masked_moments(x, mask, active.view(-1, 1, 1), dim=1)
+        return mean, var, counts, x.shape[1]
 
     def _normalize_running_steps(self, x: Tensor, running_mean: Tensor, running_var: Tensor) -> Tensor:
         centered = x - running_mean
@@ -280,8 +403,13 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
         """Rows ``rows`` of the running moments take a momentum step toward the steps' batch moments ``(T, 1, F)``
         (the unbiased variance, as in torch.nn.BatchNorm1d); steps not in ``use_batch`` leave theirs."""
         unbiased = var * (active / (active - 1))  # inf/NaN on fallback steps (1 row): discarded below
-        new_mean = torch.lerp(self.running_mean[rows], mean.squeeze(1).to(self.running_mean.dtype), self.momentum)
-        new_var = torch.lerp(self.running_var[rows], unbiased.squeeze(1).to(self.running_var.dtype), self.momentum)
+        if self.momentum is None:  # cumulative average: the k-th batch of a step weighs 1/k
+            weight: float | Tensor = 1.0 / (self.num_batches_tracked[rows] + 1).to(self.running_mean.dtype)
+            weight = weight.unsqueeze(1)
+        else:
+            weight = self.momentum
+        new_mean = torch.lerp(self.running_mean[rows], mean.squeeze(1).to(self.running_mean.dtype), weight)
+        new_var = torch.lerp(self.running_var[rows], unbiased.squeeze(1).to(self.running_var.dtype), weight)
         if all(use_batch):
             self.running_mean[rows] = new_mean
             self.running_var[rows] = new_var
@@ -293,11 +421,18 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
         self.num_batches_tracked[rows] += keep.long()
 
     def _small_batch_error(self, step: int, active: int, batch: int) -> ValueError:
+        if batch < 2:
+            return ValueError(
+                f"{self.owner}: expected a batch of at least 2 rows to form per-timestep batch statistics in "
+                f"training, got batch size {batch}. The batch variance of a single sample is undefined: "
+                'per-timestep BN cannot train at batch size 1; use norm="layer" (or "rms"/"weight"), which works '
+                'at batch size 1, or pass small_batch="running" to normalize every step with running statistics.'
+            )
         return ValueError(
             f"{self.owner}: expected at least 2 active (non-padding) rows at step {step} to form per-timestep "
             f"batch statistics in training, got {active} (batch size {batch}). The batch variance of a "
             'single sample is undefined; use norm="layer" (or "rms"/"weight"), which works at batch size 1, '
-            'or pass small_batch="running" to normalize such steps with their running statistics.'
+            'or pass small_batch="tail" (the default) to normalize such steps with their running statistics.'
         )
 
     def _affine(self, x_hat: Tensor) -> Tensor:
@@ -310,5 +445,8 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
         if step >= self.max_steps and self.beyond_max_steps == "pooled":
             return
         t = min(step, self.max_steps - 1)
+        if self._population is not None:
+            self._population.add(slice(t, t + 1), mean.view(1, 1, -1), var.view(1, 1, -1), [active])
+            return
         count = torch.tensor(float(active), dtype=var.dtype, device=var.device)
         self._update_running_steps(mean.view(1, 1, -1), var.view(1, 1, -1), count, [True], slice(t, t + 1))

@@ -46,18 +46,23 @@ class BatchNormPieces:
 
     # Provided by TimestepBatchNorm.
     eps: float
-    momentum: float
+    momentum: float | None
     max_steps: int
     training: bool
     weight: Tensor | None
     scale: bool
     beyond_max_steps: str
+    fallback_steps: int
+    fused_update: bool
+    _population: object | None
     running_mean: Tensor
     running_var: Tensor
     num_batches_tracked: Tensor
 
     def fast_form_blocker(self, form: str) -> str | None:
         """What of this instance the pieces below do not cover (read by :func:`seqnorm.layers.plan.norm_blocker`)."""
+        if self._population is not None:
+            return "collecting population statistics (seqnorm.update_bn)"
         if not self.scale:
             return "mean-only BatchNorm (scale=False)"
         if self.beyond_max_steps != "last":
@@ -80,7 +85,9 @@ class BatchNormPieces:
         # Fewer than 2 rows in training: the "running" fallback (the plan sends the erroring policy elsewhere).
         use_batch = self.training and count >= 2
         call.scratch.setdefault("batch_steps", []).append(use_batch)
-        if use_batch and mask is None:
+        if self.training and not use_batch:
+            self.fallback_steps += 1
+        if use_batch and mask is None and self.fused_update:
             # torch's fused kernel updates the running row in place with BN's rule (momentum, unbiased variance), as
             # forward_step does; the batch is counted in bptt_finish, once for all steps.
             call.scratch.setdefault("fused_rows", []).append(row)

@@ -134,7 +134,7 @@ class TimestepBatchRenorm(TimestepBatchNorm):
         running_mean, running_var = self.running_mean[row], self.running_var[row]
         running_rstd = torch.rsqrt(running_var + self.eps)  # the running moments before this step's update
         previous_mean = running_mean.clone()  # both branches below update the row in place
-        if mask is None:
+        if mask is None and self.fused_update:
             # The fused kernel updates the running row in place with BN's rule (momentum, unbiased variance).
             x_hat, mean, rstd = torch_ops.batch_norm_with_stats(
                 x, None, None, running_mean, running_var, True, self.momentum, self.eps

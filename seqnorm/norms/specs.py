@@ -23,7 +23,13 @@ from contextvars import ContextVar
 from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar, Literal
 
-from seqnorm.norms.batch import DEFAULT_MAX_STEPS, BeyondMaxSteps, SmallBatchPolicy
+from seqnorm.norms.batch import (
+    DEFAULT_MAX_STEPS,
+    DEFAULT_SMALL_BATCH,
+    SMALL_BATCH_POLICIES,
+    BeyondMaxSteps,
+    SmallBatchPolicy,
+)
 
 __all__ = [
     "BatchNormSpec",
@@ -184,18 +190,18 @@ class _Statistics(NormSpec):
     """Options of per-timestep batch statistics (:class:`~seqnorm.norms.TimestepBatchNorm`)."""
 
     eps: float = 1e-5
-    momentum: float = 0.1
+    momentum: float | None = 0.1
     max_steps: int = DEFAULT_MAX_STEPS
-    small_batch: SmallBatchPolicy = "error"
+    small_batch: SmallBatchPolicy = DEFAULT_SMALL_BATCH
     beyond_max_steps: BeyondMaxSteps = "last"
 
     def check(self, owner: str) -> None:
         _check_number(owner, "eps", self.eps, 0.0, "a non-negative finite number")
-        if not _is_number(self.momentum) or not 0.0 <= self.momentum <= 1.0:
-            raise _fail(owner, "momentum in [0, 1]", repr(self.momentum))
+        if self.momentum is not None and (not _is_number(self.momentum) or not 0.0 <= self.momentum <= 1.0):
+            raise _fail(owner, "momentum in [0, 1] or None", repr(self.momentum))
         _check_int(owner, "max_steps", self.max_steps, 1, "a positive int")
-        if self.small_batch not in ("error", "running"):
-            raise _fail(owner, "small_batch to be 'error' or 'running'", repr(self.small_batch))
+        if self.small_batch not in SMALL_BATCH_POLICIES:
+            raise _fail(owner, "small_batch to be 'tail', 'error' or 'running'", repr(self.small_batch))
         _check_choice(owner, "beyond_max_steps", self.beyond_max_steps, ("last", "pooled"))
 
 
@@ -245,10 +251,13 @@ class BatchNormSpec(_Batch):
 
     Args:
         eps: added to the variance. Default: 1e-5.
-        momentum: weight of the new batch in the running moments. Default: 0.1.
+        momentum: weight of the new batch in the running moments; ``None``: their cumulative average (as
+            ``torch.nn.BatchNorm1d``). Default: 0.1.
         max_steps: time steps with their own statistics; later steps follow ``beyond_max_steps``. Default: 100.
-        small_batch: ``"error"`` (default) or ``"running"``: what a training step with fewer than 2 active rows
-            does: raise, or normalize with the running statistics of the step.
+        small_batch: what a training step with fewer than 2 active rows does: ``"tail"`` (default: in a batch of
+            2 or more rows, normalize it with the running statistics of the step, not updating them, and count it;
+            a batch of 1 row raises), ``"error"`` (always raise) or ``"running"`` (always fall back, batch size 1
+            too). See :mod:`seqnorm.norms.batch`.
         beyond_max_steps: ``"last"`` (default) or ``"pooled"``: the statistics of steps ``t >= max_steps``
             (:mod:`seqnorm.norms.batch`).
         input_stats: ``"timestep"`` (default) or ``"sequence"``: the input term's statistics per step, or over

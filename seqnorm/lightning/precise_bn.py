@@ -1,0 +1,71 @@
+"""``PreciseBN``: exact population statistics for per-timestep BN during ``fit`` (Wu & Johnson 2021)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.trainer.states import TrainerFn
+
+from seqnorm.norms.population import update_bn
+
+__all__ = ["PreciseBN"]
+
+
+class PreciseBN(pl.Callback):
+    """Before every validation inside ``fit``, and at the end of ``fit``, recompute the running statistics of every
+    per-timestep batch norm with :func:`seqnorm.update_bn` over the first ``num_batches`` training batches.
+
+    Validation then measures BatchNorm with the population statistics of the current weights instead of an
+    exponential moving average that lags behind them (after ``k`` updates with momentum 0.1, ``0.9^k`` of the initial
+    ``(0, 1)`` is still in it), and the checkpoint written after that validation holds them. The batches come from a
+    fresh ``datamodule.train_dataloader()`` (its first epoch's order: the same batches each time), run in training
+    mode without gradients through the task module's ``population_forward`` (stream windows carry their state as in
+    training); the random number generators are forked, so the training run draws exactly what it would without the
+    callback. Training itself normalizes with batch statistics, so the new running statistics change only what reads
+    them: steps that fall back to them (``small_batch="tail"``) and batch renorm's correction.
+
+    From the CLI: ``seqnorm fit ... --trainer.callbacks+=seqnorm.lightning.PreciseBN
+    --trainer.callbacks.init_args.num_batches 100``.
+
+    Args:
+        num_batches: training batches to average over; ``None``: the whole training loader. Default: 200.
+    """
+
+    def __init__(self, num_batches: int | None = 200) -> None:
+        if num_batches is not None and (isinstance(num_batches, bool) or not isinstance(num_batches, int)):
+            raise ValueError(f"PreciseBN: expected num_batches to be a positive int or None, got {num_batches!r}")
+        if num_batches is not None and num_batches < 1:
+            raise ValueError(f"PreciseBN: expected num_batches >= 1 or None, got {num_batches}")
+        self.num_batches = num_batches
+        self._updated_at: int | None = None
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
+            self._update(trainer, pl_module)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._update(trainer, pl_module)
+
+    def _update(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._updated_at == trainer.global_step:  # nothing trained since the last update
+            return
+        datamodule = trainer.datamodule
+        if datamodule is None:
+            raise ValueError(
+                "PreciseBN: expected the trainer to have a DataModule (its train_dataloader() gives the batches), "
+                "got fit() without one"
+            )
+        batches = itertools.islice(datamodule.train_dataloader(), self.num_batches)
+        device = pl_module.device
+        forked = [device.index or 0] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=forked):
+            update_bn(batches, pl_module, device, forward=_task_forward)
+        self._updated_at = trainer.global_step
+
+
+def _task_forward(module: Any, batch: dict[str, torch.Tensor]) -> Any:
+    population_forward = getattr(module, "population_forward", None)  # seqnorm's task modules (stream windows carry)
+    return population_forward(batch) if population_forward is not None else module(batch["inputs"], batch["lengths"])

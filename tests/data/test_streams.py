@@ -1,0 +1,101 @@
+"""Stream windows for stateful truncated BPTT: :mod:`seqnorm.data.streams` and ``TextCorpus(unit="stream")``."""
+
+from __future__ import annotations
+
+import itertools
+import string
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from seqnorm.data import DataError, TextCorpus
+from seqnorm.data.loader import ResumableDataLoader
+from seqnorm.data.streams import StreamWindows, collate_stream, contiguous_streams, num_windows, stream_window
+
+
+def test_contiguous_streams_cut_in_order_and_drop_the_remainder() -> None:
+    streams = contiguous_streams(torch.arange(23), 4)
+    assert streams.shape == (4, 5)
+    assert torch.equal(streams.flatten(), torch.arange(20))  # rows are consecutive pieces; ids 20..22 dropped
+
+
+@pytest.mark.parametrize(("length", "window", "expected"), [(10, 4, 3), (11, 4, 4), (2, 4, 1), (5, 2, 4)])
+def test_num_windows_covers_every_target(length: int, window: int, expected: int) -> None:
+    assert num_windows(length, window) == expected
+
+
+@pytest.mark.parametrize(("length", "streams", "window"), [(103, 4, 7), (64, 2, 33), (50, 5, 2)])
+def test_windows_continue_each_stream_and_predict_every_id_once(length: int, streams: int, window: int) -> None:
+    ids = torch.randperm(length)
+    rows = contiguous_streams(ids, streams)
+    dataset = StreamWindows(rows, window)
+    batches = [collate_stream([dataset[k]]) for k in range(len(dataset))]
+    for k, (batch, following) in enumerate(itertools.pairwise(batches)):
+        assert int(batch["window"]) == k
+        # row b of batch k+1 starts where row b of batch k's targets ended
+        assert torch.equal(following["inputs"][:, 0], batch["targets"][:, -1])
+    for b in range(streams):
+        targets = torch.cat([batch["targets"][b] for batch in batches])
+        inputs = torch.cat([batch["inputs"][b] for batch in batches])
+        assert torch.equal(targets, rows[b, 1:])  # every id after the first, exactly once, in order
+        assert torch.equal(inputs, rows[b, :-1])
+    assert all(torch.equal(b["lengths"], torch.full((streams,), b["inputs"].shape[1])) for b in batches)
+    assert [int(b["start"]) for b in batches] == [k * (window - 1) for k in range(len(batches))]
+
+
+def test_stream_errors() -> None:
+    with pytest.raises(DataError, match=r"--data\.batch_size 4"):
+        contiguous_streams(torch.arange(7), 4)
+    with pytest.raises(IndexError, match=r"\[0, 3\)"):
+        stream_window(torch.zeros(2, 10, dtype=torch.long), 3, 4)
+    with pytest.raises(DataError, match="one stream window, got 2"):
+        collate_stream([(torch.zeros(1, 1), torch.zeros(1, 1), 0, 0)] * 2)
+
+
+def _text(length: int) -> str:
+    alphabet = string.ascii_lowercase + " \n"
+    generator = torch.Generator().manual_seed(0)
+    return "".join(alphabet[i] for i in torch.randint(len(alphabet), (length,), generator=generator).tolist())
+
+
+def test_text_corpus_streams_every_split_in_order(write: Callable[..., str]) -> None:
+    text = _text(2000)
+    corpus = TextCorpus(path=write("s.txt", text), unit="stream", batch_size=3, window_length=17, seed=5)
+    tokens = corpus.vocab.tokens
+    for loader, split in ((corpus.train_dataloader(), text[:1600]), (corpus.val_dataloader(), text[1600:1800])):
+        assert isinstance(loader, ResumableDataLoader)
+        batches = list(loader)
+        assert [int(b["window"]) for b in batches] == list(range(len(batches)))  # in order, no shuffling
+        assert set(batches[0]) == {"inputs", "targets", "lengths", "window", "start"}
+        assert all(b["inputs"].shape[0] == 3 for b in batches)
+        # row b's targets are the b-th third of the split (remainder dropped), newlines included
+        per_stream = len(split) // 3
+        for b in range(3):
+            decoded = "".join(tokens[i] for i in torch.cat([batch["targets"][b] for batch in batches]).tolist())
+            assert decoded == split[b * per_stream + 1 : (b + 1) * per_stream]
+    # the same order every epoch
+    first = [b["inputs"] for b in corpus.train_dataloader()]
+    loader = corpus.train_dataloader()
+    loader.batch_sampler.set_epoch(1)
+    assert all(torch.equal(a, b["inputs"]) for a, b in zip(first, loader, strict=True))
+
+
+def test_text_corpus_stream_resumes_at_the_next_window(write: Callable[..., str]) -> None:
+    corpus = TextCorpus(path=write("s.txt", _text(1000)), unit="stream", batch_size=2, window_length=9)
+    loader = corpus.train_dataloader()
+    iterator = iter(loader)
+    taken = [next(iterator) for _ in range(5)]
+    state = loader.state_dict()
+    resumed = corpus.train_dataloader()
+    resumed.load_state_dict(state)
+    following = next(iter(resumed))
+    assert int(following["window"]) == 5
+    assert torch.equal(following["inputs"][:, 0], taken[-1]["targets"][:, -1])
+
+
+def test_a_split_too_short_for_the_streams_names_the_flag(write: Callable[..., str]) -> None:
+    # 1000 characters: 10 for validation, too few for 8 streams of 2
+    corpus = TextCorpus(path=write("s.txt", _text(1000)), unit="stream", batch_size=8, val_fraction=0.01)
+    with pytest.raises(DataError, match=r"the val split: .*--data\.batch_size 8"):
+        corpus.setup()
