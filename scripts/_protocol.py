@@ -39,6 +39,7 @@ from _common import Sequences, TrainResult, train_language_model
 from torch import nn
 
 import seqnorm
+from seqnorm.norms import TimestepBatchNorm
 
 __all__ = [
     "FULL",
@@ -49,6 +50,7 @@ __all__ = [
     "add_arguments",
     "choose_lr",
     "exact_statistics",
+    "fallback_per_update",
     "grid_row",
     "notes",
     "pm",
@@ -93,28 +95,26 @@ def uses_batch_statistics(norm: str) -> bool:
     return seqnorm.NORMS[norm].batch_statistics
 
 
-class _CallWith(nn.Module):
-    """``model`` called on a :class:`Sequences` batch, so that ``update_bn`` passes lengths along with inputs."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, batch: Sequences) -> torch.Tensor:
-        return self.model(*batch.model_inputs())
-
-
 def exact_statistics(model: nn.Module, train: Sequences, tokens: int, batch_size: int = 64) -> nn.Module:
     """A copy of ``model`` whose BN running statistics :func:`seqnorm.update_bn` recomputed over training data.
 
-    The statistics are exact averages over the first sequences of ``train`` holding ``tokens`` target tokens, in
-    batches of ``batch_size`` (whatever the training batch size, so the estimate itself is not small-batch noise).
+    The statistics are the exact moments over the first sequences of ``train`` holding ``tokens`` target tokens
+    (padding excluded; ``update_bn`` weights every row alike, so ``batch_size`` only sets the speed).
     """
     subset = train.head(tokens)
     loader = [subset.batch(index) for index in torch.arange(len(subset)).split(batch_size)]
     exact = copy.deepcopy(model)
-    seqnorm.update_bn(loader, _CallWith(exact))
+    seqnorm.update_bn(loader, exact, forward=lambda module, batch: module(*batch.model_inputs()))
     return exact
+
+
+def fallback_per_update(model: nn.Module, updates: int) -> float:
+    """Training steps per update that per-timestep BN normalized with running statistics (< 2 active rows).
+
+    Every norm of a cell sees the same rows, so the first norm's count stands for all of them.
+    """
+    norms = [module for module in model.modules() if isinstance(module, TimestepBatchNorm)]
+    return norms[0].fallback_steps / max(updates, 1) if norms else math.nan
 
 
 def trial(
@@ -131,7 +131,8 @@ def trial(
 
     ``measure(model)`` returns the validation metrics (its ``val_loss`` selects the learning rate). A norm with
     batch statistics is measured again after :func:`exact_statistics`: each metric gets an ``_exact`` twin, and
-    ``ema_gap`` is ``gap_key`` minus its exact twin (running averages' excess loss).
+    ``ema_gap`` is ``gap_key`` minus its exact twin (running averages' excess loss), and ``fallback_per_update``
+    counts the padded-tail steps per update that had one active row (normalized with running statistics).
     """
     result = train_language_model(model, train, **training)
     row: Trial = {
@@ -145,6 +146,7 @@ def trial(
         return {**row, "val_loss": math.nan}, result
     row.update(measure(model))
     if uses_batch_statistics(norm):
+        row["fallback_per_update"] = fallback_per_update(model, result.updates)
         exact = measure(exact_statistics(model, train, stats_tokens))
         row.update({f"{key}_exact": value for key, value in exact.items()})
         row["ema_gap"] = row[gap_key] - row[f"{gap_key}_exact"]

@@ -252,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     rows, trials, facts = run_grid(args)
     value = _data.value_name(facts["level"])
     level = facts["level"]
-    measured = [value, f"{value}_exact", "ema_gap", "val_loss", "val_loss_exact", "train_loss"]
+    measured = [value, f"{value}_exact", "ema_gap", "val_loss", "val_loss_exact", "train_loss", "fallback_per_update"]
     measured += ["last_gain"] if args.evaluations else []
     columns = ["norm", "batch_size", "status", "lr", "seeds"]
     columns += [name for key in measured for name in (key, f"{key}_std")]
@@ -269,9 +269,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         *_protocol.notes(args, facts["cache"]),
         f"No-context baseline (training-split token frequencies): val_loss {facts['unigram']:.4f}, {value} "
         f"{_data.loss_value(facts['unigram'], level):.4f}; a model below it has learned to use context.",
-        "Per-timestep BN trains with the library's default small_batch policy; with fixed windows every step has all "
-        "B rows, so B >= 2 trains and B = 1 raises the ValueError recorded as status. At B = 2 each feature of "
-        "the two rows is normalized to -1 and +1 (a degenerate case).",
+        "Per-timestep BN trains with the library's default small_batch='tail': a batch of one sequence raises the "
+        "ValueError recorded as status; in a batch of B >= 2, a padded-tail step with one active row is normalized "
+        "with that step's running statistics (fallback_per_update: such steps per update; 0 with fixed windows, "
+        "where every step has all B rows). At B = 2 each feature of the two rows is normalized to -1 and +1 (a "
+        "degenerate case).",
         f"batch_renorm uses a shortened schedule {_common.RENORM_SCHEDULE} (counted in batches per time step).",
         *(
             [
@@ -336,6 +338,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         "val_loss",
         "val_loss_exact",
         "train_loss",
+        "fallback_per_update",
         "last_gain",
         "updates",
         "tokens",

@@ -4,7 +4,8 @@
    padded batch end at different steps, so per-timestep BN at step t sees only the rows still active. We batch the
    training lines as the library's ``BucketBatchSampler`` does (similar lengths together) and at random, and count:
    the mean share of active rows over the steps run, and the share of batches with a step where exactly one row is
-   left, which with ``small_batch="error"`` raises (the longest line is alone at its tail unless tied).
+   left, which ``small_batch="error"`` refuses and the default ``"tail"`` normalizes with that step's running
+   statistics (the longest line is alone at its tail unless tied).
 2. Train/eval discrepancy. A BN-LSTM trained on full windows (under the fair protocol of ``_protocol``: its
    learning rate from ``--lrs``, every measurement a mean over ``--seeds`` trained models) is evaluated on
    validation windows twice: in eval mode (running statistics) and in training mode (statistics of each validation
@@ -256,7 +257,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     notes = [
         f"1. {len(lengths)} training lines of {corpus.source} (input lengths {min(lengths)}..{max(lengths)}). "
         "active_share: mean share of a batch's rows still active, over the steps the batch runs; raising_batches: "
-        'share of batches with a step where < 2 rows are active (BN with small_batch="error" raises there).',
+        "share of batches with a step where < 2 rows are active (small_batch='error' raises there; the default "
+        "'tail' normalizes that step with its running statistics).",
         f"2. BN-LSTM (hidden {args.hidden}) trained on {trained['tokens']:.0f} tokens of {args.steps}-step windows at "
         f"batch {args.train_batch_size}, lr {cell.lr} chosen from {args.lrs} ({args.select} rule), {len(chosen)} "
         f"seeds ({trained['seconds']:.1f} s each); losses in nats per token on {len(val)} validation windows, "

@@ -9,14 +9,11 @@ from pathlib import Path
 import batch_size_sweep
 import pytest
 
-import seqnorm
 from seqnorm.data import synthetic_lines
 
 TINY = ["--quick", "--tokens", "160", "--steps", "8", "--hidden", "8", "--embedding", "8", "--val-tokens", "160"]
-needs_update_bn = pytest.mark.skipif(not hasattr(seqnorm, "update_bn"), reason="seqnorm.update_bn not merged yet")
 
 
-@needs_update_bn
 def test_grid_rows_and_statuses(tmp_path: Path, read_csv: Callable, finite: Callable) -> None:
     out = tmp_path / "sweep"
     argv = [*TINY, "--norms", "layer", "batch", "none", "--batch-sizes", "1", "2", "--out", str(out)]
@@ -106,3 +103,15 @@ def test_user_text_file(tmp_path: Path, read_csv: Callable, finite: Callable) ->
 def test_bad_sources_are_refused_before_any_download(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         batch_size_sweep.main(argv)
+
+
+def test_bn_on_lines_uses_running_statistics_at_single_row_tails(tmp_path: Path, read_csv: Callable) -> None:
+    rows = {}
+    for unit in ("line", "window"):
+        out = tmp_path / unit
+        argv = [*TINY, "--unit", unit, "--tokens", "400", "--norms", "batch", "--batch-sizes", "4", "--seeds", "1",
+                "--out", str(out)]  # fmt: skip
+        batch_size_sweep.main(argv)
+        (rows[unit],) = read_csv(out / "results.csv")
+    assert rows["line"]["status"] == "ok" and float(rows["line"]["fallback_per_update"]) > 0
+    assert rows["window"]["status"] == "ok" and float(rows["window"]["fallback_per_update"]) == 0

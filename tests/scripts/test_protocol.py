@@ -12,7 +12,6 @@ import _protocol
 import pytest
 import torch
 
-import seqnorm
 from seqnorm.data import synthetic_lines
 
 
@@ -130,7 +129,6 @@ def test_equal_tokens_and_equal_updates(tmp_path) -> None:  # type: ignore[no-un
         assert result.updates == 7
 
 
-@pytest.mark.skipif(not hasattr(seqnorm, "update_bn"), reason="seqnorm.update_bn not merged yet")
 @pytest.mark.parametrize("unit", ["window", "line"])
 def test_exact_statistics_recomputes_bn_buffers_on_a_copy(tmp_path, unit: str) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "lines.txt"
