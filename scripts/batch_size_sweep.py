@@ -236,6 +236,9 @@ def plot_curves(rows: Sequence[dict[str, Any]], curves: Sequence[dict[str, Any]]
             tokens = sorted(points)
             means = [sum(points[t]) / len(points[t]) for t in tokens]
             axes.plot(tokens, means, marker=".", label=f"{row['norm']} B={row['batch_size']} lr={row['lr']:g}")
+    later = [point[value] for point in curves if point["tokens"] > 0]
+    if later:  # the untrained model's loss (at 0 tokens) would squash the part of the curves that differs
+        axes.set_ylim(min(later) - 0.05, max(later) + 0.05)
     axes.set_xlabel("training tokens seen")
     axes.set_ylabel(value.replace("_", " ") + " (running statistics for BN)")
     axes.set_title("Validation along training (mean over seeds, chosen rate)", fontsize=10)
