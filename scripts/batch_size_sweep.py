@@ -248,24 +248,12 @@ def plot_curves(rows: Sequence[dict[str, Any]], curves: Sequence[dict[str, Any]]
     plt.close(figure)
 
 
-def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    run = _common.RunLog(argv, NAME)
-    args = parse_args(argv)
-    rows, trials, facts = run_grid(args)
-    value = _data.value_name(facts["level"])
-    level = facts["level"]
-    measured = [value, f"{value}_exact", "ema_gap", "val_loss", "val_loss_exact", "train_loss", "fallback_per_update"]
-    measured += ["last_gain"] if args.evaluations else []
-    columns = ["norm", "batch_size", "status", "lr", "seeds"]
-    columns += [name for key in measured for name in (key, f"{key}_std")]
-    columns += ["updates", "tokens", "seconds"]
-    bn_rows = [row for row in rows if _protocol.uses_batch_statistics(row["norm"])]
-    sizes = summary_columns(rows)
+def notes(args: argparse.Namespace, rows: Sequence[dict[str, Any]], facts: dict[str, Any]) -> list[str]:
+    """The lines under the tables: budget, protocol, baseline, BN's small-batch policy, failures."""
+    value, level = _data.value_name(facts["level"]), facts["level"]
     budget_text = f"{args.updates} updates" if args.updates else f"{args.tokens} training tokens"
     shape = f"windows of {args.steps} steps" if args.unit == "window" else f"lines (pieces of at most {args.steps})"
-    errors = sorted({row["status"] for row in rows if row["status"] != "ok"})
-    notes = [
+    lines = [
         f"Equal budget: {budget_text} per run, in {shape}, batches drawn at random; {facts['train_tokens']} "
         f"training tokens in the split, {facts['val_tokens']} validation tokens. LSTM hidden {args.hidden}, "
         f"embedding {args.embedding}, Adam, gradient norm clipped at 1. val_loss is nats per real token, eval mode.",
@@ -278,56 +266,64 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         "where every step has all B rows). At B = 2 each feature of the two rows is normalized to -1 and +1 (a "
         "degenerate case).",
         f"batch_renorm uses a shortened schedule {_common.RENORM_SCHEDULE} (counted in batches per time step).",
-        *(
-            [
-                f"last_gain: validation improvement over the last 1/{args.evaluations} of training (mean over "
-                "seeds); curves.csv has every run's curve."
-            ]
-            if args.evaluations
-            else []
-        ),
-        *(f"Status `{error}`" for error in errors),
     ]
-    extra = [
-        (
-            f"{value}, mean ± std over seeds (norm x batch size)",
-            summary(rows, value),
-            ["norm", *sizes],
-        ),
-    ]
+    if args.evaluations:
+        lines.append(
+            f"last_gain: validation improvement over the last 1/{args.evaluations} of training (mean over seeds); "
+            "curves.csv has every run's curve."
+        )
+    return lines + [f"Status `{error}`" for error in sorted({r["status"] for r in rows if r["status"] != "ok"})]
+
+
+def extra_tables(
+    args: argparse.Namespace, rows: Sequence[dict[str, Any]], value: str
+) -> list[tuple[str, list[dict[str, Any]], list[str]]]:
+    """The norm x batch size views: values, BN with exact statistics, updates, chosen rates, and the rate grid."""
+    columns = ["norm", *summary_columns(rows)]
+    tables = [(f"{value}, mean ± std over seeds (norm x batch size)", summary(rows, value), columns)]
+    bn_rows = [row for row in rows if _protocol.uses_batch_statistics(row["norm"])]
     if bn_rows:
-        extra.append(
+        exact = by_batch_size(bn_rows, lambda r: outcome(r, f"{value}_exact"))
+        gap = by_batch_size(bn_rows, lambda r: outcome(r, "ema_gap"))
+        tables.append(
             (
                 f"BN with exact statistics (seqnorm.update_bn): {value}_exact; ema_gap = running - exact",
-                [
-                    {**r, "norm": f"{r['norm']} exact"}
-                    for r in by_batch_size(bn_rows, lambda r: outcome(r, f"{value}_exact"))
-                ]
-                + [
-                    {**r, "norm": f"{r['norm']} ema_gap"}
-                    for r in by_batch_size(bn_rows, lambda r: outcome(r, "ema_gap"))
-                ],
-                ["norm", *sizes],
+                [{**r, "norm": f"{r['norm']} exact"} for r in exact]
+                + [{**r, "norm": f"{r['norm']} ema_gap"} for r in gap],
+                columns,
             )
         )
-    extra.append(("Updates per run (norm x batch size)", by_batch_size(rows, lambda r: r["updates"]), ["norm", *sizes]))
-    extra.append(("Chosen learning rate (norm x batch size)", by_batch_size(rows, lambda r: r["lr"]), ["norm", *sizes]))
-    grid = [{"norm": row["norm"], "batch_size": row["batch_size"], **row["grid"]} for row in rows]
-    extra.append(
+    tables.append(("Updates per run (norm x batch size)", by_batch_size(rows, lambda r: r["updates"]), columns))
+    tables.append(("Chosen learning rate (norm x batch size)", by_batch_size(rows, lambda r: r["lr"]), columns))
+    tables.append(
         (
             f"Learning-rate grid: mean {value} over the seeds run at each rate (n; * = chosen)",
-            grid,
+            [{"norm": row["norm"], "batch_size": row["batch_size"], **row["grid"]} for row in rows],
             ["norm", "batch_size", *[f"lr={lr:g}" for lr in args.lrs]],
         )
     )
+    return tables
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    run = _common.RunLog(argv, NAME)
+    args = parse_args(argv)
+    rows, trials, facts = run_grid(args)
+    value = _data.value_name(facts["level"])
+    measured = [value, f"{value}_exact", "ema_gap", "val_loss", "val_loss_exact", "train_loss", "fallback_per_update"]
+    measured += ["last_gain"] if args.evaluations else []
+    columns = ["norm", "batch_size", "status", "lr", "seeds"]
+    columns += [name for key in measured for name in (key, f"{key}_std")]
+    columns += ["updates", "tokens", "seconds"]
     _common.write_results(
         args.out,
         rows,
         columns,
         title=f"Batch-size sweep ({args.unit}s): {value.replace('_', ' ')} by norm and batch size",
         run=run,
-        notes=notes,
-        extra_tables=extra,
+        notes=notes(args, rows, facts),
+        extra_tables=extra_tables(args, rows, value),
     )
     trial_columns = [
         "norm",
