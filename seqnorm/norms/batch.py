@@ -149,6 +149,8 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
     """
 
     fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "bptt", "generation"})
+    indexed_by_step: ClassVar[bool] = True
+    """The step index selects the statistics (a layer started at ``first_step > 0`` must pass it on)."""
 
     def __init__(
         self,
