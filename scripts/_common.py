@@ -1,14 +1,12 @@
-"""What the experiment scripts share: arguments, data as fixed-length windows, a plain training loop, and output.
+"""What the experiment scripts share: arguments, a plain training loop, evaluation, and output.
 
 Every script takes ``--quick`` (small settings for ``make demo``), ``--text FILE`` or ``--dataset NAME`` (default:
 the embedded synthetic corpus, so nothing downloads), ``--out DIR`` and ``--seed``; writes ``results.csv``,
 ``results.md`` (the table, the command, the machine and the run time) and PNG plots into ``--out``; and prints the
 table. Model, norms, data and vocabulary all come from :mod:`seqnorm`; only the experiment lives in the scripts.
 
-Training data is the corpus read as one token stream cut into windows of equal length (``unit="window"``), because
-then every time step of every batch has all its rows: per-timestep batch norm trains at any batch size of 2 or more
-with its default ``small_batch="error"``, and the only run that cannot train is the one that genuinely cannot
-(batch size 1). What variable-length batches do to BN is measured separately by ``small_batch_statistics.py``.
+Data (fixed windows or natural lines) is in :mod:`_data`; the fair protocol (learning-rate grid, seeds, BN evaluated
+with running and with exact statistics) in :mod:`_protocol`.
 """
 
 from __future__ import annotations
@@ -28,20 +26,23 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _data import Sequences, load_sequences, load_windows, loss_value, unigram_loss, value_name
 from torch import Tensor, nn
 
-from seqnorm.data import DATASETS, DataError, TextCorpus
+from seqnorm.data import DATASETS
 from seqnorm.models import RNNLanguageModel
 
 __all__ = [
     "RENORM_SCHEDULE",
     "RunLog",
+    "Sequences",
     "TrainResult",
-    "Windows",
     "build_model",
     "describe_error",
     "evaluate",
+    "load_sequences",
     "load_windows",
+    "loss_value",
     "make_parser",
     "markdown_table",
     "pyplot",
@@ -49,6 +50,7 @@ __all__ = [
     "train_language_model",
     "unigram_loss",
     "value_name",
+    "write_csv",
     "write_results",
 ]
 
@@ -89,85 +91,7 @@ def resolve(args: argparse.Namespace, quick: Mapping[str, Any], full: Mapping[st
     return args
 
 
-# --- data ------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Windows:
-    """Equal-length next-token windows of one split.
-
-    Attributes:
-        inputs: ``(N, T)`` token ids.
-        targets: ``(N, T)`` the inputs shifted by one.
-    """
-
-    inputs: Tensor
-    targets: Tensor
-
-    def __len__(self) -> int:
-        return self.inputs.shape[0]
-
-    @property
-    def steps(self) -> int:
-        return self.inputs.shape[1]
-
-    def head(self, max_tokens: int | None) -> Windows:
-        """The first windows holding at most ``max_tokens`` target tokens (at least one window)."""
-        if max_tokens is None:
-            return self
-        count = max(1, max_tokens // self.steps)
-        return Windows(self.inputs[:count], self.targets[:count])
-
-
-def load_windows(
-    args: argparse.Namespace, steps: int, vocab_from: TextCorpus | None = None
-) -> tuple[TextCorpus, dict[str, Windows]]:
-    """The corpus of ``--text``/``--dataset`` (else the embedded one) as windows of ``steps`` predictions.
-
-    Windows shorter than the rest (the end of each split) are dropped, so that every batch is full at every step.
-    ``vocab_from`` shares another corpus's vocabulary (the same text cut into windows of another length).
-    """
-    corpus = TextCorpus(
-        path=args.text,
-        dataset=args.dataset,
-        unit="window",
-        window_length=steps + 1,
-        batch_size=1,  # batching happens in the scripts' own loop
-        seed=args.seed,
-        cache_dir=args.cache_dir,
-    )
-    if vocab_from is not None:
-        corpus.load_state_dict(vocab_from.state_dict())
-    splits = {}
-    for split in ("train", "val"):
-        sequences = [s for s in corpus.datasets[split].sequences if len(s) == steps + 1]  # type: ignore[attr-defined]
-        if not sequences:
-            raise DataError(
-                f"{corpus.source}: the {split} split has no window of {steps + 1} tokens; add text or use fewer steps"
-            )
-        stacked = torch.stack(sequences)  # (N, steps + 1)
-        splits[split] = Windows(stacked[:, :-1], stacked[:, 1:])
-    return corpus, splits
-
-
-def unigram_loss(train: Windows, val: Windows, vocab_size: int) -> float:
-    """Validation loss (nats per token) of the training split's token frequencies: the no-context baseline."""
-    counts = torch.bincount(train.targets.flatten(), minlength=vocab_size).double() + 1.0  # add-one: no log(0)
-    log_probs = (counts / counts.sum()).log()
-    return float(-log_probs[val.targets.flatten()].mean())
-
-
-def value_name(level: str) -> str:
-    """``val_bpc`` for character models, ``val_ppl`` for word models."""
-    return "val_bpc" if level == "char" else "val_ppl"
-
-
-def loss_value(loss: float, level: str) -> float:
-    """Bits per character (char level) or perplexity (word level) of a loss in nats per token."""
-    return loss / math.log(2) if level == "char" else math.exp(min(loss, 50.0))
-
-
-# --- model and training ----------------------------------------------------------------------------------------------
+# --- model and training ---------------------------------------------------------------------------------------------
 
 
 # Batch renorm's published schedule (5000 warm-up batches, ramps of 25k-40k) is longer than these runs; a
@@ -176,15 +100,16 @@ RENORM_SCHEDULE = {"warmup": 50, "r_max_steps": 200, "d_max_steps": 200}
 
 
 def build_model(
-    vocab_size: int, args: argparse.Namespace, norm: str, max_steps: int, **rnn_kwargs: Any
+    vocab_size: int, args: argparse.Namespace, norm: str, max_steps: int, seed: int | None = None, **rnn_kwargs: Any
 ) -> RNNLanguageModel:
-    """The LSTM language model of ``args.hidden``/``args.embedding`` with ``norm`` (seeded by ``args.seed``).
+    """The LSTM language model of ``args.hidden``/``args.embedding`` with ``norm``, initialized from ``seed``.
 
-    ``batch_renorm`` gets :data:`RENORM_SCHEDULE` unless ``norm_options`` says otherwise.
+    ``seed`` defaults to ``args.seed``. ``batch_renorm`` gets :data:`RENORM_SCHEDULE` unless ``norm_options`` says
+    otherwise.
     """
     if norm == "batch_renorm":
         rnn_kwargs.setdefault("norm_options", RENORM_SCHEDULE)
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.seed if seed is None else seed)
     return RNNLanguageModel(
         vocab_size,
         embedding_dim=args.embedding,
@@ -205,19 +130,26 @@ def describe_error(error: Exception) -> str:
     return f"{type(error).__name__}: {sentence}"
 
 
+def _losses(model: nn.Module, batch: Sequences) -> Tensor:
+    """Per-position losses ``(B, T)`` of one batch; zero at padding (its target is the padding id 0)."""
+    logits = model(*batch.model_inputs())  # (B, T, V)
+    return F.cross_entropy(logits.transpose(1, 2), batch.targets, reduction="none", ignore_index=0)
+
+
 @torch.no_grad()
-def evaluate(model: nn.Module, windows: Windows, batch_size: int = 64) -> tuple[float, Tensor]:
-    """Loss in eval mode (nats per token) over ``windows``, and its mean by position ``(T,)``."""
+def evaluate(model: nn.Module, sequences: Sequences, batch_size: int = 64) -> tuple[float, Tensor]:
+    """Loss in eval mode (nats per real token) over ``sequences``, and its mean by position ``(T,)``."""
     was_training = model.training
     model.eval()
-    total = torch.zeros(windows.steps, dtype=torch.float64)
-    for start in range(0, len(windows), batch_size):
-        logits = model(windows.inputs[start : start + batch_size])  # (B, T, V)
-        losses = F.cross_entropy(logits.transpose(1, 2), windows.targets[start : start + batch_size], reduction="none")
-        total += losses.sum(0).double()
+    total = torch.zeros(sequences.steps, dtype=torch.float64)
+    count = torch.zeros(sequences.steps, dtype=torch.float64)
+    for start in range(0, len(sequences), batch_size):
+        batch = sequences.batch(torch.arange(start, min(start + batch_size, len(sequences))))
+        losses = _losses(model, batch)
+        total[: batch.steps] += losses.sum(0).double()
+        count[: batch.steps] += (torch.arange(batch.steps) < batch.lengths.unsqueeze(1)).sum(0)
     model.train(was_training)
-    by_position = total / len(windows)
-    return float(by_position.mean()), by_position.float()
+    return float(total.sum() / count.sum()), (total / count.clamp(min=1)).float()
 
 
 @dataclass
@@ -226,7 +158,7 @@ class TrainResult:
 
     Attributes:
         status: ``"ok"`` or a short reason it could not train (the error, or divergence).
-        tokens: training target tokens consumed.
+        tokens: real training target tokens consumed (padding excluded).
         updates: optimizer steps taken.
         seconds: wall time of the training loop (evaluations excluded).
         train_loss: mean training loss (nats) over the last tenth of the updates.
@@ -243,24 +175,27 @@ class TrainResult:
 
 def train_language_model(
     model: nn.Module,
-    train: Windows,
+    train: Sequences,
     *,
     batch_size: int,
     tokens: int,
     lr: float,
     seed: int = 0,
     clip: float = 1.0,
+    max_updates: int | None = None,
     evaluate_every: int | None = None,
     evaluate_fn: Callable[[nn.Module], float] | None = None,
 ) -> TrainResult:
-    """Adam on shuffled windows in batches of ``batch_size`` until ``tokens`` target tokens have been seen.
+    """Adam on shuffled sequences in batches of ``batch_size`` until ``tokens`` target tokens have been seen.
 
-    Every window is used once per epoch (the last partial batch of an epoch is dropped), so a budget below one epoch
-    is the online regime: each window seen once. A ``ValueError`` from the model (per-timestep BN at batch size 1)
+    ``max_updates`` instead stops after that many updates (the equal-updates view; ``tokens`` is then ignored).
+    Every sequence is used once per epoch (the last partial batch of an epoch is dropped), so a budget below one
+    epoch is the online regime: each sequence seen once. Batches are drawn at random (no length bucketing), so with
+    lines a batch's rows end at different steps. A ``ValueError`` from the model (per-timestep BN at batch size 1)
     or a non-finite loss ends the run with that reason as its status instead of raising.
     """
     if len(train) < batch_size:
-        return TrainResult(f"skipped: {len(train)} training windows, fewer than the batch size {batch_size}")
+        return TrainResult(f"skipped: {len(train)} training sequences, fewer than the batch size {batch_size}")
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     result = TrainResult("ok")
@@ -271,14 +206,18 @@ def train_language_model(
     model.train()
     batches: list[Tensor] = []
     start = time.perf_counter()
+
+    def more() -> bool:
+        return result.updates < max_updates if max_updates is not None else result.tokens < tokens
+
     try:
-        while result.tokens < tokens:
+        while more():
             if not batches:
                 order = torch.randperm(len(train), generator=generator)
                 batches = list(order[: len(order) - len(order) % batch_size].split(batch_size))[::-1]
-            index = batches.pop()
-            logits = model(train.inputs[index])  # (B, T, V)
-            loss = F.cross_entropy(logits.flatten(0, 1), train.targets[index].flatten())
+            batch = train.batch(batches.pop())
+            real = batch.tokens
+            loss = _losses(model, batch).sum() / real
             if not torch.isfinite(loss):
                 result.status = f"diverged: loss {float(loss)} at update {result.updates}"
                 break
@@ -288,12 +227,13 @@ def train_language_model(
             optimizer.step()
             losses.append(loss.item())
             result.updates += 1
-            result.tokens += index.numel() * train.steps
+            result.tokens += real
             if evaluate_fn is not None and evaluate_every and result.tokens >= next_evaluation:
                 paused = time.perf_counter()
                 result.curve.append((result.tokens, evaluate_fn(model)))
                 start += time.perf_counter() - paused  # evaluation time is not training time
-                next_evaluation += evaluate_every
+                while next_evaluation <= result.tokens:
+                    next_evaluation += evaluate_every
     except ValueError as error:
         result.status = describe_error(error)
     result.seconds = time.perf_counter() - start

@@ -1,14 +1,22 @@
-"""Validation loss of a character LSTM language model for every norm x batch size, at an equal budget of tokens.
+"""Validation loss of a character LSTM language model for every norm x batch size, under the fair protocol.
 
-Each cell of the grid trains a fresh model (same seed, same learning rate) on the same number of training tokens,
-so smaller batches take more, noisier updates. Validation runs in eval mode (BN uses its running statistics).
-Per-timestep BN runs with its default ``small_batch="error"`` on fixed-length windows: at batch size 2 and up every
-step has all rows, and at batch size 1 it raises. That run is a row of the table with the error as its status, not
-a gap: it is the result.
+Each cell (norm, batch size) trains fresh models on an equal budget of training tokens, so smaller batches take
+more, noisier updates; it picks its own learning rate from a small grid and reports mean ± std over seeds
+(``_protocol``: ``--lrs``, ``--seeds``, ``--select``). Validation runs in eval mode; per-timestep BN is evaluated
+with its running averages and again after ``seqnorm.update_bn`` (exact statistics), and the gap is a column.
 
-    python scripts/batch_size_sweep.py --quick            # none/layer/batch x 1/4/32, about a minute
-    python scripts/batch_size_sweep.py                    # the full grid on the embedded corpus
-    python scripts/batch_size_sweep.py --dataset ptb_char # Cooijmans et al.'s corpus (downloads once)
+``--unit window`` (default) trains on fixed windows of ``--steps`` characters: every step has all rows, so BN
+trains at any batch size of 2 or more and raises at 1 (that row's status is the result). ``--unit line`` trains on
+the corpus's lines, padded per batch: rows end at different steps, so a batch's tail steps have fewer active rows
+(down to one, which BN's default ``small_batch`` policy normalizes with that step's running statistics).
+``--updates N`` replaces the equal token budget by equal updates; ``--evaluations K`` records validation curves
+(``curves.csv``) and how much the last stretch of training still gained (``last_gain``: how far from convergence).
+
+    python scripts/batch_size_sweep.py --quick            # none/layer/batch x 1/4/32, 2 lrs x 2 seeds, ~1-2 min
+    python scripts/batch_size_sweep.py --text FILE        # all six norms x 1..64, 3 lrs x 3 seeds
+    python scripts/batch_size_sweep.py --text FILE --unit line
+    python scripts/batch_size_sweep.py --text FILE --steps 100 --batch-sizes 64 --norms none layer batch \\
+        --tokens 2000000 --evaluations 10   # Cooijmans et al.'s setting: windows of 100, batch 64
 """
 
 from __future__ import annotations
@@ -20,21 +28,24 @@ from pathlib import Path
 from typing import Any
 
 import _common
+import _data
+import _protocol
 
 import seqnorm
 
 NAME = "batch_size_sweep"
 QUICK = {
+    **_protocol.QUICK,
     "norms": ["none", "layer", "batch"],
     "batch_sizes": [1, 4, 32],
-    "tokens": 12_000,
+    "tokens": 8_000,
     "steps": 32,
     "hidden": 64,
     "embedding": 32,
-    "val_tokens": 6_000,
-    "lr": 1e-2,
+    "val_tokens": 4_000,
 }
 FULL = {
+    **_protocol.FULL,
     "norms": list(seqnorm.NORMS),
     "batch_sizes": [1, 2, 4, 8, 32, 64],
     "tokens": 60_000,
@@ -42,7 +53,6 @@ FULL = {
     "hidden": 128,
     "embedding": 32,
     "val_tokens": None,
-    "lr": 3e-3,
 }
 
 
@@ -50,67 +60,152 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = _common.make_parser(__doc__, NAME)
     parser.add_argument("--norms", nargs="+", choices=list(seqnorm.NORMS), help="norms to compare")
     parser.add_argument("--batch-sizes", nargs="+", type=int, help="batch sizes to compare")
+    parser.add_argument("--unit", choices=_data.UNITS, default="window", help="fixed windows or variable lines")
     parser.add_argument("--tokens", type=int, help="training tokens per run (the equal budget)")
-    parser.add_argument("--steps", type=int, help="time steps per training window")
+    parser.add_argument("--updates", type=int, help="train every run for this many updates instead (equal updates)")
+    parser.add_argument("--steps", type=int, help="time steps per window (with --unit line: the longest piece)")
     parser.add_argument("--hidden", type=int, help="LSTM hidden size")
     parser.add_argument("--embedding", type=int, help="embedding size")
     parser.add_argument("--val-tokens", type=int, help="validation tokens (default: the whole validation split)")
-    parser.add_argument(
-        "--lr", type=float, help="Adam learning rate, the same for every run (default 1e-2 quick, 3e-3 full)"
-    )
+    parser.add_argument("--evaluations", type=int, default=0, help="validation points along each run (curves.csv)")
+    _protocol.add_arguments(parser)
     return _common.resolve(parser.parse_args(argv), QUICK, FULL)
 
 
-def run_grid(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str, float]:
-    """Train every (norm, batch size); returns the rows, the corpus level and the unigram baseline loss."""
-    corpus, windows = _common.load_windows(args, args.steps)
-    val = windows["val"].head(args.val_tokens)
-    value = _common.value_name(corpus.level)
+def run_grid(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+    """Every (batch size, norm) under the protocol; returns summary rows, every trial, and facts about the data."""
+    corpus, data = _data.load_sequences(args, args.steps, args.unit)
+    train, val = data["train"], data["val"].head(args.val_tokens)
+    value = _data.value_name(corpus.level)
+    budget_text = f"{args.updates} updates" if args.updates else f"{args.tokens} tokens"
     print(
-        f"{corpus.source}: {len(windows['train'])} training windows of {args.steps} steps, vocabulary "
-        f"{corpus.vocab_size}; {args.tokens} training tokens per run; {val.inputs.numel()} validation tokens",
+        f"{corpus.source}: {len(train)} training {args.unit}s ({train.tokens} tokens, up to {train.steps} steps), "
+        f"vocabulary {corpus.vocab_size}; budget {budget_text} per run; {val.tokens} validation tokens",
         flush=True,
     )
-    rows = []
+
+    def measure(model: Any) -> dict[str, float]:
+        loss = _common.evaluate(model, val)[0]
+        return {"val_loss": loss, value: _data.loss_value(loss, corpus.level)}
+
+    rows, trials, curves = [], [], []
+    cache = _protocol.TrialCache.for_args(args, NAME)
     for batch_size in args.batch_sizes:
         for norm in args.norms:
-            model = _common.build_model(corpus.vocab_size, args, norm, max_steps=args.steps)
-            result = _common.train_language_model(
-                model, windows["train"], batch_size=batch_size, tokens=args.tokens, lr=args.lr, seed=args.seed
-            )
-            val_loss = _common.evaluate(model, val)[0] if result.status == "ok" else float("nan")
-            row = {
-                "norm": norm,
-                "batch_size": batch_size,
-                "status": result.status,
-                "val_loss": val_loss,
-                value: _common.loss_value(val_loss, corpus.level),
-                "train_loss": result.train_loss,
-                "updates": result.updates,
-                "tokens": result.tokens,
-                "seconds": round(result.seconds, 1),
-            }
+
+            def train_one(lr: float, seed: int, norm: str = norm, batch_size: int = batch_size) -> dict[str, Any]:
+                model = _common.build_model(corpus.vocab_size, args, norm, max_steps=train.steps, seed=seed)
+                row, result = _protocol.trial(
+                    model,
+                    train,
+                    norm=norm,
+                    measure=measure,
+                    stats_tokens=args.bn_stats_tokens,
+                    gap_key=value,
+                    batch_size=batch_size,
+                    tokens=args.tokens,
+                    max_updates=args.updates,
+                    lr=lr,
+                    seed=seed,
+                    evaluate_every=max(1, budget(args, train, batch_size) // args.evaluations)
+                    if args.evaluations
+                    else None,
+                    evaluate_fn=(lambda m: measure(m)[value]) if args.evaluations else None,
+                )
+                row["curve"] = [[tokens, loss] for tokens, loss in result.curve] if result.status == "ok" else []
+                if len(row["curve"]) >= 2:
+                    row["last_gain"] = row["curve"][-2][1] - row["curve"][-1][1]
+                return row
+
+            name = f"{norm}|B={batch_size}"
+            cell = _protocol.run_cell(train_one, args.lrs, args.seeds, args.select, cache=cache, name=name)
+            trials += [{"norm": norm, "batch_size": batch_size, **row} for row in cell.trials]
+            curves += [
+                {
+                    "norm": norm,
+                    "batch_size": batch_size,
+                    "lr": t["lr"],
+                    "seed": t["seed"],
+                    "tokens": tokens,
+                    value: point,
+                }
+                for t in cell.trials
+                for tokens, point in t["curve"]
+            ]
+            row = {"norm": norm, "batch_size": batch_size, **_protocol.summarize(cell)}
             rows.append(row)
-            print(f"  {norm:<13} batch {batch_size:>3}: {row[value]:.4f} {value}  ({result.status})", flush=True)
-    return rows, corpus.level, _common.unigram_loss(windows["train"], val, corpus.vocab_size)
+            exact = f", exact {row[value + '_exact']:.4f}" if value + "_exact" in row else ""
+            print(
+                f"  {norm:<13} batch {batch_size:>3}: {row.get(value, float('nan')):.4f} {value}{exact} "
+                f"(lr {row['lr']}, {row['status']})",
+                flush=True,
+            )
+            row["grid"] = _protocol.grid_row(cell, value)
+    facts = {
+        "level": corpus.level,
+        "unigram": _data.unigram_loss(train, val, corpus.vocab_size),
+        "train_tokens": train.tokens,
+        "val_tokens": val.tokens,
+        "curves": curves,
+        "cache": cache,
+    }
+    return rows, trials, facts
+
+
+def budget(args: argparse.Namespace, train: _data.Sequences, batch_size: int) -> int:
+    """Training tokens a run will see: ``--tokens``, or ``--updates`` batches of the mean sequence length."""
+    if args.updates is None:
+        return args.tokens
+    return args.updates * batch_size * train.tokens // len(train)
+
+
+def by_batch_size(rows: Sequence[dict[str, Any]], cell: Any) -> list[dict[str, Any]]:
+    """One row per norm, one column per batch size, each holding ``cell(row)``."""
+    table: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        table.setdefault(row["norm"], {"norm": row["norm"]})[f"B={row['batch_size']}"] = cell(row)
+    return list(table.values())
+
+
+def outcome(row: dict[str, Any], key: str) -> str:
+    """``mean ± std`` of ``key``, or the first word of the reason the cell could not train."""
+    if row["status"] != "ok":
+        return row["status"].split(":")[0]
+    return _protocol.pm(row[key], row[f"{key}_std"])
 
 
 def summary(rows: Sequence[dict[str, Any]], value: str) -> list[dict[str, Any]]:
-    """One row per norm, one column per batch size: the validation value, or the first word of the status."""
-    table: dict[str, dict[str, Any]] = {}
-    for row in rows:
-        cell = row[value] if row["status"] == "ok" else row["status"].split(":")[0]
-        table.setdefault(row["norm"], {"norm": row["norm"]})[f"B={row['batch_size']}"] = cell
-    return list(table.values())
+    """One row per norm, one column per batch size: ``mean ± std`` of ``value``, or why the cell could not train."""
+    return by_batch_size(rows, lambda row: outcome(row, value))
+
+
+def summary_columns(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The batch-size columns of :func:`summary`, in the order the sweep ran them."""
+    return [f"B={size}" for size in dict.fromkeys(row["batch_size"] for row in rows)]
 
 
 def plot(rows: Sequence[dict[str, Any]], value: str, path: Path) -> None:
     plt = _common.pyplot()
-    figure, axes = plt.subplots(figsize=(6, 4), dpi=100)
+    figure, axes = plt.subplots(figsize=(6.5, 4), dpi=100)
     for norm in dict.fromkeys(row["norm"] for row in rows):
-        points = [(r["batch_size"], r[value]) for r in rows if r["norm"] == norm and r["status"] == "ok"]
+        ok = [r for r in rows if r["norm"] == norm and r["status"] == "ok"]
         failed = [r["batch_size"] for r in rows if r["norm"] == norm and r["status"] != "ok"]
-        line = axes.plot(*zip(*points, strict=True), marker="o", label=norm)[0] if points else None
+        line = None
+        if ok:
+            sizes = [r["batch_size"] for r in ok]
+            line = axes.errorbar(
+                sizes, [r[value] for r in ok], yerr=[r[f"{value}_std"] for r in ok], marker="o", capsize=3, label=norm
+            )[0]
+            exact = [r for r in ok if f"{value}_exact" in r]
+            if exact:
+                axes.plot(
+                    [r["batch_size"] for r in exact],
+                    [r[f"{value}_exact"] for r in exact],
+                    linestyle=":",
+                    marker="^",
+                    color=line.get_color(),
+                    label=f"{norm} (exact stats)",
+                )
         for batch_size in failed:  # where a norm could not train: an x on the axis, in the norm's colour
             color = line.get_color() if line else "black"
             axes.annotate(
@@ -119,10 +214,35 @@ def plot(rows: Sequence[dict[str, Any]], value: str, path: Path) -> None:
     sizes = sorted({row["batch_size"] for row in rows})
     axes.set_xscale("log", base=2)
     axes.set_xticks(sizes, [str(size) for size in sizes])
-    axes.set_xlabel("batch size (equal training tokens)")
-    axes.set_ylabel(value.replace("_", " "))
-    axes.set_title("Validation after an equal token budget (x: could not train)")
-    axes.legend(fontsize=8)
+    axes.set_xlabel("batch size")
+    axes.set_ylabel(value.replace("_", " ") + " (mean ± std over seeds)")
+    axes.set_title("Each cell at its best learning rate (x: could not train)", fontsize=10)
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def plot_curves(rows: Sequence[dict[str, Any]], curves: Sequence[dict[str, Any]], value: str, path: Path) -> None:
+    """Validation along training at each cell's chosen rate, mean over its seeds (how far from convergence)."""
+    plt = _common.pyplot()
+    figure, axes = plt.subplots(figsize=(6.5, 4), dpi=100)
+    for row in rows:
+        points: dict[int, list[float]] = {}
+        for point in curves:
+            if (point["norm"], point["batch_size"], point["lr"]) == (row["norm"], row["batch_size"], row["lr"]):
+                points.setdefault(point["tokens"], []).append(point[value])
+        if points:
+            tokens = sorted(points)
+            means = [sum(points[t]) / len(points[t]) for t in tokens]
+            axes.plot(tokens, means, marker=".", label=f"{row['norm']} B={row['batch_size']} lr={row['lr']:g}")
+    later = [point[value] for point in curves if point["tokens"] > 0]
+    if later:  # the untrained model's loss (at 0 tokens) would squash the part of the curves that differs
+        axes.set_ylim(min(later) - 0.05, max(later) + 0.05)
+    axes.set_xlabel("training tokens seen")
+    axes.set_ylabel(value.replace("_", " ") + " (running statistics for BN)")
+    axes.set_title("Validation along training (mean over seeds, chosen rate)", fontsize=10)
+    axes.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)
@@ -132,36 +252,109 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     argv = list(sys.argv[1:] if argv is None else argv)
     run = _common.RunLog(argv, NAME)
     args = parse_args(argv)
-    rows, level, unigram = run_grid(args)
-    value = _common.value_name(level)
-    columns = ["norm", "batch_size", "status", "val_loss", value, "train_loss", "updates", "tokens", "seconds"]
+    rows, trials, facts = run_grid(args)
+    value = _data.value_name(facts["level"])
+    level = facts["level"]
+    measured = [value, f"{value}_exact", "ema_gap", "val_loss", "val_loss_exact", "train_loss", "fallback_per_update"]
+    measured += ["last_gain"] if args.evaluations else []
+    columns = ["norm", "batch_size", "status", "lr", "seeds"]
+    columns += [name for key in measured for name in (key, f"{key}_std")]
+    columns += ["updates", "tokens", "seconds"]
+    bn_rows = [row for row in rows if _protocol.uses_batch_statistics(row["norm"])]
+    sizes = summary_columns(rows)
+    budget_text = f"{args.updates} updates" if args.updates else f"{args.tokens} training tokens"
+    shape = f"windows of {args.steps} steps" if args.unit == "window" else f"lines (pieces of at most {args.steps})"
     errors = sorted({row["status"] for row in rows if row["status"] != "ok"})
     notes = [
-        f"Equal budget: {args.tokens} training tokens per run in windows of {args.steps} steps; LSTM hidden "
-        f"{args.hidden}, embedding {args.embedding}, Adam lr {args.lr} for every batch size, gradient norm clipped "
-        "at 1. val_loss is nats per token in eval mode.",
-        f"No-context baseline (training-split token frequencies): val_loss {unigram:.4f}, {value} "
-        f"{_common.loss_value(unigram, level):.4f}; a model below it has learned to use context.",
-        'Per-timestep BN (batch, batch_renorm) runs with small_batch="error" (the default): fixed-length windows '
-        "give every step all B rows, so B >= 2 trains normally and B = 1 raises the ValueError recorded as status.",
+        f"Equal budget: {budget_text} per run, in {shape}, batches drawn at random; {facts['train_tokens']} "
+        f"training tokens in the split, {facts['val_tokens']} validation tokens. LSTM hidden {args.hidden}, "
+        f"embedding {args.embedding}, Adam, gradient norm clipped at 1. val_loss is nats per real token, eval mode.",
+        *_protocol.notes(args, facts["cache"]),
+        f"No-context baseline (training-split token frequencies): val_loss {facts['unigram']:.4f}, {value} "
+        f"{_data.loss_value(facts['unigram'], level):.4f}; a model below it has learned to use context.",
+        "Per-timestep BN trains with the library's default small_batch='tail': a batch of one sequence raises the "
+        "ValueError recorded as status; in a batch of B >= 2, a padded-tail step with one active row is normalized "
+        "with that step's running statistics (fallback_per_update: such steps per update; 0 with fixed windows, "
+        "where every step has all B rows). At B = 2 each feature of the two rows is normalized to -1 and +1 (a "
+        "degenerate case).",
         f"batch_renorm uses a shortened schedule {_common.RENORM_SCHEDULE} (counted in batches per time step).",
+        *(
+            [
+                f"last_gain: validation improvement over the last 1/{args.evaluations} of training (mean over "
+                "seeds); curves.csv has every run's curve."
+            ]
+            if args.evaluations
+            else []
+        ),
         *(f"Status `{error}`" for error in errors),
     ]
+    extra = [
+        (
+            f"{value}, mean ± std over seeds (norm x batch size)",
+            summary(rows, value),
+            ["norm", *sizes],
+        ),
+    ]
+    if bn_rows:
+        extra.append(
+            (
+                f"BN with exact statistics (seqnorm.update_bn): {value}_exact; ema_gap = running - exact",
+                [
+                    {**r, "norm": f"{r['norm']} exact"}
+                    for r in by_batch_size(bn_rows, lambda r: outcome(r, f"{value}_exact"))
+                ]
+                + [
+                    {**r, "norm": f"{r['norm']} ema_gap"}
+                    for r in by_batch_size(bn_rows, lambda r: outcome(r, "ema_gap"))
+                ],
+                ["norm", *sizes],
+            )
+        )
+    extra.append(("Updates per run (norm x batch size)", by_batch_size(rows, lambda r: r["updates"]), ["norm", *sizes]))
+    extra.append(("Chosen learning rate (norm x batch size)", by_batch_size(rows, lambda r: r["lr"]), ["norm", *sizes]))
+    grid = [{"norm": row["norm"], "batch_size": row["batch_size"], **row["grid"]} for row in rows]
+    extra.append(
+        (
+            f"Learning-rate grid: mean {value} over the seeds run at each rate (n; * = chosen)",
+            grid,
+            ["norm", "batch_size", *[f"lr={lr:g}" for lr in args.lrs]],
+        )
+    )
     _common.write_results(
         args.out,
         rows,
         columns,
-        title=f"Batch-size sweep: {value.replace('_', ' ')} by norm and batch size",
+        title=f"Batch-size sweep ({args.unit}s): {value.replace('_', ' ')} by norm and batch size",
         run=run,
         notes=notes,
-        extra_tables=[(f"{value} (norm x batch size)", summary(rows, value), ["norm", *summary_columns(rows)])],
+        extra_tables=extra,
     )
+    trial_columns = [
+        "norm",
+        "batch_size",
+        "lr",
+        "seed",
+        "status",
+        value,
+        f"{value}_exact",
+        "ema_gap",
+        "val_loss",
+        "val_loss_exact",
+        "train_loss",
+        "fallback_per_update",
+        "last_gain",
+        "updates",
+        "tokens",
+        "seconds",
+    ]
+    _common.write_csv(args.out / "trials.csv", trials, trial_columns)
+    if facts["curves"]:
+        _common.write_csv(
+            args.out / "curves.csv", facts["curves"], ["norm", "batch_size", "lr", "seed", "tokens", value]
+        )
+        plot_curves(rows, facts["curves"], value, args.out / "learning_curves.png")
     plot(rows, value, args.out / "val_by_batch_size.png")
     return rows
-
-
-def summary_columns(rows: Sequence[dict[str, Any]]) -> list[str]:
-    return [f"B={size}" for size in dict.fromkeys(row["batch_size"] for row in rows)]
 
 
 if __name__ == "__main__":

@@ -85,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         banner(f"seqnorm fit --config configs/embedded_lm.yaml --config configs/norm/{norm}.yaml (HiddenStateStats on)")
         runs[norm] = train_with_tensorboard(norm, args.fit_steps)
 
-    banner("Summary: validation bits per character after an equal budget of training tokens (embedded corpus)")
+    banner("Summary: validation bpc after an equal token budget, each cell at its best rate, mean ± std over seeds")
     value = "val_bpc" if any("val_bpc" in row for row in sweep_rows) else "val_ppl"
     table = batch_size_sweep.summary(sweep_rows, value)
     print(_common.markdown_table(table, ["norm", *batch_size_sweep.summary_columns(sweep_rows)]))

@@ -6,7 +6,9 @@ of ``h`` (and of the LSTM cell state ``c``, which no gate bounds), how many gate
 gradient that a loss on the last state sends back to each earlier ``h_t``. The ratio of the gradient at step 0 to
 the one at step T-1 shows vanishing (far below 1) or exploding (far above 1) through time. Layers run in training
 mode, so per-timestep BN normalizes with batch statistics, as it does when training starts. Measurements are taken
-through the cells' documented ``observer`` hooks.
+through the cells' documented ``observer`` hooks. Nothing is trained, so the fair protocol of the other scripts
+(``_protocol``: a learning-rate grid and seeds) has no rate to choose; ``--seeds`` averages independent
+initializations.
 
     python scripts/init_study.py --quick     # T = 50, one seed, seconds
     python scripts/init_study.py --steps 200 --seeds 5

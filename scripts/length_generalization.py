@@ -7,7 +7,8 @@ reached (still at their initial mean 0, variance 1), and the row ``batch`` with 
 library's other policy: steps ``t >= T`` use the pooled statistics of all T steps. LayerNorm and the others need no
 statistics of any step.
 The corpus is read as one stream, so the text at position 150 is no harder than at position 15: a model that
-generalizes in length keeps a flat loss past T.
+generalizes in length keeps a flat loss past T. Every variant follows the fair protocol of ``_protocol`` (its own
+learning rate from ``--lrs``, chosen on the loss within T; mean ± std over ``--seeds``; BN also with exact statistics).
 
     python scripts/length_generalization.py --quick   # T = 25, L = 100, about a minute
     python scripts/length_generalization.py --text my.txt --steps 100 --eval-steps 400
@@ -22,23 +23,25 @@ from pathlib import Path
 from typing import Any
 
 import _common
+import _protocol
 import torch
 
 import seqnorm
 
 NAME = "length_generalization"
 QUICK = {
+    **_protocol.QUICK,
     "norms": ["none", "layer", "batch"],
     "steps": 25,
     "eval_steps": 100,
     "batch_size": 16,
-    "tokens": 40_000,
+    "tokens": 30_000,
     "hidden": 64,
     "embedding": 32,
-    "val_tokens": 15_000,
-    "lr": 1e-2,
+    "val_tokens": 10_000,
 }
 FULL = {
+    **_protocol.FULL,
     "norms": ["none", "layer", "rms", "batch", "batch_renorm"],
     "steps": 50,
     "eval_steps": 200,
@@ -47,8 +50,8 @@ FULL = {
     "hidden": 128,
     "embedding": 32,
     "val_tokens": None,
-    "lr": 3e-3,
 }
+MEASURED = ["loss_within_T", "loss_beyond_T", "loss_last_quarter", "beyond_minus_within"]
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -61,11 +64,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int)
     parser.add_argument("--embedding", type=int)
     parser.add_argument("--val-tokens", type=int, help="validation tokens (default: the whole split)")
-    parser.add_argument("--lr", type=float, help="Adam learning rate (default 1e-2 quick, 3e-3 full)")
     parser.add_argument(
         "--no-untrained-stats", action="store_true", help="skip the BN row with statistics rows up to L"
     )
     parser.add_argument("--no-pooled", action="store_true", help="skip the BN row with beyond_max_steps='pooled'")
+    _protocol.add_arguments(parser)
     args = _common.resolve(parser.parse_args(argv), QUICK, FULL)
     if args.eval_steps <= args.steps:
         parser.error(f"--eval-steps ({args.eval_steps}) must exceed --steps ({args.steps})")
@@ -104,62 +107,121 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     T, L = args.steps, args.eval_steps
     corpus, train_windows = _common.load_windows(args, T)
     _, long_windows = _common.load_windows(args, L, vocab_from=corpus)
-    val = long_windows["val"].head(args.val_tokens)
+    train, val = train_windows["train"], long_windows["val"].head(args.val_tokens)
     print(f"{corpus.source}: train on {T} steps ({args.tokens} tokens), evaluate {len(val)} windows of {L} steps")
-    rows, curves = [], {}
+    rows, curves, trials = [], {}, []
+    cache = _protocol.TrialCache.for_args(args, NAME)
     for norm, max_steps, beyond in variants(args):
         extra = {"beyond_max_steps": beyond} if beyond != "last" else {}
-        model = _common.build_model(corpus.vocab_size, args, norm, max_steps=max_steps, **extra)
-        result = _common.train_language_model(
-            model, train_windows["train"], batch_size=args.batch_size, tokens=args.tokens, lr=args.lr, seed=args.seed
-        )
+
+        def train_one(lr: float, seed: int, norm: str = norm, max_steps: int = max_steps, extra: dict = extra) -> dict:
+            model = _common.build_model(corpus.vocab_size, args, norm, max_steps=max_steps, seed=seed, **extra)
+            positions: list[torch.Tensor] = []
+
+            def measure(model: torch.nn.Module) -> dict[str, float]:
+                positions.append(_common.evaluate(model, val)[1])  # (L,)
+                within, past = float(positions[-1][:T].mean()), float(positions[-1][T:].mean())
+                # The rate is chosen on positions the training length covers, not on the generalization measured.
+                return {
+                    "val_loss": within,
+                    "loss_within_T": within,
+                    "loss_beyond_T": past,
+                    "loss_last_quarter": float(positions[-1][-L // 4 :].mean()),
+                    "beyond_minus_within": past - within,
+                }
+
+            row, _ = _protocol.trial(
+                model,
+                train,
+                norm=norm,
+                measure=measure,
+                stats_tokens=args.bn_stats_tokens,
+                gap_key="loss_beyond_T",
+                batch_size=args.batch_size,
+                tokens=args.tokens,
+                lr=lr,
+                seed=seed,
+            )
+            row["by_position"] = positions[0].tolist() if positions else []  # running statistics (the first)
+            return row
+
+        name = f"{norm}|max_steps={max_steps}|{beyond}"
+        cell = _protocol.run_cell(train_one, args.lrs, args.seeds, args.select, cache=cache, name=name)
+        label = f"{norm} (max_steps={max_steps}{', pooled' if beyond == 'pooled' else ''})"
+        trials += [{"variant": label, **row} for row in cell.trials]
         row: dict[str, Any] = {
             "norm": norm,
             "max_steps": max_steps,
             "stats_beyond_T": beyond_note(norm, max_steps, T, beyond),
-            "status": result.status,
+            **_protocol.summarize(cell),
         }
-        if result.status == "ok":
-            _, by_position = _common.evaluate(model, val)
-            curves[f"{norm} (max_steps={max_steps}{', pooled' if beyond == 'pooled' else ''})"] = by_position
-            within, beyond = float(by_position[:T].mean()), float(by_position[T:].mean())
-            row.update(
-                loss_within_T=within,
-                loss_beyond_T=beyond,
-                loss_last_quarter=float(by_position[-L // 4 :].mean()),
-                beyond_minus_within=beyond - within,
-            )
-        row["train_seconds"] = round(result.seconds, 1)
+        chosen = [torch.tensor(t["by_position"]) for t in cell.chosen if t["by_position"]]
+        if chosen:
+            curves[label] = torch.stack(chosen).mean(0)
         rows.append(row)
-        label = f"{norm} max_steps={max_steps}" + (" pooled" if beyond == "pooled" else "")
-        print(f"  {label}: {row.get('beyond_minus_within', float('nan')):+.4f}", flush=True)
+        print(f"  {label}: {row.get('beyond_minus_within', float('nan')):+.4f} (lr {row['lr']})", flush=True)
 
-    columns = [
-        "norm",
-        "max_steps",
-        "stats_beyond_T",
-        "status",
-        "loss_within_T",
-        "loss_beyond_T",
-        "loss_last_quarter",
-        "beyond_minus_within",
-        "train_seconds",
+    columns = ["norm", "max_steps", "stats_beyond_T", "status", "lr", "seeds"]
+    measured = [*MEASURED, "loss_within_T_exact", "loss_beyond_T_exact", "beyond_minus_within_exact", "ema_gap"]
+    columns += [name for key in measured for name in (key, f"{key}_std") if any(name in row for row in rows)]
+    columns.append("seconds")
+    summary = [
+        {
+            "variant": label,
+            "lr": r["lr"],
+            **{
+                key: _protocol.pm(r[key], r[f"{key}_std"]) if key in r else ""
+                for key in [*MEASURED, "beyond_minus_within_exact"]
+            },
+        }
+        for label, r in zip(curves if len(curves) == len(rows) else [r["norm"] for r in rows], rows, strict=True)
     ]
     notes = [
         f"T = {T} training steps, L = {L} evaluation steps; LSTM hidden {args.hidden}, batch {args.batch_size}, "
-        f"{args.tokens} training tokens, Adam lr {args.lr}. Losses in nats per token, eval mode, averaged over "
+        f"{args.tokens} training tokens. Losses in nats per token, eval mode, averaged over "
         f"{len(val)} validation windows; loss_within_T is positions 0..{T - 1}, loss_beyond_T positions {T}..{L - 1}.",
+        *_protocol.notes(args, cache),
+        "The learning rate is chosen on loss_within_T (the training length), so the choice does not look at the "
+        "generalization being measured; for BN, ema_gap is on loss_beyond_T.",
         "Position 0 has no context, so loss_within_T includes the cold start; beyond_minus_within near or below 0 "
         "means no degradation past the training length.",
         f"batch_renorm uses the shortened schedule {_common.RENORM_SCHEDULE} (counted in batches per time step).",
     ]
     _common.write_results(
-        args.out, rows, columns, title=f"Length generalization: train T={T}, evaluate L={L}", run=run, notes=notes
+        args.out,
+        rows,
+        columns,
+        title=f"Length generalization: train T={T}, evaluate L={L}",
+        run=run,
+        notes=notes,
+        extra_tables=[
+            (
+                "Mean ± std over seeds (nats per token)",
+                summary,
+                ["variant", "lr", *MEASURED, "beyond_minus_within_exact"],
+            )
+        ],
     )
     _common.write_csv(
         args.out / "loss_by_position.csv",
         [{"position": t, **{name: float(c[t]) for name, c in curves.items()}} for t in range(L)],
         ["position", *curves],
+    )
+    _common.write_csv(
+        args.out / "trials.csv",
+        trials,
+        [
+            "variant",
+            "lr",
+            "seed",
+            "status",
+            *MEASURED,
+            "loss_beyond_T_exact",
+            "ema_gap",
+            "updates",
+            "tokens",
+            "seconds",
+        ],
     )
     plot(curves, T, args.out / "loss_by_position.png")
     return rows

@@ -3,38 +3,43 @@
 Ba et al. (2016) present layer normalization as usable in the online regime, one example per update, where batch
 normalization is undefined. Here every model sees the same training windows (fewer than one epoch, so each window
 once), either one per update or 32 per update, and is evaluated on the validation windows at regular token counts.
-Per-timestep BN is included at both batch sizes: at batch size 1 its row records the error it raises.
+Per-timestep BN is included at both batch sizes: at batch size 1 its row records the error it raises. Every
+(norm, batch size) follows the fair protocol of ``_protocol``: its own learning rate from ``--lrs``, mean ± std over
+``--seeds``, BN also evaluated with exact statistics (``seqnorm.update_bn``); the curves are means over the seeds.
 
-    python scripts/online_training.py --quick        # layer, none, batch; about a minute
+    python scripts/online_training.py --quick        # layer, none, batch; 2 lrs x 2 seeds; about a minute
     python scripts/online_training.py --norms layer rms weight none batch --tokens 100000
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import _common
+import _protocol
 import torch
 
 import seqnorm
 
 NAME = "online_training"
 QUICK = {
+    **_protocol.QUICK,
     "norms": ["layer", "none", "batch"],
     "batch_sizes": [1, 32],
-    "tokens": 12_000,
-    "evaluations": 6,
+    "tokens": 8_000,
+    "evaluations": 4,
     "steps": 32,
     "hidden": 64,
     "embedding": 32,
-    "val_tokens": 4_000,
-    "lr": 1e-2,
+    "val_tokens": 3_000,
 }
 FULL = {
+    **_protocol.FULL,
     "norms": ["layer", "rms", "weight", "none", "batch", "batch_renorm"],
     "batch_sizes": [1, 32],
     "tokens": 100_000,
@@ -43,7 +48,6 @@ FULL = {
     "hidden": 128,
     "embedding": 32,
     "val_tokens": 10_000,
-    "lr": 3e-3,
 }
 
 
@@ -57,8 +61,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int)
     parser.add_argument("--embedding", type=int)
     parser.add_argument("--val-tokens", type=int)
-    parser.add_argument("--lr", type=float, help="Adam learning rate for every run (default 1e-2 quick, 3e-3 full)")
+    _protocol.add_arguments(parser)
     return _common.resolve(parser.parse_args(argv), QUICK, FULL)
+
+
+def mean_curve(curves: Sequence[Sequence[tuple[int, float]]]) -> list[tuple[int, float, float]]:
+    """``(tokens, mean, std)`` at each evaluation point, over seeds (their points fall at the same token counts)."""
+    points = []
+    for column in zip(*curves, strict=False):
+        losses = [loss for _, loss in column]
+        std = statistics.stdev(losses) if len(losses) > 1 else float("nan")
+        points.append((column[0][0], statistics.fmean(losses), std))
+    return points
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
@@ -66,67 +80,129 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     run = _common.RunLog(argv, NAME)
     args = parse_args(argv)
     corpus, windows = _common.load_windows(args, args.steps)
-    val = windows["val"].head(args.val_tokens)
+    train, val = windows["train"], windows["val"].head(args.val_tokens)
     value = _common.value_name(corpus.level)
-    epoch_tokens = windows["train"].targets.numel()
-    unigram = _common.unigram_loss(windows["train"], val, corpus.vocab_size)
+    epoch_tokens = train.tokens
+    unigram = _common.unigram_loss(train, val, corpus.vocab_size)
     print(f"{corpus.source}: {args.tokens} training tokens per run ({args.tokens / epoch_tokens:.2f} epochs)")
 
-    def validation_loss(model: torch.nn.Module) -> float:
-        return _common.evaluate(model, val)[0]
+    def measure(model: torch.nn.Module) -> dict[str, float]:
+        loss = _common.evaluate(model, val)[0]
+        return {"val_loss": loss, value: _common.loss_value(loss, corpus.level)}
 
-    rows, curves = [], []
+    rows, curves, trials = [], [], []
+    cache = _protocol.TrialCache.for_args(args, NAME)
     for norm in args.norms:
         for batch_size in args.batch_sizes:
-            model = _common.build_model(corpus.vocab_size, args, norm, max_steps=args.steps)
-            result = _common.train_language_model(
-                model,
-                windows["train"],
-                batch_size=batch_size,
-                tokens=args.tokens,
-                lr=args.lr,
-                seed=args.seed,
-                evaluate_every=max(1, args.tokens // args.evaluations),
-                evaluate_fn=validation_loss,
-            )
-            ok = result.status == "ok"
-            losses = [loss for _, loss in result.curve[1:]] if ok else []
-            final = losses[-1] if losses else float("nan")
-            rows.append(
-                {
-                    "norm": norm,
-                    "batch_size": batch_size,
-                    "status": result.status,
-                    "updates": result.updates,
-                    "tokens": result.tokens,
-                    "val_loss": final,
-                    value: _common.loss_value(final, corpus.level),
-                    "best_val_loss": min(losses) if losses else float("nan"),
-                    "seconds": round(result.seconds, 1),
-                }
-            )
-            for tokens, loss in result.curve if ok else []:
+
+            def train_one(lr: float, seed: int, norm: str = norm, batch_size: int = batch_size) -> dict[str, Any]:
+                model = _common.build_model(corpus.vocab_size, args, norm, max_steps=args.steps, seed=seed)
+                row, result = _protocol.trial(
+                    model,
+                    train,
+                    norm=norm,
+                    measure=measure,
+                    stats_tokens=args.bn_stats_tokens,
+                    gap_key=value,
+                    batch_size=batch_size,
+                    tokens=args.tokens,
+                    lr=lr,
+                    seed=seed,
+                    evaluate_every=max(1, args.tokens // args.evaluations),
+                    evaluate_fn=lambda m: measure(m)["val_loss"],
+                )
+                row["curve"] = [[tokens, loss] for tokens, loss in result.curve] if result.status == "ok" else []
+                if row["curve"]:
+                    row["best_val_loss"] = min(loss for _, loss in row["curve"][1:])
+                return row
+
+            name = f"{norm}|B={batch_size}"
+            cell = _protocol.run_cell(train_one, args.lrs, args.seeds, args.select, cache=cache, name=name)
+            trials += [{"norm": norm, "batch_size": batch_size, **row} for row in cell.trials]
+            row = {"norm": norm, "batch_size": batch_size, **_protocol.summarize(cell)}
+            rows.append(row)
+            chosen = [trial["curve"] for trial in cell.chosen if trial["curve"]]
+            for tokens, loss, std in mean_curve(chosen) if chosen else []:
                 curves.append(
                     {
                         "norm": norm,
                         "batch_size": batch_size,
+                        "lr": cell.lr,
                         "tokens": tokens,
                         "val_loss": loss,
+                        "val_loss_std": std,
                         value: _common.loss_value(loss, corpus.level),
                     }
                 )
-            print(f"  {norm:<13} batch {batch_size:>3}: {rows[-1][value]:.4f} {value} ({result.status})", flush=True)
-    columns = ["norm", "batch_size", "status", "updates", "tokens", "val_loss", value, "best_val_loss", "seconds"]
+            print(
+                f"  {norm:<13} batch {batch_size:>3}: {row.get(value, float('nan')):.4f} {value} (lr {row['lr']}, "
+                f"{row['status']})",
+                flush=True,
+            )
+    columns = ["norm", "batch_size", "status", "lr", "seeds", "updates", "tokens"]
+    measured = ["val_loss", value, f"{value}_exact", "ema_gap", "best_val_loss"]
+    columns += [name for key in measured for name in (key, f"{key}_std") if any(name in row for row in rows)]
+    columns.append("seconds")
     notes = [
         f"Equal budget: {args.tokens} training tokens ({args.tokens / epoch_tokens:.2f} epochs"
         f"{': each window seen at most once' if args.tokens <= epoch_tokens else ''}) in windows of {args.steps} "
-        f"steps; LSTM hidden {args.hidden}; Adam lr {args.lr} for every run; "
-        f"val_loss (nats per token, eval mode) on {len(val)} validation windows at the end of training.",
+        f"steps; LSTM hidden {args.hidden}; val_loss (nats per token, eval mode) on {len(val)} validation windows "
+        "at the end of training.",
+        *_protocol.notes(args, cache),
         f"No-context baseline: val_loss {unigram:.4f} ({value} {_common.loss_value(unigram, corpus.level):.4f}).",
-        f"Learning curves (validation every ~1/{args.evaluations} of the budget): curves.csv, learning_curves.png.",
+        f"Learning curves (validation every ~1/{args.evaluations} of the budget, mean over seeds at the chosen "
+        "rate, running statistics for BN): curves.csv, learning_curves.png.",
     ]
-    _common.write_results(args.out, rows, columns, title="Online (batch size 1) vs batch 32", run=run, notes=notes)
-    _common.write_csv(args.out / "curves.csv", curves, ["norm", "batch_size", "tokens", "val_loss", value])
+    summary = [
+        {
+            "norm": r["norm"],
+            "batch_size": r["batch_size"],
+            "lr": r["lr"],
+            "updates": r["updates"],
+            value: _protocol.pm(r[value], r[f"{value}_std"]) if r["status"] == "ok" else r["status"].split(":")[0],
+            f"{value}_exact": _protocol.pm(r[f"{value}_exact"], r[f"{value}_exact_std"])
+            if f"{value}_exact" in r
+            else "",
+        }
+        for r in rows
+    ]
+    _common.write_results(
+        args.out,
+        rows,
+        columns,
+        title="Online (batch size 1) vs batch 32",
+        run=run,
+        notes=notes,
+        extra_tables=[
+            (
+                f"{value}, mean ± std over seeds",
+                summary,
+                ["norm", "batch_size", "lr", "updates", value, f"{value}_exact"],
+            )
+        ],
+    )
+    _common.write_csv(
+        args.out / "curves.csv", curves, ["norm", "batch_size", "lr", "tokens", "val_loss", "val_loss_std", value]
+    )
+    _common.write_csv(
+        args.out / "trials.csv",
+        trials,
+        [
+            "norm",
+            "batch_size",
+            "lr",
+            "seed",
+            "status",
+            "val_loss",
+            value,
+            f"{value}_exact",
+            "ema_gap",
+            "best_val_loss",
+            "updates",
+            "tokens",
+            "seconds",
+        ],
+    )
     plot(curves, value, _common.loss_value(unigram, corpus.level), args.out / "learning_curves.png")
     return rows
 

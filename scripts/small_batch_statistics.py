@@ -4,10 +4,12 @@
    padded batch end at different steps, so per-timestep BN at step t sees only the rows still active. We batch the
    training lines as the library's ``BucketBatchSampler`` does (similar lengths together) and at random, and count:
    the mean share of active rows over the steps run, and the share of batches with a step where exactly one row is
-   left, which with ``small_batch="error"`` raises (the longest line is alone at its tail unless tied).
-2. Train/eval discrepancy. A BN-LSTM trained on full windows is evaluated on validation windows twice: in eval
-   mode (running statistics) and in training mode (statistics of each validation batch of size B). The difference
-   is what a BN model's predictions depend on its batch-mates.
+   left, which ``small_batch="error"`` refuses and the default ``"tail"`` normalizes with that step's running
+   statistics (the longest line is alone at its tail unless tied).
+2. Train/eval discrepancy. A BN-LSTM trained on full windows (under the fair protocol of ``_protocol``: its
+   learning rate from ``--lrs``, every measurement a mean over ``--seeds`` trained models) is evaluated on
+   validation windows twice: in eval mode (running statistics) and in training mode (statistics of each validation
+   batch of size B). The difference is what a BN model's predictions depend on its batch-mates.
 3. Noise of batch statistics. From the trained model's pre-norm recurrent term ``W_hh h`` (read through the cell's
    ``observer`` hook) at every step, we draw many batches of B rows and measure the spread of their mean and
    variance estimates relative to the population's: sampling theory says about ``1/sqrt(B)`` for the mean and
@@ -22,12 +24,14 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import _common
+import _protocol
 import torch
 import torch.nn.functional as F
 
@@ -35,6 +39,7 @@ from seqnorm.data import BucketBatchSampler, TextCorpus
 
 NAME = "small_batch_statistics"
 QUICK = {
+    **_protocol.QUICK,
     "batch_sizes": [1, 2, 4, 8, 16, 32, 64],
     "steps": 25,
     "train_batch_size": 32,
@@ -42,9 +47,9 @@ QUICK = {
     "hidden": 64,
     "embedding": 32,
     "val_tokens": 12_000,
-    "lr": 1e-2,
 }
 FULL = {
+    **_protocol.FULL,
     "batch_sizes": [1, 2, 4, 8, 16, 32, 64],
     "steps": 50,
     "train_batch_size": 32,
@@ -52,7 +57,6 @@ FULL = {
     "hidden": 128,
     "embedding": 32,
     "val_tokens": None,
-    "lr": 3e-3,
 }
 DRAWS = 200  # random batches per (batch size, step) for the noise estimates
 
@@ -67,7 +71,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--embedding", type=int)
     parser.add_argument("--val-tokens", type=int)
     parser.add_argument("--max-length", type=int, default=128, help="lines are cut into pieces of this many ids")
-    parser.add_argument("--lr", type=float, help="Adam learning rate (default 1e-2 quick, 3e-3 full)")
+    _protocol.add_arguments(parser)
     return _common.resolve(parser.parse_args(argv), QUICK, FULL)
 
 
@@ -175,15 +179,34 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     lengths = line_lengths(args)
     corpus, windows = _common.load_windows(args, args.steps)
-    val = windows["val"].head(args.val_tokens)
-    model = _common.build_model(corpus.vocab_size, args, "batch", max_steps=args.steps)
-    trained = _common.train_language_model(
-        model, windows["train"], batch_size=args.train_batch_size, tokens=args.tokens, lr=args.lr, seed=args.seed
-    )
-    if trained.status != "ok":
-        raise SystemExit(f"{NAME}: the BN model did not train: {trained.status}")
-    eval_loss = _common.evaluate(model, val)[0]
-    population = recurrent_terms(model, val)  # (T, N, 4H)
+    train, val = windows["train"], windows["val"].head(args.val_tokens)
+    models: dict[tuple[float, int], torch.nn.Module] = {}
+
+    def train_one(lr: float, seed: int) -> dict[str, Any]:
+        model = _common.build_model(corpus.vocab_size, args, "batch", max_steps=args.steps, seed=seed)
+        row, _ = _protocol.trial(
+            model,
+            train,
+            norm="batch",
+            measure=lambda m: {"val_loss": _common.evaluate(m, val)[0]},
+            stats_tokens=args.bn_stats_tokens,
+            gap_key="val_loss",
+            batch_size=args.train_batch_size,
+            tokens=args.tokens,
+            lr=lr,
+            seed=seed,
+        )
+        models[(lr, seed)] = model
+        return row
+
+    # The BN model is trained under the fair protocol; the measurements below are means over its seeds.
+    cell = _protocol.run_cell(train_one, args.lrs, args.seeds, args.select)
+    if cell.lr is None:
+        raise SystemExit(f"{NAME}: the BN model did not train: {cell.trials[0]['status']}")
+    trained = _protocol.summarize(cell)
+    chosen = [models[(cell.lr, row["seed"])] for row in cell.chosen]
+    populations = [recurrent_terms(model, val) for model in chosen]  # each (T, N, 4H)
+    population = populations[0]
     rows, by_step = [], {}
     for batch_size in args.batch_sizes:
         row: dict[str, Any] = {"batch_size": batch_size}
@@ -192,15 +215,23 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             row[f"active_share_{label}"] = measured["active_share"]
             row[f"raising_batches_{label}"] = measured["raising_batches"]
         if batch_size <= population.shape[1]:
-            row["mean_noise"], row["var_noise"] = statistic_noise(population, batch_size, args.seed)
+            noise = [statistic_noise(p, batch_size, seed) for seed, p in enumerate(populations)]
+            row["mean_noise"] = statistics.fmean(mean for mean, _ in noise)
+            row["var_noise"] = statistics.fmean(var for _, var in noise)
             finite = math.sqrt((population.shape[1] - batch_size) / (population.shape[1] - 1))
             row["mean_noise_theory"] = finite / math.sqrt(batch_size)
             # BN divides by the biased variance; for Gaussian data its relative std is sqrt(2 (B-1)) / B.
             row["var_noise_theory"] = math.sqrt(2 * (batch_size - 1)) / batch_size if batch_size > 1 else math.nan
-        row["eval_mode_loss"] = eval_loss
+        row["eval_mode_loss"] = trained["val_loss"]
+        row["eval_mode_loss_exact"] = trained["val_loss_exact"]
         try:
-            row["train_mode_loss"] = train_mode_loss(model, val, batch_size) if batch_size <= len(val) else math.nan
-            row["train_eval_gap"] = row["train_mode_loss"] - eval_loss
+            gaps = [
+                train_mode_loss(model, val, batch_size) - run["val_loss"] if batch_size <= len(val) else math.nan
+                for model, run in zip(chosen, cell.chosen, strict=True)
+            ]
+            row["train_eval_gap"] = statistics.fmean(gaps)
+            row["train_eval_gap_std"] = statistics.stdev(gaps) if len(gaps) > 1 else math.nan
+            row["train_mode_loss"] = trained["val_loss"] + row["train_eval_gap"]
             row["train_mode_status"] = "ok"
         except ValueError as error:
             row["train_mode_status"] = _common.describe_error(error)
@@ -217,17 +248,22 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         "var_noise",
         "var_noise_theory",
         "eval_mode_loss",
+        "eval_mode_loss_exact",
         "train_mode_loss",
         "train_eval_gap",
+        "train_eval_gap_std",
         "train_mode_status",
     ]
     notes = [
         f"1. {len(lengths)} training lines of {corpus.source} (input lengths {min(lengths)}..{max(lengths)}). "
         "active_share: mean share of a batch's rows still active, over the steps the batch runs; raising_batches: "
-        'share of batches with a step where < 2 rows are active (BN with small_batch="error" raises there).',
-        f"2. BN-LSTM (hidden {args.hidden}) trained on {trained.tokens} tokens of {args.steps}-step windows at batch "
-        f"{args.train_batch_size} ({trained.seconds:.0f} s); losses in nats per token on {len(val)} validation "
-        "windows.",
+        "share of batches with a step where < 2 rows are active (small_batch='error' raises there; the default "
+        "'tail' normalizes that step with its running statistics).",
+        f"2. BN-LSTM (hidden {args.hidden}) trained on {trained['tokens']:.0f} tokens of {args.steps}-step windows at "
+        f"batch {args.train_batch_size}, lr {cell.lr} chosen from {args.lrs} ({args.select} rule), {len(chosen)} "
+        f"seeds ({trained['seconds']:.1f} s each); losses in nats per token on {len(val)} validation windows, "
+        "means over the seeds (train_eval_gap_std: their spread); eval_mode_loss_exact after seqnorm.update_bn "
+        f"over {args.bn_stats_tokens} training tokens.",
         f"3. Noise: median over steps 1..{args.steps - 1} and the {population.shape[2]} features of the pre-norm "
         f"recurrent term, {DRAWS} random batches drawn without replacement from {population.shape[1]} validation "
         "windows; theory: sqrt((N-B)/(N-1))/sqrt(B) for the mean, sqrt(2(B-1))/B for the biased variance of "

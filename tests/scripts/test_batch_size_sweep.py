@@ -1,7 +1,8 @@
-"""The batch-size sweep's quick path on tiny settings: one row per (norm, batch size), BN's error recorded."""
+"""The batch-size sweep on tiny settings: a row per (norm, batch size) under the fair protocol, BN's error recorded."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,9 +32,62 @@ def test_grid_rows_and_statuses(tmp_path: Path, read_csv: Callable, finite: Call
             assert finite(row["val_loss"]) and finite(row["val_bpc"]), key
             assert int(row["tokens"]) >= 160
     markdown = (out / "results.md").read_text()
-    assert "| norm | batch_size | status | val_loss |" in markdown
+    assert "| norm | batch_size | status | lr | seeds | val_bpc |" in markdown
     assert "Command: `python scripts/batch_size_sweep.py --quick" in markdown
     assert (out / "val_by_batch_size.png").stat().st_size > 0
+    # BN is evaluated twice (running and exact statistics); the batch-independent norms once.
+    for (norm, size), row in cells.items():
+        has_exact = norm == "batch" and size == 2
+        assert finite(row["val_bpc_exact"]) == has_exact and finite(row["ema_gap"]) == has_exact, (norm, size)
+    assert float(cells[("batch", 2)]["ema_gap"]) == pytest.approx(
+        float(cells[("batch", 2)]["val_bpc"]) - float(cells[("batch", 2)]["val_bpc_exact"]), abs=1e-6
+    )
+    assert "BN with exact statistics" in markdown and "Chosen learning rate" in markdown
+
+
+def test_protocol_chooses_the_best_mean_and_reports_every_run(tmp_path: Path, read_csv: Callable) -> None:
+    out = tmp_path / "sweep"
+    lrs = ["0.0001", "0.01"]
+    argv = [*TINY, "--norms", "none", "layer", "--batch-sizes", "2", "8", "--lrs", *lrs, "--seeds", "3",
+            "--select", "mean", "--out", str(out)]  # fmt: skip
+    returned = batch_size_sweep.main(argv)
+    trials = read_csv(out / "trials.csv")
+    assert len(trials) == 2 * 2 * len(lrs) * 3
+    table = batch_size_sweep.summary(returned, "val_bpc")  # what demo.py prints
+    assert [row["norm"] for row in table] == ["none", "layer"] and batch_size_sweep.summary_columns(returned) == [
+        "B=2",
+        "B=8",
+    ]
+    assert all(" ± " in row[column] for row in table for column in ("B=2", "B=8"))
+    for row in read_csv(out / "results.csv"):
+        runs = [t for t in trials if (t["norm"], t["batch_size"]) == (row["norm"], row["batch_size"])]
+        means = {lr: statistics.fmean(float(t["val_loss"]) for t in runs if t["lr"] == lr) for lr in lrs}
+        assert float(row["lr"]) == float(min(means, key=means.__getitem__))
+        chosen = [float(t["val_loss"]) for t in runs if float(t["lr"]) == float(row["lr"])]
+        assert float(row["val_loss"]) == pytest.approx(statistics.fmean(chosen), rel=1e-6)
+        assert float(row["val_loss_std"]) == pytest.approx(statistics.stdev(chosen), rel=1e-5)  # CSV: 8 digits
+        assert row["seeds"] == "3" and row["val_bpc_exact"] == ""
+    # Equal tokens: every run saw the budget (and less than one more batch of 8-step windows).
+    assert all(160 <= int(t["tokens"]) < 160 + 8 * int(t["batch_size"]) for t in trials)
+    markdown = (out / "results.md").read_text()
+    assert "| norm | batch_size | lr=0.0001 | lr=0.01 |" in markdown
+
+
+def test_lines_and_equal_updates(tmp_path: Path, read_csv: Callable, finite: Callable) -> None:
+    out = tmp_path / "sweep"
+    argv = [*TINY, "--unit", "line", "--updates", "3", "--evaluations", "2", "--norms", "none", "--batch-sizes", "2",
+            "4", "--out", str(out)]  # fmt: skip
+    batch_size_sweep.main(argv)
+    rows = read_csv(out / "results.csv")
+    assert [int(row["updates"]) for row in rows] == [3, 3]
+    assert all(row["status"] == "ok" and finite(row["val_loss"]) and finite(row["last_gain"]) for row in rows)
+    curves = read_csv(out / "curves.csv")
+    trials = read_csv(out / "trials.csv")
+    assert {(c["lr"], c["seed"], c["batch_size"]) for c in curves} == {
+        (t["lr"], t["seed"], t["batch_size"]) for t in trials
+    }
+    assert min(int(c["tokens"]) for c in curves) == 0 and (out / "learning_curves.png").exists()
+    assert "lines (pieces of at most 8)" in (out / "results.md").read_text()
 
 
 def test_user_text_file(tmp_path: Path, read_csv: Callable, finite: Callable) -> None:
@@ -49,3 +103,15 @@ def test_user_text_file(tmp_path: Path, read_csv: Callable, finite: Callable) ->
 def test_bad_sources_are_refused_before_any_download(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         batch_size_sweep.main(argv)
+
+
+def test_bn_on_lines_uses_running_statistics_at_single_row_tails(tmp_path: Path, read_csv: Callable) -> None:
+    rows = {}
+    for unit in ("line", "window"):
+        out = tmp_path / unit
+        argv = [*TINY, "--unit", unit, "--tokens", "400", "--norms", "batch", "--batch-sizes", "4", "--seeds", "1",
+                "--out", str(out)]  # fmt: skip
+        batch_size_sweep.main(argv)
+        (rows[unit],) = read_csv(out / "results.csv")
+    assert rows["line"]["status"] == "ok" and float(rows["line"]["fallback_per_update"]) > 0
+    assert rows["window"]["status"] == "ok" and float(rows["window"]["fallback_per_update"]) == 0

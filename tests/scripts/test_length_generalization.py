@@ -32,6 +32,7 @@ def test_rows_and_loss_by_position(tmp_path: Path, read_csv: Callable, finite: C
     ]
     for row in rows:
         assert row["status"] == "ok"
+        assert finite(row["loss_beyond_T_exact"]) == (row["norm"] == "batch")  # BN also with exact statistics
         assert all(finite(row[key]) for key in ("loss_within_T", "loss_beyond_T", "beyond_minus_within"))
     positions = read_csv(out / "loss_by_position.csv")
     assert len(positions) == 12 and all(finite(value) for row in positions for value in row.values())

@@ -1,0 +1,147 @@
+"""The experiment scripts' data: a split as padded token sequences, either fixed windows or natural lines.
+
+Two ways to cut the same text (``--unit``):
+
+- ``window``: the corpus read as one token stream and cut into windows of equal length (``unit="window"``). Every
+  time step of every batch then has all its rows, so per-timestep BN sees full batches everywhere; the short last
+  window of each split is dropped.
+- ``line``: one line per sequence (``unit="line"``, input ``<bos> + line``, target ``line + <eos>``), padded to
+  the longest line of each batch. Rows end at different steps, so the tail steps of a batch have fewer active rows
+  than the batch size, down to one: the variable-length mechanism of per-timestep BN (its ``small_batch`` policy)
+  is exercised only here. Lines longer than the window are cut into pieces by the library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from seqnorm.data import DataError, TextCorpus
+
+__all__ = ["UNITS", "Sequences", "load_sequences", "load_windows", "loss_value", "unigram_loss", "value_name"]
+
+UNITS = ("window", "line")
+
+
+@dataclass
+class Sequences:
+    """Next-token sequences of one split, padded on the right with id 0 (the library's padding id).
+
+    Attributes:
+        inputs: ``(N, T)`` token ids, ``T`` the longest sequence.
+        targets: ``(N, T)`` the next token at each position (padding where the input is padding).
+        lengths: ``(N,)`` real positions of each sequence (all ``T`` for windows).
+    """
+
+    inputs: Tensor
+    targets: Tensor
+    lengths: Tensor
+
+    def __len__(self) -> int:
+        return self.inputs.shape[0]
+
+    @property
+    def steps(self) -> int:
+        """``T``: the longest sequence's length."""
+        return self.inputs.shape[1]
+
+    @property
+    def ragged(self) -> bool:
+        """Whether any sequence is shorter than ``T`` (then the model needs ``lengths``)."""
+        return bool((self.lengths < self.steps).any())
+
+    @property
+    def tokens(self) -> int:
+        """Real target tokens (padding excluded)."""
+        return int(self.lengths.sum())
+
+    def batch(self, index: Tensor) -> Sequences:
+        """The sequences at ``index``, trimmed to the longest of them (less padding to run through)."""
+        lengths = self.lengths[index]
+        longest = int(lengths.max())
+        return Sequences(self.inputs[index, :longest], self.targets[index, :longest], lengths)
+
+    def model_inputs(self) -> tuple[Tensor, ...]:
+        """What ``RNNLanguageModel`` is called with: ``(inputs,)``, or ``(inputs, lengths)`` when ragged."""
+        return (self.inputs, self.lengths) if self.ragged else (self.inputs,)
+
+    def head(self, max_tokens: int | None) -> Sequences:
+        """The first sequences holding at most ``max_tokens`` target tokens (at least one sequence)."""
+        if max_tokens is None:
+            return self
+        count = max(1, int((self.lengths.cumsum(0) <= max_tokens).sum()))
+        return self.batch(torch.arange(count))
+
+
+def _stack(sequences: list[Tensor]) -> Sequences:
+    padded = torch.nn.utils.rnn.pad_sequence(sequences, batch_first=True)  # (N, T + 1), padding id 0
+    lengths = torch.tensor([len(s) - 1 for s in sequences])
+    targets = padded[:, 1:].clone()
+    return Sequences(padded[:, :-1], targets, lengths)
+
+
+def load_sequences(
+    args: argparse.Namespace, steps: int, unit: str = "window", vocab_from: TextCorpus | None = None
+) -> tuple[TextCorpus, dict[str, Sequences]]:
+    """The ``train`` and ``val`` splits of ``--text``/``--dataset`` (else the embedded corpus) cut by ``unit``.
+
+    ``steps`` is the window's number of predictions, or for lines the most any piece of a line has. ``vocab_from``
+    shares another corpus's vocabulary (the same text cut another way; the vocabularies of one text agree).
+    """
+    if unit not in UNITS:
+        raise ValueError(f"load_sequences: expected unit to be one of {', '.join(UNITS)}, got {unit!r}")
+    corpus = TextCorpus(
+        path=args.text,
+        dataset=args.dataset,
+        unit=unit,  # type: ignore[arg-type]
+        window_length=steps + 1,
+        batch_size=1,  # batching happens in the scripts' own loop
+        seed=args.seed,
+        cache_dir=args.cache_dir,
+    )
+    if vocab_from is not None:
+        corpus.load_state_dict(vocab_from.state_dict())
+    splits = {}
+    for split in ("train", "val"):
+        sequences = corpus.datasets[split].sequences  # type: ignore[attr-defined]
+        if unit == "window":
+            sequences = [s for s in sequences if len(s) == steps + 1]
+        if not sequences:
+            raise DataError(
+                f"{corpus.source}: the {split} split has no window of {steps + 1} tokens; add text or use fewer steps"
+            )
+        splits[split] = _stack(sequences)
+    return corpus, splits
+
+
+def load_windows(
+    args: argparse.Namespace, steps: int, vocab_from: TextCorpus | None = None
+) -> tuple[TextCorpus, dict[str, Sequences]]:
+    """:func:`load_sequences` with ``unit="window"``: every sequence exactly ``steps`` long."""
+    return load_sequences(args, steps, "window", vocab_from)
+
+
+def unigram_loss(train: Sequences, val: Sequences, vocab_size: int) -> float:
+    """Validation loss (nats per token) of the training split's token frequencies: the no-context baseline."""
+    real_train = train.targets[_real(train)]
+    counts = torch.bincount(real_train, minlength=vocab_size).double() + 1.0  # add-one: no log(0)
+    log_probs = (counts / counts.sum()).log()
+    return float(-log_probs[val.targets[_real(val)]].mean())
+
+
+def _real(sequences: Sequences) -> Tensor:
+    return torch.arange(sequences.steps) < sequences.lengths.unsqueeze(1)  # (N, T)
+
+
+def value_name(level: str) -> str:
+    """``val_bpc`` for character models, ``val_ppl`` for word models."""
+    return "val_bpc" if level == "char" else "val_ppl"
+
+
+def loss_value(loss: float, level: str) -> float:
+    """Bits per character (char level) or perplexity (word level) of a loss in nats per token."""
+    return loss / math.log(2) if level == "char" else math.exp(min(loss, 50.0))
