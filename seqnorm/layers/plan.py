@@ -186,8 +186,8 @@ def _forward_plan(
 
 
 def _indexed_by_step(cell: RecurrentCell) -> bool:
-    """Whether a norm of ``cell`` keeps statistics per time step, so the step index changes what it computes."""
-    return any(getattr(module, "max_steps", 1) > 1 for module in cell.modules() if module is not cell)
+    """Whether a norm of ``cell`` declares that the step index changes what it computes (``indexed_by_step``)."""
+    return any(getattr(module, "indexed_by_step", False) for module in cell.modules() if module is not cell)
 
 
 def _hoisting_blocker(cells: list[RecurrentCell]) -> str | None:

@@ -49,7 +49,7 @@ folded scale and offset per step) are in :mod:`seqnorm.norms.batch_pieces`, whic
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -73,7 +73,7 @@ DEFAULT_MAX_STEPS = 100
 """Time steps with their own batch statistics unless ``max_steps`` says otherwise: the one place the default is."""
 
 SmallBatchPolicy = Literal["tail", "error", "running"]
-SMALL_BATCH_POLICIES: tuple[str, ...] = ("tail", "error", "running")
+SMALL_BATCH_POLICIES: tuple[str, ...] = get_args(SmallBatchPolicy)
 DEFAULT_SMALL_BATCH: SmallBatchPolicy = "tail"
 """What a training step with fewer than 2 active rows does unless ``small_batch`` says otherwise (module docstring)."""
 BeyondMaxSteps = Literal["last", "pooled"]
@@ -149,6 +149,8 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
     """
 
     fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "bptt", "generation"})
+    indexed_by_step: ClassVar[bool] = True
+    """The step index selects the statistics (a layer started at ``first_step > 0`` must pass it on)."""
 
     def __init__(
         self,

@@ -21,6 +21,7 @@ class _OverTime:
     """Statistics over batch × time: a sequence batch is one batch of its real positions (one row of buffers)."""
 
     whole_sequence = True  # a cell cannot form these statistics one step at a time in training
+    indexed_by_step = False  # one row of statistics for every step
     owner: str
     training: bool
 
