@@ -45,6 +45,7 @@ __all__ = [
     "loss_value",
     "make_parser",
     "markdown_table",
+    "model_outputs",
     "pyplot",
     "resolve",
     "train_language_model",
@@ -130,10 +131,20 @@ def describe_error(error: Exception) -> str:
     return f"{type(error).__name__}: {sentence}"
 
 
-def _losses(model: nn.Module, batch: Sequences) -> Tensor:
-    """Per-position losses ``(B, T)`` of one batch; zero at padding (its target is the padding id 0)."""
-    logits = model(*batch.model_inputs())  # (B, T, V)
-    return F.cross_entropy(logits.transpose(1, 2), batch.targets, reduction="none", ignore_index=0)
+def model_outputs(model: nn.Module, batch: Sequences, state: Any = None) -> tuple[Tensor, Any]:
+    """Logits ``(B, T, V)`` of one batch and its final recurrent state, detached (gradients stop at the window
+    boundary). A stream window (``batch.stateful``) starts from ``state``; other batches from zeros (state ``None``)."""
+    if not batch.stateful:
+        return model(*batch.model_inputs()), None
+    logits, final = model.forward_with_state(batch.inputs, None, state)  # streams are never padded
+    return logits, final.detach() if isinstance(final, Tensor) else tuple(t.detach() for t in final)
+
+
+def _losses(model: nn.Module, batch: Sequences, state: Any = None) -> tuple[Tensor, Any]:
+    """Per-position losses ``(B, T)`` of one batch (zero at padding: its target is the padding id 0) and the final
+    state (:func:`model_outputs`)."""
+    logits, final = model_outputs(model, batch, state)
+    return F.cross_entropy(logits.transpose(1, 2), batch.targets, reduction="none", ignore_index=0), final
 
 
 @torch.no_grad()
@@ -143,9 +154,12 @@ def evaluate(model: nn.Module, sequences: Sequences, batch_size: int = 64) -> tu
     model.eval()
     total = torch.zeros(sequences.steps, dtype=torch.float64)
     count = torch.zeros(sequences.steps, dtype=torch.float64)
-    for start in range(0, len(sequences), batch_size):
-        batch = sequences.batch(torch.arange(start, min(start + batch_size, len(sequences))))
-        losses = _losses(model, batch)
+    # Stream windows: the split read as one stream, window after window, the state carried.
+    batches = sequences.stream_batches(1) if sequences.stateful else torch.arange(len(sequences)).split(batch_size)
+    state = None
+    for index in batches:
+        batch = sequences.batch(index)
+        losses, state = _losses(model, batch, state)
         total[: batch.steps] += losses.sum(0).double()
         count[: batch.steps] += (torch.arange(batch.steps) < batch.lengths.unsqueeze(1)).sum(0)
     model.train(was_training)
@@ -186,7 +200,8 @@ def train_language_model(
     evaluate_every: int | None = None,
     evaluate_fn: Callable[[nn.Module], float] | None = None,
 ) -> TrainResult:
-    """Adam on shuffled sequences in batches of ``batch_size`` until ``tokens`` target tokens have been seen.
+    """Adam on shuffled sequences in batches of ``batch_size`` until ``tokens`` target tokens have been seen
+    (stream windows, ``train.stateful``: in stream order, the state carried).
 
     ``max_updates`` instead stops after that many updates (the equal-updates view; ``tokens`` is then ignored).
     Every sequence is used once per epoch (the last partial batch of an epoch is dropped), so a budget below one
@@ -205,6 +220,7 @@ def train_language_model(
         result.curve.append((0, evaluate_fn(model)))
     model.train()
     batches: list[Tensor] = []
+    state = None  # the carried state of stream windows
     start = time.perf_counter()
 
     def more() -> bool:
@@ -213,11 +229,15 @@ def train_language_model(
     try:
         while more():
             if not batches:
-                order = torch.randperm(len(train), generator=generator)
-                batches = list(order[: len(order) - len(order) % batch_size].split(batch_size))[::-1]
+                if train.stateful:  # in order: window k of every stream, then k + 1; a new epoch starts from zeros
+                    batches, state = train.stream_batches(batch_size)[::-1], None
+                else:
+                    order = torch.randperm(len(train), generator=generator)
+                    batches = list(order[: len(order) - len(order) % batch_size].split(batch_size))[::-1]
             batch = train.batch(batches.pop())
             real = batch.tokens
-            loss = _losses(model, batch).sum() / real
+            positions, state = _losses(model, batch, state)
+            loss = positions.sum() / real
             if not torch.isfinite(loss):
                 result.status = f"diverged: loss {float(loss)} at update {result.updates}"
                 break

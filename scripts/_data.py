@@ -1,6 +1,6 @@
 """The experiment scripts' data: a split as padded token sequences, either fixed windows or natural lines.
 
-Two ways to cut the same text (``--unit``):
+Three ways to cut the same text (``--unit``):
 
 - ``window``: the corpus read as one token stream and cut into windows of equal length (``unit="window"``). Every
   time step of every batch then has all its rows, so per-timestep BN sees full batches everywhere; the short last
@@ -9,6 +9,12 @@ Two ways to cut the same text (``--unit``):
   the longest line of each batch. Rows end at different steps, so the tail steps of a batch have fewer active rows
   than the batch size, down to one: the variable-length mechanism of per-timestep BN (its ``small_batch`` policy)
   is exercised only here. Lines longer than the window are cut into pieces by the library.
+- ``stream``: the windows of ``window``, read as stateful truncated BPTT (char-rnn / AWD-LSTM): the split's windows,
+  in text order, are cut into ``B`` contiguous streams (:func:`seqnorm.data.streams.contiguous_streams` on their
+  indices), batch ``k`` holds window ``k`` of every stream, and the model starts each window from the previous
+  window's final state, detached (:meth:`Sequences.stream_batches`). Evaluation reads the split as one stream, one
+  window after another, carrying the state. Per-timestep BN numbers every window's steps from 0 (the library's
+  ``stream_steps="restart"``).
 """
 
 from __future__ import annotations
@@ -21,10 +27,11 @@ import torch
 from torch import Tensor
 
 from seqnorm.data import DataError, TextCorpus
+from seqnorm.data.streams import contiguous_streams
 
 __all__ = ["UNITS", "Sequences", "load_sequences", "load_windows", "loss_value", "unigram_loss", "value_name"]
 
-UNITS = ("window", "line")
+UNITS = ("window", "line", "stream")
 
 
 @dataclass
@@ -35,11 +42,14 @@ class Sequences:
         inputs: ``(N, T)`` token ids, ``T`` the longest sequence.
         targets: ``(N, T)`` the next token at each position (padding where the input is padding).
         lengths: ``(N,)`` real positions of each sequence (all ``T`` for windows).
+        stateful: the rows are consecutive windows of one text, read as streams with the state carried
+            (``unit="stream"``).
     """
 
     inputs: Tensor
     targets: Tensor
     lengths: Tensor
+    stateful: bool = False
 
     def __len__(self) -> int:
         return self.inputs.shape[0]
@@ -63,7 +73,13 @@ class Sequences:
         """The sequences at ``index``, trimmed to the longest of them (less padding to run through)."""
         lengths = self.lengths[index]
         longest = int(lengths.max())
-        return Sequences(self.inputs[index, :longest], self.targets[index, :longest], lengths)
+        return Sequences(self.inputs[index, :longest], self.targets[index, :longest], lengths, self.stateful)
+
+    def stream_batches(self, batch_size: int) -> list[Tensor]:
+        """The row indices of each batch when the rows are read as ``batch_size`` contiguous streams: batch ``k`` is
+        window ``k`` of every stream (the rows that do not fill all streams are left out)."""
+        streams = contiguous_streams(torch.arange(len(self)), batch_size, flag="--batch-sizes")  # (B, windows)
+        return list(streams.unbind(1))
 
     def model_inputs(self) -> tuple[Tensor, ...]:
         """What ``RNNLanguageModel`` is called with: ``(inputs,)``, or ``(inputs, lengths)`` when ragged."""
@@ -97,7 +113,7 @@ def load_sequences(
     corpus = TextCorpus(
         path=args.text,
         dataset=args.dataset,
-        unit=unit,  # type: ignore[arg-type]
+        unit="window" if unit == "stream" else unit,  # type: ignore[arg-type]
         window_length=steps + 1,
         batch_size=1,  # batching happens in the scripts' own loop
         seed=args.seed,
@@ -108,13 +124,14 @@ def load_sequences(
     splits = {}
     for split in ("train", "val"):
         sequences = corpus.datasets[split].sequences  # type: ignore[attr-defined]
-        if unit == "window":
+        if unit != "line":
             sequences = [s for s in sequences if len(s) == steps + 1]
         if not sequences:
             raise DataError(
                 f"{corpus.source}: the {split} split has no window of {steps + 1} tokens; add text or use fewer steps"
             )
         splits[split] = _stack(sequences)
+        splits[split].stateful = unit == "stream"
     return corpus, splits
 
 

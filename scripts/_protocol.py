@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import Sequences, TrainResult, train_language_model
-from torch import nn
+from _common import Sequences, TrainResult, model_outputs, train_language_model
+from torch import Tensor, nn
 
 import seqnorm
 from seqnorm.norms import TimestepBatchNorm
@@ -104,9 +104,19 @@ def exact_statistics(model: nn.Module, train: Sequences, tokens: int, batch_size
     (padding excluded; ``update_bn`` weights every row alike, so ``batch_size`` only sets the speed).
     """
     subset = train.head(tokens)
-    loader = [subset.batch(index) for index in torch.arange(len(subset)).split(batch_size)]
+    if subset.stateful:  # stream windows in stream order, the state carried as in training
+        indices = subset.stream_batches(max(1, min(batch_size, len(subset) // 2)))
+    else:
+        indices = list(torch.arange(len(subset)).split(batch_size))
+    loader = [subset.batch(index) for index in indices]
+    carried: dict[str, Any] = {}
+
+    def forward(module: nn.Module, batch: Sequences) -> Tensor:
+        logits, carried["state"] = model_outputs(module, batch, carried.get("state"))
+        return logits
+
     exact = copy.deepcopy(model)
-    seqnorm.update_bn(loader, exact, forward=lambda module, batch: module(*batch.model_inputs()))
+    seqnorm.update_bn(loader, exact, forward=forward)
     return exact
 
 

@@ -9,6 +9,8 @@ with its running averages and again after ``seqnorm.update_bn`` (exact statistic
 trains at any batch size of 2 or more and raises at 1 (that row's status is the result). ``--unit line`` trains on
 the corpus's lines, padded per batch: rows end at different steps, so a batch's tail steps have fewer active rows
 (down to one, which BN's default ``small_batch`` policy normalizes with that step's running statistics).
+``--unit stream`` trains on the windows as stateful truncated BPTT: the windows read as ``B`` contiguous streams,
+each window starting from the previous one's final state (detached); validation reads its split as one stream.
 ``--updates N`` replaces the equal token budget by equal updates; ``--evaluations K`` records validation curves
 (``curves.csv``) and how much the last stretch of training still gained (``last_gain``: how far from convergence).
 
@@ -60,7 +62,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = _common.make_parser(__doc__, NAME)
     parser.add_argument("--norms", nargs="+", choices=list(seqnorm.NORMS), help="norms to compare")
     parser.add_argument("--batch-sizes", nargs="+", type=int, help="batch sizes to compare")
-    parser.add_argument("--unit", choices=_data.UNITS, default="window", help="fixed windows or variable lines")
+    parser.add_argument(
+        "--unit",
+        choices=_data.UNITS,
+        default="window",
+        help="fixed windows, variable lines, or the windows as stateful streams (state carried across windows)",
+    )
     parser.add_argument("--tokens", type=int, help="training tokens per run (the equal budget)")
     parser.add_argument("--updates", type=int, help="train every run for this many updates instead (equal updates)")
     parser.add_argument("--steps", type=int, help="time steps per window (with --unit line: the longest piece)")

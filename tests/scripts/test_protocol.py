@@ -129,7 +129,7 @@ def test_equal_tokens_and_equal_updates(tmp_path) -> None:  # type: ignore[no-un
         assert result.updates == 7
 
 
-@pytest.mark.parametrize("unit", ["window", "line"])
+@pytest.mark.parametrize("unit", ["window", "line", "stream"])
 def test_exact_statistics_recomputes_bn_buffers_on_a_copy(tmp_path, unit: str) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "lines.txt"
     path.write_text("\n".join(synthetic_lines(200, seed=3)))
@@ -173,3 +173,46 @@ def test_sweep_resumes_from_its_trials_cache(tmp_path, read_csv) -> None:  # typ
     assert read_csv(tmp_path / "a" / "trials.csv") == read_csv(tmp_path / "b" / "trials.csv")
     assert "3 runs were read back" in (tmp_path / "b" / "results.md").read_text()
     assert "read back" not in (tmp_path / "a" / "results.md").read_text()
+
+
+def _streams(tmp_path):  # type: ignore[no-untyped-def]
+    path = tmp_path / "lines.txt"
+    path.write_text("\n".join(synthetic_lines(300, seed=3)))
+    args = argparse.Namespace(text=str(path), dataset=None, seed=0, cache_dir=None)
+    return _data.load_sequences(args, 12, "stream")
+
+
+def test_stream_batches_continue_each_stream(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    _, splits = _streams(tmp_path)
+    train = splits["train"]
+    assert train.stateful and not train.ragged
+    batches = train.stream_batches(4)
+    per_stream = len(train) // 4
+    assert len(batches) == per_stream
+    for k, index in enumerate(batches):  # batch k holds window k of every stream: rows b*M + k
+        assert index.tolist() == [b * per_stream + k for b in range(4)]
+
+
+@pytest.mark.parametrize("norm", ["none", "layer"])
+def test_stream_evaluation_carries_the_state_as_one_long_sequence(tmp_path, norm: str) -> None:  # type: ignore[no-untyped-def]
+    corpus, splits = _streams(tmp_path)
+    val = splits["val"].head(120)
+    model = _common.build_model(corpus.vocab_size, argparse.Namespace(embedding=8, hidden=8, seed=0), norm, 12)
+    with torch.no_grad():
+        for parameter in model.parameters():  # away from the initialization, so a dropped state would show
+            parameter.add_(torch.randn_like(parameter) * 0.1)
+    carried, _ = _common.evaluate(model, val)
+    model.eval()
+    with torch.no_grad():
+        logits = model(val.inputs.reshape(1, -1))  # every window after the previous one: one sequence
+        whole = torch.nn.functional.cross_entropy(logits[0], val.targets.reshape(-1))
+    assert carried == pytest.approx(float(whole), rel=1e-5)
+    independent, _ = _common.evaluate(model, _data.Sequences(val.inputs, val.targets, val.lengths))
+    assert abs(independent - carried) > 1e-4  # the windows alone (from zeros) differ
+
+
+def test_stream_training_runs_in_order_and_detaches(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    corpus, splits = _streams(tmp_path)
+    model = _common.build_model(corpus.vocab_size, argparse.Namespace(embedding=8, hidden=8, seed=0), "layer", 12)
+    result = _common.train_language_model(model, splits["train"], batch_size=4, tokens=400, lr=1e-2)
+    assert result.status == "ok" and result.updates == -(-400 // (4 * 12))
