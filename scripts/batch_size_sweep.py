@@ -86,7 +86,8 @@ def run_grid(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[
     value = _data.value_name(corpus.level)
     budget_text = f"{args.updates} updates" if args.updates else f"{args.tokens} tokens"
     print(
-        f"{corpus.source}: {len(train)} training {args.unit}s ({train.tokens} tokens, up to {train.steps} steps), "
+        f"{corpus.source}: {len(train)} training {'window' if args.unit == 'stream' else args.unit}s "
+        f"({train.tokens} tokens, up to {train.steps} steps{', read as streams' if train.stateful else ''}), "
         f"vocabulary {corpus.vocab_size}; budget {budget_text} per run; {val.tokens} validation tokens",
         flush=True,
     )
@@ -259,9 +260,14 @@ def notes(args: argparse.Namespace, rows: Sequence[dict[str, Any]], facts: dict[
     """The lines under the tables: budget, protocol, baseline, BN's small-batch policy, failures."""
     value, level = _data.value_name(facts["level"]), facts["level"]
     budget_text = f"{args.updates} updates" if args.updates else f"{args.tokens} training tokens"
-    shape = f"windows of {args.steps} steps" if args.unit == "window" else f"lines (pieces of at most {args.steps})"
+    shape = {
+        "window": f"windows of {args.steps} steps, batches drawn at random",
+        "line": f"lines (pieces of at most {args.steps}), batches drawn at random",
+        "stream": f"windows of {args.steps} steps read as B contiguous streams in order, each window starting from "
+        "the previous one's final state (detached); validation reads its split as one stream",
+    }[args.unit]
     lines = [
-        f"Equal budget: {budget_text} per run, in {shape}, batches drawn at random; {facts['train_tokens']} "
+        f"Equal budget: {budget_text} per run, in {shape}; {facts['train_tokens']} "
         f"training tokens in the split, {facts['val_tokens']} validation tokens. LSTM hidden {args.hidden}, "
         f"embedding {args.embedding}, Adam, gradient norm clipped at 1. val_loss is nats per real token, eval mode.",
         *_protocol.notes(args, facts["cache"]),
