@@ -84,7 +84,8 @@ class InterruptAt(Callback):
 
 
 def test_interrupted_run_resumes_from_last_checkpoint(story: Path) -> None:
-    base = ["--model", "LanguageModel", "--data", "TextCorpus", "--data.path", str(story), *TINY_LM, *QUIET]
+    base = ["--model", "LanguageModel", "--data", "TextCorpus", "--data.path", str(story), "--data.unit", "line"]
+    base += [*TINY_LM, *QUIET]
     sigint = signal.getsignal(signal.SIGINT)
     try:
         with pytest.raises(SystemExit):  # Lightning's graceful shutdown after Ctrl-C

@@ -80,6 +80,7 @@ def _fit(run: Path, bucket: bool, *extra: str) -> tuple[list[tuple[Any, ...]], d
     """``seqnorm fit`` on ``run``'s parent's story into ``run``; the run's records and final parameters."""
     RECORDS.clear()
     args = ["fit", "--model", "LanguageModel", "--data", "TextCorpus", "--data.path", str(run.parent / "story.txt")]
+    args += ["--data.unit", "line"]  # bucketed and unbucketed line batches: the premise of these tests
     args += ["--data.batch_size", "64", "--data.bucket", str(bucket).lower(), "--trainer.default_root_dir", str(run)]
     args += [*TINY, *QUIET, *SCHEDULE, f"--trainer.callbacks+={HERE}.Record", *extra]
     sigint = signal.getsignal(signal.SIGINT)

@@ -57,7 +57,8 @@ class TextCorpus(SequenceDataModule):
         dataset: a registered corpus, see :data:`seqnorm.data.DATASETS` (downloaded once into ``cache_dir``).
         level: ``"char"`` or ``"word"`` tokens. ``None``: the dataset's default, else ``"char"``.
         unit: ``"line"``, ``"paragraph"``, ``"sentence"``, ``"window"`` or ``"stream"``. ``None``: the dataset's
-            default, else ``"line"``.
+            default; for a character LM on a text file (``path``/``train_path``) ``"stream"`` (stateful truncated
+            BPTT, the char-rnn setup); else ``"line"`` (word level, the embedded task).
         window_length: ids per window for ``unit="window"`` and ``"stream"`` (the truncated-BPTT length plus one),
             and the most any natural unit is cut into (inputs are at most ``window_length - 1`` long).
         batch_size: sequences per batch (1 or more); with ``unit="stream"`` the number of streams, in every split
@@ -135,8 +136,12 @@ class TextCorpus(SequenceDataModule):
         if unit is not None and unit not in UNITS:
             raise DataError(f"--data.unit {unit!r}: choose one of {', '.join(UNITS)}")
         self.level: Literal["char", "word"] = level or (self.spec.level if self.spec else "char")  # type: ignore[assignment]
+        # A character LM on a text file reads it as streams (stateful truncated BPTT, the char-rnn setup); the
+        # embedded task's lines and word-level text keep one sequence per line.
+        own_text = path is not None or train_path is not None
+        default_unit = "stream" if self.level == "char" and own_text else "line"
         self.unit: Literal["line", "paragraph", "sentence", "window", "stream"] = unit or (  # type: ignore[assignment]
-            self.spec.unit if self.spec else "line"
+            self.spec.unit if self.spec else default_unit
         )
         # No save_hyperparameters(): under LightningCLI it would record the given `level=None`, which Lightning
         # refuses to merge with the model's linked `level`; the CLI's config.yaml records every data argument.

@@ -64,13 +64,13 @@ def test_unknown_dataset_lists_the_choices() -> None:
 
 def test_missing_file_is_reported_at_first_read(tmp_path: pathlib.Path) -> None:
     missing = tmp_path / "nope.txt"
-    corpus = TextCorpus(path=str(missing))  # constructing reads nothing
+    corpus = TextCorpus(unit="line", path=str(missing))  # constructing reads nothing
     with pytest.raises(DataError, match=rf"{missing}: no such file \(given as --data.path\)"):
         _ = corpus.vocab_size
 
 
 def test_missing_val_file_names_its_flag(write: Callable[..., str], tmp_path: pathlib.Path) -> None:
-    corpus = TextCorpus(train_path=write("t.txt", "abc\n"), val_path=str(tmp_path / "v.txt"))
+    corpus = TextCorpus(unit="line", train_path=write("t.txt", "abc\n"), val_path=str(tmp_path / "v.txt"))
     with pytest.raises(DataError, match=r"v\.txt: no such file \(given as --data.val_path\)"):
         _ = corpus.vocab
 
@@ -78,7 +78,7 @@ def test_missing_val_file_names_its_flag(write: Callable[..., str], tmp_path: pa
 def test_empty_file(write: Callable[..., str]) -> None:
     path = write("empty.txt", "  \n\n")
     with pytest.raises(DataError, match=rf"{path}: the file is empty"):
-        _ = TextCorpus(path=path).vocab_size
+        _ = TextCorpus(unit="line", path=path).vocab_size
 
 
 def test_directory(tmp_path: pathlib.Path) -> None:
@@ -99,16 +99,16 @@ def test_unreadable_file(write: Callable[..., str], monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(pathlib.Path, "read_bytes", deny)
     with pytest.raises(DataError, match=rf"{path}: cannot be read: permission denied"):
-        _ = TextCorpus(path=path).vocab_size
+        _ = TextCorpus(unit="line", path=path).vocab_size
 
 
 def test_invalid_utf8_names_the_byte_offset(write: Callable[..., str]) -> None:
     path = write("latin.txt", "caf\u00e9 ol\u00e9\n".encode("latin-1"))  # é is byte 0xE9 at offset 3
     with pytest.raises(DataError) as caught:
-        _ = TextCorpus(path=path, batch_size=1).vocab_size
+        _ = TextCorpus(unit="line", path=path, batch_size=1).vocab_size
     message = str(caught.value)
     assert message.startswith(f"{path}: not valid UTF-8 at byte 3: pass --data.encoding")
-    corpus = TextCorpus(path=path, encoding="latin-1", val_fraction=0.0, test_fraction=0.0, batch_size=1)
+    corpus = TextCorpus(unit="line", path=path, encoding="latin-1", val_fraction=0.0, test_fraction=0.0, batch_size=1)
     assert "\u00e9" in corpus.vocab
 
 
@@ -130,7 +130,7 @@ def test_labeled_lines_without_label_or_text(write: Callable[..., str], content:
 def test_corpus_too_small_for_one_batch(write: Callable[..., str]) -> None:
     path = write("small.txt", "one\ntwo\nthree\n")
     with pytest.raises(DataError) as caught:
-        _ = TextCorpus(path=path, val_fraction=0.0, test_fraction=0.0, batch_size=8).vocab_size
+        _ = TextCorpus(unit="line", path=path, val_fraction=0.0, test_fraction=0.0, batch_size=8).vocab_size
     assert "has 3 sequences" in str(caught.value) and "--data.batch_size is 8" in str(caught.value)
     with pytest.raises(DataError, match=r"has 3 examples but --data\.batch_size is 4"):
         _ = LabeledText(train_path=write("s.tsv", "a\tx\nb\ty\na\tz\n"), val_fraction=0.0, batch_size=4).labels
@@ -138,4 +138,4 @@ def test_corpus_too_small_for_one_batch(write: Callable[..., str]) -> None:
 
 def test_corpus_too_small_to_carve_splits(write: Callable[..., str]) -> None:
     with pytest.raises(DataError, match="only 2 units"):
-        _ = TextCorpus(path=write("two.txt", "a\nb\n"), batch_size=1).vocab_size
+        _ = TextCorpus(unit="line", path=write("two.txt", "a\nb\n"), batch_size=1).vocab_size

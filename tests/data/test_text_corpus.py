@@ -20,7 +20,7 @@ def _decode(corpus: TextCorpus, ids: torch.Tensor) -> list[str]:
 
 
 def test_char_lines_split_contiguously_train_first(write: Callable[..., str]) -> None:
-    corpus = TextCorpus(path=write("c.txt", "\n".join(LINES) + "\n"), batch_size=4)
+    corpus = TextCorpus(unit="line", path=write("c.txt", "\n".join(LINES) + "\n"), batch_size=4)
     sizes = {split: len(dataset) for split, dataset in corpus.datasets.items()}
     assert sizes == {"train": 32, "val": 4, "test": 4}
     inputs, targets = corpus.datasets["train"][0]
@@ -32,7 +32,7 @@ def test_char_lines_split_contiguously_train_first(write: Callable[..., str]) ->
 
 
 def test_batches_have_targets_shifted_from_inputs(write: Callable[..., str]) -> None:
-    corpus = TextCorpus(path=write("c.txt", "\n".join(LINES)), batch_size=5)
+    corpus = TextCorpus(unit="line", path=write("c.txt", "\n".join(LINES)), batch_size=5)
     for batch in corpus.train_dataloader():
         assert batch["inputs"].shape == batch["targets"].shape
         for row, length in enumerate(batch["lengths"].tolist()):
@@ -45,7 +45,7 @@ def test_batches_have_targets_shifted_from_inputs(write: Callable[..., str]) -> 
 def test_vocabulary_comes_from_the_training_split_only(write: Callable[..., str]) -> None:
     train = write("train.txt", "abc\ncab\n")
     val = write("val.txt", "abz\n")
-    corpus = TextCorpus(train_path=train, val_path=val, test_fraction=0.0, batch_size=1)
+    corpus = TextCorpus(unit="line", train_path=train, val_path=val, test_fraction=0.0, batch_size=1)
     assert "z" not in corpus.vocab
     _, targets = corpus.datasets["val"][0]
     assert targets.tolist()[2] == corpus.vocab.unk_index
@@ -54,7 +54,7 @@ def test_vocabulary_comes_from_the_training_split_only(write: Callable[..., str]
 
 def test_word_level_lines(write: Callable[..., str]) -> None:
     path = write("w.txt", "the cat sat\n\n  the dog  \nthe cat ran\n")
-    corpus = TextCorpus(path=path, level="word", val_fraction=0.0, test_fraction=0.0, batch_size=1)
+    corpus = TextCorpus(unit="line", path=path, level="word", val_fraction=0.0, test_fraction=0.0, batch_size=1)
     assert corpus.vocab.tokens[4:] == ["the", "cat", "dog", "ran", "sat"]
     inputs, targets = corpus.datasets["train"][1]
     assert _decode(corpus, inputs) == ["<bos>", "the", "dog"]
@@ -96,7 +96,7 @@ def test_paragraph_and_sentence_units(write: Callable[..., str]) -> None:
 
 
 def test_long_units_are_cut_to_window_length(write: Callable[..., str]) -> None:
-    corpus = TextCorpus(path=write("l.txt", "x" * 50 + "\nshort\n"), window_length=8, val_fraction=0.0,
+    corpus = TextCorpus(unit="line", path=write("l.txt", "x" * 50 + "\nshort\n"), window_length=8, val_fraction=0.0,
                         test_fraction=0.0, batch_size=1)  # fmt: skip
     lengths = corpus.datasets["train"].lengths
     assert max(lengths) == 7
@@ -104,16 +104,16 @@ def test_long_units_are_cut_to_window_length(write: Callable[..., str]) -> None:
 
 
 def test_batch_size_one(write: Callable[..., str]) -> None:
-    corpus = TextCorpus(path=write("c.txt", "\n".join(LINES)), batch_size=1)
+    corpus = TextCorpus(unit="line", path=write("c.txt", "\n".join(LINES)), batch_size=1)
     batches = list(corpus.train_dataloader())
     assert len(batches) == len(corpus.datasets["train"])
     assert all(batch["inputs"].shape[0] == 1 and batch["lengths"].shape == (1,) for batch in batches)
-    unbucketed = TextCorpus(path=write("c.txt", "\n".join(LINES)), batch_size=1, bucket=False)
+    unbucketed = TextCorpus(unit="line", path=write("c.txt", "\n".join(LINES)), batch_size=1, bucket=False)
     assert len(list(unbucketed.val_dataloader())) == len(unbucketed.datasets["val"])
 
 
 def test_predict_keeps_file_order(write: Callable[..., str]) -> None:
-    corpus = TextCorpus(path=write("c.txt", "\n".join(LINES)), batch_size=3)
+    corpus = TextCorpus(unit="line", path=write("c.txt", "\n".join(LINES)), batch_size=3)
     rows = [row[:length] for batch in corpus.predict_dataloader()
             for row, length in zip(batch["targets"], batch["lengths"].tolist(), strict=True)]  # fmt: skip
     assert ["".join(_decode(corpus, row)[:-1]) for row in rows] == LINES[36:]
@@ -125,7 +125,9 @@ def test_vocab_size_is_available_right_after_construction_and_read_once(
     calls: list[str] = []
     real_read = text_module.read_text
     monkeypatch.setattr(text_module, "read_text", lambda *args: calls.append(args[0]) or real_read(*args))
-    corpus = TextCorpus(path=write("c.txt", "abc\nabd\n"), val_fraction=0.0, test_fraction=0.0, batch_size=1)
+    corpus = TextCorpus(
+        unit="line", path=write("c.txt", "abc\nabd\n"), val_fraction=0.0, test_fraction=0.0, batch_size=1
+    )
     assert calls == []  # nothing is read at construction
     assert corpus.vocab_size == 4 + 4
     corpus.setup("fit")
@@ -135,11 +137,13 @@ def test_vocab_size_is_available_right_after_construction_and_read_once(
 
 
 def test_state_dict_round_trip_reproduces_the_mapping(write: Callable[..., str]) -> None:
-    original = TextCorpus(path=write("a.txt", "hello world\nhello there\n"), val_fraction=0.0, test_fraction=0.0,
-                          batch_size=1)  # fmt: skip
+    original = TextCorpus(unit="line", path=write("a.txt", "hello world\nhello there\n"), val_fraction=0.0,
+                          test_fraction=0.0, batch_size=1)  # fmt: skip
     state = json.loads(json.dumps(original.state_dict()))
     # Another corpus whose own vocabulary would order characters differently.
-    restored = TextCorpus(path=write("b.txt", "zzz world\n"), val_fraction=0.0, test_fraction=0.0, batch_size=1)
+    restored = TextCorpus(
+        unit="line", path=write("b.txt", "zzz world\n"), val_fraction=0.0, test_fraction=0.0, batch_size=1
+    )
     assert restored.vocab != original.vocab
     restored.load_state_dict(state)
     assert restored.vocab == original.vocab
@@ -149,8 +153,10 @@ def test_state_dict_round_trip_reproduces_the_mapping(write: Callable[..., str])
 
 
 def test_load_state_dict_rejects_another_level(write: Callable[..., str]) -> None:
-    words = TextCorpus(path=write("a.txt", "a b\n"), level="word", val_fraction=0.0, test_fraction=0.0, batch_size=1)
-    chars = TextCorpus(path=write("a.txt", "a b\n"), val_fraction=0.0, test_fraction=0.0, batch_size=1)
+    words = TextCorpus(
+        unit="line", path=write("a.txt", "a b\n"), level="word", val_fraction=0.0, test_fraction=0.0, batch_size=1
+    )
+    chars = TextCorpus(unit="line", path=write("a.txt", "a b\n"), val_fraction=0.0, test_fraction=0.0, batch_size=1)
     with pytest.raises(DataError, match=r"--data\.level word"):
         chars.load_state_dict(words.state_dict())
 
@@ -194,10 +200,22 @@ def test_lightning_saves_the_vocabulary_in_checkpoints(tmp_path: Path) -> None:
     # Resuming on text whose own vocabulary differs (same size, other frequency order) restores the saved mapping.
     swapped = {"(": ")", ")": "(", "a": "h", "h": "a"}
     text = "\n".join(line.translate(str.maketrans(swapped)) for line in synthetic_lines(400, seed=9))
-    resumed_corpus = TextCorpus(path=str(tmp_path / "other.txt"), batch_size=16)
+    resumed_corpus = TextCorpus(unit="line", path=str(tmp_path / "other.txt"), batch_size=16)
     (tmp_path / "other.txt").write_text(text)
     assert resumed_corpus.vocab != corpus.vocab and resumed_corpus.vocab_size == corpus.vocab_size
     resumed = pl.Trainer(max_epochs=3, limit_train_batches=3, limit_val_batches=0, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
     resumed.fit(Tiny(corpus.vocab_size), datamodule=resumed_corpus, ckpt_path=tmp_path / "last.ckpt")
     assert resumed_corpus.vocab == corpus.vocab
+
+
+def test_a_character_lm_on_a_text_file_reads_it_as_streams_by_default(write) -> None:  # type: ignore[no-untyped-def]
+    # The char-rnn setup is what a character-LM user expects of a plain file; other sources keep their units.
+    path = write("c.txt", "\n".join(LINES) + "\n")
+    assert TextCorpus(path=path).unit == "stream"
+    assert TextCorpus(train_path=path).unit == "stream"
+    assert TextCorpus(path=path, level="word").unit == "line"
+    assert TextCorpus().unit == "line"  # the embedded task: one sequence per line
+    assert TextCorpus(path=path, unit="line").unit == "line"
+    batch = next(iter(TextCorpus(path=path, batch_size=2, window_length=9).train_dataloader()))
+    assert int(batch["window"]) == 0 and tuple(batch["inputs"].shape) == (2, 8)
