@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seqnorm.norms.batch_pieces import BatchNormPieces, masked_moments
+from seqnorm.norms.batch_pieces import BatchNormPieces, PopulationMoments, masked_moments
 from seqnorm.norms.precision import float32_statistics
 
 __all__ = [
@@ -77,38 +77,6 @@ SMALL_BATCH_POLICIES: tuple[str, ...] = get_args(SmallBatchPolicy)
 DEFAULT_SMALL_BATCH: SmallBatchPolicy = "tail"
 """What a training step with fewer than 2 active rows does unless ``small_batch`` says otherwise (module docstring)."""
 BeyondMaxSteps = Literal["last", "pooled"]
-
-
-class PopulationMoments:
-    """Exact moments of every row's inputs over many batches: counts, means and sums of squared deviations in float64,
-    merged batch by batch with Chan et al.'s pairwise update (no catastrophic cancellation, any batch sizes).
-
-    Attributes:
-        count: ``(R, 1)`` active rows seen per row of statistics.
-        mean, m2: ``(R, F)`` their mean and sum of squared deviations from it.
-    """
-
-    def __init__(self, rows: int, features: int, device: torch.device) -> None:
-        self.count = torch.zeros(rows, 1, dtype=torch.float64, device=device)
-        self.mean = torch.zeros(rows, features, dtype=torch.float64, device=device)
-        self.m2 = torch.zeros(rows, features, dtype=torch.float64, device=device)
-
-    def add(self, rows: slice, mean: Tensor, var: Tensor, counts: list[int]) -> None:
-        """Merge steps of batch moments ``mean``, ``var`` (biased, ``(T, 1, F)``, over ``counts`` rows) into rows."""
-        count_b = torch.tensor(counts, dtype=torch.float64, device=self.count.device).unsqueeze(1)  # (T, 1)
-        mean_b, m2_b = mean.squeeze(1).double(), var.squeeze(1).double() * count_b
-        count_a, mean_a = self.count[rows], self.mean[rows]
-        total = count_a + count_b
-        delta = mean_b - mean_a
-        share = count_b / total.clamp(min=1.0)  # a step with no active row (count 0) changes nothing
-        self.mean[rows] = mean_a + delta * share
-        self.m2[rows] += m2_b + delta.square() * count_a * share
-        self.count[rows] = total
-
-    def moments(self) -> tuple[Tensor, Tensor, Tensor]:
-        """``(mean, unbiased var, known)``: ``known`` ``(R,)`` marks the rows with at least 2 rows seen."""
-        known = self.count.squeeze(1) >= 2
-        return self.mean, self.m2 / (self.count - 1).clamp(min=1.0), known
 
 
 class TimestepBatchNorm(BatchNormPieces, nn.Module):

@@ -5,6 +5,9 @@
 buffers and options. A BPTT step computes what ``forward_step`` computes, with the same running-statistics updates
 (torch's fused kernel on unmasked training steps), and keeps each step's mean and ``1/std``; its backward is torch's
 BatchNorm backward kernel where autograd would run it, written out for masked and running-statistics steps.
+
+The statistics helpers beside it: :func:`masked_moments` (a batch's moments over its active rows) and
+:class:`PopulationMoments` (exact moments over many batches, for :func:`seqnorm.update_bn`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from torch import Tensor
 from seqnorm import torch_ops
 from seqnorm.norms.protocol import NormCall
 
-__all__ = ["BatchNormPieces", "masked_moments"]
+__all__ = ["BatchNormPieces", "PopulationMoments", "masked_moments"]
 
 
 def masked_moments(x: Tensor, mask: Tensor | None, active: int | Tensor, dim: int = 0) -> tuple[Tensor, Tensor]:
@@ -38,6 +41,38 @@ def masked_moments(x: Tensor, mask: Tensor | None, active: int | Tensor, dim: in
         mean = torch.where(keep, x, 0.0).sum(dim, keepdim=True) / active
         var = torch.where(keep, x - mean, 0.0).square().sum(dim, keepdim=keepdim) / active
     return (mean if keepdim else mean.squeeze(dim)), var
+
+
+class PopulationMoments:
+    """Exact moments of every row's inputs over many batches: counts, means and sums of squared deviations in float64,
+    merged batch by batch with Chan et al.'s pairwise update (no catastrophic cancellation, any batch sizes).
+
+    Attributes:
+        count: ``(R, 1)`` active rows seen per row of statistics.
+        mean, m2: ``(R, F)`` their mean and sum of squared deviations from it.
+    """
+
+    def __init__(self, rows: int, features: int, device: torch.device) -> None:
+        self.count = torch.zeros(rows, 1, dtype=torch.float64, device=device)
+        self.mean = torch.zeros(rows, features, dtype=torch.float64, device=device)
+        self.m2 = torch.zeros(rows, features, dtype=torch.float64, device=device)
+
+    def add(self, rows: slice, mean: Tensor, var: Tensor, counts: list[int]) -> None:
+        """Merge steps of batch moments ``mean``, ``var`` (biased, ``(T, 1, F)``, over ``counts`` rows) into rows."""
+        count_b = torch.tensor(counts, dtype=torch.float64, device=self.count.device).unsqueeze(1)  # (T, 1)
+        mean_b, m2_b = mean.squeeze(1).double(), var.squeeze(1).double() * count_b
+        count_a, mean_a = self.count[rows], self.mean[rows]
+        total = count_a + count_b
+        delta = mean_b - mean_a
+        share = count_b / total.clamp(min=1.0)  # a step with no active row (count 0) changes nothing
+        self.mean[rows] = mean_a + delta * share
+        self.m2[rows] += m2_b + delta.square() * count_a * share
+        self.count[rows] = total
+
+    def moments(self) -> tuple[Tensor, Tensor, Tensor]:
+        """``(mean, unbiased var, known)``: ``known`` ``(R,)`` marks the rows with at least 2 rows seen."""
+        known = self.count.squeeze(1) >= 2
+        return self.mean, self.m2 / (self.count - 1).clamp(min=1.0), known
 
 
 class BatchNormPieces:
