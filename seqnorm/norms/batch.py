@@ -313,7 +313,7 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
         Below ``max_steps`` step ``t`` uses row ``t`` of the statistics. A step beyond (blocks of one) uses the last
         row (``"last"``) or, with ``"pooled"``, the pooled moments as its running ones and updates no row.
         """
-        steps, batch = x.shape[0], x.shape[1]
+        steps = x.shape[0]
         pooled = first >= self.max_steps and self.beyond_max_steps == "pooled"
         start = min(first, self.max_steps - 1)
         rows = slice(start, start + steps)
@@ -324,12 +324,11 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
             running_var = self.running_var[rows].unsqueeze(1)
         if not self.training:
             return self._affine(self._normalize_running_steps(x, running_mean, running_var))
-        mean, var, counts, batch = self._batch_moments(x, mask, counts, running_mean)  # (T, 1, F)
+        mean, var, counts, active, batch = self._batch_moments(x, mask, counts, running_mean)  # (T, 1, F)
         use_batch = [count >= 2 for count in counts]
         if not all(use_batch) and self.raises_small_batch(batch, min(counts)):
             index = use_batch.index(False)
             raise self._small_batch_error(first + index, counts[index], batch)
-        active = torch.tensor([max(count, 1) for count in counts], dtype=x.dtype, device=x.device).view(steps, 1, 1)
         x_hat = self._normalize_batch_steps(x, mean, var, rows, running_mean, running_var)
         if not all(use_batch):
             fallback = self._normalize_running_steps(x, running_mean, running_var)
@@ -346,14 +345,20 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
 
     def _batch_moments(
         self, x: Tensor, mask: Tensor | None, counts: list[int], running_mean: Tensor
-    ) -> tuple[Tensor, Tensor, list[int], int]:
+    ) -> tuple[Tensor, Tensor, list[int], Tensor, int]:
         """Each step's mean and biased variance ``(T, 1, F)`` over the active rows of ``x`` ``(T, B, F)``, the active
-        rows per step and the batch size they come from (here the local ones; across processes in
-        :mod:`seqnorm.norms.sync`, which uses ``running_mean`` as the shift of its sums)."""
-        # A step with no real row divides by 1, not 0: its NaN would reach the gradient through the fallback's where.
-        active = torch.tensor([max(count, 1) for count in counts], dtype=x.dtype, device=x.device)
-        mean, var = masked_moments(x, mask, active.view(-1, 1, 1), dim=1)
-        return mean, var, counts, x.shape[1]
+        rows per step (a list, and as a ``(T, 1, 1)`` divisor, at least 1) and the batch size they come from (here
+        the local ones; across processes in :mod:`seqnorm.norms.sync`, which uses ``running_mean`` as the shift of
+        its sums)."""
+        active = self._divisors(counts, x)
+        mean, var = masked_moments(x, mask, active, dim=1)
+        return mean, var, counts, active, x.shape[1]
+
+    @staticmethod
+    def _divisors(counts: list[int], like: Tensor) -> Tensor:
+        """``counts`` as a ``(T, 1, 1)`` tensor of divisors: a step with no real row divides by 1, not 0 (its NaN
+        would reach the gradient through the fallback's where)."""
+        return torch.tensor([max(count, 1) for count in counts], dtype=like.dtype, device=like.device).view(-1, 1, 1)
 
     def _normalize_running_steps(self, x: Tensor, running_mean: Tensor, running_var: Tensor) -> Tensor:
         centered = x - running_mean

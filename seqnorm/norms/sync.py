@@ -93,11 +93,11 @@ class _Synchronized:
     @property
     def fused_update(self) -> bool:
         # torch's fused kernel forms local statistics: never while synchronizing.
-        return not self.synchronizing and TimestepBatchNorm.fused_update.fget(self)  # type: ignore[attr-defined]
+        return not self.synchronizing and super().fused_update  # type: ignore[misc]
 
     def _batch_moments(
         self, x: Tensor, mask: Tensor | None, counts: list[int], running_mean: Tensor
-    ) -> tuple[Tensor, Tensor, list[int], int]:
+    ) -> tuple[Tensor, Tensor, list[int], Tensor, int]:
         if not self.synchronizing:
             return super()._batch_moments(x, mask, counts, running_mean)  # type: ignore[misc]
         steps, batch, features = x.shape
@@ -111,10 +111,10 @@ class _Synchronized:
         size = steps * features
         sums, squares = total[:size].view(steps, 1, features), total[size : 2 * size].view(steps, 1, features)
         *global_counts, global_batch = (round(value) for value in total[2 * size :].tolist())
-        active = torch.tensor([max(count, 1) for count in global_counts], dtype=x.dtype, device=x.device)
-        first = sums / active.view(-1, 1, 1)
-        var = (squares / active.view(-1, 1, 1) - first.square()).clamp(min=0.0)
-        return shift + first, var, global_counts, global_batch
+        active = self._divisors(global_counts, x)  # type: ignore[attr-defined]
+        first = sums / active
+        var = (squares / active - first.square()).clamp(min=0.0)
+        return shift + first, var, global_counts, active, global_batch
 
 
 class SyncTimestepBatchNorm(_Synchronized, TimestepBatchNorm):
@@ -205,6 +205,8 @@ def synchronized_steps(module: nn.Module, steps: int, device: torch.device) -> i
     """The most steps (``steps`` here) any process runs ``module`` for, or ``None`` if ``module`` holds no norm that
     synchronizes now (in training, with several processes): every process must run as many steps as the longest, so
     its norms make the same collectives."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None  # the common case, on every forward: no walk over the modules
     norms = [m for m in module.modules() if isinstance(m, _Synchronized) and m.training and m.synchronizing]
     if not norms:
         return None
