@@ -31,7 +31,7 @@ from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from seqnorm.cells.base import RecurrentCell
-from seqnorm.layers import bptt
+from seqnorm.layers import bptt, kernel
 from seqnorm.layers.dropout import draw_sequence_masks
 from seqnorm.layers.plan import Plan, cell_kernel, plan_for
 from seqnorm.layers.stack import PaddingLayout, padding_layout, run_stack
@@ -44,7 +44,7 @@ __all__ = ["Impl", "choose_path", "run_fast", "run_fused", "step_cell"]
 
 Impl = Literal["auto", "reference"]
 IMPLS: tuple[str, ...] = ("auto", "reference")
-_SHORT_NAMES = {"torch_kernel": "fused", "bptt": "fast", "loop": "fast", "reference": "reference"}
+_SHORT_NAMES = {"torch_kernel": "fused", "kernel": "fast", "bptt": "fast", "loop": "fast", "reference": "reference"}
 
 
 def choose_path(layer: RecurrentLayer, lengths: Tensor | None, batch: int) -> Literal["reference", "fused", "fast"]:
@@ -111,6 +111,8 @@ def _run_direction(
     dropped = draw_sequence_masks(layer, cell, sequence, state)
     if dropped.input is not None:
         sequence = sequence * dropped.input
+    if routes[cell] == "kernel":
+        return kernel.run_recurrence(cell, sequence, state, dropped.weight_hh, layout)
     if routes[cell] == "bptt":
         return bptt.run_recurrence(cell, sequence, state, dropped.weight_hh, layout)
     terms = cell.input_terms(sequence, layout.active, layout.counts)  # (T, B, G*H)

@@ -5,10 +5,14 @@
 - ``"torch_kernel"``: torch's fused LSTM/GRU over the whole sequence (:func:`seqnorm.layers.fast.run_fused`). Needs
   cells that declare ``torch_kernel``, nothing normalized (``"none"``, or plain ``"weight"``), no random draws (their
   masks would differ from the reference's) and no autocast (torch's CPU LSTM kernel fails in bfloat16).
+- ``"kernel"``: the input side of all steps at once, then the compiled kernels' recurrence
+  (:mod:`seqnorm.layers.kernel`, C++ forward and backward through time), which restates torch's LSTM/GRU step:
+  needs ``torch_kernel``, norms that declare the ``"kernel"`` form, what ``"bptt"`` needs besides (below), and the
+  kernels built and loaded for the input's device (:func:`seqnorm.kernels.native`); with or without a gradient.
 - ``"bptt"``: the input side of all steps at once, then one autograd Function with a hand-written backward through
   time (:mod:`seqnorm.layers.bptt`), which restates torch's LSTM/GRU step: needs ``torch_kernel``, norms that
-  declare the ``"bptt"`` form, and a gradient to compute. :attr:`Plan.cells` says which directions run it: one
-  whose input, state and parameters need no gradient runs the loop.
+  declare the ``"bptt"`` form, and a gradient to compute. :attr:`Plan.cells` says which directions run it (or the
+  kernel): one whose input, state and parameters need no gradient runs the loop.
 - ``"loop"``: the input side at once, then the cell's ``step_unchecked`` given each step's input term: needs cells
   that declare ``hoisted_step`` and norms that declare the ``"loop"`` form.
 - ``"reference"``: the cell's own ``step_unchecked`` at every step. Anything that declares nothing runs it, as do
@@ -18,8 +22,9 @@
   norms without per-timestep statistics ignore the index, so they keep their fast path).
 
 :meth:`~seqnorm.layers.base.RecurrentLayer.step` paths: ``"lean_step"`` (no gradient: the cached step of
-:mod:`seqnorm.layers.stepping`), else per cell ``"torch_kernel"`` (torch's cell kernel, nothing normalized) or
-``"reference"``.
+:mod:`seqnorm.layers.stepping`; per cell ``"kernel"``, the compiled generation step, where a normalized cell's norms
+declare the ``"kernel"`` form and the kernels are loaded, else ``"lean_step"``), else per cell ``"torch_kernel"``
+(torch's cell kernel, nothing normalized) or ``"reference"``.
 
 Declarations are class attributes, read from the class's *own* namespace (:func:`declared`): cells declare
 ``torch_kernel``, ``hoisted_step`` (and ``gate_layout``, ``has_cell_state``); norm modules ``fast_forms`` (an
@@ -39,14 +44,26 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.parametrize import type_before_parametrizations
 
+from seqnorm import kernels
+
 if TYPE_CHECKING:
     from seqnorm.cells.base import RecurrentCell
     from seqnorm.layers.base import RecurrentLayer
 
-__all__ = ["Path", "Plan", "bptt_blocker", "cell_kernel", "declared", "log", "norm_blocker", "plan_for"]
+__all__ = [
+    "Path",
+    "Plan",
+    "bptt_blocker",
+    "cell_kernel",
+    "declared",
+    "kernel_blocker",
+    "log",
+    "norm_blocker",
+    "plan_for",
+]
 
-Path = Literal["torch_kernel", "bptt", "loop", "lean_step", "reference"]
-FastForm = Literal["loop", "bptt", "generation"]
+Path = Literal["torch_kernel", "kernel", "bptt", "loop", "lean_step", "reference"]
+FastForm = Literal["loop", "bptt", "generation", "kernel"]
 log = logging.getLogger(__name__)
 
 _FLOATS = (torch.float32, torch.float64)
@@ -113,14 +130,17 @@ def plan_for(
     return _step_plan(layer, x) if step else _forward_plan(layer, x, lengths, state, first_step)
 
 
-def bptt_blocker(layer: RecurrentLayer | None, cell: RecurrentCell, dtype: torch.dtype, device_type: str) -> str | None:
-    """Why :mod:`seqnorm.layers.bptt` cannot run ``cell`` exactly (gradients aside), or ``None`` if it can.
+def bptt_blocker(
+    layer: RecurrentLayer | None, cell: RecurrentCell, dtype: torch.dtype, device_type: str, form: FastForm = "bptt"
+) -> str | None:
+    """Why :mod:`seqnorm.layers.bptt` (``form="kernel"``: the compiled kernels' recurrence, availability aside)
+    cannot run ``cell`` exactly (gradients aside), or ``None`` if it can.
 
     ``layer`` supplies the variational recurrent dropout (``None``: none drawn).
     """
     name = type_before_parametrizations(cell).__name__
     if cell_kernel(cell) is None:
-        return f"{name} declares no torch_kernel, whose step the hand-written BPTT restates"
+        return f"{name} declares no torch_kernel, whose step the {form} form restates"
     if cell.norm_placement != "separate" or cell.state_norm != "output":
         return "norm_placement/state_norm other than the defaults"
     if layer is not None and layer.training and layer.recurrent_dropout:
@@ -130,12 +150,20 @@ def bptt_blocker(layer: RecurrentLayer | None, cell: RecurrentCell, dtype: torch
     if cell.weight_hr is not None:
         return "a projection"
     for norm in (cell.norm_hh, cell.norm_c):
-        blocker = norm_blocker(norm, "bptt")
+        blocker = norm_blocker(norm, form)
         if blocker is not None:
             return f"a recurrent or cell-state norm: {blocker}"
     if dtype not in _FLOATS or torch.is_autocast_enabled(device_type):
         return "half precision or autocast"
     return None
+
+
+def kernel_blocker(layer: RecurrentLayer | None, cell: RecurrentCell, dtype: torch.dtype, device: str) -> str | None:
+    """Why the compiled kernels (:mod:`seqnorm.layers.kernel`) cannot run ``cell``'s recurrence, or ``None``."""
+    blocker = bptt_blocker(layer, cell, dtype, device, "kernel")
+    if blocker is None and kernels.native(device) is None:  # asked last: the first miss warns why
+        return f"no compiled kernels for {device!r} ({kernels.status(device)})"
+    return blocker
 
 
 # --- whole sequences ---
@@ -173,11 +201,16 @@ def _forward_plan(
     undeclared = _hoisting_blocker(cells)
     if undeclared is not None:
         return Plan("reference", undeclared + kernel_note)
+    compiled = [kernel_blocker(layer, cell, x.dtype, x.device.type) for cell in cells]
     blockers = [bptt_blocker(layer, cell, x.dtype, x.device.type) for cell in cells]
     wanted = _gradient_wanted(layer, cells, x, state)
     routes: tuple[Path, ...] = tuple(
-        "bptt" if blocker is None and want else "loop" for blocker, want in zip(blockers, wanted, strict=True)
+        "kernel" if unbuilt is None else ("bptt" if blocker is None and want else "loop")
+        for unbuilt, blocker, want in zip(compiled, blockers, wanted, strict=True)
     )
+    if "kernel" in routes:
+        reason = f"{name} declares torch_kernel={kernel!r} and its norms the 'kernel' form: the compiled kernels"
+        return Plan("kernel", reason + kernel_note, routes)
     if "bptt" in routes:
         reason = f"{name} declares torch_kernel={kernel!r} and its norms the 'bptt' form, a gradient is wanted"
         return Plan("bptt", reason + kernel_note, routes)
@@ -248,7 +281,8 @@ def _step_plan(layer: RecurrentLayer, x: Tensor) -> Plan:
     if not torch.is_grad_enabled() and not autocast:
         blocker = _lean_blocker(layer, cells, x)
         if blocker is None:
-            return Plan("lean_step", "no gradient: each cell's step prepared once and cached")
+            routes = tuple(_lean_route(cell, x) for cell in cells)
+            return Plan("lean_step", "no gradient: each cell's step prepared once and cached", routes)
     routes = tuple(_cell_step_route(cell, autocast) for cell in cells)
     path: Path = "torch_kernel" if all(route == "torch_kernel" for route in routes) else "reference"
     reason = "torch's cell kernel: nothing normalized" if path == "torch_kernel" else "the cells' own steps"
@@ -261,6 +295,14 @@ def _cell_step_route(cell: RecurrentCell, autocast: bool) -> Path:
     if special or cell.has_norms or cell_kernel(cell) is None:
         return "reference"
     return "torch_kernel"
+
+
+def _lean_route(cell: RecurrentCell, x: Tensor) -> Path:
+    """A lean step's cell: the compiled generation step where its norms declare the kernel form, else Python's."""
+    norms = (cell.norm_ih, cell.norm_hh, cell.norm_c)
+    if not cell.has_norms or any(norm_blocker(norm, "kernel") is not None for norm in norms):
+        return "lean_step"
+    return "kernel" if kernels.native(x.device.type) is not None else "lean_step"
 
 
 def _lean_blocker(layer: RecurrentLayer, cells: list[RecurrentCell], x: Tensor) -> str | None:

@@ -23,6 +23,8 @@ import torch
 from torch import Tensor, nn
 
 from seqnorm.cells.base import RecurrentCell
+from seqnorm.kernels import native
+from seqnorm.layers.kernel import compiled_step
 from seqnorm.layers.plan import cell_kernel, plan_for
 from seqnorm.torch_ops import CELL_KERNELS
 
@@ -86,7 +88,8 @@ def lean_layer_step(layer: nn.Module, x: Tensor) -> LayerStep | None:
     cached = _CACHE.get(layer)
     if cached is not None and cached.valid(layer.training, x.dtype):
         return cached.run
-    if plan_for(layer, x, step=True).path != "lean_step":  # type: ignore[arg-type]
+    plan = plan_for(layer, x, step=True)  # type: ignore[arg-type]
+    if plan.path != "lean_step":
         return None
     cells = list(layer.cells)
     stores = [
@@ -97,7 +100,7 @@ def lean_layer_step(layer: nn.Module, x: Tensor) -> LayerStep | None:
         if tensor is not None
     ]
     watched = tuple((store, name, tensor, tensor._version, tensor.data_ptr()) for store, name, tensor in stores)
-    run = _layer_run([_build(cell) for cell in cells])
+    run = _layer_run([_build(cell, route, x.device.type) for cell, route in zip(cells, plan.cells, strict=True)])
     observers = tuple(cell.observer for cell in cells)
     _CACHE[layer] = _Snapshot(watched, observers, layer.training, x.dtype, x.device.type, run)
     return run
@@ -126,7 +129,9 @@ def _layer_run(steps: list[Step]) -> LayerStep:
     return stacked
 
 
-def _build(cell: RecurrentCell) -> Step:
+def _build(cell: RecurrentCell, route: str, device_type: str) -> Step:
+    if route == "kernel":  # the compiled generation step (the plan found the kernels loaded)
+        return compiled_step(cell, native(device_type))
     weight_ih, weight_hh = cell.weight_ih, cell.weight_hh  # weight norm evaluated here, once
     hidden = cell.hidden_size
     if cell.norm_ih is None and cell.norm_hh is None and cell.norm_c is None:

@@ -116,7 +116,7 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
             (a count kept since construction, :func:`seqnorm.update_bn`'s passes excluded; not saved).
     """
 
-    fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "bptt", "generation"})
+    fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "bptt", "generation", "kernel"})
     indexed_by_step: ClassVar[bool] = True
     """The step index selects the statistics (a layer started at ``first_step > 0`` must pass it on)."""
 

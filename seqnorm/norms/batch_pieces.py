@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from seqnorm import torch_ops
+from seqnorm.kernels import KernelNorm
 from seqnorm.norms.protocol import NormCall
 
 __all__ = ["BatchNormPieces", "PopulationMoments", "masked_moments"]
@@ -206,3 +207,19 @@ class BatchNormPieces:
             return torch.addcmul(offset, y, scale)
 
         return batch
+
+    def kernel_norm(self, shift: Tensor | None) -> KernelNorm:
+        """What the compiled kernels need (:mod:`seqnorm.kernels`): the module's mode, options and buffers, which the
+        kernel updates in place in training by the module's rule (:meth:`forward_step`)."""
+        return KernelNorm(
+            "batch",
+            self.eps,
+            self.weight,
+            shift,
+            self.running_mean,
+            self.running_var,
+            self.num_batches_tracked,
+            momentum=-1.0 if self.momentum is None else self.momentum,
+            training=self.training,
+            owner=self,
+        )

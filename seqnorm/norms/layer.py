@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from seqnorm import torch_ops
+from seqnorm.kernels import KernelNorm
 from seqnorm.norms.precision import float32_statistics
 from seqnorm.norms.protocol import NormCall
 
@@ -99,8 +100,9 @@ class LayerNorm(_RowNorm):
 
     # Fast forms this exact class implements (read by seqnorm.layers.plan from the class's own namespace, so a
     # subclass restates them or gets none): "loop": forward_step/forward_sequence compute forward's function;
-    # "bptt" and "generation": the StepPieces methods below (seqnorm.norms.protocol).
-    fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "bptt", "generation"})
+    # "bptt" and "generation": the StepPieces methods below (seqnorm.norms.protocol); "kernel": the compiled
+    # kernels' LayerNorm (seqnorm/csrc/norms.h), given what kernel_norm returns.
+    fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "bptt", "generation", "kernel"})
 
     @float32_statistics
     def forward(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:
@@ -144,11 +146,15 @@ class LayerNorm(_RowNorm):
         shape, weight, eps = (self.num_features,), self.weight, self.eps
         return lambda y, step: torch.layer_norm(y, shape, weight, shift, eps)
 
+    def kernel_norm(self, shift: Tensor | None) -> KernelNorm:
+        """What the compiled kernels need (:mod:`seqnorm.kernels`): ``γ (x - mean) / sqrt(var + eps) + shift``."""
+        return KernelNorm("layer", self.eps, self.weight, shift, owner=self)
+
 
 class RMSNorm(_RowNorm):
     r"""RMSNorm over the last dimension: :math:`y = \gamma \odot x / \sqrt{\overline{x^2} + \epsilon} + \beta`."""
 
-    fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "bptt", "generation"})  # as LayerNorm's
+    fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "bptt", "generation", "kernel"})  # as LayerNorm's
 
     @float32_statistics
     def forward(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:
@@ -216,3 +222,7 @@ class RMSNorm(_RowNorm):
             return torch.div(y, length).mul_(weight) if shift is None else torch.addcdiv(shift, y * weight, length)
 
         return rms
+
+    def kernel_norm(self, shift: Tensor | None) -> KernelNorm:
+        """What the compiled kernels need (:mod:`seqnorm.kernels`): ``γ x / sqrt(mean(x²) + eps) + shift``."""
+        return KernelNorm("rms", self.eps, self.weight, shift, owner=self)

@@ -3,12 +3,14 @@ correction that ties training-time batch statistics to the running ones."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from seqnorm import torch_ops
+from seqnorm.kernels import KernelNorm
 from seqnorm.norms.batch import DEFAULT_MAX_STEPS, TimestepBatchNorm
 from seqnorm.norms.batch_pieces import masked_moments
 from seqnorm.norms.protocol import NormCall
@@ -50,7 +52,7 @@ class TimestepBatchRenorm(TimestepBatchNorm):
         **kwargs: as for :class:`TimestepBatchNorm`.
     """
 
-    fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "bptt", "generation"})  # as TimestepBatchNorm's
+    fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "bptt", "generation", "kernel"})  # as BatchNorm's
 
     def __init__(
         self,
@@ -198,3 +200,16 @@ class TimestepBatchRenorm(TimestepBatchNorm):
             r, d = call.stacked["rs"], call.stacked["ds"]
             x_hat.mul_(r[:, None, features]).add_(d[:, None, features])
         return x_hat
+
+    def kernel_norm(self, shift: Tensor | None) -> KernelNorm:
+        """BatchNorm's, with the r/d correction and its schedule (:meth:`limits`, computed by the kernel from each
+        step's batch count as it goes)."""
+        return dataclasses.replace(
+            super().kernel_norm(shift),
+            renorm=True,
+            r_max=self.r_max,
+            d_max=self.d_max,
+            warmup=self.warmup,
+            r_max_steps=self.r_max_steps,
+            d_max_steps=self.d_max_steps,
+        )

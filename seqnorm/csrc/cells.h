@@ -1,0 +1,162 @@
+// The cells' gates, one step of a block of rows at a time: torch's LSTM and GRU steps (gate order i, f, g, o and
+// r, z, n), written once for the kernels. The norms around them are norms.h's; the time loop is recurrence.cpp's.
+#pragma once
+
+#include "vec.h"
+
+namespace seqnorm {
+
+// ---- LSTM: (i, f, g, o) = pre, c' = σ(f) c + σ(i) tanh(g), h' = σ(o) tanh(N_c(c')) ------------------------------
+
+// acts = (σ(i), σ(f), tanh(g), σ(o)) of the pre-activations, c_new = σ(f) c_prev + σ(i) tanh(g); rows x 4H.
+template <typename T>
+void lstm_gates(const T* pre, T* acts, const T* c_prev, T* c_new, int64_t rows, int64_t hidden) {
+  over_rows(rows, 4 * hidden, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const T* p = pre + b * 4 * hidden;
+      T* a = acts + b * 4 * hidden;
+      vec_loop<T>(hidden, [&](int64_t j, int64_t n) {
+        const Vec<T> i = vsigmoid(load(p + j, n));
+        const Vec<T> f = vsigmoid(load(p + hidden + j, n));
+        const Vec<T> g = vtanh(load(p + 2 * hidden + j, n));
+        store(i, a + j, n);
+        store(f, a + hidden + j, n);
+        store(g, a + 2 * hidden + j, n);
+        store(vsigmoid(load(p + 3 * hidden + j, n)), a + 3 * hidden + j, n);
+        store(at::vec::fmadd(f, load(c_prev + b * hidden + j, n), i * g), c_new + b * hidden + j, n);
+      });
+    }
+  });
+}
+
+// tanh_c = tanh(c_out), h = σ(o) tanh_c; padded rows (mask false) keep h_prev and c_prev (c is written in place).
+template <typename T>
+void lstm_output(const T* c_out, const T* acts, T* tanh_c, T* h, T* c, const T* h_prev, const T* c_prev,
+                 const bool* mask, int64_t rows, int64_t hidden) {
+  over_rows(rows, hidden, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t row = b * hidden;
+      vec_loop<T>(hidden, [&](int64_t j, int64_t n) {
+        const Vec<T> t = vtanh(load(c_out + row + j, n));
+        store(t, tanh_c + row + j, n);
+        store(load(acts + b * 4 * hidden + 3 * hidden + j, n) * t, h + row + j, n);
+      });
+      if (mask != nullptr && !mask[b]) {
+        std::copy(h_prev + row, h_prev + row + hidden, h + row);
+        std::copy(c_prev + row, c_prev + row + hidden, c + row);
+      }
+    }
+  });
+}
+
+// The gradient reaching N_c's output from dh: dh σ(o) (1 - tanh_c²), zero on padded rows.
+template <typename T>
+void lstm_output_backward(const T* dh, const T* acts, const T* tanh_c, T* d_c_out, const bool* mask, int64_t rows,
+                          int64_t hidden) {
+  const Vec<T> one(T(1));
+  over_rows(rows, hidden, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t row = b * hidden;
+      if (mask != nullptr && !mask[b]) {
+        std::fill(d_c_out + row, d_c_out + row + hidden, T(0));
+        continue;
+      }
+      vec_loop<T>(hidden, [&](int64_t j, int64_t n) {
+        const Vec<T> t = load(tanh_c + row + j, n);
+        const Vec<T> o = load(acts + b * 4 * hidden + 3 * hidden + j, n);
+        store(load(dh + row + j, n) * o * (one - t * t), d_c_out + row + j, n);
+      });
+    }
+  });
+}
+
+// Given dL/dc' (dc, carried, plus dc_norm through N_c) and dh: the pre-activations' gradient (rows x 4H, zero on
+// padded rows) and dc for the previous step (σ(f) dc', or dc itself on padded rows), written over dc.
+template <typename T>
+void lstm_gates_backward(const T* dh, T* dc, const T* dc_norm, const T* acts, const T* tanh_c, const T* c_prev,
+                         T* grad_pre, const bool* mask, int64_t rows, int64_t hidden) {
+  const Vec<T> one(T(1));
+  over_rows(rows, 4 * hidden, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      T* gp = grad_pre + b * 4 * hidden;
+      if (mask != nullptr && !mask[b]) {
+        std::fill(gp, gp + 4 * hidden, T(0));
+        continue;
+      }
+      const T* a = acts + b * 4 * hidden;
+      const int64_t row = b * hidden;
+      vec_loop<T>(hidden, [&](int64_t j, int64_t n) {
+        const Vec<T> i = load(a + j, n), f = load(a + hidden + j, n), g = load(a + 2 * hidden + j, n);
+        const Vec<T> o = load(a + 3 * hidden + j, n);
+        const Vec<T> dct = load(dc + row + j, n) + load(dc_norm + row + j, n);
+        store(dct * g * i * (one - i), gp + j, n);
+        store(dct * load(c_prev + row + j, n) * f * (one - f), gp + hidden + j, n);
+        store(dct * i * (one - g * g), gp + 2 * hidden + j, n);
+        store(load(dh + row + j, n) * load(tanh_c + row + j, n) * o * (one - o), gp + 3 * hidden + j, n);
+        store(dct * f, dc + row + j, n);
+      });
+    }
+  });
+}
+
+// ---- GRU: u = N_hh(W_hh h) + b_hh, (r, z) = σ(a + u), n = tanh(a_n + r u_n), h' = (1 - z) n + z h -------------
+
+// acts = (r, z, n) from the input terms a and the recurrent terms u (rows x 3H); padded rows keep h_prev.
+template <typename T>
+void gru_gates(const T* a, const T* u, T* acts, const T* h_prev, T* h, const bool* mask, int64_t rows,
+               int64_t hidden) {
+  over_rows(rows, 3 * hidden, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t gates = b * 3 * hidden, row = b * hidden;
+      if (mask != nullptr && !mask[b]) {
+        std::copy(h_prev + row, h_prev + row + hidden, h + row);
+      }
+      vec_loop<T>(hidden, [&](int64_t j, int64_t n) {
+        const Vec<T> r = vsigmoid(load(a + gates + j, n) + load(u + gates + j, n));
+        const Vec<T> z = vsigmoid(load(a + gates + hidden + j, n) + load(u + gates + hidden + j, n));
+        const Vec<T> c = vtanh(at::vec::fmadd(r, load(u + gates + 2 * hidden + j, n), load(a + gates + 2 * hidden + j, n)));
+        store(r, acts + gates + j, n);
+        store(z, acts + gates + hidden + j, n);
+        store(c, acts + gates + 2 * hidden + j, n);
+        if (mask == nullptr || mask[b]) {
+          store(at::vec::fmadd(z, load(h_prev + row + j, n) - c, c), h + row + j, n);
+        }
+      });
+    }
+  });
+}
+
+// From dh: the input terms' gradient (r, z, n parts; zero on padded rows), the recurrent terms' gradient du (its
+// n part gated by r) and the carry dh z to the previous state (dh itself on padded rows), written over dh.
+template <typename T>
+void gru_gates_backward(T* dh, const T* acts, const T* u_n, const T* h_prev, T* grad_a, T* grad_u,
+                        const bool* mask, int64_t rows, int64_t hidden) {
+  const Vec<T> one(T(1));
+  over_rows(rows, 3 * hidden, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t gates = b * 3 * hidden, row = b * hidden;
+      if (mask != nullptr && !mask[b]) {
+        std::fill(grad_a + gates, grad_a + gates + 3 * hidden, T(0));
+        std::fill(grad_u + gates, grad_u + gates + 3 * hidden, T(0));
+        continue;
+      }
+      vec_loop<T>(hidden, [&](int64_t j, int64_t n) {
+        const Vec<T> r = load(acts + gates + j, n), z = load(acts + gates + hidden + j, n);
+        const Vec<T> c = load(acts + gates + 2 * hidden + j, n);
+        const Vec<T> d = load(dh + row + j, n);
+        const Vec<T> dn = d * (one - z) * (one - c * c);
+        const Vec<T> dz = d * (load(h_prev + row + j, n) - c) * z * (one - z);
+        const Vec<T> dr = dn * load(u_n + row + j, n) * r * (one - r);
+        store(dr, grad_a + gates + j, n);
+        store(dz, grad_a + gates + hidden + j, n);
+        store(dn, grad_a + gates + 2 * hidden + j, n);
+        store(dr, grad_u + gates + j, n);
+        store(dz, grad_u + gates + hidden + j, n);
+        store(dn * r, grad_u + gates + 2 * hidden + j, n);
+        store(d * z, dh + row + j, n);
+      });
+    }
+  });
+}
+
+}  // namespace seqnorm

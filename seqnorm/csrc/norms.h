@@ -1,0 +1,457 @@
+// The norms of the recurrence, one step at a time: y = γ N(x) + shift (+ an addend), and their backward.
+//
+// Each norm owns its statistics and their backward here, once for the kernels (the Python modules in seqnorm/norms
+// are the reference these are tested against; a module declares the "kernel" form and what it needs in
+// `kernel_norm()`): LayerNorm and RMSNorm per row, per-timestep BatchNorm (and batch renormalization) per feature
+// over the real rows of the step, with its running statistics updated in place exactly as the module's forward does.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "vec.h"
+
+namespace seqnorm {
+
+// What a Python norm hands the kernels (`seqnorm.kernels.KernelNorm`): its kind, options and tensors.
+struct NormArgs {
+  std::string kind;  // "none" | "layer" | "rms" | "batch"
+  double eps = 1e-5;
+  c10::optional<at::Tensor> weight, shift;
+  // Per-timestep BatchNorm: running moments (R, F), batches seen per row (R,) int64, updated in place in training.
+  c10::optional<at::Tensor> running_mean, running_var, num_batches_tracked;
+  double momentum = 0.1;  // < 0: cumulative average (momentum=None)
+  bool training = false;
+  // Batch renormalization (Ioffe 2017): the schedule of r_max and d_max in batches seen by a step's row.
+  bool renorm = false;
+  double r_max = 1.0, d_max = 0.0;
+  int64_t warmup = 0, r_max_steps = 1, d_max_steps = 1;
+};
+
+template <typename T>
+const T* data_or_null(const c10::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? t->data_ptr<T>() : nullptr;
+}
+
+template <typename T>
+class StepNorm {
+ public:
+  StepNorm(const NormArgs& args, int64_t rows, int64_t features)
+      : args_(args), rows_(rows), features_(features), weight_(data_or_null<T>(args.weight)),
+        shift_(data_or_null<T>(args.shift)) {}
+  virtual ~StepNorm() = default;
+
+  // out = γ N(x) + shift + addend (addend may be null) for step t's block (rows x features); `mask` marks the real
+  // rows (null: all of them, `count` rows).
+  virtual void forward(int64_t t, const T* x, T* out, const T* addend, const bool* mask, int64_t count) = 0;
+  // out (rows x width) = γ N(x) + shift on the features [offset, offset + width) of step t, from saved statistics.
+  virtual void normalized(int64_t t, const T* x, T* out, int64_t offset, int64_t width) = 0;
+  // dx of step t given dy (zero on padded rows); adds this step's share of the γ and shift gradients.
+  virtual void backward(int64_t t, const T* dy, const T* x, T* dx, const bool* mask, int64_t count) = 0;
+  // What the backward needs, in the order the constructor for the backward takes it.
+  virtual std::vector<at::Tensor> saved() const = 0;
+  // No norm and no shift: the output is the input itself.
+  virtual bool identity() const { return false; }
+  int64_t fallback_steps() const { return fallback_steps_; }
+
+  // (dL/dγ, dL/dshift), undefined where there is no γ or shift.
+  virtual std::pair<at::Tensor, at::Tensor> parameter_grads() const = 0;
+
+ protected:
+  NormArgs args_;
+  int64_t rows_, features_;
+  const T* weight_;
+  const T* shift_;
+  int64_t fallback_steps_ = 0;
+};
+
+// ---- no norm: out = x + shift + addend -------------------------------------------------------------------------
+
+template <typename T>
+class NoNorm final : public StepNorm<T> {
+ public:
+  NoNorm(const NormArgs& args, int64_t rows, int64_t features, const at::TensorOptions& options)
+      : StepNorm<T>(args, rows, features) {
+    if (this->shift_ != nullptr) shift_grad_ = at::zeros({features}, options);
+  }
+  bool identity() const override { return this->shift_ == nullptr; }
+
+  void forward(int64_t, const T* x, T* out, const T* addend, const bool*, int64_t) override {
+    const int64_t f = this->features_;
+    const T* shift = this->shift_;
+    over_rows(this->rows_, f, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        const T* xr = x + b * f;
+        T* yr = out + b * f;
+        const T* ar = addend == nullptr ? nullptr : addend + b * f;
+        vec_loop<T>(f, [&](int64_t i, int64_t n) {
+          Vec<T> y = load(xr + i, n);
+          if (shift != nullptr) y = y + load(shift + i, n);
+          if (ar != nullptr) y = y + load(ar + i, n);
+          store(y, yr + i, n);
+        });
+      }
+    });
+  }
+
+  void normalized(int64_t, const T* x, T* out, int64_t offset, int64_t width) override {
+    const int64_t f = this->features_;
+    for (int64_t b = 0; b < this->rows_; ++b) {
+      vec_loop<T>(width, [&](int64_t i, int64_t n) {
+        Vec<T> y = load(x + b * f + offset + i, n);
+        if (this->shift_ != nullptr) y = y + load(this->shift_ + offset + i, n);
+        store(y, out + b * width + i, n);
+      });
+    }
+  }
+
+  void backward(int64_t, const T* dy, const T*, T* dx, const bool*, int64_t) override {
+    const int64_t f = this->features_;
+    if (this->shift_ != nullptr) {
+      T* grad = shift_grad_.data_ptr<T>();
+      for (int64_t b = 0; b < this->rows_; ++b) {
+        vec_loop<T>(f, [&](int64_t i, int64_t n) { store(load(grad + i, n) + load(dy + b * f + i, n), grad + i, n); });
+      }
+    }
+    if (dx != dy) std::copy(dy, dy + this->rows_ * f, dx);
+  }
+
+  std::vector<at::Tensor> saved() const override { return {}; }
+  std::pair<at::Tensor, at::Tensor> parameter_grads() const override { return {at::Tensor(), shift_grad_}; }
+
+ private:
+  at::Tensor shift_grad_;
+};
+
+// ---- LayerNorm and RMSNorm: statistics per row -----------------------------------------------------------------
+
+template <typename T>
+class RowNorm final : public StepNorm<T> {
+ public:
+  // Forward: saved is empty (statistics are allocated for `steps`); backward: the forward's saved().
+  RowNorm(const NormArgs& args, int64_t steps, int64_t rows, int64_t features, const at::TensorOptions& options,
+          const std::vector<at::Tensor>& saved)
+      : StepNorm<T>(args, rows, features), centered_(args.kind == "layer") {
+    if (saved.empty()) {
+      means_ = at::zeros({steps, rows}, options);
+      rstds_ = at::empty({steps, rows}, options);
+    } else {
+      means_ = saved.at(0);
+      rstds_ = saved.at(1);
+      // One row of gradient sums per thread, added up at the end.
+      sums_ = at::zeros({at::get_num_threads(), 2, features}, options);
+    }
+  }
+
+  void forward(int64_t t, const T* x, T* out, const T* addend, const bool*, int64_t) override {
+    const int64_t f = this->features_;
+    const T eps = static_cast<T>(this->args_.eps);
+    T* means = means_.data_ptr<T>() + t * this->rows_;
+    T* rstds = rstds_.data_ptr<T>() + t * this->rows_;
+    const T* weight = this->weight_;
+    const T* shift = this->shift_;
+    over_rows(this->rows_, f, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        const T* xr = x + b * f;
+        T mean = 0;
+        if (centered_) {
+          Vec<T> sum(T(0));
+          vec_loop<T>(f, [&](int64_t i, int64_t n) { sum = sum + load(xr + i, n); });
+          mean = hsum(sum) / static_cast<T>(f);
+        }
+        Vec<T> squares(T(0));
+        const Vec<T> m(mean);
+        vec_loop<T>(f, [&](int64_t i, int64_t n) {
+          const Vec<T> d = only(load(xr + i, n) - m, n);
+          squares = at::vec::fmadd(d, d, squares);
+        });
+        const T rstd = T(1) / std::sqrt(hsum(squares) / static_cast<T>(f) + eps);
+        means[b] = mean;
+        rstds[b] = rstd;
+        const Vec<T> r(rstd);
+        T* yr = out + b * f;
+        const T* ar = addend == nullptr ? nullptr : addend + b * f;
+        vec_loop<T>(f, [&](int64_t i, int64_t n) {
+          Vec<T> y = (load(xr + i, n) - m) * r * load(weight + i, n);
+          if (shift != nullptr) y = y + load(shift + i, n);
+          if (ar != nullptr) y = y + load(ar + i, n);
+          store(y, yr + i, n);
+        });
+      }
+    });
+  }
+
+  void normalized(int64_t t, const T* x, T* out, int64_t offset, int64_t width) override {
+    const int64_t f = this->features_;
+    const T* means = means_.data_ptr<T>() + t * this->rows_;
+    const T* rstds = rstds_.data_ptr<T>() + t * this->rows_;
+    for (int64_t b = 0; b < this->rows_; ++b) {
+      const Vec<T> m(means[b]), r(rstds[b]);
+      vec_loop<T>(width, [&](int64_t i, int64_t n) {
+        Vec<T> y = (load(x + b * f + offset + i, n) - m) * r * load(this->weight_ + offset + i, n);
+        if (this->shift_ != nullptr) y = y + load(this->shift_ + offset + i, n);
+        store(y, out + b * width + i, n);
+      });
+    }
+  }
+
+  void backward(int64_t t, const T* dy, const T* x, T* dx, const bool* mask, int64_t) override {
+    const int64_t f = this->features_;
+    const T* means = means_.data_ptr<T>() + t * this->rows_;
+    const T* rstds = rstds_.data_ptr<T>() + t * this->rows_;
+    const T* weight = this->weight_;
+    T* all_sums = sums_.data_ptr<T>();
+    const T inv_f = T(1) / static_cast<T>(f);
+    over_rows(this->rows_, f, [&](int64_t begin, int64_t end) {
+      T* weight_grad = all_sums + at::get_thread_num() * 2 * f;
+      T* shift_grad = weight_grad + f;
+      for (int64_t b = begin; b < end; ++b) {
+        T* dxr = dx + b * f;
+        if (mask != nullptr && !mask[b]) {  // a padded row: no gradient, nothing to the parameters
+          std::fill(dxr, dxr + f, T(0));
+          continue;
+        }
+        const T* xr = x + b * f;
+        const T* dyr = dy + b * f;
+        const Vec<T> m(means[b]), r(rstds[b]);
+        // x̂ = (x - mean) rstd, g = dy γ: dx = rstd (g - mean(g) - x̂ mean(g x̂)); dγ += dy x̂, dshift += dy.
+        Vec<T> g_sum(T(0)), gx_sum(T(0));
+        vec_loop<T>(f, [&](int64_t i, int64_t n) {
+          const Vec<T> x_hat = only((load(xr + i, n) - m) * r, n);
+          const Vec<T> d = load(dyr + i, n);
+          const Vec<T> g = d * load(weight + i, n);
+          g_sum = g_sum + g;
+          gx_sum = at::vec::fmadd(g, x_hat, gx_sum);
+          store(at::vec::fmadd(d, x_hat, load(weight_grad + i, n)), weight_grad + i, n);
+          store(load(shift_grad + i, n) + d, shift_grad + i, n);
+        });
+        const Vec<T> g_mean(centered_ ? hsum(g_sum) * inv_f : T(0)), gx_mean(hsum(gx_sum) * inv_f);
+        vec_loop<T>(f, [&](int64_t i, int64_t n) {
+          const Vec<T> x_hat = (load(xr + i, n) - m) * r;
+          const Vec<T> g = load(dyr + i, n) * load(weight + i, n);
+          store((g - g_mean - x_hat * gx_mean) * r, dxr + i, n);
+        });
+      }
+    });
+  }
+
+  std::vector<at::Tensor> saved() const override { return {means_, rstds_}; }
+
+  std::pair<at::Tensor, at::Tensor> parameter_grads() const override {
+    const at::Tensor sums = sums_.sum(0);
+    return {sums[0], this->shift_ != nullptr ? sums[1] : at::Tensor()};
+  }
+
+ private:
+  bool centered_;
+  at::Tensor means_, rstds_, sums_;
+};
+
+// ---- per-timestep BatchNorm (and batch renormalization): statistics per feature over the real rows ---------------
+
+template <typename T>
+class BatchStepNorm final : public StepNorm<T> {
+ public:
+  BatchStepNorm(const NormArgs& args, int64_t steps, int64_t rows, int64_t features,
+                const at::TensorOptions& options, const std::vector<at::Tensor>& saved, int64_t first_step)
+      : StepNorm<T>(args, rows, features), first_step_(first_step) {
+    if (saved.empty()) {
+      means_ = at::empty({steps, features}, options);
+      rstds_ = at::empty({steps, features}, options);
+      rs_ = at::ones({steps, features}, options);
+      ds_ = at::zeros({steps, features}, options);
+      batch_steps_ = at::zeros({steps}, options.dtype(at::kBool));
+    } else {
+      means_ = saved.at(0);
+      rstds_ = saved.at(1);
+      rs_ = saved.at(2);
+      ds_ = saved.at(3);
+      batch_steps_ = saved.at(4);
+      weight_grad_ = at::zeros({features}, options);
+      shift_grad_ = at::zeros({features}, options);
+    }
+    scale_ = at::empty({features}, options);
+    offset_ = at::empty({features}, options);
+  }
+
+  void forward(int64_t t, const T* x, T* out, const T* addend, const bool* mask, int64_t count) override {
+    const NormArgs& a = this->args_;
+    const int64_t f = this->features_, rows = this->rows_;
+    // Steps at or beyond max_steps share the last row of statistics.
+    const int64_t row = std::min<int64_t>(first_step_ + t, a.running_mean->size(0) - 1);
+    T* running_mean = a.running_mean->data_ptr<T>() + row * f;
+    T* running_var = a.running_var->data_ptr<T>() + row * f;
+    int64_t* tracked = a.num_batches_tracked->data_ptr<int64_t>() + row;
+    T* mean = means_.data_ptr<T>() + t * f;
+    T* rstd = rstds_.data_ptr<T>() + t * f;
+    T* r = rs_.data_ptr<T>() + t * f;
+    T* d = ds_.data_ptr<T>() + t * f;
+    const T eps = static_cast<T>(a.eps);
+    // Fewer than 2 real rows in training: the step's running statistics, not updated (the module's fallback).
+    const bool use_batch = a.training && count >= 2;
+    batch_steps_.data_ptr<bool>()[t] = use_batch;
+    if (a.training && !use_batch) ++this->fallback_steps_;
+    if (use_batch) {
+      // Ioffe's limits from the batches this row has seen before this step, in float32 as the module computes them.
+      const float seen = static_cast<float>(std::max<int64_t>(*tracked - a.warmup, 0));
+      const float r_max = 1.0f + static_cast<float>(a.r_max - 1.0) *
+                                     std::min(seen / static_cast<float>(a.r_max_steps), 1.0f);
+      const float d_max = static_cast<float>(a.d_max) * std::min(seen / static_cast<float>(a.d_max_steps), 1.0f);
+      // The k-th batch of a row weighs 1/k under a cumulative average.
+      const T weight = a.momentum < 0 ? T(1) / static_cast<T>(*tracked + 1) : static_cast<T>(a.momentum);
+      const T unbias = static_cast<T>(count) / static_cast<T>(count - 1);
+      // Sums over the real rows, a row at a time (features are contiguous): first the mean, then the squares.
+      std::fill(mean, mean + f, T(0));
+      std::fill(rstd, rstd + f, T(0));
+      for (int64_t b = 0; b < rows; ++b) {
+        if (mask != nullptr && !mask[b]) continue;
+        vec_loop<T>(f, [&](int64_t i, int64_t n) { store(load(mean + i, n) + load(x + b * f + i, n), mean + i, n); });
+      }
+      const Vec<T> inv_count(T(1) / static_cast<T>(count));
+      vec_loop<T>(f, [&](int64_t i, int64_t n) { store(load(mean + i, n) * inv_count, mean + i, n); });
+      for (int64_t b = 0; b < rows; ++b) {
+        if (mask != nullptr && !mask[b]) continue;
+        vec_loop<T>(f, [&](int64_t i, int64_t n) {
+          const Vec<T> centered = load(x + b * f + i, n) - load(mean + i, n);
+          store(at::vec::fmadd(centered, centered, load(rstd + i, n)), rstd + i, n);
+        });
+      }
+      for (int64_t j = 0; j < f; ++j) {
+        const T m = mean[j];
+        const T var = rstd[j] / static_cast<T>(count);
+        rstd[j] = T(1) / std::sqrt(var + eps);
+        if (a.renorm) {
+          const T running_rstd = T(1) / std::sqrt(running_var[j] + eps);  // before this step's update
+          r[j] = std::min(std::max(running_rstd / rstd[j], T(1) / static_cast<T>(r_max)), static_cast<T>(r_max));
+          d[j] = std::min(std::max((m - running_mean[j]) * running_rstd, static_cast<T>(-d_max)),
+                          static_cast<T>(d_max));
+        }
+        running_mean[j] = lerp(running_mean[j], m, weight);
+        running_var[j] = lerp(running_var[j], var * unbias, weight);
+      }
+      *tracked += 1;
+    } else {
+      for (int64_t j = 0; j < f; ++j) {
+        mean[j] = running_mean[j];
+        rstd[j] = T(1) / std::sqrt(running_var[j] + eps);
+      }
+    }
+    apply(t, x, out, addend, 0, f, f);
+  }
+
+  void normalized(int64_t t, const T* x, T* out, int64_t offset, int64_t width) override {
+    apply(t, x, out, nullptr, offset, width, width);
+  }
+
+  void backward(int64_t t, const T* dy, const T* x, T* dx, const bool* mask, int64_t count) override {
+    const int64_t f = this->features_, rows = this->rows_;
+    const T* mean = means_.data_ptr<T>() + t * f;
+    const T* rstd = rstds_.data_ptr<T>() + t * f;
+    const T* r = rs_.data_ptr<T>() + t * f;
+    const T* d = ds_.data_ptr<T>() + t * f;
+    const bool batch_step = batch_steps_.data_ptr<bool>()[t];
+    T* weight_grad = weight_grad_.data_ptr<T>();
+    T* shift_grad = shift_grad_.data_ptr<T>();
+    T* dy_sum = scale_.data_ptr<T>();    // Σ dy over the real rows, per feature
+    T* dyx_sum = offset_.data_ptr<T>();  // Σ dy x̂
+    std::fill(dy_sum, dy_sum + f, T(0));
+    std::fill(dyx_sum, dyx_sum + f, T(0));
+    for (int64_t b = 0; b < rows; ++b) {
+      if (mask != nullptr && !mask[b]) continue;
+      vec_loop<T>(f, [&](int64_t i, int64_t n) {
+        const Vec<T> g = load(dy + b * f + i, n);
+        const Vec<T> x_hat = (load(x + b * f + i, n) - load(mean + i, n)) * load(rstd + i, n);
+        store(load(dy_sum + i, n) + g, dy_sum + i, n);
+        store(at::vec::fmadd(g, x_hat, load(dyx_sum + i, n)), dyx_sum + i, n);
+      });
+    }
+    // dγ = Σ dy (x̂ r + d); with batch statistics dx = γ r rstd (dy - Σdy / n - x̂ Σ dy x̂ / n) on the real rows,
+    // with running statistics (constants) dx = γ rstd dy.
+    for (int64_t j = 0; j < f; ++j) {
+      weight_grad[j] += dyx_sum[j] * r[j] + dy_sum[j] * d[j];
+      shift_grad[j] += dy_sum[j];
+    }
+    const T inv_count = T(1) / static_cast<T>(std::max<int64_t>(count, 1));
+    over_rows(rows, f, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        T* dxr = dx + b * f;
+        if (mask != nullptr && !mask[b]) {
+          std::fill(dxr, dxr + f, T(0));
+          continue;
+        }
+        vec_loop<T>(f, [&](int64_t i, int64_t n) {
+          const Vec<T> s = load(rstd + i, n) * load(this->weight_ + i, n);
+          Vec<T> g = load(dy + b * f + i, n);
+          if (batch_step) {
+            const Vec<T> x_hat = (load(x + b * f + i, n) - load(mean + i, n)) * load(rstd + i, n);
+            const Vec<T> c(inv_count);
+            g = (g - load(dy_sum + i, n) * c - x_hat * load(dyx_sum + i, n) * c) * load(r + i, n);
+          }
+          store(g * s, dxr + i, n);
+        });
+      }
+    });
+  }
+
+  std::vector<at::Tensor> saved() const override { return {means_, rstds_, rs_, ds_, batch_steps_}; }
+
+  std::pair<at::Tensor, at::Tensor> parameter_grads() const override {
+    return {weight_grad_, this->shift_ != nullptr ? shift_grad_ : at::Tensor()};
+  }
+
+ private:
+  // torch.lerp's formula (the module updates its running moments with it).
+  static T lerp(T start, T end, T weight) {
+    return weight < T(0.5) ? start + weight * (end - start) : end - (end - start) * (T(1) - weight);
+  }
+
+  // out (rows x out_width) = (x - mean) rstd γ r + γ d + shift (+ addend) on features [offset, offset + width).
+  void apply(int64_t t, const T* x, T* out, const T* addend, int64_t offset, int64_t width, int64_t out_width) {
+    const int64_t f = this->features_;
+    const T* mean = means_.data_ptr<T>() + t * f + offset;
+    const T* rstd = rstds_.data_ptr<T>() + t * f + offset;
+    const T* r = rs_.data_ptr<T>() + t * f + offset;
+    const T* d = ds_.data_ptr<T>() + t * f + offset;
+    const T* weight = this->weight_ + offset;
+    T* scale = scale_.data_ptr<T>();
+    T* shifted = offset_.data_ptr<T>();
+    for (int64_t j = 0; j < width; ++j) {
+      scale[j] = rstd[j] * weight[j] * r[j];
+      shifted[j] = weight[j] * d[j] + (this->shift_ != nullptr ? this->shift_[offset + j] : T(0)) - mean[j] * scale[j];
+    }
+    over_rows(this->rows_, width, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        const T* xr = x + b * f + offset;
+        const T* ar = addend == nullptr ? nullptr : addend + b * out_width;
+        vec_loop<T>(width, [&](int64_t i, int64_t n) {
+          Vec<T> y = at::vec::fmadd(load(xr + i, n), load(scale + i, n), load(shifted + i, n));
+          if (ar != nullptr) y = y + load(ar + i, n);
+          store(y, out + b * out_width + i, n);
+        });
+      }
+    });
+  }
+
+  int64_t first_step_;  // the time index of step 0 (a generation step's own index)
+  at::Tensor means_, rstds_, rs_, ds_, batch_steps_, weight_grad_, shift_grad_;
+  at::Tensor scale_, offset_;  // per-step scratch
+};
+
+template <typename T>
+std::unique_ptr<StepNorm<T>> make_norm(const NormArgs& args, int64_t steps, int64_t rows, int64_t features,
+                                       const at::TensorOptions& options, const std::vector<at::Tensor>& saved,
+                                       int64_t first_step = 0) {
+  if (args.kind == "none") return std::make_unique<NoNorm<T>>(args, rows, features, options);
+  if (args.kind == "layer" || args.kind == "rms") {
+    return std::make_unique<RowNorm<T>>(args, steps, rows, features, options, saved);
+  }
+  if (args.kind == "batch") {
+    return std::make_unique<BatchStepNorm<T>>(args, steps, rows, features, options, saved, first_step);
+  }
+  TORCH_CHECK(false, "seqnorm kernels: unknown norm kind '", args.kind, "'");
+}
+
+}  // namespace seqnorm

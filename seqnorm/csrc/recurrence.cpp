@@ -1,0 +1,365 @@
+// The time loops of the kernels: a layer direction's recurrence (training forward, its backward through time) and
+// the no-grad generation step, composed from the cells' gates (cells.h) and the norms' steps (norms.h).
+//
+// The matmuls stay BLAS/oneDNN calls (at::mm_out / at::addmm_out into preallocated buffers); everything between
+// them is one vectorized pass per piece, without temporaries. The Python side (seqnorm/kernels/) wraps these in a
+// torch.autograd.Function and checks every argument; the plain-PyTorch path (seqnorm/layers/bptt.py) is the
+// reference the tests compare them with.
+#include <torch/extension.h>
+
+#include <vector>
+
+#include "cells.h"
+#include "norms.h"
+
+namespace seqnorm {
+namespace {
+
+using Tensors = std::vector<at::Tensor>;
+
+// Per step: the (B,) row of the padding mask when some row is padded, else null, and the number of real rows.
+struct Padding {
+  Padding(const c10::optional<at::Tensor>& mask, int64_t steps, int64_t rows) : rows_(rows) {
+    if (mask.has_value() && mask->defined()) {
+      mask_ = mask->contiguous();
+      const bool* data = mask_.data_ptr<bool>();
+      for (int64_t t = 0; t < steps; ++t) {
+        int64_t count = 0;
+        for (int64_t b = 0; b < rows; ++b) count += data[t * rows + b];
+        counts_.push_back(count);
+      }
+    } else {
+      counts_.assign(steps, rows);
+    }
+  }
+  const bool* mask(int64_t t) const {
+    return counts_[t] == rows_ ? nullptr : mask_.data_ptr<bool>() + t * rows_;
+  }
+  int64_t count(int64_t t) const { return counts_[t]; }
+
+ private:
+  int64_t rows_;
+  at::Tensor mask_;
+  std::vector<int64_t> counts_;
+};
+
+template <typename T>
+T* ptr(const at::Tensor& t) {
+  return t.data_ptr<T>();
+}
+
+// Padded rows pass the gradient of their state on unchanged: dh_next[b] += dh[b] where mask[b] is false.
+template <typename T>
+void add_padded_rows(T* dh_next, const T* dh, const bool* mask, int64_t rows, int64_t hidden) {
+  if (mask == nullptr) return;
+  for (int64_t b = 0; b < rows; ++b) {
+    if (mask[b]) continue;
+    for (int64_t j = 0; j < hidden; ++j) dh_next[b * hidden + j] += dh[b * hidden + j];
+  }
+}
+
+// dL/dW_hh = Σ_t dL/d(W_hh h_{t-1})^T h_{t-1}: one matmul over all steps (h_{-1} is h0).
+at::Tensor weight_hh_grad(const at::Tensor& grad_raw, const at::Tensor& h0, const at::Tensor& hs) {
+  const int64_t steps = hs.size(0), gates = grad_raw.size(2), hidden = hs.size(2);
+  at::Tensor grad = at::mm(grad_raw[0].t(), h0);
+  if (steps > 1) {
+    grad.addmm_(grad_raw.narrow(0, 1, steps - 1).reshape({-1, gates}).t(),
+                hs.narrow(0, 0, steps - 1).reshape({-1, hidden}));
+  }
+  return grad;
+}
+
+// ---- LSTM ------------------------------------------------------------------------------------------------------
+
+// Returns hs, h_n, c_n; what the backward needs: cs, acts, tanh_cs and raw (W_hh h, undefined without a recurrent
+// norm); the recurrent norm's saved statistics, the cell-state norm's; and the fallback steps of both norms.
+template <typename T>
+std::tuple<Tensors, Tensors, Tensors, Tensors, std::vector<int64_t>> lstm_forward(
+    const at::Tensor& terms, const at::Tensor& h0, const at::Tensor& c0, const at::Tensor& weight_hh,
+    const c10::optional<at::Tensor>& mask, const NormArgs& hh_args, const NormArgs& c_args, bool save) {
+  const int64_t steps = terms.size(0), rows = terms.size(1), gates = terms.size(2), hidden = gates / 4;
+  const auto options = terms.options();
+  const Padding padding(mask, steps, rows);
+  auto norm_hh = make_norm<T>(hh_args, steps, rows, gates, options, {});
+  auto norm_c = make_norm<T>(c_args, steps, rows, hidden, options, {});
+  // Without a gradient only the current step is kept (c: the current and the previous).
+  const int64_t kept = save ? steps : 1;
+  at::Tensor hs = at::empty({steps, rows, hidden}, options);
+  at::Tensor cs = at::empty({save ? steps : 2, rows, hidden}, options);
+  at::Tensor acts = at::empty({kept, rows, gates}, options);
+  at::Tensor tanh_cs = at::empty({kept, rows, hidden}, options);
+  at::Tensor raw = norm_hh->identity() ? at::Tensor() : at::empty({kept, rows, gates}, options);
+  at::Tensor pre = at::empty({rows, gates}, options);
+  at::Tensor c_out = norm_c->identity() ? at::Tensor() : at::empty({rows, hidden}, options);
+  const at::Tensor weight_t = weight_hh.t();
+  const Tensors term = terms.unbind(0), h = hs.unbind(0), c = cs.unbind(0);
+  Tensors raw_t = raw.defined() ? raw.unbind(0) : Tensors();
+  for (int64_t t = 0; t < steps; ++t) {
+    const int64_t slot = save ? t : 0, c_slot = save ? t : t % 2;
+    const bool* m = padding.mask(t);
+    const at::Tensor& h_prev = t == 0 ? h0 : h[t - 1];
+    const at::Tensor& c_prev = t == 0 ? c0 : c[save ? t - 1 : (t - 1) % 2];
+    if (raw.defined()) {
+      at::mm_out(raw_t[slot], h_prev, weight_t);
+      norm_hh->forward(t, ptr<T>(raw_t[slot]), ptr<T>(pre), ptr<T>(term[t]), m, padding.count(t));
+    } else {
+      at::addmm_out(pre, term[t], h_prev, weight_t);
+    }
+    T* c_new = ptr<T>(c[c_slot]);
+    T* a = ptr<T>(acts) + slot * rows * gates;
+    lstm_gates(ptr<T>(pre), a, ptr<T>(c_prev), c_new, rows, hidden);
+    const T* c_normed = c_new;
+    if (c_out.defined()) {
+      norm_c->forward(t, c_new, ptr<T>(c_out), nullptr, m, padding.count(t));
+      c_normed = ptr<T>(c_out);
+    }
+    lstm_output(c_normed, a, ptr<T>(tanh_cs) + slot * rows * hidden, ptr<T>(h[t]), c_new, ptr<T>(h_prev),
+                ptr<T>(c_prev), m, rows, hidden);
+  }
+  const at::Tensor h_n = hs[steps - 1].clone(), c_n = c[save ? steps - 1 : (steps - 1) % 2].clone();
+  Tensors saved;
+  if (save) saved = {cs, acts, tanh_cs, raw};  // raw last: None in Python when undefined
+  return {Tensors{hs, h_n, c_n}, saved, norm_hh->saved(), norm_c->saved(),
+          {norm_hh->fallback_steps(), norm_c->fallback_steps()}};
+}
+
+// Returns grad terms, grad h0, grad c0, grad W_hh, then (γ, shift) of the recurrent norm and of the cell-state norm.
+template <typename T>
+Tensors lstm_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, const at::Tensor& grad_c_n,
+                      const at::Tensor& h0, const at::Tensor& c0, const at::Tensor& weight_hh,
+                      const c10::optional<at::Tensor>& mask, const at::Tensor& hs, const Tensors& saved,
+                      const c10::optional<at::Tensor>& raw_saved, const Tensors& hh_saved, const Tensors& c_saved,
+                      const NormArgs& hh_args, const NormArgs& c_args) {
+  const at::Tensor &cs = saved.at(0), &acts = saved.at(1), &tanh_cs = saved.at(2);
+  const at::Tensor raw = raw_saved.has_value() ? *raw_saved : at::Tensor();
+  const int64_t steps = acts.size(0), rows = acts.size(1), gates = acts.size(2), hidden = gates / 4;
+  const auto options = acts.options();
+  const Padding padding(mask, steps, rows);
+  auto norm_hh = make_norm<T>(hh_args, steps, rows, gates, options, hh_saved);
+  auto norm_c = make_norm<T>(c_args, steps, rows, hidden, options, c_saved);
+  at::Tensor grad_terms = at::empty({steps, rows, gates}, options);
+  at::Tensor grad_raw = raw.defined() ? at::empty({steps, rows, gates}, options) : grad_terms;
+  at::Tensor dh = grad_h_n + grad_hs[steps - 1];
+  at::Tensor dh_next = at::empty({rows, hidden}, options);
+  at::Tensor dc = grad_c_n.clone();
+  at::Tensor d_c_out = at::empty({rows, hidden}, options);
+  at::Tensor dc_norm = norm_c->identity() ? d_c_out : at::empty({rows, hidden}, options);
+  const Tensors grad_out = grad_hs.unbind(0), grad_r = grad_raw.unbind(0);
+  for (int64_t t = steps - 1; t >= 0; --t) {
+    const bool* m = padding.mask(t);
+    const int64_t count = padding.count(t);
+    const T* a = ptr<T>(acts) + t * rows * gates;
+    const T* tanh_c = ptr<T>(tanh_cs) + t * rows * hidden;
+    const T* c_prev = t == 0 ? ptr<T>(c0) : ptr<T>(cs) + (t - 1) * rows * hidden;
+    T* grad_pre = ptr<T>(grad_terms) + t * rows * gates;
+    lstm_output_backward(ptr<T>(dh), a, tanh_c, ptr<T>(d_c_out), m, rows, hidden);
+    if (!norm_c->identity()) {
+      norm_c->backward(t, ptr<T>(d_c_out), ptr<T>(cs) + t * rows * hidden, ptr<T>(dc_norm), m, count);
+    }
+    lstm_gates_backward(ptr<T>(dh), ptr<T>(dc), ptr<T>(dc_norm), a, tanh_c, c_prev, grad_pre, m, rows, hidden);
+    if (raw.defined()) {
+      norm_hh->backward(t, grad_pre, ptr<T>(raw) + t * rows * gates, ptr<T>(grad_r[t]), m, count);
+    }
+    if (t > 0) {
+      at::addmm_out(dh_next, grad_out[t - 1], grad_r[t], weight_hh);
+    } else {
+      at::mm_out(dh_next, grad_r[t], weight_hh);
+    }
+    add_padded_rows(ptr<T>(dh_next), ptr<T>(dh), m, rows, hidden);
+    std::swap(dh, dh_next);
+  }
+  const auto hh_grads = norm_hh->parameter_grads();
+  const auto c_grads = norm_c->parameter_grads();
+  return {grad_terms,     dh,          dc, weight_hh_grad(grad_raw, h0, hs), hh_grads.first, hh_grads.second,
+          c_grads.first, c_grads.second};
+}
+
+// ---- GRU -------------------------------------------------------------------------------------------------------
+
+template <typename T>
+std::tuple<Tensors, Tensors, Tensors, Tensors, std::vector<int64_t>> gru_forward(
+    const at::Tensor& terms, const at::Tensor& h0, const at::Tensor& weight_hh, const c10::optional<at::Tensor>& mask,
+    const NormArgs& hh_args, bool save) {
+  const int64_t steps = terms.size(0), rows = terms.size(1), gates = terms.size(2), hidden = gates / 3;
+  const auto options = terms.options();
+  const Padding padding(mask, steps, rows);
+  auto norm_hh = make_norm<T>(hh_args, steps, rows, gates, options, {});
+  const int64_t kept = save ? steps : 1;
+  at::Tensor hs = at::empty({steps, rows, hidden}, options);
+  at::Tensor acts = at::empty({kept, rows, gates}, options);
+  at::Tensor raw = at::empty({kept, rows, gates}, options);
+  at::Tensor u = norm_hh->identity() ? at::Tensor() : at::empty({rows, gates}, options);
+  const at::Tensor weight_t = weight_hh.t();
+  const Tensors term = terms.unbind(0), h = hs.unbind(0);
+  Tensors raw_t = raw.unbind(0);
+  for (int64_t t = 0; t < steps; ++t) {
+    const int64_t slot = save ? t : 0;
+    const bool* m = padding.mask(t);
+    const at::Tensor& h_prev = t == 0 ? h0 : h[t - 1];
+    at::mm_out(raw_t[slot], h_prev, weight_t);
+    const T* recurrent = ptr<T>(raw_t[slot]);
+    if (u.defined()) {
+      norm_hh->forward(t, recurrent, ptr<T>(u), nullptr, m, padding.count(t));
+      recurrent = ptr<T>(u);
+    }
+    gru_gates(ptr<T>(term[t]), recurrent, ptr<T>(acts) + slot * rows * gates, ptr<T>(h_prev), ptr<T>(h[t]), m, rows,
+              hidden);
+  }
+  Tensors saved;
+  if (save) saved = {acts, raw};
+  return {Tensors{hs, hs[steps - 1].clone()}, saved, norm_hh->saved(), Tensors(), {norm_hh->fallback_steps()}};
+}
+
+// Returns grad terms, grad h0, grad W_hh, then (γ, shift) of the recurrent norm.
+template <typename T>
+Tensors gru_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, const at::Tensor& h0,
+                     const at::Tensor& weight_hh, const c10::optional<at::Tensor>& mask, const at::Tensor& hs,
+                     const Tensors& saved, const Tensors& hh_saved, const NormArgs& hh_args) {
+  const at::Tensor &acts = saved.at(0), &raw = saved.at(1);
+  const int64_t steps = acts.size(0), rows = acts.size(1), gates = acts.size(2), hidden = gates / 3;
+  const auto options = acts.options();
+  const Padding padding(mask, steps, rows);
+  auto norm_hh = make_norm<T>(hh_args, steps, rows, gates, options, hh_saved);
+  at::Tensor grad_terms = at::empty({steps, rows, gates}, options);
+  at::Tensor grad_raw = at::empty({steps, rows, gates}, options);
+  at::Tensor du = norm_hh->identity() ? at::Tensor() : at::empty({rows, gates}, options);
+  at::Tensor u_n = at::empty({rows, hidden}, options);
+  at::Tensor dh = grad_h_n + grad_hs[steps - 1];
+  at::Tensor dh_next = at::empty({rows, hidden}, options);
+  const Tensors grad_out = grad_hs.unbind(0), grad_r = grad_raw.unbind(0);
+  for (int64_t t = steps - 1; t >= 0; --t) {
+    const bool* m = padding.mask(t);
+    const T* raw_step = ptr<T>(raw) + t * rows * gates;
+    const T* h_prev = t == 0 ? ptr<T>(h0) : ptr<T>(hs) + (t - 1) * rows * hidden;
+    // u_n, the candidate's recurrent term, from the saved statistics rather than saved itself.
+    norm_hh->normalized(t, raw_step, ptr<T>(u_n), 2 * hidden, hidden);
+    T* grad_u = du.defined() ? ptr<T>(du) : ptr<T>(grad_r[t]);
+    gru_gates_backward(ptr<T>(dh), ptr<T>(acts) + t * rows * gates, ptr<T>(u_n), h_prev,
+                       ptr<T>(grad_terms) + t * rows * gates, grad_u, m, rows, hidden);
+    if (du.defined()) norm_hh->backward(t, grad_u, raw_step, ptr<T>(grad_r[t]), m, padding.count(t));
+    // dh holds the carry dh z (dh on padded rows, whose recurrent gradient is zero).
+    at::addmm_out(dh_next, dh, grad_r[t], weight_hh);
+    if (t > 0) dh_next.add_(grad_out[t - 1]);
+    std::swap(dh, dh_next);
+  }
+  const auto hh_grads = norm_hh->parameter_grads();
+  return {grad_terms, dh, weight_hh_grad(grad_raw, h0, hs), hh_grads.first, hh_grads.second};
+}
+
+// ---- one step without gradients (generation) -------------------------------------------------------------------
+
+// h' (and c' for an LSTM) after one step at time index `step`; the norms' shifts carry the cell's biases.
+template <typename T>
+Tensors generation_step(const std::string& cell, const at::Tensor& x, const at::Tensor& h,
+                        const c10::optional<at::Tensor>& c, const at::Tensor& weight_ih, const at::Tensor& weight_hh,
+                        const NormArgs& ih_args, const NormArgs& hh_args, const NormArgs& c_args, int64_t step) {
+  const int64_t rows = x.size(0), gates = weight_hh.size(0), hidden = weight_hh.size(1);
+  const auto options = x.options();
+  at::Tensor input = at::mm(x, weight_ih.t());
+  at::Tensor recurrent = at::mm(h, weight_hh.t());
+  auto norm_ih = make_norm<T>(ih_args, 1, rows, gates, options, {}, step);
+  auto norm_hh = make_norm<T>(hh_args, 1, rows, gates, options, {}, step);
+  if (!norm_ih->identity()) norm_ih->forward(0, ptr<T>(input), ptr<T>(input), nullptr, nullptr, rows);
+  at::Tensor acts = at::empty({rows, gates}, options);
+  at::Tensor h_new = at::empty({rows, hidden}, options);
+  if (cell == "gru") {
+    if (!norm_hh->identity()) norm_hh->forward(0, ptr<T>(recurrent), ptr<T>(recurrent), nullptr, nullptr, rows);
+    gru_gates(ptr<T>(input), ptr<T>(recurrent), ptr<T>(acts), ptr<T>(h), ptr<T>(h_new), nullptr, rows, hidden);
+    return {h_new};
+  }
+  // LSTM: both terms into one (the recurrent norm's output plus the input term).
+  norm_hh->forward(0, ptr<T>(recurrent), ptr<T>(recurrent), ptr<T>(input), nullptr, rows);
+  auto norm_c = make_norm<T>(c_args, 1, rows, hidden, options, {}, step);
+  at::Tensor c_new = at::empty({rows, hidden}, options);
+  lstm_gates(ptr<T>(recurrent), ptr<T>(acts), ptr<T>(*c), ptr<T>(c_new), rows, hidden);
+  const T* c_normed = ptr<T>(c_new);
+  at::Tensor c_out;
+  if (!norm_c->identity()) {
+    c_out = at::empty({rows, hidden}, options);
+    norm_c->forward(0, ptr<T>(c_new), ptr<T>(c_out), nullptr, nullptr, rows);
+    c_normed = ptr<T>(c_out);
+  }
+  at::Tensor tanh_c = at::empty({rows, hidden}, options);
+  lstm_output(c_normed, ptr<T>(acts), ptr<T>(tanh_c), ptr<T>(h_new), ptr<T>(c_new), ptr<T>(h), ptr<T>(*c), nullptr,
+              rows, hidden);
+  return {h_new, c_new};
+}
+
+}  // namespace
+}  // namespace seqnorm
+
+// ---- bindings: dtype dispatch ------------------------------------------------------------------------------------
+
+namespace {
+
+using seqnorm::NormArgs;
+using seqnorm::Tensors;
+using Forward = std::tuple<Tensors, Tensors, Tensors, Tensors, std::vector<int64_t>>;
+
+Forward lstm_forward(const at::Tensor& terms, const at::Tensor& h0, const at::Tensor& c0, const at::Tensor& weight_hh,
+                     const c10::optional<at::Tensor>& mask, const NormArgs& hh, const NormArgs& c, bool save) {
+  return AT_DISPATCH_FLOATING_TYPES(terms.scalar_type(), "seqnorm_lstm_forward", [&] {
+    return seqnorm::lstm_forward<scalar_t>(terms, h0, c0, weight_hh, mask, hh, c, save);
+  });
+}
+
+Tensors lstm_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, const at::Tensor& grad_c_n,
+                      const at::Tensor& h0, const at::Tensor& c0, const at::Tensor& weight_hh,
+                      const c10::optional<at::Tensor>& mask, const at::Tensor& hs, const Tensors& saved,
+                      const c10::optional<at::Tensor>& raw, const Tensors& hh_saved, const Tensors& c_saved,
+                      const NormArgs& hh, const NormArgs& c) {
+  return AT_DISPATCH_FLOATING_TYPES(grad_hs.scalar_type(), "seqnorm_lstm_backward", [&] {
+    return seqnorm::lstm_backward<scalar_t>(grad_hs, grad_h_n, grad_c_n, h0, c0, weight_hh, mask, hs, saved, raw,
+                                            hh_saved, c_saved, hh, c);
+  });
+}
+
+Forward gru_forward(const at::Tensor& terms, const at::Tensor& h0, const at::Tensor& weight_hh,
+                    const c10::optional<at::Tensor>& mask, const NormArgs& hh, bool save) {
+  return AT_DISPATCH_FLOATING_TYPES(terms.scalar_type(), "seqnorm_gru_forward", [&] {
+    return seqnorm::gru_forward<scalar_t>(terms, h0, weight_hh, mask, hh, save);
+  });
+}
+
+Tensors gru_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, const at::Tensor& h0,
+                     const at::Tensor& weight_hh, const c10::optional<at::Tensor>& mask, const at::Tensor& hs,
+                     const Tensors& saved, const Tensors& hh_saved, const NormArgs& hh) {
+  return AT_DISPATCH_FLOATING_TYPES(grad_hs.scalar_type(), "seqnorm_gru_backward", [&] {
+    return seqnorm::gru_backward<scalar_t>(grad_hs, grad_h_n, h0, weight_hh, mask, hs, saved, hh_saved, hh);
+  });
+}
+
+Tensors generation_step(const std::string& cell, const at::Tensor& x, const at::Tensor& h,
+                        const c10::optional<at::Tensor>& c, const at::Tensor& weight_ih, const at::Tensor& weight_hh,
+                        const NormArgs& ih, const NormArgs& hh, const NormArgs& c_norm, int64_t step) {
+  return AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "seqnorm_generation_step", [&] {
+    return seqnorm::generation_step<scalar_t>(cell, x, h, c, weight_ih, weight_hh, ih, hh, c_norm, step);
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "seqnorm's fused CPU kernels for normalized LSTM/GRU recurrences (see seqnorm/kernels/__init__.py)";
+  pybind11::class_<NormArgs>(m, "NormArgs")
+      .def(pybind11::init([](std::string kind, double eps, c10::optional<at::Tensor> weight,
+                             c10::optional<at::Tensor> shift, c10::optional<at::Tensor> running_mean,
+                             c10::optional<at::Tensor> running_var, c10::optional<at::Tensor> num_batches_tracked,
+                             double momentum, bool training, bool renorm, double r_max, double d_max, int64_t warmup,
+                             int64_t r_max_steps, int64_t d_max_steps) {
+             return NormArgs{std::move(kind), eps, std::move(weight), std::move(shift), std::move(running_mean),
+                             std::move(running_var), std::move(num_batches_tracked), momentum, training, renorm,
+                             r_max, d_max, warmup, r_max_steps, d_max_steps};
+           }),
+           pybind11::arg("kind"), pybind11::arg("eps"), pybind11::arg("weight"), pybind11::arg("shift"),
+           pybind11::arg("running_mean"), pybind11::arg("running_var"), pybind11::arg("num_batches_tracked"),
+           pybind11::arg("momentum"), pybind11::arg("training"), pybind11::arg("renorm"), pybind11::arg("r_max"),
+           pybind11::arg("d_max"), pybind11::arg("warmup"), pybind11::arg("r_max_steps"),
+           pybind11::arg("d_max_steps"))
+      .def_readonly("kind", &NormArgs::kind);
+  m.def("lstm_forward", &lstm_forward);
+  m.def("lstm_backward", &lstm_backward);
+  m.def("gru_forward", &gru_forward);
+  m.def("gru_backward", &gru_backward);
+  m.def("generation_step", &generation_step);
+}

@@ -1,0 +1,258 @@
+"""seqnorm's compiled kernels: fused, vectorized CPU loops for the normalized LSTM/GRU recurrence and generation step.
+
+The C++ sources are in ``seqnorm/csrc`` (``norms.h``: each norm's step and backward; ``cells.h``: the gates;
+``recurrence.cpp``: the time loops). They are compiled once per machine with torch's ``cpp_extension`` by the
+project's set-up (``make venv`` runs ``python -m seqnorm.kernels``) into a cache directory
+(:func:`cache_dir`), keyed by the sources, the torch version and the CPU's vector instructions, and loaded from
+there; a run never compiles. Without a build — no compiler, a failed build, ``SEQNORM_KERNELS=0`` — every layer runs
+its plain-PyTorch path (``seqnorm/layers/bptt.py`` and the loop), which is also the reference the tests compare the
+kernels with, and one warning says why.
+
+Devices: :func:`native` returns the kernels for a device type (``"cpu"`` here). A CUDA or Triton implementation
+would register itself in :data:`BACKENDS` under ``"cuda"`` with the same five entry points (``lstm_forward``,
+``lstm_backward``, ``gru_forward``, ``gru_backward``, ``generation_step``) and the same ``NormArgs``; the autograd
+Function in :mod:`seqnorm.layers.kernel` and the plan stay as they are (README: "Kernels").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import shutil
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "BACKENDS",
+    "KernelNorm",
+    "build",
+    "cache_dir",
+    "disabled",
+    "enabled",
+    "native",
+    "set_enabled",
+    "status",
+]
+
+SOURCES = Path(__file__).resolve().parent.parent / "csrc"
+NAME = "seqnorm_kernels"
+ENV_SWITCH = "SEQNORM_KERNELS"
+"""``SEQNORM_KERNELS=0`` turns the kernels off for a process (the plain-PyTorch paths run)."""
+
+NormKind = Literal["none", "layer", "rms", "batch"]
+
+
+@dataclass(frozen=True)
+class KernelNorm:
+    """What a norm module hands the kernels (its ``kernel_norm(shift)``): its kind, options and tensors.
+
+    ``shift`` is the norm's β plus whatever bias follows it. Per-timestep BatchNorm passes its running buffers, which
+    the kernel updates in place in training exactly as the module's forward does; ``momentum < 0`` means a
+    cumulative average (``momentum=None``). Renormalization adds its ``r_max``/``d_max`` schedule.
+    """
+
+    kind: NormKind
+    eps: float = 1e-5
+    weight: Tensor | None = None
+    shift: Tensor | None = None
+    running_mean: Tensor | None = None
+    running_var: Tensor | None = None
+    num_batches_tracked: Tensor | None = None
+    momentum: float = 0.1
+    training: bool = False
+    renorm: bool = False
+    r_max: float = 1.0
+    d_max: float = 0.0
+    warmup: int = 0
+    r_max_steps: int = 1
+    d_max_steps: int = 1
+    owner: Any = field(default=None, compare=False)
+    """The module (the layers add the kernel's fallback-step count to its ``fallback_steps``)."""
+
+    def native(self, kernels: ModuleType) -> Any:
+        """The C++ ``NormArgs`` of ``kernels``."""
+        return kernels.NormArgs(
+            kind=self.kind,
+            eps=self.eps,
+            weight=self.weight,
+            shift=self.shift,
+            running_mean=self.running_mean,
+            running_var=self.running_var,
+            num_batches_tracked=self.num_batches_tracked,
+            momentum=self.momentum,
+            training=self.training,
+            renorm=self.renorm,
+            r_max=self.r_max,
+            d_max=self.d_max,
+            warmup=self.warmup,
+            r_max_steps=self.r_max_steps,
+            d_max_steps=self.d_max_steps,
+        )
+
+
+NO_NORM = KernelNorm("none")
+
+
+# --- building and loading -------------------------------------------------------------------------------------------
+
+
+def _capability() -> str:
+    """The vector instructions the build targets: AVX2 where torch found AVX2 or AVX512 (both machine kinds of this
+    project have AVX2; 256-bit vectors keep the clock up), else the compiler's default."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return "AVX2" if capability in ("AVX2", "AVX512") else "DEFAULT"
+
+
+def _flags(capability: str) -> list[str]:
+    flags = ["-O3"]
+    if capability == "AVX2":
+        # at::vec selects its AVX2 implementations (Sleef's vectorized exp) from these macros.
+        flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    return flags
+
+
+def _sources() -> list[Path]:
+    return sorted(SOURCES.glob("*.cpp")) + sorted(SOURCES.glob("*.h"))
+
+
+def _build_key(capability: str) -> str:
+    digest = hashlib.sha256()
+    for path in _sources():
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    digest.update(" ".join(_flags(capability)).encode())
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return f"{python}-torch{torch.__version__}-{capability}-{digest.hexdigest()[:16]}".replace("+", "_")
+
+
+def cache_dir() -> Path:
+    """Where builds live: ``$SEQNORM_KERNELS_DIR``, else ``$XDG_CACHE_HOME/seqnorm/kernels`` (``~/.cache``)."""
+    configured = os.environ.get("SEQNORM_KERNELS_DIR")
+    if configured:
+        return Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "seqnorm" / "kernels"
+
+
+def _library(directory: Path) -> Path:
+    # The name torch's cpp_extension gives the library it builds.
+    return directory / (f"{NAME}.pyd" if sys.platform == "win32" else f"{NAME}.so")
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the kernels for this machine into :func:`cache_dir` (a no-op when that build exists); its path.
+
+    Raises whatever torch's ``cpp_extension`` raises when there is no compiler or the build fails.
+    """
+    from torch.utils import cpp_extension
+
+    capability = _capability()
+    directory = cache_dir() / _build_key(capability)
+    if _library(directory).exists():
+        return _library(directory)
+    work = directory.with_name(directory.name + ".partial")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    cpp_extension.load(
+        NAME,
+        [str(path) for path in sorted(SOURCES.glob("*.cpp"))],
+        extra_cflags=_flags(capability),
+        build_directory=str(work),
+        verbose=verbose,
+    )
+    # Renamed into place whole, so a build interrupted halfway is never loaded.
+    shutil.rmtree(directory, ignore_errors=True)
+    work.rename(directory)
+    return _library(directory)
+
+
+_LOADED: dict[str, ModuleType | None] = {}
+_WHY_NOT: dict[str, str] = {}
+_ENABLED: list[bool] = [os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")]
+
+
+def _load_cpu() -> ModuleType | None:
+    path = _library(cache_dir() / _build_key(_capability()))
+    if not path.exists():
+        compiler = shutil.which(os.environ.get("CXX", "c++"))
+        how = "run `python -m seqnorm.kernels` (or `make venv`) once" if compiler else "no C++ compiler was found"
+        _WHY_NOT["cpu"] = f"the C++ kernels are not built for this machine and source version ({how})"
+        return None
+    try:
+        loader = importlib.machinery.ExtensionFileLoader(NAME, str(path))
+        spec = importlib.util.spec_from_file_location(NAME, path, loader=loader)
+        assert spec is not None
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+    except ImportError as error:  # a build for another torch that kept the same version string, say
+        _WHY_NOT["cpu"] = f"the C++ kernels at {path} failed to load ({error}); rebuild with `python -m seqnorm.kernels`"
+        return None
+    return module
+
+
+BACKENDS: dict[str, Callable[[], ModuleType | None]] = {"cpu": _load_cpu}
+"""Per device type, a loader of the kernels (``None`` when they cannot run; ``status`` says why)."""
+
+
+def native(device_type: str) -> ModuleType | None:
+    """The kernels for ``device_type``, or ``None`` (switched off, not built, or none for that device).
+
+    The first ``None`` for a device that has a loader warns once, saying why and that the plain path runs.
+    """
+    if not _ENABLED[0]:
+        return None
+    if device_type not in _LOADED:
+        loader = BACKENDS.get(device_type)
+        module = None if loader is None else loader()
+        _LOADED[device_type] = module
+        if module is None and loader is not None:
+            warnings.warn(
+                f"seqnorm: {_WHY_NOT[device_type]}; the normalized layers run their plain-PyTorch path (same "
+                "results, slower).",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    return _LOADED[device_type]
+
+
+def status(device_type: str = "cpu") -> str:
+    """One line: whether the kernels run on ``device_type``, and if not, why."""
+    if not _ENABLED[0]:
+        return f"off ({ENV_SWITCH}=0 or seqnorm.kernels.set_enabled(False))"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        module = native(device_type)
+    if module is not None:
+        return f"on ({module.__file__})"
+    return f"off: {_WHY_NOT.get(device_type, f'no kernels for {device_type!r}')}"
+
+
+def enabled() -> bool:
+    """Whether the layers may use the kernels (the switch only; :func:`native` says whether they are there)."""
+    return _ENABLED[0]
+
+
+def set_enabled(flag: bool) -> None:
+    """Let the layers use the kernels, or make them run the plain-PyTorch path (for comparisons and debugging)."""
+    _ENABLED[0] = bool(flag)
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """``with seqnorm.kernels.disabled():`` the plain-PyTorch paths run inside."""
+    previous = _ENABLED[0]
+    _ENABLED[0] = False
+    try:
+        yield
+    finally:
+        _ENABLED[0] = previous

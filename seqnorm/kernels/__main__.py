@@ -1,0 +1,32 @@
+"""``python -m seqnorm.kernels``: compile seqnorm's C++ kernels for this machine (once; later runs find the build).
+
+Without a compiler, or when the build fails, it says so and exits 0 — the layers then run their plain-PyTorch path
+(``--strict``: exit 1 instead). ``make venv`` runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from seqnorm import kernels
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m seqnorm.kernels", description=__doc__.splitlines()[0])
+    parser.add_argument("--strict", action="store_true", help="exit 1 when the kernels cannot be built")
+    parser.add_argument("--verbose", action="store_true", help="show the compiler's commands and output")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    try:
+        path = kernels.build(verbose=args.verbose)
+    except Exception as error:  # any compiler or toolchain failure: the plain path still works
+        print(f"seqnorm.kernels: not built ({type(error).__name__}: {error}); the plain-PyTorch path will run.")
+        return 1 if args.strict else 0
+    print(f"seqnorm.kernels: {path} ({time.perf_counter() - started:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
