@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import parametrizations, parametrize
 
+from seqnorm.cells.projection import project
 from seqnorm.init import init_recurrent_, resolve_init
 from seqnorm.norms import (
     DEFAULT_MAX_STEPS,
@@ -366,7 +367,7 @@ class RecurrentCell(nn.Module):
         """
         if self.norm_ih is None or not getattr(self.norm_ih, "whole_sequence", False):
             return None
-        return list(self.norm_ih.forward_sequence(F.linear(x, self.weight_ih), mask, counts).unbind(0))
+        return list(self.norm_ih.forward_sequence(project(x, self.weight_ih), mask, counts).unbind(0))
 
     # --- the fast path: a whole sequence's input terms at once, then lean recurrent steps --------------------------
 
@@ -378,8 +379,8 @@ class RecurrentCell(nn.Module):
         """
         weight_ih = self.weight_ih  # a weight-norm parametrization computes it here, once for all steps
         if self.norm_ih is None:
-            return F.linear(x, weight_ih, self.folded_bias())
-        terms = self.norm_ih.forward_sequence(F.linear(x, weight_ih), mask, counts)
+            return project(x, weight_ih, self.folded_bias())
+        terms = self.norm_ih.forward_sequence(project(x, weight_ih), mask, counts)
         bias = self.folded_bias()
         return terms if bias is None else terms + bias
 

@@ -36,12 +36,28 @@ const T* data_or_null(const c10::optional<at::Tensor>& t) {
   return t.has_value() && t->defined() ? t->data_ptr<T>() : nullptr;
 }
 
+// Statistics live in plain vectors while a call runs (a generation step allocates no tensors for them) and become
+// tensors only to be saved for the backward.
+template <typename U>
+at::Tensor to_tensor(const std::vector<U>& values, std::vector<int64_t> shape, const at::TensorOptions& options) {
+  at::Tensor tensor = at::empty(shape, options);
+  std::copy(values.begin(), values.end(), static_cast<U*>(tensor.data_ptr()));
+  return tensor;
+}
+
+template <typename U>
+std::vector<U> from_tensor(const at::Tensor& tensor) {
+  const at::Tensor values = tensor.contiguous();
+  const U* data = static_cast<const U*>(values.data_ptr());
+  return std::vector<U>(data, data + values.numel());
+}
+
 template <typename T>
 class StepNorm {
  public:
-  StepNorm(const NormArgs& args, int64_t rows, int64_t features)
-      : args_(args), rows_(rows), features_(features), weight_(data_or_null<T>(args.weight)),
-        shift_(data_or_null<T>(args.shift)) {}
+  StepNorm(const NormArgs& args, int64_t steps, int64_t rows, int64_t features, const at::TensorOptions& options)
+      : args_(args), steps_(steps), rows_(rows), features_(features), options_(options),
+        weight_(data_or_null<T>(args.weight)), shift_(data_or_null<T>(args.shift)) {}
   virtual ~StepNorm() = default;
 
   // out = γ N(x) + shift + addend (addend may be null) for step t's block (rows x features); `mask` marks the real
@@ -62,7 +78,8 @@ class StepNorm {
 
  protected:
   NormArgs args_;
-  int64_t rows_, features_;
+  int64_t steps_, rows_, features_;
+  at::TensorOptions options_;
   const T* weight_;
   const T* shift_;
   int64_t fallback_steps_ = 0;
@@ -73,8 +90,8 @@ class StepNorm {
 template <typename T>
 class NoNorm final : public StepNorm<T> {
  public:
-  NoNorm(const NormArgs& args, int64_t rows, int64_t features, const at::TensorOptions& options)
-      : StepNorm<T>(args, rows, features) {
+  NoNorm(const NormArgs& args, int64_t steps, int64_t rows, int64_t features, const at::TensorOptions& options)
+      : StepNorm<T>(args, steps, rows, features, options) {
     if (this->shift_ != nullptr) shift_grad_ = at::zeros({features}, options);
   }
   bool identity() const override { return this->shift_ == nullptr; }
@@ -134,23 +151,24 @@ class RowNorm final : public StepNorm<T> {
   // Forward: saved is empty (statistics are allocated for `steps`); backward: the forward's saved().
   RowNorm(const NormArgs& args, int64_t steps, int64_t rows, int64_t features, const at::TensorOptions& options,
           const std::vector<at::Tensor>& saved)
-      : StepNorm<T>(args, rows, features), centered_(args.kind == "layer") {
+      : StepNorm<T>(args, steps, rows, features, options), centered_(args.kind == "layer") {
     if (saved.empty()) {
-      means_ = at::zeros({steps, rows}, options);
-      rstds_ = at::empty({steps, rows}, options);
+      means_.assign(steps * rows, T(0));
+      rstds_.assign(steps * rows, T(0));
     } else {
-      means_ = saved.at(0);
-      rstds_ = saved.at(1);
-      // One row of gradient sums per thread, added up at the end.
-      sums_ = at::zeros({at::get_num_threads(), 2, features}, options);
+      means_ = from_tensor<T>(saved.at(0));
+      rstds_ = from_tensor<T>(saved.at(1));
+      weight_grad_ = at::zeros({features}, options);
+      shift_grad_ = at::zeros({features}, options);
+      partials_.assign(at::get_num_threads() * rows * 2 * Vec<T>::size(), T(0));
     }
   }
 
   void forward(int64_t t, const T* x, T* out, const T* addend, const bool*, int64_t) override {
     const int64_t f = this->features_;
     const T eps = static_cast<T>(this->args_.eps);
-    T* means = means_.data_ptr<T>() + t * this->rows_;
-    T* rstds = rstds_.data_ptr<T>() + t * this->rows_;
+    T* means = means_.data() + t * this->rows_;
+    T* rstds = rstds_.data() + t * this->rows_;
     const T* weight = this->weight_;
     const T* shift = this->shift_;
     over_rows(this->rows_, f, [&](int64_t begin, int64_t end) {
@@ -186,8 +204,8 @@ class RowNorm final : public StepNorm<T> {
 
   void normalized(int64_t t, const T* x, T* out, int64_t offset, int64_t width) override {
     const int64_t f = this->features_;
-    const T* means = means_.data_ptr<T>() + t * this->rows_;
-    const T* rstds = rstds_.data_ptr<T>() + t * this->rows_;
+    const T* means = means_.data() + t * this->rows_;
+    const T* rstds = rstds_.data() + t * this->rows_;
     for (int64_t b = 0; b < this->rows_; ++b) {
       const Vec<T> m(means[b]), r(rstds[b]);
       vec_loop<T>(width, [&](int64_t i, int64_t n) {
@@ -199,36 +217,74 @@ class RowNorm final : public StepNorm<T> {
   }
 
   void backward(int64_t t, const T* dy, const T* x, T* dx, const bool* mask, int64_t) override {
-    const int64_t f = this->features_;
-    const T* means = means_.data_ptr<T>() + t * this->rows_;
-    const T* rstds = rstds_.data_ptr<T>() + t * this->rows_;
+    // x̂ = (x - mean) rstd, g = dy γ: dx = rstd (g - mean(g) - x̂ mean(g x̂)); dγ += Σ dy x̂, dshift += Σ dy.
+    constexpr int64_t width = Vec<T>::size(), block = kBlockVectors * width;
+    const int64_t f = this->features_, rows = this->rows_;
+    const T* means = means_.data() + t * rows;
+    const T* rstds = rstds_.data() + t * rows;
     const T* weight = this->weight_;
-    T* all_sums = sums_.data_ptr<T>();
+    T* weight_grad = weight_grad_.data_ptr<T>();
+    T* shift_grad = shift_grad_.data_ptr<T>();
+    // One pass over blocks of features: the parameters' sums over the rows stay in registers; every row's partial
+    // Σ g and Σ g x̂ (a vector per row and thread) are added up after.
+    T* partials = partials_.data();
+    std::fill(partials_.begin(), partials_.end(), T(0));
+    over_features(rows, f, block, [&](int64_t begin, int64_t end) {
+      T* own = partials + at::get_thread_num() * rows * 2 * width;
+      for (int64_t j = begin; j < end; j += block) {
+        const int64_t vectors = (std::min(block, end - j) + width - 1) / width;
+        int64_t counts[kBlockVectors];
+        Vec<T> gamma[kBlockVectors], dgamma[kBlockVectors], dshift[kBlockVectors];
+        for (int64_t v = 0; v < vectors; ++v) {
+          counts[v] = std::min(width, end - j - v * width);
+          gamma[v] = load(weight + j + v * width, counts[v]);
+          dgamma[v] = Vec<T>(T(0));
+          dshift[v] = Vec<T>(T(0));
+        }
+        for (int64_t b = 0; b < rows; ++b) {
+          if (mask != nullptr && !mask[b]) continue;
+          const Vec<T> m(means[b]), r(rstds[b]);
+          Vec<T> g_sum(T(0)), gx_sum(T(0));
+          for (int64_t v = 0; v < vectors; ++v) {
+            const int64_t at = b * f + j + v * width;
+            const Vec<T> d = load(dy + at, counts[v]);
+            const Vec<T> x_hat = only((load(x + at, counts[v]) - m) * r, counts[v]);
+            const Vec<T> g = d * gamma[v];
+            dgamma[v] = at::vec::fmadd(d, x_hat, dgamma[v]);
+            dshift[v] = dshift[v] + d;
+            g_sum = g_sum + g;
+            gx_sum = at::vec::fmadd(g, x_hat, gx_sum);
+          }
+          T* row = own + b * 2 * width;
+          (Vec<T>::loadu(row) + g_sum).store(row);
+          (Vec<T>::loadu(row + width) + gx_sum).store(row + width);
+        }
+        for (int64_t v = 0; v < vectors; ++v) {
+          T* wg = weight_grad + j + v * width;
+          T* sg = shift_grad + j + v * width;
+          store(load(wg, counts[v]) + dgamma[v], wg, counts[v]);
+          store(load(sg, counts[v]) + dshift[v], sg, counts[v]);
+        }
+      }
+    });
+    const int64_t threads = static_cast<int64_t>(partials_.size()) / (rows * 2 * width);
     const T inv_f = T(1) / static_cast<T>(f);
-    over_rows(this->rows_, f, [&](int64_t begin, int64_t end) {
-      T* weight_grad = all_sums + at::get_thread_num() * 2 * f;
-      T* shift_grad = weight_grad + f;
+    over_rows(rows, f, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {
         T* dxr = dx + b * f;
-        if (mask != nullptr && !mask[b]) {  // a padded row: no gradient, nothing to the parameters
+        if (mask != nullptr && !mask[b]) {  // a padded row: no gradient
           std::fill(dxr, dxr + f, T(0));
           continue;
+        }
+        T g_sum = 0, gx_sum = 0;
+        for (int64_t k = 0; k < threads; ++k) {
+          g_sum += hsum(Vec<T>::loadu(partials + (k * rows + b) * 2 * width));
+          gx_sum += hsum(Vec<T>::loadu(partials + (k * rows + b) * 2 * width + width));
         }
         const T* xr = x + b * f;
         const T* dyr = dy + b * f;
         const Vec<T> m(means[b]), r(rstds[b]);
-        // x̂ = (x - mean) rstd, g = dy γ: dx = rstd (g - mean(g) - x̂ mean(g x̂)); dγ += dy x̂, dshift += dy.
-        Vec<T> g_sum(T(0)), gx_sum(T(0));
-        vec_loop<T>(f, [&](int64_t i, int64_t n) {
-          const Vec<T> x_hat = only((load(xr + i, n) - m) * r, n);
-          const Vec<T> d = load(dyr + i, n);
-          const Vec<T> g = d * load(weight + i, n);
-          g_sum = g_sum + g;
-          gx_sum = at::vec::fmadd(g, x_hat, gx_sum);
-          store(at::vec::fmadd(d, x_hat, load(weight_grad + i, n)), weight_grad + i, n);
-          store(load(shift_grad + i, n) + d, shift_grad + i, n);
-        });
-        const Vec<T> g_mean(centered_ ? hsum(g_sum) * inv_f : T(0)), gx_mean(hsum(gx_sum) * inv_f);
+        const Vec<T> g_mean(centered_ ? g_sum * inv_f : T(0)), gx_mean(gx_sum * inv_f);
         vec_loop<T>(f, [&](int64_t i, int64_t n) {
           const Vec<T> x_hat = (load(xr + i, n) - m) * r;
           const Vec<T> g = load(dyr + i, n) * load(weight + i, n);
@@ -238,16 +294,19 @@ class RowNorm final : public StepNorm<T> {
     });
   }
 
-  std::vector<at::Tensor> saved() const override { return {means_, rstds_}; }
+  std::vector<at::Tensor> saved() const override {
+    return {to_tensor(means_, {this->steps_, this->rows_}, this->options_),
+            to_tensor(rstds_, {this->steps_, this->rows_}, this->options_)};
+  }
 
   std::pair<at::Tensor, at::Tensor> parameter_grads() const override {
-    const at::Tensor sums = sums_.sum(0);
-    return {sums[0], this->shift_ != nullptr ? sums[1] : at::Tensor()};
+    return {weight_grad_, this->shift_ != nullptr ? shift_grad_ : at::Tensor()};
   }
 
  private:
   bool centered_;
-  at::Tensor means_, rstds_, sums_;
+  std::vector<T> means_, rstds_, partials_;
+  at::Tensor weight_grad_, shift_grad_;
 };
 
 // ---- per-timestep BatchNorm (and batch renormalization): statistics per feature over the real rows ---------------
@@ -257,24 +316,24 @@ class BatchStepNorm final : public StepNorm<T> {
  public:
   BatchStepNorm(const NormArgs& args, int64_t steps, int64_t rows, int64_t features,
                 const at::TensorOptions& options, const std::vector<at::Tensor>& saved, int64_t first_step)
-      : StepNorm<T>(args, rows, features), first_step_(first_step) {
+      : StepNorm<T>(args, steps, rows, features, options), first_step_(first_step) {
     if (saved.empty()) {
-      means_ = at::empty({steps, features}, options);
-      rstds_ = at::empty({steps, features}, options);
-      rs_ = at::ones({steps, features}, options);
-      ds_ = at::zeros({steps, features}, options);
-      batch_steps_ = at::zeros({steps}, options.dtype(at::kBool));
+      means_.assign(steps * features, T(0));
+      rstds_.assign(steps * features, T(0));
+      rs_.assign(steps * features, T(1));
+      ds_.assign(steps * features, T(0));
+      batch_steps_.assign(steps, 0);
     } else {
-      means_ = saved.at(0);
-      rstds_ = saved.at(1);
-      rs_ = saved.at(2);
-      ds_ = saved.at(3);
-      batch_steps_ = saved.at(4);
+      means_ = from_tensor<T>(saved.at(0));
+      rstds_ = from_tensor<T>(saved.at(1));
+      rs_ = from_tensor<T>(saved.at(2));
+      ds_ = from_tensor<T>(saved.at(3));
+      batch_steps_ = from_tensor<uint8_t>(saved.at(4));
       weight_grad_ = at::zeros({features}, options);
       shift_grad_ = at::zeros({features}, options);
     }
-    scale_ = at::empty({features}, options);
-    offset_ = at::empty({features}, options);
+    scale_.assign(features, T(0));
+    offset_.assign(features, T(0));
   }
 
   void forward(int64_t t, const T* x, T* out, const T* addend, const bool* mask, int64_t count) override {
@@ -285,14 +344,14 @@ class BatchStepNorm final : public StepNorm<T> {
     T* running_mean = a.running_mean->data_ptr<T>() + row * f;
     T* running_var = a.running_var->data_ptr<T>() + row * f;
     int64_t* tracked = a.num_batches_tracked->data_ptr<int64_t>() + row;
-    T* mean = means_.data_ptr<T>() + t * f;
-    T* rstd = rstds_.data_ptr<T>() + t * f;
-    T* r = rs_.data_ptr<T>() + t * f;
-    T* d = ds_.data_ptr<T>() + t * f;
+    T* mean = means_.data() + t * f;
+    T* rstd = rstds_.data() + t * f;
+    T* r = rs_.data() + t * f;
+    T* d = ds_.data() + t * f;
     const T eps = static_cast<T>(a.eps);
     // Fewer than 2 real rows in training: the step's running statistics, not updated (the module's fallback).
     const bool use_batch = a.training && count >= 2;
-    batch_steps_.data_ptr<bool>()[t] = use_batch;
+    batch_steps_[t] = use_batch;
     if (a.training && !use_batch) ++this->fallback_steps_;
     if (use_batch) {
       // Ioffe's limits from the batches this row has seen before this step, in float32 as the module computes them.
@@ -348,15 +407,15 @@ class BatchStepNorm final : public StepNorm<T> {
 
   void backward(int64_t t, const T* dy, const T* x, T* dx, const bool* mask, int64_t count) override {
     const int64_t f = this->features_, rows = this->rows_;
-    const T* mean = means_.data_ptr<T>() + t * f;
-    const T* rstd = rstds_.data_ptr<T>() + t * f;
-    const T* r = rs_.data_ptr<T>() + t * f;
-    const T* d = ds_.data_ptr<T>() + t * f;
-    const bool batch_step = batch_steps_.data_ptr<bool>()[t];
+    const T* mean = means_.data() + t * f;
+    const T* rstd = rstds_.data() + t * f;
+    const T* r = rs_.data() + t * f;
+    const T* d = ds_.data() + t * f;
+    const bool batch_step = batch_steps_[t];
     T* weight_grad = weight_grad_.data_ptr<T>();
     T* shift_grad = shift_grad_.data_ptr<T>();
-    T* dy_sum = scale_.data_ptr<T>();    // Σ dy over the real rows, per feature
-    T* dyx_sum = offset_.data_ptr<T>();  // Σ dy x̂
+    T* dy_sum = scale_.data();    // Σ dy over the real rows, per feature
+    T* dyx_sum = offset_.data();  // Σ dy x̂
     std::fill(dy_sum, dy_sum + f, T(0));
     std::fill(dyx_sum, dyx_sum + f, T(0));
     for (int64_t b = 0; b < rows; ++b) {
@@ -396,7 +455,12 @@ class BatchStepNorm final : public StepNorm<T> {
     });
   }
 
-  std::vector<at::Tensor> saved() const override { return {means_, rstds_, rs_, ds_, batch_steps_}; }
+  std::vector<at::Tensor> saved() const override {
+    const std::vector<int64_t> shape{this->steps_, this->features_};
+    return {to_tensor(means_, shape, this->options_), to_tensor(rstds_, shape, this->options_),
+            to_tensor(rs_, shape, this->options_), to_tensor(ds_, shape, this->options_),
+            to_tensor(batch_steps_, {this->steps_}, this->options_.dtype(at::kBool))};
+  }
 
   std::pair<at::Tensor, at::Tensor> parameter_grads() const override {
     return {weight_grad_, this->shift_ != nullptr ? shift_grad_ : at::Tensor()};
@@ -411,13 +475,13 @@ class BatchStepNorm final : public StepNorm<T> {
   // out (rows x out_width) = (x - mean) rstd γ r + γ d + shift (+ addend) on features [offset, offset + width).
   void apply(int64_t t, const T* x, T* out, const T* addend, int64_t offset, int64_t width, int64_t out_width) {
     const int64_t f = this->features_;
-    const T* mean = means_.data_ptr<T>() + t * f + offset;
-    const T* rstd = rstds_.data_ptr<T>() + t * f + offset;
-    const T* r = rs_.data_ptr<T>() + t * f + offset;
-    const T* d = ds_.data_ptr<T>() + t * f + offset;
+    const T* mean = means_.data() + t * f + offset;
+    const T* rstd = rstds_.data() + t * f + offset;
+    const T* r = rs_.data() + t * f + offset;
+    const T* d = ds_.data() + t * f + offset;
     const T* weight = this->weight_ + offset;
-    T* scale = scale_.data_ptr<T>();
-    T* shifted = offset_.data_ptr<T>();
+    T* scale = scale_.data();
+    T* shifted = offset_.data();
     for (int64_t j = 0; j < width; ++j) {
       scale[j] = rstd[j] * weight[j] * r[j];
       shifted[j] = weight[j] * d[j] + (this->shift_ != nullptr ? this->shift_[offset + j] : T(0)) - mean[j] * scale[j];
@@ -436,15 +500,17 @@ class BatchStepNorm final : public StepNorm<T> {
   }
 
   int64_t first_step_;  // the time index of step 0 (a generation step's own index)
-  at::Tensor means_, rstds_, rs_, ds_, batch_steps_, weight_grad_, shift_grad_;
-  at::Tensor scale_, offset_;  // per-step scratch
+  std::vector<T> means_, rstds_, rs_, ds_;
+  std::vector<uint8_t> batch_steps_;  // whether a step used batch statistics
+  at::Tensor weight_grad_, shift_grad_;
+  std::vector<T> scale_, offset_;  // per-step scratch
 };
 
 template <typename T>
 std::unique_ptr<StepNorm<T>> make_norm(const NormArgs& args, int64_t steps, int64_t rows, int64_t features,
                                        const at::TensorOptions& options, const std::vector<at::Tensor>& saved,
                                        int64_t first_step = 0) {
-  if (args.kind == "none") return std::make_unique<NoNorm<T>>(args, rows, features, options);
+  if (args.kind == "none") return std::make_unique<NoNorm<T>>(args, steps, rows, features, options);
   if (args.kind == "layer" || args.kind == "rms") {
     return std::make_unique<RowNorm<T>>(args, steps, rows, features, options, saved);
   }

@@ -86,4 +86,20 @@ inline void over_rows(int64_t rows, int64_t width, const Fn& fn) {
   }
 }
 
+// Features are summed over the rows a block of kBlockVectors vectors at a time, the sums held in registers.
+constexpr int64_t kBlockVectors = 4;
+
+// fn(begin, end) over feature ranges of a block `rows x features` (whole blocks of `block` features but the last),
+// split between threads when the block is big enough. Sums over rows of disjoint features need no merging.
+template <typename Fn>
+inline void over_features(int64_t rows, int64_t features, int64_t block, const Fn& fn) {
+  const int64_t blocks = (features + block - 1) / block;
+  const auto run = [&](int64_t first, int64_t last) { fn(first * block, std::min(last * block, features)); };
+  if (blocks > 1 && rows * features >= kParallelElements && at::get_num_threads() > 1 && !at::in_parallel_region()) {
+    at::parallel_for(0, blocks, 1, run);
+  } else {
+    run(0, blocks);
+  }
+}
+
 }  // namespace seqnorm

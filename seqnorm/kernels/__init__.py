@@ -195,7 +195,7 @@ def _load_cpu() -> ModuleType | None:
         module = importlib.util.module_from_spec(spec)
         loader.exec_module(module)
     except ImportError as error:  # a build for another torch that kept the same version string, say
-        _WHY_NOT["cpu"] = f"the C++ kernels at {path} failed to load ({error}); rebuild with `python -m seqnorm.kernels`"
+        _WHY_NOT["cpu"] = f"the C++ kernels at {path} failed to load ({error}); rebuild: `python -m seqnorm.kernels`"
         return None
     return module
 

@@ -29,10 +29,10 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from seqnorm.cells.base import RecurrentCell
+from seqnorm.cells.projection import project
 from seqnorm.layers.bptt_norms import StepNorm
 from seqnorm.layers.plan import bptt_blocker, cell_kernel, norm_blocker
 from seqnorm.layers.stack import PaddingLayout
@@ -70,7 +70,7 @@ def run_recurrence(
         inputs, ih_weight, ih_shift = cell.input_terms(sequence, layout.active, layout.counts), None, None
     else:
         # The input norm runs inside the loop (INSIDE_INPUT_NORMS); the bias that follows it is its shift.
-        inputs = F.linear(sequence, cell.weight_ih)
+        inputs = project(sequence, cell.weight_ih)
         ih_weight, ih_shift, bias = cell.norm_ih.weight, cell.norm_ih.bias, cell.folded_bias()
         ih_shift = bias if ih_shift is None else (ih_shift if bias is None else ih_shift + bias)
     # Weight norm (and DropConnect): computed once per sequence, not once per step.

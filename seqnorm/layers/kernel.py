@@ -25,8 +25,9 @@ import torch
 from torch import Tensor, nn
 
 from seqnorm.cells.base import RecurrentCell
+from seqnorm.cells.projection import project
 from seqnorm.kernels import NO_NORM, KernelNorm, native
-from seqnorm.layers.plan import cell_kernel
+from seqnorm.layers.plan import cell_kernel, norm_blocker
 from seqnorm.layers.stack import PaddingLayout
 
 __all__ = ["compiled_step", "kernel_norm", "run_recurrence"]
@@ -49,8 +50,9 @@ class _Call:
     """A call's non-tensor arguments: the kernels, the padding mask and the norms (for the backward, with their
     weight and shift replaced by the saved ones)."""
 
-    def __init__(self, kernels: Any, mask: Tensor | None, norms: tuple[KernelNorm, ...]) -> None:
+    def __init__(self, kernels: Any, mask: Tensor | None, norms: tuple[KernelNorm, ...], lstm: bool) -> None:
         self.kernels = kernels
+        self.states = 2 if lstm else 1  # h0, c0 or h0
         self.mask = mask
         self.norms = norms
 
@@ -83,110 +85,77 @@ def run_recurrence(
     """
     kernels = native(sequence.device.type)
     assert kernels is not None, "the plan routes here only where the kernels are loaded"
-    terms = cell.input_terms(sequence, layout.active, layout.counts).contiguous()
-    weight = (cell.weight_hh if weight_hh is None else weight_hh).contiguous()
-    mask = None if layout.active is None else layout.active.contiguous()
-    # The recurrent norm's shift: its β and the bias that follows it (a GRU's b_hh; an LSTM folds both biases into
-    # the input terms).
-    hh = kernel_norm(cell.norm_hh, _plus(None if cell.norm_hh is None else cell.norm_hh.bias, cell.recurrent_bias()))
     lstm = cell_kernel(cell) == "lstm"
-    norms = (hh, kernel_norm(cell.norm_c, None if cell.norm_c is None else cell.norm_c.bias)) if lstm else (hh,)
-    call = _Call(kernels, mask, norms)
+    beta = {name: None if norm is None else norm.bias for name, norm in _norms(cell).items()}
+    if cell.norm_ih is not None and norm_blocker(cell.norm_ih, "kernel") is None:
+        # The input norm runs step by step in the kernel, on W_ih x; the biases that follow it are its shift.
+        inputs = project(sequence, cell.weight_ih)
+        ih = kernel_norm(cell.norm_ih, _plus(beta["ih"], cell.folded_bias()))
+    else:  # no input norm, or one the kernels do not run (sequence-wise statistics): the finished input terms
+        inputs, ih = cell.input_terms(sequence, layout.active, layout.counts), NO_NORM
+    # The recurrent norm's shift: its β and the bias that follows it (a GRU's b_hh; an LSTM folds both biases into
+    # the input side).
+    hh = kernel_norm(cell.norm_hh, _plus(beta["hh"], cell.recurrent_bias()))
+    norms = (ih, hh, kernel_norm(cell.norm_c, beta["c"])) if lstm else (ih, hh)
+    call = _Call(kernels, None if layout.active is None else layout.active.contiguous(), norms, lstm)
     weights = tuple(tensor for norm in norms for tensor in (norm.weight, norm.shift))
+    weight = (cell.weight_hh if weight_hh is None else weight_hh).contiguous()
+    inputs = inputs.contiguous()
     states = tuple(t.contiguous() for t in (state if lstm else (state,)))
-    if not _wants_gradient(terms, weight, *states, *weights):
-        if lstm:
-            outputs, _, _, _, fallbacks = kernels.lstm_forward(terms, *states, weight, mask, *call.native(), False)
-            call.count_fallbacks(fallbacks)
-            return outputs[0], (outputs[1], outputs[2])
-        outputs, _, _, _, fallbacks = kernels.gru_forward(terms, *states, weight, mask, *call.native(), False)
+    if _wants_gradient(inputs, weight, *states, *weights):
+        outputs = _Recurrence.apply(call, inputs, *states, weight, *weights)
+    else:
+        forward = kernels.lstm_forward if lstm else kernels.gru_forward
+        outputs, _, _, fallbacks = forward(inputs, *states, weight, call.mask, *call.native(), False)
         call.count_fallbacks(fallbacks)
-        return outputs[0], outputs[1]
-    if lstm:
-        hs, h_n, c_n = _LSTMKernel.apply(call, terms, *states, weight, *weights)
-        return hs, (h_n, c_n)
-    hs, h_n = _GRUKernel.apply(call, terms, *states, weight, *weights)
-    return hs, h_n
+    return outputs[0], ((outputs[1], outputs[2]) if lstm else outputs[1])
 
 
 def _wants_gradient(*tensors: Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-class _LSTMKernel(torch.autograd.Function):
-    """The LSTM recurrence on the kernels: inputs ``terms, h0, c0, W_hh`` and each norm's weight and shift."""
+class _Recurrence(torch.autograd.Function):
+    """A direction's recurrence on the kernels. Inputs: ``inputs`` (W_ih x, or the finished input terms), the initial
+    state (``h0, c0`` or ``h0``), ``W_hh``, then each norm's weight and shift (input, recurrent, cell state)."""
 
     @staticmethod
-    def forward(ctx: Any, call: _Call, terms: Tensor, h0: Tensor, c0: Tensor, weight_hh: Tensor, *weights: Any) -> Any:
-        outputs, saved, hh_saved, c_saved, fallbacks = call.kernels.lstm_forward(
-            terms, h0, c0, weight_hh, call.mask, *call.native(), True
-        )
+    def forward(ctx: Any, call: _Call, inputs: Tensor, *tensors: Any) -> Any:
+        states, (weight_hh, *weights) = tensors[: call.states], tensors[call.states :]
+        forward = call.kernels.lstm_forward if call.states == 2 else call.kernels.gru_forward
+        outputs, saved, stats, fallbacks = forward(inputs, *states, weight_hh, call.mask, *call.native(), True)
         call.count_fallbacks(fallbacks)
-        hs, h_n, c_n = outputs
-        ctx.call, ctx.sizes = call, (len(hh_saved), len(c_saved))
-        # saved: cs, acts, tanh_cs, raw (None without a recurrent norm)
-        ctx.save_for_backward(h0, c0, weight_hh, hs, *saved, *hh_saved, *c_saved, *weights)
-        return hs, h_n, c_n
+        ctx.call, ctx.sizes = call, (len(saved), *(len(named) for named in stats))
+        # The input projections only when the input norm's backward needs them.
+        kept_inputs = None if call.norms[0].kind == "none" else inputs
+        flat_stats = [tensor for named in stats for tensor in named]
+        ctx.save_for_backward(kept_inputs, *states, weight_hh, outputs[0], *saved, *flat_stats, *weights)
+        return tuple(outputs)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad_hs: Tensor, grad_h_n: Tensor, grad_c_n: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
         call: _Call = ctx.call
-        h0, c0, weight_hh, hs, cs, acts, tanh_cs, raw, *rest = ctx.saved_tensors
-        hh_count, c_count = ctx.sizes
-        hh_saved, c_saved, weights = rest[:hh_count], rest[hh_count : hh_count + c_count], rest[hh_count + c_count :]
-        grads = call.kernels.lstm_backward(
-            grad_hs.contiguous(),
-            grad_h_n.contiguous(),
-            grad_c_n.contiguous(),
-            h0,
-            c0,
-            weight_hh,
-            call.mask,
-            hs,
-            [cs, acts, tanh_cs],
-            raw,
-            hh_saved,
-            c_saved,
-            *call.native(tuple(weights)),
+        tensors = iter(ctx.saved_tensors)
+        inputs = next(tensors)
+        states = [next(tensors) for _ in range(call.states)]
+        weight_hh, hs = next(tensors), next(tensors)
+        saved_count, *stat_counts = ctx.sizes
+        saved = [next(tensors) for _ in range(saved_count)]
+        stats = [[next(tensors) for _ in range(count)] for count in stat_counts]
+        weights = tuple(tensors)
+        if inputs is None:
+            inputs = hs.new_empty(0)  # the kernels read it only for an input norm
+        backward = call.kernels.lstm_backward if call.states == 2 else call.kernels.gru_backward
+        if call.states == 2:  # LSTM: saved is cs, acts, tanh_cs, raw (None without a recurrent norm)
+            extra = [saved[:3], saved[3]]
+        else:
+            extra = [saved]
+        result = backward(
+            *(grad.contiguous() for grad in grads), inputs, *states, weight_hh, call.mask, hs, *extra, stats,
+            *call.native(weights),
         )
-        grad_terms, grad_h0, grad_c0, grad_weight_hh, *norm_grads = grads
-        return None, grad_terms, grad_h0, grad_c0, grad_weight_hh, *norm_grads  # None: no such parameter
-
-
-class _GRUKernel(torch.autograd.Function):
-    """The GRU recurrence on the kernels: inputs ``terms, h0, W_hh`` and the recurrent norm's weight and shift."""
-
-    @staticmethod
-    def forward(ctx: Any, call: _Call, terms: Tensor, h0: Tensor, weight_hh: Tensor, *weights: Any) -> Any:
-        outputs, saved, hh_saved, _, fallbacks = call.kernels.gru_forward(
-            terms, h0, weight_hh, call.mask, *call.native(), True
-        )
-        call.count_fallbacks(fallbacks)
-        hs, h_n = outputs
-        ctx.call, ctx.size = call, len(hh_saved)
-        ctx.save_for_backward(h0, weight_hh, hs, *saved, *hh_saved, *weights)  # saved: acts, raw
-        return hs, h_n
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad_hs: Tensor, grad_h_n: Tensor) -> tuple[Tensor | None, ...]:
-        call: _Call = ctx.call
-        h0, weight_hh, hs, acts, raw, *rest = ctx.saved_tensors
-        hh_saved, weights = rest[: ctx.size], rest[ctx.size :]
-        grads = call.kernels.gru_backward(
-            grad_hs.contiguous(),
-            grad_h_n.contiguous(),
-            h0,
-            weight_hh,
-            call.mask,
-            hs,
-            [acts, raw],
-            hh_saved,
-            *call.native(tuple(weights)),
-        )
-        grad_terms, grad_h0, grad_weight_hh, *norm_grads = grads
-        return None, grad_terms, grad_h0, grad_weight_hh, *norm_grads
+        return None, *result  # None for the parameters a norm does not have
 
 
 # --- the generation step ---
@@ -200,7 +169,8 @@ def compiled_step(cell: RecurrentCell, kernels: Any) -> CompiledStep:
 
     ``run(x, h, c, step) -> (h', c')`` with ``x`` ``(B, I)`` or ``(1, B, I)`` and ``h``, ``c`` ``(1, B, .)``.
     """
-    weight_ih, weight_hh = cell.weight_ih.contiguous(), cell.weight_hh.contiguous()
+    # Transposed and row-major, as the kernel multiplies by them (recurrence.cpp says why).
+    weight_ih, weight_hh = cell.weight_ih.t().contiguous(), cell.weight_hh.t().contiguous()
     kind = cell_kernel(cell)
     assert kind is not None
     beta = {name: None if norm is None else norm.bias for name, norm in _norms(cell).items()}
