@@ -4,6 +4,7 @@
 ``LSTM``/``GRU`` are drop-ins for ``torch.nn.LSTM``/``GRU`` with the same norms, ``lengths`` and a stepping interface.
 """
 
+from seqnorm import kernels
 from seqnorm.cells import CELLS, GRUCell, LSTMCell
 from seqnorm.init import INITS
 from seqnorm.layers import GRU, LAYERS, LSTM, RecurrentState
@@ -22,6 +23,7 @@ __all__ = [
     "LSTMCell",
     "RecurrentState",
     "convert_sync_batchnorm",
+    "kernels",
     "update_bn",
 ]
 __version__ = "0.1.0"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,16 @@ TORCH_KINDS = [kind for kind, cell in CELLS.items() if declared(cell, "torch_ker
 # The suite's models are tiny: a second intra-op thread only adds synchronization, and on a busy 2-core machine a
 # descheduled OpenMP worker stalls every small op for milliseconds. One thread keeps `make test` fast and steady.
 torch.set_num_threads(1)
+
+
+def require_kernels() -> None:
+    """Skip when this machine cannot build the compiled kernels (no C++ compiler); fail when it can and they are not
+    built (``make venv`` builds them: a test run must not silently fall back to the plain paths)."""
+    if seqnorm.kernels.native("cpu") is not None:
+        return
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler: the compiled kernels cannot be built here")
+    pytest.fail(f"the compiled kernels are not loaded: {seqnorm.kernels.status()}")
 
 
 def running_fallback(norm: str) -> dict[str, str]:

@@ -1,7 +1,9 @@
 """The hand-written backward through time (seqnorm/layers/bptt.py): taken where it applies, and exact.
 
-``tests/test_fast_path.py`` compares the fast path (which runs through it) with the reference loop for every cell and
-norm; here: that the custom Function is really what runs, where it must not run, and ``gradcheck`` through it.
+``tests/test_fast_path.py`` compares the fast paths (this one with the compiled kernels switched off) with the
+reference loop for every cell and norm; here: that the custom Function is really what runs, where it must not run,
+and ``gradcheck`` through it. The compiled kernels would take its place: they are off in this module
+(``tests/test_kernels.py`` has theirs).
 """
 
 from __future__ import annotations
@@ -19,6 +21,12 @@ from tests.conftest import LAYERS, TORCH_KINDS, perturb_norm_parameters
 FUNCTION_NODE = {"lstm": "_LSTMRecurrenceBackward", "gru": "_GRURecurrenceBackward"}
 # Batch renormalization with its r/d correction active from the first batch (as tests/test_fast_path.py).
 RENORM_ACTIVE = {"warmup": 0, "r_max_steps": 1, "d_max_steps": 1, "r_max": 1.5, "d_max": 0.5}
+
+
+@pytest.fixture(autouse=True)
+def _plain_paths() -> Any:
+    with seqnorm.kernels.disabled():
+        yield
 
 
 def _options(norm: str) -> dict[str, Any]:

@@ -1,4 +1,8 @@
-"""The layers' fast paths equal the plain per-step reference loop: outputs, states, gradients and running statistics."""
+"""The layers' fast paths equal the plain per-step reference loop: outputs, states, gradients and running statistics.
+
+Every test runs twice: with the compiled kernels (:mod:`seqnorm.kernels`, where the plan routes normalized LSTM/GRU
+layers) and with them switched off (the plain-PyTorch hand-written BPTT and loop).
+"""
 
 from __future__ import annotations
 
@@ -12,10 +16,28 @@ from torch.testing import assert_close
 import seqnorm
 from seqnorm.layers.fast import choose_path
 from seqnorm.norms import TimestepBatchNorm, TimestepBatchRenorm
-from tests.conftest import BATCH_NORMS, LAYERS, NORMS, ROW_NORMS, TORCH_KINDS, perturb_norm_parameters
+from tests.conftest import (
+    BATCH_NORMS,
+    LAYERS,
+    NORMS,
+    ROW_NORMS,
+    TORCH_KINDS,
+    perturb_norm_parameters,
+    require_kernels,
+)
 
 TOLERANCE = {"rtol": 1e-9, "atol": 1e-9}
 RENORM_ACTIVE = {"warmup": 0, "r_max_steps": 1, "d_max_steps": 1, "r_max": 1.5, "d_max": 0.5}
+
+
+@pytest.fixture(autouse=True, params=["compiled", "plain"])
+def _paths(request: pytest.FixtureRequest) -> Any:
+    if request.param == "compiled":
+        require_kernels()
+        yield
+    else:
+        with seqnorm.kernels.disabled():
+            yield
 
 
 def _pair(kind: str, norm: str, **kwargs: Any) -> tuple[torch.nn.Module, torch.nn.Module]:

@@ -393,10 +393,9 @@ class BatchStepNorm final : public StepNorm<T> {
       }
       *tracked += 1;
     } else {
-      for (int64_t j = 0; j < f; ++j) {
-        mean[j] = running_mean[j];
-        rstd[j] = T(1) / std::sqrt(running_var[j] + eps);
-      }
+      std::copy(running_mean, running_mean + f, mean);
+      const Vec<T> one(T(1)), epsilon(eps);
+      vec_loop<T>(f, [&](int64_t i, int64_t n) { store(one / (load(running_var + i, n) + epsilon).sqrt(), rstd + i, n); });
     }
     apply(t, x, out, addend, 0, f, f);
   }
@@ -482,10 +481,15 @@ class BatchStepNorm final : public StepNorm<T> {
     const T* weight = this->weight_ + offset;
     T* scale = scale_.data();
     T* shifted = offset_.data();
-    for (int64_t j = 0; j < width; ++j) {
-      scale[j] = rstd[j] * weight[j] * r[j];
-      shifted[j] = weight[j] * d[j] + (this->shift_ != nullptr ? this->shift_[offset + j] : T(0)) - mean[j] * scale[j];
-    }
+    const T* shift = this->shift_ == nullptr ? nullptr : this->shift_ + offset;
+    vec_loop<T>(width, [&](int64_t i, int64_t n) {
+      const Vec<T> w = load(weight + i, n);
+      const Vec<T> sc = load(rstd + i, n) * w * load(r + i, n);
+      Vec<T> sh = w * load(d + i, n) - load(mean + i, n) * sc;
+      if (shift != nullptr) sh = sh + load(shift + i, n);
+      store(sc, scale + i, n);
+      store(sh, shifted + i, n);
+    });
     over_rows(this->rows_, width, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {
         const T* xr = x + b * f + offset;

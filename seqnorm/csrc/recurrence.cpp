@@ -93,7 +93,6 @@ std::tuple<Tensors, Tensors, std::vector<Tensors>, std::vector<int64_t>> lstm_fo
   at::Tensor acts = at::empty({kept, rows, gates}, options);
   at::Tensor tanh_cs = at::empty({kept, rows, hidden}, options);
   at::Tensor raw = norm_hh->identity() ? at::Tensor() : at::empty({kept, rows, gates}, options);
-  at::Tensor term = norm_ih->identity() ? at::Tensor() : at::empty({rows, gates}, options);
   at::Tensor pre = at::empty({rows, gates}, options);
   at::Tensor c_out = norm_c->identity() ? at::Tensor() : at::empty({rows, hidden}, options);
   // W_hh^T laid out row-major once per call: MKL's small-batch GEMM was 25-45 % faster with it than with the
@@ -107,13 +106,16 @@ std::tuple<Tensors, Tensors, std::vector<Tensors>, std::vector<int64_t>> lstm_fo
     const int64_t count = padding.count(t);
     const at::Tensor& h_prev = t == 0 ? h0 : h[t - 1];
     const at::Tensor& c_prev = t == 0 ? c0 : c[save ? t - 1 : (t - 1) % 2];
-    const at::Tensor& term_t = term.defined() ? term : input[t];
-    if (term.defined()) norm_ih->forward(t, ptr<T>(input[t]), ptr<T>(term), nullptr, m, count);
+    // The input term goes straight into the pre-activations, and the recurrent term is added to it there (one
+    // (B, 4H) buffer fewer for the caches to hold between the steps' matmuls).
+    const bool normed_input = !norm_ih->identity();
+    if (normed_input) norm_ih->forward(t, ptr<T>(input[t]), ptr<T>(pre), nullptr, m, count);
+    const at::Tensor& term = normed_input ? pre : input[t];
     if (raw.defined()) {
       at::mm_out(raw_t[slot], h_prev, weight_t);
-      norm_hh->forward(t, ptr<T>(raw_t[slot]), ptr<T>(pre), ptr<T>(term_t), m, count);
+      norm_hh->forward(t, ptr<T>(raw_t[slot]), ptr<T>(pre), ptr<T>(term), m, count);
     } else {
-      at::addmm_out(pre, term_t, h_prev, weight_t);
+      at::addmm_out(pre, term, h_prev, weight_t);
     }
     T* c_new = ptr<T>(c[c_slot]);
     T* a = ptr<T>(acts) + slot * rows * gates;
@@ -300,28 +302,27 @@ Tensors generation_step(const std::string& cell, const at::Tensor& x, const at::
   at::Tensor recurrent = at::mm(h, weight_hh_t);
   auto norm_ih = make_norm<T>(ih_args, 1, rows, gates, options, {}, step);
   auto norm_hh = make_norm<T>(hh_args, 1, rows, gates, options, {}, step);
-  if (!norm_ih->identity()) norm_ih->forward(0, ptr<T>(input), ptr<T>(input), nullptr, nullptr, rows);
-  at::Tensor acts = at::empty({rows, gates}, options);
+  std::vector<T> acts(rows * gates);  // scratch: no tensors beyond the results (a step is a few microseconds)
   at::Tensor h_new = at::empty({rows, hidden}, options);
+  if (!norm_ih->identity()) norm_ih->forward(0, ptr<T>(input), ptr<T>(input), nullptr, nullptr, rows);
   if (cell == "gru") {
     if (!norm_hh->identity()) norm_hh->forward(0, ptr<T>(recurrent), ptr<T>(recurrent), nullptr, nullptr, rows);
-    gru_gates(ptr<T>(input), ptr<T>(recurrent), ptr<T>(acts), ptr<T>(h), ptr<T>(h_new), nullptr, rows, hidden);
+    gru_gates(ptr<T>(input), ptr<T>(recurrent), acts.data(), ptr<T>(h), ptr<T>(h_new), nullptr, rows, hidden);
     return {h_new};
   }
-  // LSTM: both terms into one (the recurrent norm's output plus the input term).
+  // LSTM: the recurrent norm's output plus the input term.
   norm_hh->forward(0, ptr<T>(recurrent), ptr<T>(recurrent), ptr<T>(input), nullptr, rows);
   auto norm_c = make_norm<T>(c_args, 1, rows, hidden, options, {}, step);
   at::Tensor c_new = at::empty({rows, hidden}, options);
-  lstm_gates(ptr<T>(recurrent), ptr<T>(acts), ptr<T>(*c), ptr<T>(c_new), rows, hidden);
+  lstm_gates(ptr<T>(recurrent), acts.data(), ptr<T>(*c), ptr<T>(c_new), rows, hidden);
+  std::vector<T> c_out, tanh_c(rows * hidden);
   const T* c_normed = ptr<T>(c_new);
-  at::Tensor c_out;
   if (!norm_c->identity()) {
-    c_out = at::empty({rows, hidden}, options);
-    norm_c->forward(0, ptr<T>(c_new), ptr<T>(c_out), nullptr, nullptr, rows);
-    c_normed = ptr<T>(c_out);
+    c_out.resize(rows * hidden);
+    norm_c->forward(0, ptr<T>(c_new), c_out.data(), nullptr, nullptr, rows);
+    c_normed = c_out.data();
   }
-  at::Tensor tanh_c = at::empty({rows, hidden}, options);
-  lstm_output(c_normed, ptr<T>(acts), ptr<T>(tanh_c), ptr<T>(h_new), ptr<T>(c_new), ptr<T>(h), ptr<T>(*c), nullptr,
+  lstm_output(c_normed, acts.data(), tanh_c.data(), ptr<T>(h_new), ptr<T>(c_new), ptr<T>(h), ptr<T>(*c), nullptr,
               rows, hidden);
   return {h_new, c_new};
 }

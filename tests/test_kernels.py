@@ -1,0 +1,212 @@
+"""The compiled kernels (seqnorm.kernels, seqnorm/csrc): routed where the norms declare them, equal to the plain
+reference paths, and a clean fallback when they are not built.
+
+``tests/test_fast_path.py`` runs every fast-path comparison with the kernels on and off (lengths, both directions,
+two layers, initial states, steps beyond ``max_steps``, dropout, packed input, batch size 1, the small-batch
+fallback); here: the plan, the generation step, gradcheck, float32, counters, and the build and fallback machinery.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.autograd import gradcheck
+from torch.testing import assert_close
+
+import seqnorm
+from seqnorm import kernels
+from seqnorm.layers.plan import declared
+from tests.conftest import LAYERS, TORCH_KINDS, perturb_norm_parameters, require_kernels
+
+NORMALIZED = ["layer", "rms", "batch", "batch_renorm"]
+RENORM_ACTIVE = {"warmup": 0, "r_max_steps": 1, "d_max_steps": 1, "r_max": 1.5, "d_max": 0.5}
+
+
+@pytest.fixture(autouse=True)
+def _built() -> None:
+    require_kernels()
+
+
+def _options(norm: str, **kwargs: Any) -> dict[str, Any]:
+    return {"norm_options": RENORM_ACTIVE, **kwargs} if norm == "batch_renorm" else kwargs
+
+
+def _pair(kind: str, norm: str, dtype: torch.dtype = torch.float64, **kwargs: Any) -> tuple[Any, Any]:
+    """The reference loop and the default layer (compiled kernels), same weights, perturbed norm parameters."""
+    reference = LAYERS[kind](3, 5, norm=norm, impl="reference", dtype=dtype, **_options(norm, **kwargs))
+    perturb_norm_parameters(reference)
+    compiled = LAYERS[kind](3, 5, norm=norm, dtype=dtype, **_options(norm, **kwargs))
+    compiled.load_state_dict(reference.state_dict())
+    return reference, compiled
+
+
+@pytest.mark.parametrize("norm", NORMALIZED)
+@pytest.mark.parametrize("kind", TORCH_KINDS)
+def test_the_plan_routes_normalized_layers_to_the_kernels(kind: str, norm: str) -> None:
+    layer = LAYERS[kind](3, 5, num_layers=2, bidirectional=True, norm=norm)
+    x = torch.randn(4, 3, 3)
+    assert layer.plan(x).path == "kernel"
+    assert set(layer.plan(x).cells) == {"kernel"}
+    with torch.no_grad():
+        assert layer.plan(x).path == "kernel"  # the forward without a gradient too (evaluation)
+    layer.eval()
+    with torch.no_grad():
+        step = LAYERS[kind](3, 5, num_layers=2, norm=norm).eval().plan(x[0])
+    assert step.path == "lean_step" and set(step.cells) == {"kernel"}
+    with kernels.disabled():
+        assert layer.plan(x).path == "bptt"
+    with torch.no_grad(), kernels.disabled():
+        assert LAYERS[kind](3, 5, norm=norm).eval().plan(x[0]).cells == ("lean_step",)
+    assert LAYERS[kind](3, 5).plan(x).path == "torch_kernel"  # nothing normalized: torch's own kernel
+
+
+@pytest.mark.parametrize("kind", TORCH_KINDS)
+def test_what_the_kernels_do_not_cover_keeps_its_path(kind: str) -> None:
+    x = torch.randn(4, 3, 3)
+    zoneout = LAYERS[kind](3, 5, norm="layer", zoneout_h=0.1)
+    assert zoneout.plan(x).path == "loop" and "zoneout" in str(zoneout.plan(x))
+    half = LAYERS[kind](3, 5, norm="layer", dtype=torch.bfloat16)
+    assert half.plan(x.bfloat16()).path != "kernel"
+
+
+def test_every_norm_that_declares_the_kernel_form_says_what_it_needs() -> None:
+    for name in seqnorm.NORMS:
+        cell = seqnorm.LSTMCell(3, 4, norm=name)
+        for module in (cell.norm_ih, cell.norm_hh, cell.norm_c):
+            if module is None or "kernel" not in declared(module, "fast_forms", frozenset()):
+                continue
+            spec = module.kernel_norm(None)
+            assert spec.kind in ("layer", "rms", "batch"), (name, spec.kind)
+            assert spec.weight is module.weight and spec.eps == module.eps and spec.owner is module
+
+
+@pytest.mark.parametrize("norm", NORMALIZED)
+@pytest.mark.parametrize("kind", TORCH_KINDS)
+def test_generation_step_equals_reference(kind: str, norm: str) -> None:
+    """The compiled step under no_grad: batch sizes 1 and 3, two layers, steps past max_steps (BN's last row)."""
+    reference, compiled = _pair(kind, norm, num_layers=2, max_steps=3)
+    reference.eval()
+    compiled.eval()
+    for batch in (1, 3):
+        x = torch.randn(6, batch, 3, dtype=torch.float64)
+        with torch.no_grad():
+            assert compiled.plan(x[0]).cells == ("kernel", "kernel")
+            states: list[Any] = [None, None]
+            for x_t in x.unbind(0):
+                expected, states[0] = reference.step(x_t, states[0])
+                got, states[1] = compiled.step(x_t, states[1])
+                assert_close(got, expected, rtol=1e-12, atol=1e-12)
+        assert_close(tuple(states[1]), tuple(states[0]), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+@pytest.mark.parametrize("kind", TORCH_KINDS)
+def test_generation_step_in_training_mode_row_norms(kind: str, norm: str) -> None:
+    reference, compiled = _pair(kind, norm)
+    x = torch.randn(3, 2, 3, dtype=torch.float64)
+    with torch.no_grad():
+        states: list[Any] = [None, None]
+        for x_t in x.unbind(0):
+            expected, states[0] = reference.step(x_t, states[0])
+            got, states[1] = compiled.step(x_t, states[1])
+            assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(("norm", "training"), [("layer", True), ("rms", True), ("batch", True), ("batch", False)])
+@pytest.mark.parametrize("kind", TORCH_KINDS)
+def test_gradcheck_through_the_kernels(kind: str, norm: str, training: bool) -> None:
+    """Finite differences through the C++ backward (input and initial state), with a padded row."""
+    torch.manual_seed(0)
+    layer = LAYERS[kind](2, 3, norm=norm, dtype=torch.float64).train(training)
+    perturb_norm_parameters(layer)
+    x = torch.randn(4, 3, 2, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(1, 3, 3, dtype=torch.float64, requires_grad=True)
+    hx: Any = (h0, torch.randn(1, 3, 3, dtype=torch.float64, requires_grad=True)) if kind == "lstm" else h0
+    lengths = torch.tensor([4, 3, 4])  # >= 2 real rows at every step
+    assert layer.plan(x, lengths=lengths).path == "kernel"
+
+    def run(x: torch.Tensor, *states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        output, final = layer(x, tuple(states) if kind == "lstm" else states[0], lengths=lengths)
+        return (output, *(final if isinstance(final, tuple) else (final,)))
+
+    # The parameters' gradients are compared with the reference's at 1e-9 in tests/test_fast_path.py.
+    assert gradcheck(run, (x, *(hx if isinstance(hx, tuple) else (hx,))), eps=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("norm", NORMALIZED)
+@pytest.mark.parametrize("kind", TORCH_KINDS)
+def test_float32_is_as_accurate_as_the_reference(kind: str, norm: str) -> None:
+    """float32 over 60 steps, both paths against the float64 result: the kernels' vectorized exp/tanh and sums lose
+    no more accuracy than the plain loop (measured: errors within a factor 2 of the loop's, both ~1e-6)."""
+    exact, _ = _pair(kind, norm, num_layers=2)
+    reference, compiled = _pair(kind, norm, dtype=torch.float32, num_layers=2)
+    reference.load_state_dict(exact.state_dict())
+    compiled.load_state_dict(exact.state_dict())
+    x = torch.randn(60, 8, 3, dtype=torch.float64)
+    truth, _ = exact(x)
+    errors = [(layer(x.float())[0].double() - truth).abs().max().item() for layer in (reference, compiled)]
+    assert errors[1] <= 2 * errors[0] + 1e-6, errors
+    assert errors[1] < 1e-4, errors
+
+
+@pytest.mark.parametrize("norm", ["batch", "batch_renorm"])
+@pytest.mark.parametrize("kind", TORCH_KINDS)
+def test_batch_norm_counters_and_cumulative_average(kind: str, norm: str) -> None:
+    """The padded tail's fallback steps are counted as the reference counts them; ``momentum=None`` averages."""
+    reference, compiled = _pair(kind, norm, max_steps=4, momentum=None)
+    x = torch.randn(7, 3, 3, dtype=torch.float64)
+    lengths = torch.tensor([7, 2, 3])  # steps 3..6 have one real row: the "tail" fallback
+    for _ in range(3):
+        for layer in (reference, compiled):
+            output, _ = layer(x, lengths=lengths)
+            output.sum().backward()
+    assert_close(compiled.state_dict(), reference.state_dict(), rtol=1e-12, atol=1e-12)
+
+    def fallbacks(layer: Any) -> list[int]:
+        return [m.fallback_steps for m in layer.modules() if hasattr(m, "fallback_steps")]
+
+    assert fallbacks(compiled) == fallbacks(reference)
+    assert sum(fallbacks(compiled)) > 0
+
+
+def test_unbuilt_kernels_warn_once_and_the_plain_path_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SEQNORM_KERNELS_DIR", str(tmp_path))  # an empty cache: nothing built
+    monkeypatch.setattr(kernels, "_LOADED", {})
+    reference, layer = _pair("lstm", "layer")
+    x = torch.randn(5, 2, 3, dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert layer.plan(x).path == "bptt"
+        output, _ = layer(x)
+        layer(x)
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and "not built" in messages[0] and "plain-PyTorch" in messages[0], messages
+    assert_close(output, reference(x)[0], rtol=1e-9, atol=1e-9)
+    assert kernels.status().startswith("off: the C++ kernels are not built")
+
+
+def test_the_switch_turns_the_kernels_off_for_a_process() -> None:
+    code = "import seqnorm, torch; print(seqnorm.LSTM(3, 4, norm='layer').plan(torch.randn(2, 1, 3)).path)"
+    env = {**os.environ, "SEQNORM_KERNELS": "0"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "bptt"
+    assert "RuntimeWarning" not in result.stderr  # switched off on purpose: nothing to warn about
+
+
+def test_the_build_command_without_a_compiler(tmp_path: Path) -> None:
+    """No compiler: one sentence and exit 0 (the plain path will run); ``--strict`` exits 1."""
+    env = {**os.environ, "SEQNORM_KERNELS_DIR": str(tmp_path), "CXX": str(tmp_path / "no-such-compiler")}
+    command = [sys.executable, "-m", "seqnorm.kernels"]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "not built" in result.stdout and "plain-PyTorch path" in result.stdout
+    strict = subprocess.run([*command, "--strict"], env=env, capture_output=True, text=True, timeout=300)
+    assert strict.returncode == 1
+    assert not list(tmp_path.glob("*/seqnorm_kernels.so"))
