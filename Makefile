@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch is pinned to the CPU build that lies on this machine's disk; a bare `torch` would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test lint venv kernels clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -14,7 +14,15 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[train,test]"
 	touch $@
 
-venv: $(BIN)/.installed
+# The compiled kernels (seqnorm/csrc), built once per machine into ~/.cache/seqnorm/kernels (python -m seqnorm.kernels):
+# here, so that neither the demo nor the tests pay the build. Without a compiler it says so and the plain path runs.
+$(BIN)/.kernels: $(BIN)/.installed $(wildcard seqnorm/csrc/*)
+	$(BIN)/python -m seqnorm.kernels
+	touch $@
+
+venv: $(BIN)/.installed $(BIN)/.kernels
+
+kernels: $(BIN)/.kernels
 
 test: venv
 	$(BIN)/python -m ruff check seqnorm tests scripts

@@ -152,7 +152,14 @@ class _Recurrence(torch.autograd.Function):
         else:
             extra = [saved]
         result = backward(
-            *(grad.contiguous() for grad in grads), inputs, *states, weight_hh, call.mask, hs, *extra, stats,
+            *(grad.contiguous() for grad in grads),
+            inputs,
+            *states,
+            weight_hh,
+            call.mask,
+            hs,
+            *extra,
+            stats,
             *call.native(weights),
         )
         return None, *result  # None for the parameters a norm does not have
