@@ -87,7 +87,7 @@ def test_every_norm_that_declares_the_kernel_form_says_what_it_needs() -> None:
             assert spec.weight is module.weight and spec.eps == module.eps and spec.owner is module
 
 
-@pytest.mark.parametrize("norm", NORMALIZED)
+@pytest.mark.parametrize("norm", [*NORMALIZED, "none", "weight"])
 @pytest.mark.parametrize("kind", TORCH_KINDS)
 def test_generation_step_equals_reference(kind: str, norm: str) -> None:
     """The compiled step under no_grad: batch sizes 1 and 3, two layers, steps past max_steps (BN's last row)."""
@@ -210,3 +210,26 @@ def test_the_build_command_without_a_compiler(tmp_path: Path) -> None:
     strict = subprocess.run([*command, "--strict"], env=env, capture_output=True, text=True, timeout=300)
     assert strict.returncode == 1
     assert not list(tmp_path.glob("*/seqnorm_kernels.so"))
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+@pytest.mark.parametrize("kind", TORCH_KINDS)
+def test_threads_sharing_the_batch_equal_the_reference(kind: str, norm: str) -> None:
+    """With 2 threads and row norms, each thread runs its own rows through every step (recurrence.cpp, shares);
+    padded rows fall in both shares. The suite otherwise runs on one thread (conftest)."""
+    reference, compiled = _pair(kind, norm, num_layers=2, bidirectional=True)
+    x = torch.randn(6, 5, 3, dtype=torch.float64)
+    lengths = torch.tensor([6, 2, 5, 6, 1])
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        results = []
+        for layer in (reference, compiled):
+            leaf = x.clone().requires_grad_()
+            output, state = layer(leaf, lengths=lengths)
+            final = state if isinstance(state, tuple) else (state,)
+            loss = output.square().sum() + sum(t.sum() for t in final)
+            results.append((output, final, torch.autograd.grad(loss, [leaf, *layer.parameters()])))
+    finally:
+        torch.set_num_threads(previous)
+    assert_close(results[1], results[0], rtol=1e-9, atol=1e-9)

@@ -298,9 +298,11 @@ def _cell_step_route(cell: RecurrentCell, autocast: bool) -> Path:
 
 
 def _lean_route(cell: RecurrentCell, x: Tensor) -> Path:
-    """A lean step's cell: the compiled generation step where its norms declare the kernel form, else Python's."""
+    """A lean step's cell: the compiled generation step where its norms (if any) declare the kernel form, else
+    Python's (torch's cell kernel for a cell without norms). The compiled step also serves cells without norms: with
+    its weights laid out for the BLAS it measured faster than torch's ``LSTMCell`` (BENCHMARKS.md)."""
     norms = (cell.norm_ih, cell.norm_hh, cell.norm_c)
-    if not cell.has_norms or any(norm_blocker(norm, "kernel") is not None for norm in norms):
+    if any(norm_blocker(norm, "kernel") is not None for norm in norms):
         return "lean_step"
     return "kernel" if kernels.native(x.device.type) is not None else "lean_step"
 
