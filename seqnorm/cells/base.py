@@ -24,6 +24,7 @@ from seqnorm.norms import (
     check_placement,
     resolve_norm,
 )
+from seqnorm.torch_ops import without_parametrization_hooks
 
 __all__ = ["RecurrentCell", "StepObserver", "check_positive_int", "check_proj_size", "check_rate"]
 
@@ -50,6 +51,14 @@ def check_positive_int(owner: str, name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{owner}: expected {name} to be a positive int, got {value!r}")
     return value
+
+
+_PARAMETRIZED = "_pickled_parametrizations"
+
+
+def _new_instance(cls: type) -> Any:
+    """An uninitialized ``cls``, as pickle makes one before ``__setstate__``."""
+    return cls.__new__(cls)
 
 
 class StepObserver(nn.Module):
@@ -194,6 +203,29 @@ class RecurrentCell(nn.Module):
             parametrizations.weight_norm(self, "weight_ih", dim=0)
             parametrizations.weight_norm(self, "weight_hh", dim=0)
         self.reset_parameters()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # torch refuses to pickle a module with a parametrization (weight norm): its class is made at run time, and
+        # weight_norm leaves a closure among the state-dict hooks. Pickle the cell as the class it was built as,
+        # with its parametrizations aside; __setstate__ applies weight norm again and puts them back.
+        if not parametrize.is_parametrized(self):
+            return super().__reduce_ex__(protocol)
+        state = self.__dict__.copy()
+        state["_modules"] = {k: v for k, v in self._modules.items() if k != "parametrizations"}
+        state["_load_state_dict_pre_hooks"] = without_parametrization_hooks(self._load_state_dict_pre_hooks)
+        state[_PARAMETRIZED] = self.parametrizations
+        return _new_instance, (type(self).__mro__[1],), state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        saved = state.pop(_PARAMETRIZED, None)
+        super().__setstate__(state)
+        if saved is not None:
+            for name, pieces in saved.items():
+                # A stand-in weight of the right shape for weight_norm to wrap; the saved g and v replace its own.
+                self.register_parameter(name, nn.Parameter(pieces.original1.detach().clone()))
+                parametrizations.weight_norm(self, name, dim=0)
+            self._modules["parametrizations"] = saved
 
     def reset_parameters(self) -> None:
         """Initialize weights with ``init``, set the forget bias and reset every norm (running statistics too)."""
