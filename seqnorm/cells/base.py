@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 import warnings
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
@@ -26,7 +27,15 @@ from seqnorm.norms import (
 )
 from seqnorm.torch_ops import without_parametrization_hooks
 
-__all__ = ["RecurrentCell", "StepObserver", "check_positive_int", "check_proj_size", "check_rate"]
+__all__ = [
+    "RecurrentCell",
+    "StepObserver",
+    "check_like_input",
+    "check_like_parameters",
+    "check_positive_int",
+    "check_proj_size",
+    "check_rate",
+]
 
 
 def check_proj_size(owner: str, proj_size: object, hidden_size: int, supported: bool) -> int:
@@ -51,6 +60,33 @@ def check_positive_int(owner: str, name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{owner}: expected {name} to be a positive int, got {value!r}")
     return value
+
+
+def check_like_parameters(owner: str, name: str, x: Tensor, parameter: Tensor) -> None:
+    """``x`` on ``parameter``'s device and in its dtype; a ``ValueError`` naming both otherwise.
+
+    Under ``torch.autocast`` for ``x``'s device any floating dtype is accepted: autocast feeds lower-precision
+    activations to float32 parameters (and the norms compute their statistics in float32 then).
+    """
+    if x.device != parameter.device:
+        raise ValueError(f"{owner}: expected {name} on {parameter.device} (the parameters' device), got {x.device}")
+    if x.dtype == parameter.dtype or (x.is_floating_point() and torch.is_autocast_enabled(x.device.type)):
+        return
+    if not x.is_floating_point():
+        raise ValueError(f"{owner}: expected a floating-point {name} of dtype {parameter.dtype}, got {x.dtype}")
+    raise ValueError(
+        f"{owner}: expected {name} of dtype {parameter.dtype} (the parameters' dtype: convert the {name}, or the "
+        f"model with .to({x.dtype})), got {x.dtype}"
+    )
+
+
+def check_like_input(owner: str, name: str, tensor: Tensor, x: Tensor) -> None:
+    """A state ``tensor`` on the input's device and, outside autocast, in its dtype; ``ValueError`` otherwise."""
+    if tensor.device != x.device:
+        raise ValueError(f"{owner}: expected {name} on {x.device} (the input's device), got {tensor.device}")
+    if tensor.dtype == x.dtype or (tensor.is_floating_point() and torch.is_autocast_enabled(x.device.type)):
+        return
+    raise ValueError(f"{owner}: expected {name} of dtype {x.dtype} (the input's), got {tensor.dtype}")
 
 
 _PARAMETRIZED = "_pickled_parametrizations"
@@ -430,15 +466,37 @@ class RecurrentCell(nn.Module):
         if not isinstance(x, Tensor) or x.dim() != 2 or x.shape[1] != self.input_size:
             got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(f"{owner}: expected input of shape (batch, {self.input_size}), got {got}")
+        check_like_parameters(owner, "input", x, self.reference_parameter())
         if mask is not None and (
             not isinstance(mask, Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != (x.shape[0],)
         ):
             got = f"{tuple(mask.shape)} {mask.dtype}" if isinstance(mask, Tensor) else type(mask).__name__
             raise ValueError(f"{owner}: expected mask of shape ({x.shape[0]},) and dtype torch.bool, got {got}")
 
-    def check_state_tensor(self, name: str, tensor: object, batch_size: int) -> Tensor:
+    def check_state_tensor(self, name: str, tensor: object, batch_size: int, like: Tensor) -> Tensor:
         expected = (batch_size, self.state_size if name == "h" else self.hidden_size)
         if not isinstance(tensor, Tensor) or tuple(tensor.shape) != expected:
             got = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
             raise ValueError(f"{type(self).__name__}: expected {name} of shape {expected}, got {got}")
+        check_like_input(type(self).__name__, name, tensor, like)
         return tensor
+
+    def check_step(self, step: object) -> int:
+        """``step`` as an int ``>= 0``, the time index a per-timestep norm reads its statistics at."""
+        if isinstance(step, bool) or (isinstance(step, Tensor) and (step.dim() or step.is_floating_point())):
+            index = None
+        else:
+            try:
+                index = operator.index(step)  # ints, numpy ints, 0-d integer tensors
+            except TypeError:
+                index = None
+        if index is None or index < 0:
+            raise ValueError(f"{type(self).__name__}: expected step to be an int >= 0 (the time index), got {step!r}")
+        return index
+
+    def reference_parameter(self) -> Tensor:
+        """A parameter whose dtype and device all of this cell's share (one held directly when there is one)."""
+        for parameter in self._parameters.values():  # no recursion, no weight-norm computation: a per-step check
+            if parameter is not None:
+                return parameter
+        return next(self.parameters())

@@ -24,7 +24,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
-from seqnorm.cells.base import RecurrentCell, check_positive_int, check_proj_size, check_rate
+from seqnorm.cells.base import (
+    RecurrentCell,
+    check_like_input,
+    check_like_parameters,
+    check_positive_int,
+    check_proj_size,
+    check_rate,
+)
 from seqnorm.init import resolve_init
 from seqnorm.layers.dropout import draw_sequence_masks
 from seqnorm.layers.fast import IMPLS, Impl, run_fast, run_fused, step_cell
@@ -279,6 +286,7 @@ class RecurrentLayer(nn.Module):
             x = input.unsqueeze(1) if unbatched else (input.transpose(0, 1) if self.batch_first else input)
         if x.shape[-1] != self.input_size:
             raise ValueError(f"{owner}: expected input with {self.input_size} features, got {x.shape[-1]}")
+        check_like_parameters(owner, "input", x, self.cells[0].reference_parameter())
         steps, batch = x.shape[0], x.shape[1]
         if steps == 0:
             raise ValueError(f"{owner}: expected at least one time step, got an input of length 0")
@@ -379,9 +387,9 @@ class RecurrentLayer(nn.Module):
         elif not isinstance(state, RecurrentState):
             raise ValueError(f"{owner}: expected state to be the RecurrentState step() returned, got {type(state)}")
         else:
-            self._check_state_shape("state.h", state.h, (self.num_layers, batch, self.state_size))
+            self._check_state_shape("state.h", state.h, (self.num_layers, batch, self.state_size), x)
             if first.has_cell_state:
-                self._check_state_shape("state.c", state.c, (self.num_layers, batch, self.hidden_size))
+                self._check_state_shape("state.c", state.c, (self.num_layers, batch, self.hidden_size), x)
         lean = lean_layer_step(self, x)  # without gradients: every cell's step prepared once (cached)
         if lean is not None:
             output, h, c = lean(x, state.h, state.c, state.step)
@@ -421,10 +429,11 @@ class RecurrentLayer(nn.Module):
             raise ValueError(f"{owner}: expected lengths in [1, {steps}] (the input's time steps), got {low}..{high}")
         return values.to(torch.long)
 
-    def _check_state_shape(self, name: str, tensor: object, expected: tuple[int, ...]) -> Tensor:
+    def _check_state_shape(self, name: str, tensor: object, expected: tuple[int, ...], like: Tensor) -> Tensor:
         if not isinstance(tensor, Tensor) or tuple(tensor.shape) != expected:
             got = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
             raise ValueError(f"{type(self).__name__}: expected {name} of shape {expected}, got {got}")
+        check_like_input(type(self).__name__, name, tensor, like)
         return tensor
 
     def _initial_state(self, hx: Any, batch: int, x: Tensor, unbatched: bool) -> tuple[Tensor, Tensor | None]:
@@ -438,10 +447,10 @@ class RecurrentLayer(nn.Module):
         if has_c:
             if not isinstance(hx, (tuple, list)) or len(hx) != 2:
                 raise ValueError(f"{type(self).__name__}: expected hx to be a tuple (h_0, c_0), got {type(hx)}")
-            h0 = self._check_state_shape("h_0", hx[0], expected)
-            c0 = self._check_state_shape("c_0", hx[1], expected_c)
+            h0 = self._check_state_shape("h_0", hx[0], expected, x)
+            c0 = self._check_state_shape("c_0", hx[1], expected_c, x)
             return (h0.unsqueeze(1), c0.unsqueeze(1)) if unbatched else (h0, c0)
-        h0 = self._check_state_shape("h_0", hx, expected)
+        h0 = self._check_state_shape("h_0", hx, expected, x)
         return (h0.unsqueeze(1) if unbatched else h0), None
 
     @classmethod
