@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import parametrizations, parametrize
 
+from seqnorm.capture import refuse_scripting
 from seqnorm.init import init_recurrent_, resolve_init
 from seqnorm.norms import (
     DEFAULT_MAX_STEPS,
@@ -239,6 +240,10 @@ class RecurrentCell(nn.Module):
             parametrizations.weight_norm(self, "weight_ih", dim=0)
             parametrizations.weight_norm(self, "weight_hh", dim=0)
         self.reset_parameters()
+
+    def __prepare_scriptable__(self) -> nn.Module:
+        refuse_scripting(self)
+        return self
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # torch refuses to pickle a module with a parametrization (weight norm): its class is made at run time, and

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
+from seqnorm.capture import captured_by_export, refuse_scripting
 from seqnorm.cells.base import (
     RecurrentCell,
     check_like_input,
@@ -193,6 +194,10 @@ class RecurrentLayer(nn.Module):
             text += f", impl={self.impl!r}"
         return text
 
+    def __prepare_scriptable__(self) -> nn.Module:
+        refuse_scripting(self)
+        return self
+
     def reset_parameters(self) -> None:
         for cell in self.cells:
             cell.reset_parameters()
@@ -234,7 +239,7 @@ class RecurrentLayer(nn.Module):
         """
         x, lengths, h0, c0, unbatched = self._prepare(input, hx, lengths)
         first_step = self._check_first_step(first_step)
-        output, h_n, c_n = self._run(x, h0, c0, lengths, first_step)
+        output, h_n, c_n = self._run(x, h0, c0, lengths, first_step, exporting=captured_by_export(self))
         state: Any = h_n if c_n is None else (h_n, c_n)
         if isinstance(input, PackedSequence):
             return _repack(output, lengths, input), state
@@ -295,9 +300,18 @@ class RecurrentLayer(nn.Module):
         return x, lengths, h0, c0, unbatched
 
     def _run(
-        self, x: Tensor, h0: Tensor, c0: Tensor | None, lengths: Tensor | None, first_step: int = 0
+        self,
+        x: Tensor,
+        h0: Tensor,
+        c0: Tensor | None,
+        lengths: Tensor | None,
+        first_step: int = 0,
+        exporting: bool = False,
     ) -> tuple[Tensor, ...]:
-        """Run ``x`` ``(T, B, I)`` on the path :func:`~seqnorm.layers.plan.plan_for` picks; output, h_n, c_n."""
+        """Run ``x`` ``(T, B, I)`` on the path :func:`~seqnorm.layers.plan.plan_for` picks; output, h_n, c_n.
+
+        ``exporting``: torch.export is capturing the call (:mod:`seqnorm.capture`), so torch's kernel or the reference
+        loop, never the fast paths' hand-written autograd."""
         steps = x.shape[0]
         longest = synchronized_steps(self, steps, x.device)
         if longest is not None:
@@ -314,7 +328,7 @@ class RecurrentLayer(nn.Module):
             log.debug("%s.forward: %s", type(self).__name__, plan)
         if plan.path == "torch_kernel":
             return run_fused(self, x, h0, c0, lengths)
-        if plan.path in ("bptt", "loop"):
+        if plan.path in ("bptt", "loop") and not exporting:
             return run_fast(self, x, h0, c0, lengths, plan)
         return self._run_reference(x, h0, c0, lengths, first_step)
 
