@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -184,3 +186,17 @@ def test_autocast_may_feed_other_floating_dtypes(kind: str) -> None:
             ValueError, match=r"expected a floating-point input of dtype torch.float32, got torch.int64$"
         ):
             layer(torch.ones(1, 2, 3, dtype=torch.long))
+
+
+@pytest.mark.parametrize("norm", ["layer", "batch"])
+def test_non_finite_gradient_through_time_is_reported(norm: str) -> None:
+    layer = seqnorm.LSTM(3, 4, norm=norm)
+    x = torch.randn(6, 2, 3, requires_grad=True)
+    output, _ = layer(x)
+    with pytest.warns(RuntimeWarning, match=r"^LSTM: expected a finite gradient at the input, got inf/NaN .* 6 steps"):
+        (output * torch.tensor(float("inf"))).sum().backward()
+    x.grad = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a finite gradient: no warning
+        layer(x)[0].sum().backward()
+    assert torch.isfinite(x.grad).all()

@@ -36,6 +36,7 @@ from seqnorm.cells.base import (
 from seqnorm.init import resolve_init
 from seqnorm.layers.dropout import draw_sequence_masks
 from seqnorm.layers.fast import IMPLS, Impl, run_fast, run_fused, step_cell
+from seqnorm.layers.finite import watch_input_gradient
 from seqnorm.layers.keys import TORCH_KEY, from_torch_keys, to_torch_keys
 from seqnorm.layers.plan import Plan, log, plan_for
 from seqnorm.layers.stack import PaddingLayout, padding_layout, run_stack
@@ -239,7 +240,9 @@ class RecurrentLayer(nn.Module):
         """
         x, lengths, h0, c0, unbatched = self._prepare(input, hx, lengths)
         first_step = self._check_first_step(first_step)
-        output, h_n, c_n = self._run(x, h0, c0, lengths, first_step, exporting=captured_by_export(self))
+        exporting = captured_by_export(self)
+        watch_input_gradient(type(self).__name__, x, x.shape[0], self.cells[0].scheme.batch_statistics)
+        output, h_n, c_n = self._run(x, h0, c0, lengths, first_step, exporting=exporting)
         state: Any = h_n if c_n is None else (h_n, c_n)
         if isinstance(input, PackedSequence):
             return _repack(output, lengths, input), state
