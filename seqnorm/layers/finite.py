@@ -4,9 +4,9 @@ Backpropagation through a long sequence multiplies one Jacobian per step. With p
 training, each step's Jacobian includes the derivative through its batch mean and variance, which over a small batch
 can exceed 1 in norm, so the product can grow about exponentially in T. Measured on ``LSTM(8, 16, norm="batch")``
 in training, batch 4, random inputs: the input gradient at ``t = 0`` had norm 1e2 at T = 500, 6e7 at T = 1000, 0.1
-at T = 2000 and 1e15 at T = 3000 (float64: 4e6 and 8e12 at T = 1000 and 3000, so the model's own gradient explodes; float32 follows it roughly);
-at T = 3000 the same model has 0.03 in evaluation (running statistics), 0.4 with batch 32, 10 with ``"layer"`` and
-1.4 with ``"none"``. Float32 overflows to inf/NaN once the product passes 3e38.
+at T = 2000 and 1e15 at T = 3000 (float64: 4e6 and 8e12 at T = 1000 and 3000, so the model's own gradient explodes
+and float32 follows it roughly); at T = 3000 the same model has 0.03 in evaluation (running statistics), 0.4 with
+batch 32, 10 with ``"layer"`` and 1.4 with ``"none"``. Float32 overflows to inf/NaN once the product passes 3e38.
 
 Nothing in the forward pass shows it. The layers therefore check, once per backward, the gradient arriving at their
 input (a single reduction) and warn, naming the remedies; they do not raise, because mixed-precision training with a
