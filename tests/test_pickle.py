@@ -14,6 +14,7 @@ from torch import nn
 from torch.testing import assert_close
 
 import seqnorm
+from seqnorm.lightning import LanguageModel
 from tests.conftest import CELLS, KINDS, LAYERS, NORMS, perturb_norm_parameters
 
 
@@ -101,3 +102,12 @@ def test_layer_with_a_norm_spec_pickles_with_its_options() -> None:
     assert restored.cells[0].scheme is seqnorm.NORMS["batch_renorm"]  # the registry's entry, not a copy
     x = torch.randn(4, 2, 3)
     assert_close(restored(x), layer(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_lightning_module_pickles_as_ddp_spawn_needs(norm: str) -> None:
+    # ddp_spawn pickles the LightningModule into each process.
+    model = LanguageModel(vocab_size=7, norm=norm, hidden_size=6, embedding_dim=4).eval()
+    restored = pickle.loads(pickle.dumps(model))
+    tokens = torch.randint(0, 7, (2, 5))
+    assert_close(restored.model(tokens), model.model(tokens), rtol=0, atol=0)
