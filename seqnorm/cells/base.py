@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import operator
 import warnings
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
@@ -14,6 +13,8 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrizations, parametrize
 
 from seqnorm.capture import refuse_scripting
+from seqnorm.cells.checks import check_like_input, check_like_parameters, check_step
+from seqnorm.cells.pickling import PicklableParametrizations
 from seqnorm.init import init_recurrent_, resolve_init
 from seqnorm.norms import (
     DEFAULT_MAX_STEPS,
@@ -26,17 +27,8 @@ from seqnorm.norms import (
     check_placement,
     resolve_norm,
 )
-from seqnorm.torch_ops import without_parametrization_hooks
 
-__all__ = [
-    "RecurrentCell",
-    "StepObserver",
-    "check_like_input",
-    "check_like_parameters",
-    "check_positive_int",
-    "check_proj_size",
-    "check_rate",
-]
+__all__ = ["RecurrentCell", "StepObserver", "check_positive_int", "check_proj_size", "check_rate"]
 
 
 def check_proj_size(owner: str, proj_size: object, hidden_size: int, supported: bool) -> int:
@@ -63,41 +55,6 @@ def check_positive_int(owner: str, name: str, value: object) -> int:
     return value
 
 
-def check_like_parameters(owner: str, name: str, x: Tensor, parameter: Tensor) -> None:
-    """``x`` on ``parameter``'s device and in its dtype; a ``ValueError`` naming both otherwise.
-
-    Under ``torch.autocast`` for ``x``'s device any floating dtype is accepted: autocast feeds lower-precision
-    activations to float32 parameters (and the norms compute their statistics in float32 then).
-    """
-    if x.device != parameter.device:
-        raise ValueError(f"{owner}: expected {name} on {parameter.device} (the parameters' device), got {x.device}")
-    if x.dtype == parameter.dtype or (x.is_floating_point() and torch.is_autocast_enabled(x.device.type)):
-        return
-    if not x.is_floating_point():
-        raise ValueError(f"{owner}: expected a floating-point {name} of dtype {parameter.dtype}, got {x.dtype}")
-    raise ValueError(
-        f"{owner}: expected {name} of dtype {parameter.dtype} (the parameters' dtype: convert the {name}, or the "
-        f"model with .to({x.dtype})), got {x.dtype}"
-    )
-
-
-def check_like_input(owner: str, name: str, tensor: Tensor, x: Tensor) -> None:
-    """A state ``tensor`` on the input's device and, outside autocast, in its dtype; ``ValueError`` otherwise."""
-    if tensor.device != x.device:
-        raise ValueError(f"{owner}: expected {name} on {x.device} (the input's device), got {tensor.device}")
-    if tensor.dtype == x.dtype or (tensor.is_floating_point() and torch.is_autocast_enabled(x.device.type)):
-        return
-    raise ValueError(f"{owner}: expected {name} of dtype {x.dtype} (the input's), got {tensor.dtype}")
-
-
-_PARAMETRIZED = "_pickled_parametrizations"
-
-
-def _new_instance(cls: type) -> Any:
-    """An uninitialized ``cls``, as pickle makes one before ``__setstate__``."""
-    return cls.__new__(cls)
-
-
 class StepObserver(nn.Module):
     """A tap through which a cell shows each step's intermediates — only while someone has hooked it.
 
@@ -119,7 +76,7 @@ class StepObserver(nn.Module):
         return bool(self._forward_hooks or self._forward_pre_hooks)
 
 
-class RecurrentCell(nn.Module):
+class RecurrentCell(PicklableParametrizations):
     """Base of :class:`~seqnorm.LSTMCell` and :class:`~seqnorm.GRUCell`; a subclass declares its gates and step.
 
     Parameters follow ``torch.nn.LSTMCell``/``GRUCell`` exactly (``weight_ih``, ``weight_hh``, ``bias_ih``,
@@ -244,29 +201,6 @@ class RecurrentCell(nn.Module):
     def __prepare_scriptable__(self) -> nn.Module:
         refuse_scripting(self)
         return self
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        # torch refuses to pickle a module with a parametrization (weight norm): its class is made at run time, and
-        # weight_norm leaves a closure among the state-dict hooks. Pickle the cell as the class it was built as,
-        # with its parametrizations aside; __setstate__ applies weight norm again and puts them back.
-        if not parametrize.is_parametrized(self):
-            return super().__reduce_ex__(protocol)
-        state = self.__dict__.copy()
-        state["_modules"] = {k: v for k, v in self._modules.items() if k != "parametrizations"}
-        state["_load_state_dict_pre_hooks"] = without_parametrization_hooks(self._load_state_dict_pre_hooks)
-        state[_PARAMETRIZED] = self.parametrizations
-        return _new_instance, (type(self).__mro__[1],), state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        state = dict(state)
-        saved = state.pop(_PARAMETRIZED, None)
-        super().__setstate__(state)
-        if saved is not None:
-            for name, pieces in saved.items():
-                # A stand-in weight of the right shape for weight_norm to wrap; the saved g and v replace its own.
-                self.register_parameter(name, nn.Parameter(pieces.original1.detach().clone()))
-                parametrizations.weight_norm(self, name, dim=0)
-            self._modules["parametrizations"] = saved
 
     def reset_parameters(self) -> None:
         """Initialize weights with ``init``, set the forget bias and reset every norm (running statistics too)."""
@@ -487,17 +421,7 @@ class RecurrentCell(nn.Module):
         return tensor
 
     def check_step(self, step: object) -> int:
-        """``step`` as an int ``>= 0``, the time index a per-timestep norm reads its statistics at."""
-        if isinstance(step, bool) or (isinstance(step, Tensor) and (step.dim() or step.is_floating_point())):
-            index = None
-        else:
-            try:
-                index = operator.index(step)  # ints, numpy ints, 0-d integer tensors
-            except TypeError:
-                index = None
-        if index is None or index < 0:
-            raise ValueError(f"{type(self).__name__}: expected step to be an int >= 0 (the time index), got {step!r}")
-        return index
+        return check_step(type(self).__name__, step)
 
     def reference_parameter(self) -> Tensor:
         """A parameter whose dtype and device all of this cell's share (one held directly when there is one)."""

@@ -25,14 +25,8 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from seqnorm.capture import captured_by_export, refuse_scripting
-from seqnorm.cells.base import (
-    RecurrentCell,
-    check_like_input,
-    check_like_parameters,
-    check_positive_int,
-    check_proj_size,
-    check_rate,
-)
+from seqnorm.cells.base import RecurrentCell, check_positive_int, check_proj_size, check_rate
+from seqnorm.cells.checks import check_like_input, check_like_parameters
 from seqnorm.init import resolve_init
 from seqnorm.layers.dropout import draw_sequence_masks
 from seqnorm.layers.fast import IMPLS, Impl, run_fast, run_fused, step_cell
