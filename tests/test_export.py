@@ -1,4 +1,4 @@
-"""Graph capture (seqnorm.capture): torch.export and ONNX export give the eager outputs, or fail with a clear error.
+"""Graph capture (seqnorm.torch_capture): torch.export and ONNX export give eager outputs, or fail with a clear error.
 
 Checked against the ONNX reference evaluator (``onnx.reference``), with the graph's input really an input (the issue
 was a constant graph that ignored it). ``torch.jit.trace`` and ``torch.jit.script`` are refused by name.

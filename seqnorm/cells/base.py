@@ -12,9 +12,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import parametrizations, parametrize
 
-from seqnorm.capture import refuse_scripting
-from seqnorm.cells.checks import check_like_input, check_like_parameters, check_step
-from seqnorm.cells.pickling import PicklableParametrizations
 from seqnorm.init import init_recurrent_, resolve_init
 from seqnorm.norms import (
     DEFAULT_MAX_STEPS,
@@ -27,6 +24,9 @@ from seqnorm.norms import (
     check_placement,
     resolve_norm,
 )
+from seqnorm.pickling import PicklableParametrizations
+from seqnorm.torch_capture import refuse_scripting
+from seqnorm.validation import check_like_input, check_like_parameters, check_step
 
 __all__ = ["RecurrentCell", "StepObserver", "check_positive_int", "check_proj_size", "check_rate"]
 

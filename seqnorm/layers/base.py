@@ -24,9 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
-from seqnorm.capture import captured_by_export, refuse_scripting
 from seqnorm.cells.base import RecurrentCell, check_positive_int, check_proj_size, check_rate
-from seqnorm.cells.checks import check_like_input, check_like_parameters
 from seqnorm.init import resolve_init
 from seqnorm.layers.dropout import draw_sequence_masks
 from seqnorm.layers.fast import IMPLS, Impl, run_fast, run_fused, step_cell
@@ -45,6 +43,8 @@ from seqnorm.norms import (
     resolve_norm,
 )
 from seqnorm.norms.sync import synchronized_steps
+from seqnorm.torch_capture import captured_by_export, refuse_scripting
+from seqnorm.validation import check_like_input, check_like_parameters
 
 __all__ = ["RecurrentLayer", "RecurrentState"]
 
@@ -307,8 +307,8 @@ class RecurrentLayer(nn.Module):
     ) -> tuple[Tensor, ...]:
         """Run ``x`` ``(T, B, I)`` on the path :func:`~seqnorm.layers.plan.plan_for` picks; output, h_n, c_n.
 
-        ``exporting``: torch.export is capturing the call (:mod:`seqnorm.capture`), so torch's kernel or the reference
-        loop, never the fast paths' hand-written autograd."""
+        ``exporting``: torch.export is capturing the call (:mod:`seqnorm.torch_capture`), so torch's kernel or the
+        reference loop, never the fast paths' hand-written autograd."""
         steps = x.shape[0]
         longest = synchronized_steps(self, steps, x.device)
         if longest is not None:
@@ -321,11 +321,13 @@ class RecurrentLayer(nn.Module):
             output, *final = self._run_reference(x, h0, c0, lengths, first_step, run_every_step=True)
             return (output[:steps], *final)
         plan = plan_for(self, x, lengths, (h0, c0), first_step=first_step)
+        if exporting and plan.path != "torch_kernel":
+            return self._run_reference(x, h0, c0, lengths, first_step)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s.forward: %s", type(self).__name__, plan)
         if plan.path == "torch_kernel":
             return run_fused(self, x, h0, c0, lengths)
-        if plan.path in ("bptt", "loop") and not exporting:
+        if plan.path in ("bptt", "loop"):
             return run_fast(self, x, h0, c0, lengths, plan)
         return self._run_reference(x, h0, c0, lengths, first_step)
 
