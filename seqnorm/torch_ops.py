@@ -7,10 +7,12 @@ the fast paths call them at every step, where one attribute lookup fewer is meas
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch.nn.utils import parametrizations
 
 __all__ = [
     "CELL_KERNELS",
@@ -19,6 +21,7 @@ __all__ = [
     "batch_norm_with_stats",
     "layer_norm_backward",
     "layer_norm_with_stats",
+    "without_parametrization_hooks",
 ]
 
 # torch.nn.LSTM/GRU's own kernels over a whole sequence (padded or packed): the public modules would need their
@@ -38,3 +41,13 @@ batch_norm_with_stats: Callable[..., Any] = torch.native_batch_norm
 # gradients are the ones autograd's per-step graph would give.
 layer_norm_backward: Callable[..., Any] = torch.ops.aten.native_layer_norm_backward
 batch_norm_backward: Callable[..., Any] = torch.ops.aten.native_batch_norm_backward
+
+
+def without_parametrization_hooks(hooks: Mapping[int, Any]) -> OrderedDict[int, Any]:
+    """A module's ``_load_state_dict_pre_hooks`` without those torch's weight norm registered (closures, which
+    pickle cannot store; calling ``weight_norm`` again registers them again)."""
+    return OrderedDict(
+        (key, hook)
+        for key, hook in hooks.items()
+        if getattr(getattr(hook, "hook", hook), "__module__", None) != parametrizations.__name__
+    )

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import warnings
+
+import numpy as np
 import pytest
 import torch
 
@@ -99,3 +102,101 @@ def test_step_errors() -> None:
         layer.step(torch.randn(3, 3), state)
     with pytest.raises(ValueError, match=r"^LSTMCell: expected input of shape \(batch, 3\), got \(2, 5\)$"):
         layer.step(torch.randn(2, 5), state)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cell_step_must_be_a_non_negative_int(kind: str) -> None:
+    cell = CELLS[kind](3, 4, norm="batch", max_steps=5)
+    name = type(cell).__name__
+    x = torch.randn(2, 3)
+    for step in (-1, -7, 1.5, True, "2", torch.tensor([1, 2]), torch.tensor(1.0)):
+        with pytest.raises(ValueError, match=rf"^{name}: expected step to be an int >= 0 \(the time index\), got "):
+            cell(x, step=step)
+    # Nothing was updated by the refused calls; integer-like steps (numpy ints, 0-d tensors) are the int.
+    assert cell.norm_ih.num_batches_tracked.sum() == 0
+    cell(x, step=torch.tensor(4))
+    cell(x, step=np.int64(4))
+    assert cell.norm_ih.num_batches_tracked.tolist() == [0, 0, 0, 0, 2]
+
+
+def _hx(kind: str, h: torch.Tensor, c: torch.Tensor) -> object:
+    return (h, c) if kind == "lstm" else h
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dtype_and_device_mismatches_name_both(kind: str) -> None:
+    cell = CELLS[kind](3, 4, norm="layer")
+    layer = LAYERS[kind](3, 4, norm="layer")
+    cell_name, layer_name = type(cell).__name__, type(layer).__name__
+    x64 = torch.randn(2, 3, dtype=torch.float64)
+    convert = (
+        r"\(the parameters' dtype: convert the input, or the model with .to\(torch.float64\)\), got torch.float64$"
+    )
+    with pytest.raises(ValueError, match=rf"^{cell_name}: expected input of dtype torch.float32 {convert}"):
+        cell(x64)
+    with pytest.raises(ValueError, match=rf"^{layer_name}: expected input of dtype torch.float32 {convert}"):
+        layer(x64.unsqueeze(0))
+    with pytest.raises(ValueError, match=rf"^{cell_name}: expected input of dtype torch.float32 {convert}"):
+        layer.step(x64)  # step() checks its input through the first cell, as for shapes
+    integer = r"expected a floating-point input of dtype torch.float32, got torch.int64$"
+    with pytest.raises(ValueError, match=rf"^{cell_name}: {integer}"):
+        cell(torch.ones(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match=rf"^{layer_name}: {integer}"):
+        layer(torch.ones(1, 2, 3, dtype=torch.long))
+    x = torch.randn(2, 3)
+    h, c = torch.zeros(2, 4), torch.zeros(2, 4)
+    with pytest.raises(
+        ValueError, match=rf"^{cell_name}: expected h of dtype torch.float32 \(the input's\), got torch.float64$"
+    ):
+        cell(x, _hx(kind, h.double(), c))
+    with pytest.raises(
+        ValueError, match=rf"^{layer_name}: expected h_0 of dtype torch.float32 \(the input's\), got torch.float16$"
+    ):
+        layer(x.unsqueeze(0), _hx(kind, h.half().unsqueeze(0), c.unsqueeze(0)))
+    if kind == "lstm":
+        with pytest.raises(
+            ValueError, match=r"^LSTMCell: expected c of dtype torch.float32 \(the input's\), got torch.int32$"
+        ):
+            cell(x, (h, c.int()))
+    # Devices: the meta device stands for any other one (the check runs before any computation).
+    with pytest.raises(ValueError, match=rf"^{cell_name}: expected input on cpu \(the parameters' device\), got meta$"):
+        cell(x.to("meta"))
+    with pytest.raises(
+        ValueError, match=rf"^{layer_name}: expected input on cpu \(the parameters' device\), got meta$"
+    ):
+        layer(x.unsqueeze(0).to("meta"))
+    with pytest.raises(ValueError, match=rf"^{layer_name}: expected h_0 on cpu \(the input's device\), got meta$"):
+        layer(x.unsqueeze(0), _hx(kind, h.unsqueeze(0).to("meta"), c.unsqueeze(0)))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_autocast_may_feed_other_floating_dtypes(kind: str) -> None:
+    # Under autocast a float32 model legitimately receives bfloat16 activations (and states from them).
+    cell = CELLS[kind](3, 4, norm="layer")
+    layer = LAYERS[kind](3, 4, norm="layer")
+    x = torch.randn(2, 3)
+    state = _hx(kind, torch.zeros(2, 4, dtype=torch.bfloat16), torch.zeros(2, 4))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.isfinite(
+            torch.cat(cell(x.bfloat16(), state) if kind == "lstm" else [cell(x.bfloat16(), state)])
+        ).all()
+        output, _ = layer(x.bfloat16().unsqueeze(0))
+        assert torch.isfinite(output).all()
+        with pytest.raises(
+            ValueError, match=r"expected a floating-point input of dtype torch.float32, got torch.int64$"
+        ):
+            layer(torch.ones(1, 2, 3, dtype=torch.long))
+
+
+@pytest.mark.parametrize("norm", ["layer", "batch"])
+def test_non_finite_gradient_through_time_is_reported(norm: str) -> None:
+    layer = seqnorm.LSTM(3, 4, norm=norm)
+    x = torch.randn(6, 2, 3, requires_grad=True)
+    output, _ = layer(x)
+    with pytest.warns(RuntimeWarning, match=r"^LSTM: expected a finite gradient at the input, got inf/NaN .* 6 steps"):
+        (output * torch.tensor(float("inf"))).sum().backward()
+    x.grad = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a finite gradient: no warning
+        layer(x)[0].sum().backward()
+    assert torch.isfinite(x.grad).all()

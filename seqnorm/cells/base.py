@@ -25,6 +25,9 @@ from seqnorm.norms import (
     check_placement,
     resolve_norm,
 )
+from seqnorm.pickling import PicklableParametrizations
+from seqnorm.torch_capture import refuse_scripting
+from seqnorm.validation import check_like_input, check_like_parameters, check_step
 
 __all__ = ["RecurrentCell", "StepObserver", "check_positive_int", "check_proj_size", "check_rate"]
 
@@ -74,7 +77,7 @@ class StepObserver(nn.Module):
         return bool(self._forward_hooks or self._forward_pre_hooks)
 
 
-class RecurrentCell(nn.Module):
+class RecurrentCell(PicklableParametrizations):
     """Base of :class:`~seqnorm.LSTMCell` and :class:`~seqnorm.GRUCell`; a subclass declares its gates and step.
 
     Parameters follow ``torch.nn.LSTMCell``/``GRUCell`` exactly (``weight_ih``, ``weight_hh``, ``bias_ih``,
@@ -195,6 +198,10 @@ class RecurrentCell(nn.Module):
             parametrizations.weight_norm(self, "weight_ih", dim=0)
             parametrizations.weight_norm(self, "weight_hh", dim=0)
         self.reset_parameters()
+
+    def __prepare_scriptable__(self) -> nn.Module:
+        refuse_scripting(self)
+        return self
 
     def reset_parameters(self) -> None:
         """Initialize weights with ``init``, set the forget bias and reset every norm (running statistics too)."""
@@ -399,15 +406,27 @@ class RecurrentCell(nn.Module):
         if not isinstance(x, Tensor) or x.dim() != 2 or x.shape[1] != self.input_size:
             got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(f"{owner}: expected input of shape (batch, {self.input_size}), got {got}")
+        check_like_parameters(owner, "input", x, self.reference_parameter())
         if mask is not None and (
             not isinstance(mask, Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != (x.shape[0],)
         ):
             got = f"{tuple(mask.shape)} {mask.dtype}" if isinstance(mask, Tensor) else type(mask).__name__
             raise ValueError(f"{owner}: expected mask of shape ({x.shape[0]},) and dtype torch.bool, got {got}")
 
-    def check_state_tensor(self, name: str, tensor: object, batch_size: int) -> Tensor:
+    def check_state_tensor(self, name: str, tensor: object, batch_size: int, like: Tensor) -> Tensor:
         expected = (batch_size, self.state_size if name == "h" else self.hidden_size)
         if not isinstance(tensor, Tensor) or tuple(tensor.shape) != expected:
             got = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
             raise ValueError(f"{type(self).__name__}: expected {name} of shape {expected}, got {got}")
+        check_like_input(type(self).__name__, name, tensor, like)
         return tensor
+
+    def check_step(self, step: object) -> int:
+        return check_step(type(self).__name__, step)
+
+    def reference_parameter(self) -> Tensor:
+        """A parameter whose dtype and device all of this cell's share (one held directly when there is one)."""
+        for parameter in self._parameters.values():  # no recursion, no weight-norm computation: a per-step check
+            if parameter is not None:
+                return parameter
+        return next(self.parameters())

@@ -55,10 +55,11 @@ class GRUCell(RecurrentCell):
 
     def forward(self, x: Tensor, state: Tensor | None = None, *, step: int = 0, mask: Tensor | None = None) -> Tensor:
         self.check_input(x, mask)
+        step = self.check_step(step)
         if state is None:
             state = self.initial_state(x.shape[0], x)
         else:
-            state = self.check_state_tensor("h", state, x.shape[0])
+            state = self.check_state_tensor("h", state, x.shape[0], x)
         return self.step_unchecked(x, state, step, mask)
 
     def initial_state(self, batch_size: int, like: Tensor) -> Tensor:

@@ -119,14 +119,15 @@ class LSTMCell(RecurrentCell):
         self, x: Tensor, state: tuple[Tensor, Tensor] | None = None, *, step: int = 0, mask: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         self.check_input(x, mask)
+        step = self.check_step(step)
         if state is None:
             state = self.initial_state(x.shape[0], x)
         elif not isinstance(state, (tuple, list)) or len(state) != 2:
             raise ValueError(f"LSTMCell: expected state to be a tuple (h, c), got {type(state).__name__}")
         else:
             state = (
-                self.check_state_tensor("h", state[0], x.shape[0]),
-                self.check_state_tensor("c", state[1], x.shape[0]),
+                self.check_state_tensor("h", state[0], x.shape[0], x),
+                self.check_state_tensor("c", state[1], x.shape[0], x),
             )
         return self.step_unchecked(x, state, step, mask)
 

@@ -28,6 +28,7 @@ from seqnorm.cells.base import RecurrentCell, check_positive_int, check_proj_siz
 from seqnorm.init import resolve_init
 from seqnorm.layers.dropout import draw_sequence_masks
 from seqnorm.layers.fast import IMPLS, Impl, run_fast, run_fused, step_cell
+from seqnorm.layers.finite import watch_input_gradient
 from seqnorm.layers.keys import TORCH_KEY, from_torch_keys, to_torch_keys
 from seqnorm.layers.plan import Plan, log, plan_for
 from seqnorm.layers.stack import PaddingLayout, padding_layout, run_stack
@@ -42,6 +43,8 @@ from seqnorm.norms import (
     resolve_norm,
 )
 from seqnorm.norms.sync import synchronized_steps
+from seqnorm.torch_capture import captured_by_export, refuse_scripting
+from seqnorm.validation import check_like_input, check_like_parameters
 
 __all__ = ["RecurrentLayer", "RecurrentState"]
 
@@ -186,6 +189,10 @@ class RecurrentLayer(nn.Module):
             text += f", impl={self.impl!r}"
         return text
 
+    def __prepare_scriptable__(self) -> nn.Module:
+        refuse_scripting(self)
+        return self
+
     def reset_parameters(self) -> None:
         for cell in self.cells:
             cell.reset_parameters()
@@ -227,7 +234,9 @@ class RecurrentLayer(nn.Module):
         """
         x, lengths, h0, c0, unbatched = self._prepare(input, hx, lengths)
         first_step = self._check_first_step(first_step)
-        output, h_n, c_n = self._run(x, h0, c0, lengths, first_step)
+        exporting = captured_by_export(self)
+        watch_input_gradient(type(self).__name__, x, x.shape[0], self.cells[0].scheme.batch_statistics)
+        output, h_n, c_n = self._run(x, h0, c0, lengths, first_step, exporting=exporting)
         state: Any = h_n if c_n is None else (h_n, c_n)
         if isinstance(input, PackedSequence):
             return _repack(output, lengths, input), state
@@ -279,6 +288,7 @@ class RecurrentLayer(nn.Module):
             x = input.unsqueeze(1) if unbatched else (input.transpose(0, 1) if self.batch_first else input)
         if x.shape[-1] != self.input_size:
             raise ValueError(f"{owner}: expected input with {self.input_size} features, got {x.shape[-1]}")
+        check_like_parameters(owner, "input", x, self.cells[0].reference_parameter())
         steps, batch = x.shape[0], x.shape[1]
         if steps == 0:
             raise ValueError(f"{owner}: expected at least one time step, got an input of length 0")
@@ -287,9 +297,18 @@ class RecurrentLayer(nn.Module):
         return x, lengths, h0, c0, unbatched
 
     def _run(
-        self, x: Tensor, h0: Tensor, c0: Tensor | None, lengths: Tensor | None, first_step: int = 0
+        self,
+        x: Tensor,
+        h0: Tensor,
+        c0: Tensor | None,
+        lengths: Tensor | None,
+        first_step: int = 0,
+        exporting: bool = False,
     ) -> tuple[Tensor, ...]:
-        """Run ``x`` ``(T, B, I)`` on the path :func:`~seqnorm.layers.plan.plan_for` picks; output, h_n, c_n."""
+        """Run ``x`` ``(T, B, I)`` on the path :func:`~seqnorm.layers.plan.plan_for` picks; output, h_n, c_n.
+
+        ``exporting``: torch.export is capturing the call (:mod:`seqnorm.torch_capture`), so torch's kernel or the
+        reference loop, never the fast paths' hand-written autograd."""
         steps = x.shape[0]
         longest = synchronized_steps(self, steps, x.device)
         if longest is not None:
@@ -302,6 +321,8 @@ class RecurrentLayer(nn.Module):
             output, *final = self._run_reference(x, h0, c0, lengths, first_step, run_every_step=True)
             return (output[:steps], *final)
         plan = plan_for(self, x, lengths, (h0, c0), first_step=first_step)
+        if exporting and plan.path != "torch_kernel":
+            return self._run_reference(x, h0, c0, lengths, first_step)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s.forward: %s", type(self).__name__, plan)
         if plan.path == "torch_kernel":
@@ -379,9 +400,9 @@ class RecurrentLayer(nn.Module):
         elif not isinstance(state, RecurrentState):
             raise ValueError(f"{owner}: expected state to be the RecurrentState step() returned, got {type(state)}")
         else:
-            self._check_state_shape("state.h", state.h, (self.num_layers, batch, self.state_size))
+            self._check_state_shape("state.h", state.h, (self.num_layers, batch, self.state_size), x)
             if first.has_cell_state:
-                self._check_state_shape("state.c", state.c, (self.num_layers, batch, self.hidden_size))
+                self._check_state_shape("state.c", state.c, (self.num_layers, batch, self.hidden_size), x)
         lean = lean_layer_step(self, x)  # without gradients: every cell's step prepared once (cached)
         if lean is not None:
             output, h, c = lean(x, state.h, state.c, state.step)
@@ -421,10 +442,11 @@ class RecurrentLayer(nn.Module):
             raise ValueError(f"{owner}: expected lengths in [1, {steps}] (the input's time steps), got {low}..{high}")
         return values.to(torch.long)
 
-    def _check_state_shape(self, name: str, tensor: object, expected: tuple[int, ...]) -> Tensor:
+    def _check_state_shape(self, name: str, tensor: object, expected: tuple[int, ...], like: Tensor) -> Tensor:
         if not isinstance(tensor, Tensor) or tuple(tensor.shape) != expected:
             got = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
             raise ValueError(f"{type(self).__name__}: expected {name} of shape {expected}, got {got}")
+        check_like_input(type(self).__name__, name, tensor, like)
         return tensor
 
     def _initial_state(self, hx: Any, batch: int, x: Tensor, unbatched: bool) -> tuple[Tensor, Tensor | None]:
@@ -438,10 +460,10 @@ class RecurrentLayer(nn.Module):
         if has_c:
             if not isinstance(hx, (tuple, list)) or len(hx) != 2:
                 raise ValueError(f"{type(self).__name__}: expected hx to be a tuple (h_0, c_0), got {type(hx)}")
-            h0 = self._check_state_shape("h_0", hx[0], expected)
-            c0 = self._check_state_shape("c_0", hx[1], expected_c)
+            h0 = self._check_state_shape("h_0", hx[0], expected, x)
+            c0 = self._check_state_shape("c_0", hx[1], expected_c, x)
             return (h0.unsqueeze(1), c0.unsqueeze(1)) if unbatched else (h0, c0)
-        h0 = self._check_state_shape("h_0", hx, expected)
+        h0 = self._check_state_shape("h_0", hx, expected, x)
         return (h0.unsqueeze(1) if unbatched else h0), None
 
     @classmethod

@@ -156,6 +156,20 @@ class NormScheme:
         """Names accepted in ``norm_options``: the spec's fields that cells and layers do not take as keywords."""
         return frozenset(field_names(self.spec)) - NORM_KEYWORDS
 
+    def __reduce_ex__(self, protocol: Any) -> str | tuple[Any, ...]:
+        # A registered scheme pickles by its name, as a class pickles by its qualified name: its factory may be a
+        # closure (pickle cannot store those), and cells keep their scheme, so models with any norm pickle
+        # (torch.save(model), copy.deepcopy, Lightning's ddp_spawn). Unpickling looks the name up in NORMS.
+        if NORMS.get(self.name) is self:
+            return _registered_scheme, (self.name,)
+        return super().__reduce_ex__(protocol)
+
+
+def _registered_scheme(name: str) -> NormScheme:
+    if name not in NORMS:
+        raise ValueError(f"NormScheme: expected norm {name!r} registered in seqnorm.NORMS to unpickle it, got none")
+    return NORMS[name]
+
 
 def _nothing(features: int, role: Role, ctx: NormContext) -> None:
     return None

@@ -29,7 +29,10 @@ def rms_length(x: Tensor, floor: Tensor) -> Tensor:
     """``hypot(||x||, floor)`` over the last dimension, ``(..., 1)``: with ``floor = sqrt(F eps)`` it is
     ``sqrt(F (mean(x^2) + eps))``, so RMSNorm is ``x sqrt(F) / rms_length(x)``. Measured about twice as fast as
     torch's CPU ``rms_norm`` kernel at RNN sizes (several times at batch size 1), and ``||x||^2`` cannot overflow."""
-    return torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), floor)
+    length = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    if torch.onnx.is_in_onnx_export():  # ONNX has no hypot (the exporter fails on it): the same length, unscaled
+        return torch.sqrt(length.square() + floor.square())
+    return torch.hypot(length, floor)
 
 
 class _RowNorm(nn.Module):
