@@ -14,8 +14,14 @@ tables, ready for BENCHMARKS.md:
 - **generation step**: batch size 1, ``no_grad``, eval mode, one ``layer.step()`` against one ``torch.nn.LSTMCell``
   (``GRUCell``) call; µs per step.
 
+``× torch`` is the median over the repeats of each round's ratio to that round's torch time, with its spread (lowest
+and highest round) beside it; ``plain ×`` is the same layer with the compiled kernels switched off
+(``seqnorm.kernels.disabled()``: the plain-PyTorch hand-written BPTT and loop), the fallback where nothing is built.
+The header names the CPU (``/proc/cpuinfo``), torch, the thread count and whether the kernels ran.
+
 Usage: ``python scripts/bench.py`` (the sizes of issue 7), ``--quick`` (seconds), ``--sizes 100x32x128x256,...``,
-``--cells lstm``, ``--norms layer,batch``, ``--repeats 7``, ``--threads 2``, ``--no-reference`` (skip the slow loop).
+``--cells lstm``, ``--norms layer,batch``, ``--repeats 7``, ``--threads 2``, ``--no-reference`` (skip the slow loop),
+``--no-plain`` (skip the plain-PyTorch path).
 """
 
 from __future__ import annotations
@@ -76,8 +82,20 @@ def saved_bytes(module: nn.Module, x: torch.Tensor) -> int:
     return sum(storages.values())
 
 
-def interleaved(variants: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
-    """Median seconds per call of each variant; one warm-up call each, then ``repeats`` rounds in turn."""
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux), else what ``platform`` knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def interleaved(variants: dict[str, Callable[[], None]], repeats: int) -> dict[str, list[float]]:
+    """Seconds of every call of each variant; one warm-up call each, then ``repeats`` rounds in turn."""
     for run in variants.values():
         run()
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -86,7 +104,23 @@ def interleaved(variants: dict[str, Callable[[], None]], repeats: int) -> dict[s
             start = time.perf_counter()
             run()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
+    return times
+
+
+def ratio(times: dict[str, list[float]], name: str, base: str) -> str:
+    """``median (lowest–highest)`` of the per-round ratios of ``name`` to ``base``."""
+    rounds = sorted(value / reference for value, reference in zip(times[name], times[base], strict=True))
+    return f"{statistics.median(rounds):.2f} ({rounds[0]:.2f}–{rounds[-1]:.2f})"
+
+
+def plain(run: Callable[[], None]) -> Callable[[], None]:
+    """``run`` with the compiled kernels switched off."""
+
+    def without_kernels() -> None:
+        with seqnorm.kernels.disabled():
+            run()
+
+    return without_kernels
 
 
 def bench_training(args: argparse.Namespace, size: tuple[int, int, int, int]) -> list[str]:
@@ -106,23 +140,28 @@ def bench_training(args: argparse.Namespace, size: tuple[int, int, int, int]) ->
             layers[norm] = layer
             variants[norm] = training_step(layer, x)
             memory[norm] = saved_bytes(layer, x)
+            if args.plain:
+                variants[f"{norm}/plain"] = plain(training_step(layer, x))
             if args.reference:
                 reference = LAYERS[kind](input_size, hidden, norm=norm, impl="reference")
                 reference.load_state_dict(layer.state_dict())
                 variants[f"{norm}/reference"] = training_step(reference, x)
-        seconds = interleaved(variants, args.repeats)
+        times = interleaved(variants, args.repeats)
+        seconds = {name: statistics.median(values) for name, values in times.items()}
         base = seconds["torch"]
         tokens = steps * batch
         label = f"{kind} {steps}x{batch}x{input_size}x{hidden}"
         rows.append(
             f"| {label} | torch.nn.{TORCH_LAYERS[kind].__name__} | {base * 1e3:.1f} | {tokens / base:,.0f} | 1.00 | "
-            f"| 1.00 |"
+            f"| | 1.00 |"
         )
         for norm in layers:
-            reference_ratio = f"{seconds[f'{norm}/reference'] / base:.2f}" if args.reference else "-"
+            plain_ratio = ratio(times, f"{norm}/plain", "torch") if args.plain else "-"
+            reference_ratio = ratio(times, f"{norm}/reference", "torch") if args.reference else "-"
             rows.append(
                 f"| {label} | {norm} | {seconds[norm] * 1e3:.1f} | {tokens / seconds[norm]:,.0f} | "
-                f"{seconds[norm] / base:.2f} | {reference_ratio} | {memory[norm] / memory['torch']:.2f} |"
+                f"{ratio(times, norm, 'torch')} | {plain_ratio} | {reference_ratio} | "
+                f"{memory[norm] / memory['torch']:.2f} |"
             )
     return rows
 
@@ -152,15 +191,19 @@ def bench_generation(args: argparse.Namespace, size: tuple[int, int, int, int]) 
                     _, state = layer.step(x, state)
 
             variants[norm] = seqnorm_steps
+            if args.plain:
+                variants[f"{norm}/plain"] = plain(seqnorm_steps)
         with torch.no_grad():
-            seconds = interleaved(variants, args.repeats)
-        per_step = {name: value / args.generation_steps for name, value in seconds.items()}
+            times = interleaved(variants, args.repeats)
+        per_step = {name: statistics.median(values) / args.generation_steps for name, values in times.items()}
         base = per_step["torch"]
         label = f"{kind} I={input_size} H={hidden}"
-        rows.append(f"| {label} | torch.nn.{TORCH_CELLS[kind].__name__} | {base * 1e6:.0f} | 1.00 |")
-        rows += [
-            f"| {label} | {norm} | {per_step[norm] * 1e6:.0f} | {per_step[norm] / base:.2f} |" for norm in args.norms
-        ]
+        rows.append(f"| {label} | torch.nn.{TORCH_CELLS[kind].__name__} | {base * 1e6:.0f} | 1.00 | |")
+        for norm in args.norms:
+            plain_ratio = ratio(times, f"{norm}/plain", "torch") if args.plain else "-"
+            rows.append(
+                f"| {label} | {norm} | {per_step[norm] * 1e6:.0f} | {ratio(times, norm, 'torch')} | {plain_ratio} |"
+            )
     return rows
 
 
@@ -174,6 +217,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for every variant")
     parser.add_argument("--generation-steps", type=int, default=200, help="steps per generation measurement")
     parser.add_argument("--no-reference", dest="reference", action="store_false", help="skip the reference loop")
+    parser.add_argument("--no-plain", dest="plain", action="store_false", help="skip the plain-PyTorch path")
     args = parser.parse_args()
     args.sizes = parse_sizes(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES))
     args.cells = args.cells.split(",")
@@ -185,18 +229,22 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
-        f"{date.today().isoformat()}; median of {args.repeats} interleaved repeats\n"
+        f"{cpu_name()}; torch {torch.__version__}, {torch.get_num_threads()} threads; compiled kernels: "
+        f"{seqnorm.kernels.status()}; {date.today().isoformat()}; median of {args.repeats} interleaved repeats "
+        "(spread: lowest–highest round)\n"
     )
     print("### Training step (forward + backward)\n")
-    print("| cell TxBxIxH | norm | ms | tokens/s | × torch | reference × torch | activation memory × torch |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print(
+        "| cell TxBxIxH | norm | ms | tokens/s | × torch | plain × torch | reference × torch | "
+        "activation memory × torch |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for size in args.sizes:
         for row in bench_training(args, size):
             print(row, flush=True)
     print("\n### Generation step (batch size 1, `layer.step()` vs torch's cell)\n")
-    print("| cell | norm | µs / step | × torch cell |")
-    print("|---|---|---:|---:|")
+    print("| cell | norm | µs / step | × torch cell | plain × torch cell |")
+    print("|---|---|---:|---:|---:|")
     for size in {(1, 1, s[2], s[3]): None for s in args.sizes}:
         for row in bench_generation(args, size):
             print(row, flush=True)
