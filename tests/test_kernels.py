@@ -22,6 +22,7 @@ from torch.testing import assert_close
 
 import seqnorm
 from seqnorm import kernels
+from seqnorm.layers import stepping
 from seqnorm.layers.plan import declared
 from tests.conftest import LAYERS, TORCH_KINDS, perturb_norm_parameters, require_kernels
 
@@ -104,6 +105,19 @@ def test_generation_step_equals_reference(kind: str, norm: str) -> None:
                 got, states[1] = compiled.step(x_t, states[1])
                 assert_close(got, expected, rtol=1e-12, atol=1e-12)
         assert_close(tuple(states[1]), tuple(states[0]), rtol=1e-12, atol=1e-12)
+
+
+def test_switching_the_kernels_off_rebuilds_the_cached_step() -> None:
+    layer = seqnorm.LSTM(3, 5, norm="layer").eval()
+    x = torch.randn(2, 3)
+    with torch.no_grad():
+        layer.step(x)
+        assert stepping._CACHE[layer].compiled
+        with kernels.disabled():
+            layer.step(x)
+            assert not stepping._CACHE[layer].compiled  # rebuilt: the plain lean step
+        layer.step(x)
+        assert stepping._CACHE[layer].compiled
 
 
 @pytest.mark.parametrize("norm", ["layer", "rms"])

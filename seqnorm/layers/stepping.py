@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from seqnorm.cells.base import RecurrentCell
+from seqnorm import kernels
 from seqnorm.kernels import native
 from seqnorm.layers.kernel import compiled_step
 from seqnorm.layers.plan import cell_kernel, plan_for
@@ -48,6 +49,7 @@ class _Snapshot:
             ``_parameters``/``_buffers`` dicts of every submodule, weight norm's and the norms' included).
         observers: the cells' observers (a hooked observer needs the cells' own steps).
         training, dtype, device_type: the layer's mode and the inputs it was built for.
+        compiled: whether the compiled kernels were switched on (:func:`seqnorm.kernels.enabled`) when it was built.
         run: ``run(x, h, c, step) -> (output, h', c')``.
     """
 
@@ -56,11 +58,14 @@ class _Snapshot:
     training: bool
     dtype: torch.dtype
     device_type: str
+    compiled: bool
     run: LayerStep
 
     def valid(self, training: bool, dtype: torch.dtype) -> bool:
         """Whether nothing was updated in place, moved, replaced or hooked since (this runs at every step)."""
         if training != self.training or dtype != self.dtype or torch.is_autocast_enabled(self.device_type):
+            return False
+        if self.compiled != kernels.enabled():  # switched on or off since: the plan may route the cells elsewhere
             return False
         for observer in self.observers:
             if observer.active:
@@ -102,7 +107,7 @@ def lean_layer_step(layer: nn.Module, x: Tensor) -> LayerStep | None:
     watched = tuple((store, name, tensor, tensor._version, tensor.data_ptr()) for store, name, tensor in stores)
     run = _layer_run([_build(cell, route, x.device.type) for cell, route in zip(cells, plan.cells, strict=True)])
     observers = tuple(cell.observer for cell in cells)
-    _CACHE[layer] = _Snapshot(watched, observers, layer.training, x.dtype, x.device.type, run)
+    _CACHE[layer] = _Snapshot(watched, observers, layer.training, x.dtype, x.device.type, kernels.enabled(), run)
     return run
 
 
