@@ -39,11 +39,14 @@ def _options(norm: str, **kwargs: Any) -> dict[str, Any]:
     return {"norm_options": RENORM_ACTIVE, **kwargs} if norm == "batch_renorm" else kwargs
 
 
-def _pair(kind: str, norm: str, dtype: torch.dtype = torch.float64, **kwargs: Any) -> tuple[Any, Any]:
+def _pair(
+    kind: str, norm: str, dtype: torch.dtype = torch.float64, hidden_size: int = 5, **kwargs: Any
+) -> tuple[Any, Any]:
     """The reference loop and the default layer (compiled kernels), same weights, perturbed norm parameters."""
-    reference = LAYERS[kind](3, 5, norm=norm, impl="reference", dtype=dtype, **_options(norm, **kwargs))
+    options = _options(norm, **kwargs)
+    reference = LAYERS[kind](3, hidden_size, norm=norm, impl="reference", dtype=dtype, **options)
     perturb_norm_parameters(reference)
-    compiled = LAYERS[kind](3, 5, norm=norm, dtype=dtype, **_options(norm, **kwargs))
+    compiled = LAYERS[kind](3, hidden_size, norm=norm, dtype=dtype, **options)
     compiled.load_state_dict(reference.state_dict())
     return reference, compiled
 
@@ -226,14 +229,15 @@ def test_the_build_command_without_a_compiler(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("*/seqnorm_kernels.so"))
 
 
-@pytest.mark.parametrize("norm", ["layer", "rms"])
+@pytest.mark.parametrize("norm", NORMALIZED)
 @pytest.mark.parametrize("kind", TORCH_KINDS)
-def test_threads_sharing_the_batch_equal_the_reference(kind: str, norm: str) -> None:
-    """With 2 threads and row norms, each thread runs its own rows through every step (recurrence.cpp, shares);
-    padded rows fall in both shares. The suite otherwise runs on one thread (conftest)."""
-    reference, compiled = _pair(kind, norm, num_layers=2, bidirectional=True)
-    x = torch.randn(6, 5, 3, dtype=torch.float64)
-    lengths = torch.tensor([6, 2, 5, 6, 1])
+def test_two_threads_equal_the_reference(kind: str, norm: str) -> None:
+    """With 2 threads the kernels split each step's passes between them (by rows, or by features for batch
+    statistics and the parameters' gradients). The suite otherwise runs on one thread (conftest)."""
+    reference, compiled = _pair(kind, norm, num_layers=2, bidirectional=True, hidden_size=96)
+    x = torch.randn(6, 70, 3, dtype=torch.float64)  # blocks of 70 x 288+ gates: big enough to be split
+    lengths = torch.randint(2, 7, (70,))
+    lengths[:2] = 6
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -247,3 +251,4 @@ def test_threads_sharing_the_batch_equal_the_reference(kind: str, norm: str) -> 
     finally:
         torch.set_num_threads(previous)
     assert_close(results[1], results[0], rtol=1e-9, atol=1e-9)
+    assert_close(compiled.state_dict(), reference.state_dict(), rtol=1e-9, atol=1e-9)

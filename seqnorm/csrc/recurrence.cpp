@@ -69,116 +69,37 @@ at::Tensor weight_hh_grad(const at::Tensor& grad_raw, const at::Tensor& h0, cons
   return grad;
 }
 
-// ---- sharing the batch between threads ---------------------------------------------------------------------------
-
-// The rows [begin, end) of the batch that one thread takes through every step. Where no norm couples the rows (a
-// row norm's statistics are its own; per-timestep BatchNorm's are the batch's), each thread runs its own share of
-// the recurrence from the first step to the last, small matmuls included, with no synchronization per step: on 2
-// cores this beat splitting every step's matmul and passes between the threads (BENCHMARKS.md). Otherwise one
-// share, whose steps split their passes between threads (over_rows, over_features).
-using Share = std::pair<int64_t, int64_t>;
-
-std::vector<Share> shares(int64_t rows, const std::vector<const NormArgs*>& norms) {
-  const int64_t threads = at::get_num_threads();
-  bool independent = true;
-  for (const NormArgs* norm : norms) independent = independent && norm->kind != "batch";
-  if (!independent || threads < 2 || rows < 2 * threads || at::in_parallel_region()) return {{0, rows}};
-  std::vector<Share> result;
-  for (int64_t k = 0; k < threads; ++k) result.emplace_back(rows * k / threads, rows * (k + 1) / threads);
-  return result;
-}
-
-template <typename Fn>
-void for_shares(const std::vector<Share>& all, const Fn& fn) {
-  if (all.size() == 1) {
-    fn(0);
-    return;
-  }
-  at::parallel_for(0, static_cast<int64_t>(all.size()), 1, [&](int64_t first, int64_t last) {
-    for (int64_t k = first; k < last; ++k) fn(k);
-  });
-}
-
-// A share's rows of a (T, B, ...) tensor (dim 1), or of a (B, ...) one (dim 0); undefined stays undefined.
-at::Tensor rows_of(const at::Tensor& t, const Share& share, int64_t dim) {
-  return t.defined() ? t.narrow(dim, share.first, share.second - share.first) : t;
-}
-
-c10::optional<at::Tensor> mask_rows(const c10::optional<at::Tensor>& mask, const Share& share) {
-  if (!mask.has_value() || !mask->defined()) return c10::nullopt;
-  return rows_of(*mask, share, 1);
-}
-
-// The norms' statistics of a share: a row norm's are (T, B) and are cut by rows; shares exist only for row norms.
-std::vector<Tensors> stats_rows(const std::vector<Tensors>& stats, const Share& share, bool whole) {
-  if (whole) return stats;
-  std::vector<Tensors> result;
-  for (const Tensors& named : stats) {
-    Tensors cut;
-    for (const at::Tensor& t : named) cut.push_back(rows_of(t, share, 1));
-    result.push_back(cut);
-  }
-  return result;
-}
-
-// Each norm's statistics of every share, joined along the rows (one share: as they are).
-std::vector<Tensors> join_stats(const std::vector<std::vector<Tensors>>& per_share) {
-  if (per_share.size() == 1) return per_share[0];
-  std::vector<Tensors> joined(per_share[0].size());
-  for (size_t norm = 0; norm < joined.size(); ++norm) {
-    for (size_t name = 0; name < per_share[0][norm].size(); ++name) {
-      Tensors parts;
-      for (const auto& share : per_share) parts.push_back(share[norm][name]);
-      joined[norm].push_back(at::cat(parts, 1));
-    }
-  }
-  return joined;
-}
-
-// Per parameter, the sum over shares (undefined where the norm has no such parameter).
-Tensors sum_shares(const std::vector<Tensors>& per_share) {
-  Tensors total = per_share[0];
-  for (size_t k = 1; k < per_share.size(); ++k) {
-    for (size_t i = 0; i < total.size(); ++i) {
-      if (total[i].defined()) total[i] = total[i] + per_share[k][i];
-    }
-  }
-  return total;
-}
-
-std::vector<int64_t> sum_counts(const std::vector<std::vector<int64_t>>& per_share) {
-  std::vector<int64_t> total = per_share[0];
-  for (size_t k = 1; k < per_share.size(); ++k) {
-    for (size_t i = 0; i < total.size(); ++i) total[i] += per_share[k][i];
-  }
-  return total;
-}
-
 // ---- LSTM ------------------------------------------------------------------------------------------------------
 
-// What one LSTM direction's forward writes (every tensor (T, B, .) but the final states; the buffers kept for the
-// backward hold every step with a gradient to compute, else only the current one, and c the previous as well).
-struct LSTMBuffers {
-  at::Tensor hs, cs, acts, tanh_cs, raw, h_n, c_n;
-};
-
+// The forward of one direction. `inputs` (T, B, 4H) are the input projections W_ih x, which the input norm
+// normalizes step by step (its shift carries the biases), or with no input norm the finished input terms.
+// Returns hs, h_n, c_n; what the backward needs: cs, acts, tanh_cs and raw (W_hh h, undefined without a recurrent
+// norm); each norm's saved statistics (input, recurrent, cell state); and each norm's fallback steps.
 template <typename T>
-std::pair<std::vector<Tensors>, std::vector<int64_t>> lstm_forward_rows(
-    const at::Tensor& inputs, const at::Tensor& h0, const at::Tensor& c0, const at::Tensor& weight_t,
+std::tuple<Tensors, Tensors, std::vector<Tensors>, std::vector<int64_t>> lstm_forward(
+    const at::Tensor& inputs, const at::Tensor& h0, const at::Tensor& c0, const at::Tensor& weight_hh,
     const c10::optional<at::Tensor>& mask, const NormArgs& ih_args, const NormArgs& hh_args, const NormArgs& c_args,
-    bool save, const LSTMBuffers& out) {
+    bool save) {
   const int64_t steps = inputs.size(0), rows = inputs.size(1), gates = inputs.size(2), hidden = gates / 4;
   const auto options = inputs.options();
   const Padding padding(mask, steps, rows);
   auto norm_ih = make_norm<T>(ih_args, steps, rows, gates, options, {});
   auto norm_hh = make_norm<T>(hh_args, steps, rows, gates, options, {});
   auto norm_c = make_norm<T>(c_args, steps, rows, hidden, options, {});
+  // Without a gradient only the current step is kept (c: the current and the previous).
+  const int64_t kept = save ? steps : 1;
+  at::Tensor hs = at::empty({steps, rows, hidden}, options);
+  at::Tensor cs = at::empty({save ? steps : 2, rows, hidden}, options);
+  at::Tensor acts = at::empty({kept, rows, gates}, options);
+  at::Tensor tanh_cs = at::empty({kept, rows, hidden}, options);
+  at::Tensor raw = norm_hh->identity() ? at::Tensor() : at::empty({kept, rows, gates}, options);
   at::Tensor pre = at::empty({rows, gates}, options);
   at::Tensor c_out = norm_c->identity() ? at::Tensor() : at::empty({rows, hidden}, options);
-  const Tensors input = inputs.unbind(0), h = out.hs.unbind(0), c = out.cs.unbind(0), act = out.acts.unbind(0);
-  const Tensors tanh_c = out.tanh_cs.unbind(0);
-  Tensors raw = out.raw.defined() ? out.raw.unbind(0) : Tensors();
-  const bool normed_input = !norm_ih->identity();
+  // W_hh^T laid out row-major once per call: MKL's small-batch GEMM was 25-45 % faster with it than with the
+  // transposed view (32x256 by 256x1024: 92 vs 121 us; one row: 10 vs 19 us).
+  const at::Tensor weight_t = weight_hh.t().contiguous();
+  const Tensors input = inputs.unbind(0), h = hs.unbind(0), c = cs.unbind(0);
+  Tensors raw_t = raw.defined() ? raw.unbind(0) : Tensors();
   for (int64_t t = 0; t < steps; ++t) {
     const int64_t slot = save ? t : 0, c_slot = save ? t : t % 2;
     const bool* m = padding.mask(t);
@@ -187,126 +108,35 @@ std::pair<std::vector<Tensors>, std::vector<int64_t>> lstm_forward_rows(
     const at::Tensor& c_prev = t == 0 ? c0 : c[save ? t - 1 : (t - 1) % 2];
     // The input term goes straight into the pre-activations, and the recurrent term is added to it there (one
     // (B, 4H) buffer fewer for the caches to hold between the steps' matmuls).
+    const bool normed_input = !norm_ih->identity();
     if (normed_input) norm_ih->forward(t, ptr<T>(input[t]), ptr<T>(pre), nullptr, m, count);
     const at::Tensor& term = normed_input ? pre : input[t];
-    if (!raw.empty()) {
-      at::mm_out(raw[slot], h_prev, weight_t);
-      norm_hh->forward(t, ptr<T>(raw[slot]), ptr<T>(pre), ptr<T>(term), m, count);
+    if (raw.defined()) {
+      at::mm_out(raw_t[slot], h_prev, weight_t);
+      norm_hh->forward(t, ptr<T>(raw_t[slot]), ptr<T>(pre), ptr<T>(term), m, count);
     } else {
       at::addmm_out(pre, term, h_prev, weight_t);
     }
     T* c_new = ptr<T>(c[c_slot]);
-    lstm_gates(ptr<T>(pre), ptr<T>(act[slot]), ptr<T>(c_prev), c_new, rows, hidden);
+    T* a = ptr<T>(acts) + slot * rows * gates;
+    lstm_gates(ptr<T>(pre), a, ptr<T>(c_prev), c_new, rows, hidden);
     const T* c_normed = c_new;
     if (c_out.defined()) {
       norm_c->forward(t, c_new, ptr<T>(c_out), nullptr, m, count);
       c_normed = ptr<T>(c_out);
     }
-    lstm_output(c_normed, ptr<T>(act[slot]), ptr<T>(tanh_c[slot]), ptr<T>(h[t]), c_new, ptr<T>(h_prev),
+    lstm_output(c_normed, a, ptr<T>(tanh_cs) + slot * rows * hidden, ptr<T>(h[t]), c_new, ptr<T>(h_prev),
                 ptr<T>(c_prev), m, rows, hidden);
   }
-  out.h_n.copy_(h[steps - 1]);
-  out.c_n.copy_(c[save ? steps - 1 : (steps - 1) % 2]);
-  std::vector<Tensors> stats;
-  if (save) stats = {norm_ih->saved(), norm_hh->saved(), norm_c->saved()};
-  return {stats, {norm_ih->fallback_steps(), norm_hh->fallback_steps(), norm_c->fallback_steps()}};
-}
-
-// One direction's forward. `inputs` (T, B, 4H) are the input projections W_ih x, which the input norm normalizes
-// step by step (its shift carries the biases), or with no input norm the finished input terms. Returns hs, h_n,
-// c_n; what the backward needs: cs, acts, tanh_cs and raw (W_hh h, undefined without a recurrent norm); each norm's
-// saved statistics (input, recurrent, cell state); and each norm's fallback steps.
-template <typename T>
-std::tuple<Tensors, Tensors, std::vector<Tensors>, std::vector<int64_t>> lstm_forward(
-    const at::Tensor& inputs, const at::Tensor& h0, const at::Tensor& c0, const at::Tensor& weight_hh,
-    const c10::optional<at::Tensor>& mask, const NormArgs& ih_args, const NormArgs& hh_args, const NormArgs& c_args,
-    bool save) {
-  const int64_t steps = inputs.size(0), rows = inputs.size(1), gates = inputs.size(2), hidden = gates / 4;
-  const auto options = inputs.options();
-  const int64_t kept = save ? steps : 1;
-  LSTMBuffers out{at::empty({steps, rows, hidden}, options),
-                  at::empty({save ? steps : 2, rows, hidden}, options),
-                  at::empty({kept, rows, gates}, options),
-                  at::empty({kept, rows, hidden}, options),
-                  hh_args.kind == "none" && !hh_args.shift.has_value() ? at::Tensor()
-                                                                        : at::empty({kept, rows, gates}, options),
-                  at::empty({rows, hidden}, options),
-                  at::empty({rows, hidden}, options)};
-  // W_hh^T laid out row-major once per call: MKL's small-batch GEMM was 25-45 % faster with it than with the
-  // transposed view (32x256 by 256x1024: 92 vs 121 us; one row: 10 vs 19 us).
-  const at::Tensor weight_t = weight_hh.t().contiguous();
-  const auto all = shares(rows, {&ih_args, &hh_args, &c_args});
-  std::vector<std::vector<Tensors>> stats(all.size());
-  std::vector<std::vector<int64_t>> fallbacks(all.size());
-  for_shares(all, [&](int64_t k) {
-    const Share& share = all[k];
-    const LSTMBuffers mine{rows_of(out.hs, share, 1),      rows_of(out.cs, share, 1),  rows_of(out.acts, share, 1),
-                           rows_of(out.tanh_cs, share, 1), rows_of(out.raw, share, 1), rows_of(out.h_n, share, 0),
-                           rows_of(out.c_n, share, 0)};
-    std::tie(stats[k], fallbacks[k]) =
-        lstm_forward_rows<T>(rows_of(inputs, share, 1), rows_of(h0, share, 0), rows_of(c0, share, 0), weight_t,
-                             mask_rows(mask, share), ih_args, hh_args, c_args, save, mine);
-  });
+  const at::Tensor h_n = hs[steps - 1].clone(), c_n = c[save ? steps - 1 : (steps - 1) % 2].clone();
   Tensors saved;
-  if (save) saved = {out.cs, out.acts, out.tanh_cs, out.raw};  // raw last: None in Python when undefined
-  return {Tensors{out.hs, out.h_n, out.c_n}, saved, save ? join_stats(stats) : std::vector<Tensors>(),
-          sum_counts(fallbacks)};
-}
-
-// What one LSTM direction's backward writes: the gradients of the input terms (before the input norm), of its
-// inputs, of the recurrent terms, and of the initial state.
-struct LSTMGrads {
-  at::Tensor terms, inputs, raw, h0, c0;
-};
-
-template <typename T>
-Tensors lstm_backward_rows(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, const at::Tensor& grad_c_n,
-                           const at::Tensor& inputs, const at::Tensor& c0, const at::Tensor& weight_hh,
-                           const c10::optional<at::Tensor>& mask, const Tensors& saved,
-                           const std::vector<Tensors>& stats, const NormArgs& ih_args, const NormArgs& hh_args,
-                           const NormArgs& c_args, const LSTMGrads& grads) {
-  const at::Tensor &cs = saved.at(0), &acts = saved.at(1), &tanh_cs = saved.at(2), &raw = saved.at(3);
-  const int64_t steps = acts.size(0), rows = acts.size(1), gates = acts.size(2), hidden = gates / 4;
-  const auto options = acts.options();
-  const Padding padding(mask, steps, rows);
-  auto norm_ih = make_norm<T>(ih_args, steps, rows, gates, options, stats.at(0));
-  auto norm_hh = make_norm<T>(hh_args, steps, rows, gates, options, stats.at(1));
-  auto norm_c = make_norm<T>(c_args, steps, rows, hidden, options, stats.at(2));
-  at::Tensor dh = grad_h_n + grad_hs[steps - 1];
-  at::Tensor dh_next = at::empty({rows, hidden}, options);
-  at::Tensor dc = grad_c_n.clone();
-  at::Tensor d_c_out = at::empty({rows, hidden}, options);
-  at::Tensor dc_norm = norm_c->identity() ? d_c_out : at::empty({rows, hidden}, options);
-  const Tensors grad_out = grad_hs.unbind(0), grad_r = grads.raw.unbind(0), grad_pre_t = grads.terms.unbind(0);
-  const Tensors grad_in = grads.inputs.unbind(0), act = acts.unbind(0), tanh_c = tanh_cs.unbind(0);
-  const Tensors c = cs.unbind(0), input = inputs.defined() ? inputs.unbind(0) : Tensors();
-  const Tensors raw_t = raw.defined() ? raw.unbind(0) : Tensors();
-  for (int64_t t = steps - 1; t >= 0; --t) {
-    const bool* m = padding.mask(t);
-    const int64_t count = padding.count(t);
-    const T* a = ptr<T>(act[t]);
-    const T* c_prev = ptr<T>(t == 0 ? c0 : c[t - 1]);
-    T* grad_pre = ptr<T>(grad_pre_t[t]);
-    lstm_output_backward(ptr<T>(dh), a, ptr<T>(tanh_c[t]), ptr<T>(d_c_out), m, rows, hidden);
-    if (!norm_c->identity()) norm_c->backward(t, ptr<T>(d_c_out), ptr<T>(c[t]), ptr<T>(dc_norm), m, count);
-    lstm_gates_backward(ptr<T>(dh), ptr<T>(dc), ptr<T>(dc_norm), a, ptr<T>(tanh_c[t]), c_prev, grad_pre, m, rows,
-                        hidden);
-    if (!norm_ih->identity()) norm_ih->backward(t, grad_pre, ptr<T>(input[t]), ptr<T>(grad_in[t]), m, count);
-    if (!raw_t.empty()) norm_hh->backward(t, grad_pre, ptr<T>(raw_t[t]), ptr<T>(grad_r[t]), m, count);
-    if (t > 0) {
-      at::addmm_out(dh_next, grad_out[t - 1], grad_r[t], weight_hh);
-    } else {
-      at::mm_out(dh_next, grad_r[t], weight_hh);
-    }
-    add_padded_rows(ptr<T>(dh_next), ptr<T>(dh), m, rows, hidden);
-    std::swap(dh, dh_next);
+  std::vector<Tensors> stats;
+  if (save) {
+    saved = {cs, acts, tanh_cs, raw};  // raw last: None in Python when undefined
+    stats = {norm_ih->saved(), norm_hh->saved(), norm_c->saved()};
   }
-  grads.h0.copy_(dh);
-  grads.c0.copy_(dc);
-  const auto ih = norm_ih->parameter_grads();
-  const auto hh = norm_hh->parameter_grads();
-  const auto cn = norm_c->parameter_grads();
-  return {ih.first, ih.second, hh.first, hh.second, cn.first, cn.second};
+  return {Tensors{hs, h_n, c_n}, saved, stats,
+          {norm_ih->fallback_steps(), norm_hh->fallback_steps(), norm_c->fallback_steps()}};
 }
 
 // Returns the gradients of inputs, h0, c0, W_hh, then (γ, shift) of the input, recurrent and cell-state norms.
@@ -317,54 +147,77 @@ Tensors lstm_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, con
                       const Tensors& saved, const c10::optional<at::Tensor>& raw_saved,
                       const std::vector<Tensors>& stats, const NormArgs& ih_args, const NormArgs& hh_args,
                       const NormArgs& c_args) {
+  const at::Tensor &cs = saved.at(0), &acts = saved.at(1), &tanh_cs = saved.at(2);
   const at::Tensor raw = raw_saved.has_value() ? *raw_saved : at::Tensor();
-  const at::Tensor& acts = saved.at(1);
-  const int64_t steps = acts.size(0), rows = acts.size(1), gates = acts.size(2);
+  const int64_t steps = acts.size(0), rows = acts.size(1), gates = acts.size(2), hidden = gates / 4;
   const auto options = acts.options();
-  const bool normed_input = ih_args.kind != "none";
-  LSTMGrads grads;
-  grads.terms = at::empty({steps, rows, gates}, options);
-  grads.inputs = normed_input ? at::empty({steps, rows, gates}, options) : grads.terms;
-  grads.raw = raw.defined() ? at::empty({steps, rows, gates}, options) : grads.terms;
-  grads.h0 = at::empty_like(h0);
-  grads.c0 = at::empty_like(c0);
-  const auto all = shares(rows, {&ih_args, &hh_args, &c_args});
-  std::vector<Tensors> parameters(all.size());
-  for_shares(all, [&](int64_t k) {
-    const Share& s = all[k];
-    const Tensors mine{rows_of(saved.at(0), s, 1), rows_of(saved.at(1), s, 1), rows_of(saved.at(2), s, 1),
-                       rows_of(raw, s, 1)};
-    const LSTMGrads own{rows_of(grads.terms, s, 1), rows_of(grads.inputs, s, 1), rows_of(grads.raw, s, 1),
-                        rows_of(grads.h0, s, 0), rows_of(grads.c0, s, 0)};
-    parameters[k] = lstm_backward_rows<T>(
-        rows_of(grad_hs, s, 1), rows_of(grad_h_n, s, 0), rows_of(grad_c_n, s, 0),
-        normed_input ? rows_of(inputs, s, 1) : at::Tensor(), rows_of(c0, s, 0), weight_hh, mask_rows(mask, s), mine,
-        stats_rows(stats, s, all.size() == 1), ih_args, hh_args, c_args, own);
-  });
-  Tensors result{grads.inputs, grads.h0, grads.c0, weight_hh_grad(grads.raw, h0, hs)};
-  for (const at::Tensor& grad : sum_shares(parameters)) result.push_back(grad);
-  return result;
+  const Padding padding(mask, steps, rows);
+  auto norm_ih = make_norm<T>(ih_args, steps, rows, gates, options, stats.at(0));
+  auto norm_hh = make_norm<T>(hh_args, steps, rows, gates, options, stats.at(1));
+  auto norm_c = make_norm<T>(c_args, steps, rows, hidden, options, stats.at(2));
+  at::Tensor grad_terms = at::empty({steps, rows, gates}, options);
+  at::Tensor grad_inputs = norm_ih->identity() ? grad_terms : at::empty({steps, rows, gates}, options);
+  at::Tensor grad_raw = raw.defined() ? at::empty({steps, rows, gates}, options) : grad_terms;
+  at::Tensor dh = grad_h_n + grad_hs[steps - 1];
+  at::Tensor dh_next = at::empty({rows, hidden}, options);
+  at::Tensor dc = grad_c_n.clone();
+  at::Tensor d_c_out = at::empty({rows, hidden}, options);
+  at::Tensor dc_norm = norm_c->identity() ? d_c_out : at::empty({rows, hidden}, options);
+  const Tensors grad_out = grad_hs.unbind(0), grad_r = grad_raw.unbind(0);
+  for (int64_t t = steps - 1; t >= 0; --t) {
+    const bool* m = padding.mask(t);
+    const int64_t count = padding.count(t), block = t * rows * gates;
+    const T* a = ptr<T>(acts) + block;
+    const T* tanh_c = ptr<T>(tanh_cs) + t * rows * hidden;
+    const T* c_prev = t == 0 ? ptr<T>(c0) : ptr<T>(cs) + (t - 1) * rows * hidden;
+    T* grad_pre = ptr<T>(grad_terms) + block;
+    lstm_output_backward(ptr<T>(dh), a, tanh_c, ptr<T>(d_c_out), m, rows, hidden);
+    if (!norm_c->identity()) {
+      norm_c->backward(t, ptr<T>(d_c_out), ptr<T>(cs) + t * rows * hidden, ptr<T>(dc_norm), m, count);
+    }
+    lstm_gates_backward(ptr<T>(dh), ptr<T>(dc), ptr<T>(dc_norm), a, tanh_c, c_prev, grad_pre, m, rows, hidden);
+    if (!norm_ih->identity()) {
+      norm_ih->backward(t, grad_pre, ptr<T>(inputs) + block, ptr<T>(grad_inputs) + block, m, count);
+    }
+    if (raw.defined()) norm_hh->backward(t, grad_pre, ptr<T>(raw) + block, ptr<T>(grad_r[t]), m, count);
+    if (t > 0) {
+      at::addmm_out(dh_next, grad_out[t - 1], grad_r[t], weight_hh);
+    } else {
+      at::mm_out(dh_next, grad_r[t], weight_hh);
+    }
+    add_padded_rows(ptr<T>(dh_next), ptr<T>(dh), m, rows, hidden);
+    std::swap(dh, dh_next);
+  }
+  const auto ih_grads = norm_ih->parameter_grads();
+  const auto hh_grads = norm_hh->parameter_grads();
+  const auto c_grads = norm_c->parameter_grads();
+  return {grad_inputs,    dh,           dc,        weight_hh_grad(grad_raw, h0, hs),
+          ih_grads.first, ih_grads.second, hh_grads.first, hh_grads.second, c_grads.first, c_grads.second};
 }
 
 // ---- GRU -------------------------------------------------------------------------------------------------------
 
-struct GRUBuffers {
-  at::Tensor hs, acts, raw, h_n;
-};
-
+// As lstm_forward: `inputs` (T, B, 3H) are W_ih x for the input norm, or the finished input terms. Returns hs, h_n;
+// acts and raw; the input and recurrent norms' saved statistics; their fallback steps.
 template <typename T>
-std::pair<std::vector<Tensors>, std::vector<int64_t>> gru_forward_rows(
-    const at::Tensor& inputs, const at::Tensor& h0, const at::Tensor& weight_t, const c10::optional<at::Tensor>& mask,
-    const NormArgs& ih_args, const NormArgs& hh_args, bool save, const GRUBuffers& out) {
+std::tuple<Tensors, Tensors, std::vector<Tensors>, std::vector<int64_t>> gru_forward(
+    const at::Tensor& inputs, const at::Tensor& h0, const at::Tensor& weight_hh,
+    const c10::optional<at::Tensor>& mask, const NormArgs& ih_args, const NormArgs& hh_args, bool save) {
   const int64_t steps = inputs.size(0), rows = inputs.size(1), gates = inputs.size(2), hidden = gates / 3;
   const auto options = inputs.options();
   const Padding padding(mask, steps, rows);
   auto norm_ih = make_norm<T>(ih_args, steps, rows, gates, options, {});
   auto norm_hh = make_norm<T>(hh_args, steps, rows, gates, options, {});
+  const int64_t kept = save ? steps : 1;
+  at::Tensor hs = at::empty({steps, rows, hidden}, options);
+  at::Tensor acts = at::empty({kept, rows, gates}, options);
+  at::Tensor raw = at::empty({kept, rows, gates}, options);
   at::Tensor term = norm_ih->identity() ? at::Tensor() : at::empty({rows, gates}, options);
   at::Tensor u = norm_hh->identity() ? at::Tensor() : at::empty({rows, gates}, options);
-  const Tensors input = inputs.unbind(0), h = out.hs.unbind(0), act = out.acts.unbind(0);
-  Tensors raw = out.raw.unbind(0);
+  // W_hh^T row-major once per call (see lstm_forward).
+  const at::Tensor weight_t = weight_hh.t().contiguous();
+  const Tensors input = inputs.unbind(0), h = hs.unbind(0);
+  Tensors raw_t = raw.unbind(0);
   for (int64_t t = 0; t < steps; ++t) {
     const int64_t slot = save ? t : 0;
     const bool* m = padding.mask(t);
@@ -375,88 +228,21 @@ std::pair<std::vector<Tensors>, std::vector<int64_t>> gru_forward_rows(
       norm_ih->forward(t, a, ptr<T>(term), nullptr, m, count);
       a = ptr<T>(term);
     }
-    at::mm_out(raw[slot], h_prev, weight_t);
-    const T* recurrent = ptr<T>(raw[slot]);
+    at::mm_out(raw_t[slot], h_prev, weight_t);
+    const T* recurrent = ptr<T>(raw_t[slot]);
     if (u.defined()) {
       norm_hh->forward(t, recurrent, ptr<T>(u), nullptr, m, count);
       recurrent = ptr<T>(u);
     }
-    gru_gates(a, recurrent, ptr<T>(act[slot]), ptr<T>(h_prev), ptr<T>(h[t]), m, rows, hidden);
+    gru_gates(a, recurrent, ptr<T>(acts) + slot * rows * gates, ptr<T>(h_prev), ptr<T>(h[t]), m, rows, hidden);
   }
-  out.h_n.copy_(h[steps - 1]);
-  std::vector<Tensors> stats;
-  if (save) stats = {norm_ih->saved(), norm_hh->saved()};
-  return {stats, {norm_ih->fallback_steps(), norm_hh->fallback_steps()}};
-}
-
-// As lstm_forward: `inputs` (T, B, 3H) are W_ih x for the input norm, or the finished input terms. Returns hs, h_n;
-// acts and raw; the input and recurrent norms' saved statistics; their fallback steps.
-template <typename T>
-std::tuple<Tensors, Tensors, std::vector<Tensors>, std::vector<int64_t>> gru_forward(
-    const at::Tensor& inputs, const at::Tensor& h0, const at::Tensor& weight_hh,
-    const c10::optional<at::Tensor>& mask, const NormArgs& ih_args, const NormArgs& hh_args, bool save) {
-  const int64_t steps = inputs.size(0), rows = inputs.size(1), gates = inputs.size(2), hidden = gates / 3;
-  const auto options = inputs.options();
-  const int64_t kept = save ? steps : 1;
-  GRUBuffers out{at::empty({steps, rows, hidden}, options), at::empty({kept, rows, gates}, options),
-                 at::empty({kept, rows, gates}, options), at::empty({rows, hidden}, options)};
-  const at::Tensor weight_t = weight_hh.t().contiguous();  // row-major once per call (see lstm_forward)
-  const auto all = shares(rows, {&ih_args, &hh_args});
-  std::vector<std::vector<Tensors>> stats(all.size());
-  std::vector<std::vector<int64_t>> fallbacks(all.size());
-  for_shares(all, [&](int64_t k) {
-    const Share& s = all[k];
-    const GRUBuffers mine{rows_of(out.hs, s, 1), rows_of(out.acts, s, 1), rows_of(out.raw, s, 1),
-                          rows_of(out.h_n, s, 0)};
-    std::tie(stats[k], fallbacks[k]) = gru_forward_rows<T>(rows_of(inputs, s, 1), rows_of(h0, s, 0), weight_t,
-                                                           mask_rows(mask, s), ih_args, hh_args, save, mine);
-  });
   Tensors saved;
-  if (save) saved = {out.acts, out.raw};
-  return {Tensors{out.hs, out.h_n}, saved, save ? join_stats(stats) : std::vector<Tensors>(), sum_counts(fallbacks)};
-}
-
-struct GRUGrads {
-  at::Tensor terms, inputs, raw, h0;
-};
-
-template <typename T>
-Tensors gru_backward_rows(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, const at::Tensor& inputs,
-                          const at::Tensor& h0, const at::Tensor& weight_hh, const c10::optional<at::Tensor>& mask,
-                          const at::Tensor& hs, const Tensors& saved, const std::vector<Tensors>& stats,
-                          const NormArgs& ih_args, const NormArgs& hh_args, const GRUGrads& grads) {
-  const at::Tensor &acts = saved.at(0), &raw = saved.at(1);
-  const int64_t steps = acts.size(0), rows = acts.size(1), gates = acts.size(2), hidden = gates / 3;
-  const auto options = acts.options();
-  const Padding padding(mask, steps, rows);
-  auto norm_ih = make_norm<T>(ih_args, steps, rows, gates, options, stats.at(0));
-  auto norm_hh = make_norm<T>(hh_args, steps, rows, gates, options, stats.at(1));
-  at::Tensor du = norm_hh->identity() ? at::Tensor() : at::empty({rows, gates}, options);
-  at::Tensor u_n = at::empty({rows, hidden}, options);
-  at::Tensor dh = grad_h_n + grad_hs[steps - 1];
-  at::Tensor dh_next = at::empty({rows, hidden}, options);
-  const Tensors grad_out = grad_hs.unbind(0), grad_r = grads.raw.unbind(0), grad_a = grads.terms.unbind(0);
-  const Tensors grad_in = grads.inputs.unbind(0), act = acts.unbind(0), raw_t = raw.unbind(0), h = hs.unbind(0);
-  const Tensors input = inputs.defined() ? inputs.unbind(0) : Tensors();
-  for (int64_t t = steps - 1; t >= 0; --t) {
-    const bool* m = padding.mask(t);
-    const int64_t count = padding.count(t);
-    // u_n, the candidate's recurrent term, from the saved statistics rather than saved itself.
-    norm_hh->normalized(t, ptr<T>(raw_t[t]), ptr<T>(u_n), 2 * hidden, hidden);
-    T* grad_u = du.defined() ? ptr<T>(du) : ptr<T>(grad_r[t]);
-    gru_gates_backward(ptr<T>(dh), ptr<T>(act[t]), ptr<T>(u_n), ptr<T>(t == 0 ? h0 : h[t - 1]), ptr<T>(grad_a[t]),
-                       grad_u, m, rows, hidden);
-    if (!norm_ih->identity()) norm_ih->backward(t, ptr<T>(grad_a[t]), ptr<T>(input[t]), ptr<T>(grad_in[t]), m, count);
-    if (du.defined()) norm_hh->backward(t, grad_u, ptr<T>(raw_t[t]), ptr<T>(grad_r[t]), m, count);
-    // dh holds the carry dh z (dh on padded rows, whose recurrent gradient is zero).
-    at::addmm_out(dh_next, dh, grad_r[t], weight_hh);
-    if (t > 0) dh_next.add_(grad_out[t - 1]);
-    std::swap(dh, dh_next);
+  std::vector<Tensors> stats;
+  if (save) {
+    saved = {acts, raw};
+    stats = {norm_ih->saved(), norm_hh->saved()};
   }
-  grads.h0.copy_(dh);
-  const auto ih = norm_ih->parameter_grads();
-  const auto hh = norm_hh->parameter_grads();
-  return {ih.first, ih.second, hh.first, hh.second};
+  return {Tensors{hs, hs[steps - 1].clone()}, saved, stats, {norm_ih->fallback_steps(), norm_hh->fallback_steps()}};
 }
 
 // Returns the gradients of inputs, h0, W_hh, then (γ, shift) of the input and recurrent norms.
@@ -465,30 +251,41 @@ Tensors gru_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, cons
                      const at::Tensor& h0, const at::Tensor& weight_hh, const c10::optional<at::Tensor>& mask,
                      const at::Tensor& hs, const Tensors& saved, const std::vector<Tensors>& stats,
                      const NormArgs& ih_args, const NormArgs& hh_args) {
-  const at::Tensor& acts = saved.at(0);
-  const int64_t steps = acts.size(0), rows = acts.size(1), gates = acts.size(2);
+  const at::Tensor &acts = saved.at(0), &raw = saved.at(1);
+  const int64_t steps = acts.size(0), rows = acts.size(1), gates = acts.size(2), hidden = gates / 3;
   const auto options = acts.options();
-  const bool normed_input = ih_args.kind != "none";
-  GRUGrads grads;
-  grads.terms = at::empty({steps, rows, gates}, options);
-  grads.inputs = normed_input ? at::empty({steps, rows, gates}, options) : grads.terms;
-  grads.raw = at::empty({steps, rows, gates}, options);
-  grads.h0 = at::empty_like(h0);
-  const auto all = shares(rows, {&ih_args, &hh_args});
-  std::vector<Tensors> parameters(all.size());
-  for_shares(all, [&](int64_t k) {
-    const Share& s = all[k];
-    const GRUGrads own{rows_of(grads.terms, s, 1), rows_of(grads.inputs, s, 1), rows_of(grads.raw, s, 1),
-                       rows_of(grads.h0, s, 0)};
-    parameters[k] = gru_backward_rows<T>(
-        rows_of(grad_hs, s, 1), rows_of(grad_h_n, s, 0), normed_input ? rows_of(inputs, s, 1) : at::Tensor(),
-        rows_of(h0, s, 0), weight_hh, mask_rows(mask, s), rows_of(hs, s, 1),
-        {rows_of(saved.at(0), s, 1), rows_of(saved.at(1), s, 1)}, stats_rows(stats, s, all.size() == 1), ih_args,
-        hh_args, own);
-  });
-  Tensors result{grads.inputs, grads.h0, weight_hh_grad(grads.raw, h0, hs)};
-  for (const at::Tensor& grad : sum_shares(parameters)) result.push_back(grad);
-  return result;
+  const Padding padding(mask, steps, rows);
+  auto norm_ih = make_norm<T>(ih_args, steps, rows, gates, options, stats.at(0));
+  auto norm_hh = make_norm<T>(hh_args, steps, rows, gates, options, stats.at(1));
+  at::Tensor grad_terms = at::empty({steps, rows, gates}, options);
+  at::Tensor grad_inputs = norm_ih->identity() ? grad_terms : at::empty({steps, rows, gates}, options);
+  at::Tensor grad_raw = at::empty({steps, rows, gates}, options);
+  at::Tensor du = norm_hh->identity() ? at::Tensor() : at::empty({rows, gates}, options);
+  at::Tensor u_n = at::empty({rows, hidden}, options);
+  at::Tensor dh = grad_h_n + grad_hs[steps - 1];
+  at::Tensor dh_next = at::empty({rows, hidden}, options);
+  const Tensors grad_out = grad_hs.unbind(0), grad_r = grad_raw.unbind(0);
+  for (int64_t t = steps - 1; t >= 0; --t) {
+    const bool* m = padding.mask(t);
+    const int64_t count = padding.count(t), block = t * rows * gates;
+    const T* raw_step = ptr<T>(raw) + block;
+    const T* h_prev = t == 0 ? ptr<T>(h0) : ptr<T>(hs) + (t - 1) * rows * hidden;
+    // u_n, the candidate's recurrent term, from the saved statistics rather than saved itself.
+    norm_hh->normalized(t, raw_step, ptr<T>(u_n), 2 * hidden, hidden);
+    T* grad_u = du.defined() ? ptr<T>(du) : ptr<T>(grad_r[t]);
+    T* grad_a = ptr<T>(grad_terms) + block;
+    gru_gates_backward(ptr<T>(dh), ptr<T>(acts) + block, ptr<T>(u_n), h_prev, grad_a, grad_u, m, rows, hidden);
+    if (!norm_ih->identity()) norm_ih->backward(t, grad_a, ptr<T>(inputs) + block, ptr<T>(grad_inputs) + block, m, count);
+    if (du.defined()) norm_hh->backward(t, grad_u, raw_step, ptr<T>(grad_r[t]), m, count);
+    // dh holds the carry dh z (dh on padded rows, whose recurrent gradient is zero).
+    at::addmm_out(dh_next, dh, grad_r[t], weight_hh);
+    if (t > 0) dh_next.add_(grad_out[t - 1]);
+    std::swap(dh, dh_next);
+  }
+  const auto ih_grads = norm_ih->parameter_grads();
+  const auto hh_grads = norm_hh->parameter_grads();
+  return {grad_inputs,    dh,           weight_hh_grad(grad_raw, h0, hs), ih_grads.first, ih_grads.second,
+          hh_grads.first, hh_grads.second};
 }
 
 // ---- one step without gradients (generation) -------------------------------------------------------------------

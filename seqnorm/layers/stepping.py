@@ -22,8 +22,8 @@ from weakref import WeakKeyDictionary
 import torch
 from torch import Tensor, nn
 
-from seqnorm.cells.base import RecurrentCell
 from seqnorm import kernels
+from seqnorm.cells.base import RecurrentCell
 from seqnorm.kernels import native
 from seqnorm.layers.kernel import compiled_step
 from seqnorm.layers.plan import cell_kernel, plan_for
