@@ -161,9 +161,17 @@ def bptt_blocker(
 def kernel_blocker(layer: RecurrentLayer | None, cell: RecurrentCell, dtype: torch.dtype, device: str) -> str | None:
     """Why the compiled kernels (:mod:`seqnorm.layers.kernel`) cannot run ``cell``'s recurrence, or ``None``."""
     blocker = bptt_blocker(layer, cell, dtype, device, "kernel")
-    if blocker is None and kernels.native(device) is None:  # asked last: the first miss warns why
-        return f"no compiled kernels for {device!r} ({kernels.status(device)})"
+    if blocker is None:
+        blocker = _compiled_blocker(device)
     return blocker
+
+
+def _compiled_blocker(device: str) -> str | None:
+    if torch.compiler.is_compiling():  # the extension is opaque to torch.compile; the plain path traces
+        return "torch.compile is tracing"
+    if kernels.native(device) is None:  # asked last: the first miss warns why
+        return f"no compiled kernels for {device!r} ({kernels.status(device)})"
+    return None
 
 
 # --- whole sequences ---
@@ -304,7 +312,7 @@ def _lean_route(cell: RecurrentCell, x: Tensor) -> Path:
     norms = (cell.norm_ih, cell.norm_hh, cell.norm_c)
     if any(norm_blocker(norm, "kernel") is not None for norm in norms):
         return "lean_step"
-    return "kernel" if kernels.native(x.device.type) is not None else "lean_step"
+    return "kernel" if _compiled_blocker(x.device.type) is None else "lean_step"
 
 
 def _lean_blocker(layer: RecurrentLayer, cells: list[RecurrentCell], x: Tensor) -> str | None:
