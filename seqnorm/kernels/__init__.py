@@ -115,7 +115,9 @@ def _capability() -> str:
 
 
 def _flags(capability: str) -> list[str]:
-    flags = ["-O3"]
+    # OpenMP: at::parallel_for is a header template whose `#pragma omp parallel` is compiled into the extension;
+    # without -fopenmp it silently runs on one thread (torch's own libgomp is the one loaded at run time).
+    flags = ["-O3", "-fopenmp"]
     if capability == "AVX2":
         # at::vec selects its AVX2 implementations (Sleef's vectorized exp) from these macros.
         flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
@@ -167,6 +169,7 @@ def build(verbose: bool = False) -> Path:
         NAME,
         [str(path) for path in sorted(SOURCES.glob("*.cpp"))],
         extra_cflags=_flags(capability),
+        extra_ldflags=["-fopenmp"],
         build_directory=str(work),
         verbose=verbose,
     )
