@@ -101,16 +101,16 @@ void lstm_gates_backward(const T* dh, T* dc, const T* dc_norm, const T* acts, co
 
 // ---- GRU: u = N_hh(W_hh h) + b_hh, (r, z) = σ(a + u), n = tanh(a_n + r u_n), h' = (1 - z) n + z h -------------
 
-// acts = (r, z, n) from the input terms a and the recurrent terms u (rows x 3H); padded rows keep h_prev.
+// acts = (r, z, n) from the input terms a and the recurrent terms u (rows x 3H); with h, also h' (padded rows keep
+// h_prev). The backward calls it without h to recompute the gates instead of keeping them (GRU activation memory).
 template <typename T>
 void gru_gates(const T* a, const T* u, T* acts, const T* h_prev, T* h, const bool* mask, int64_t rows,
                int64_t hidden) {
   over_rows(rows, 3 * hidden, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t gates = b * 3 * hidden, row = b * hidden;
-      if (mask != nullptr && !mask[b]) {
-        std::copy(h_prev + row, h_prev + row + hidden, h + row);
-      }
+      const bool padded = mask != nullptr && !mask[b];
+      if (h != nullptr && padded) std::copy(h_prev + row, h_prev + row + hidden, h + row);
       vec_loop<T>(hidden, [&](int64_t j, int64_t n) {
         const Vec<T> r = vsigmoid(load(a + gates + j, n) + load(u + gates + j, n));
         const Vec<T> z = vsigmoid(load(a + gates + hidden + j, n) + load(u + gates + hidden + j, n));
@@ -118,18 +118,17 @@ void gru_gates(const T* a, const T* u, T* acts, const T* h_prev, T* h, const boo
         store(r, acts + gates + j, n);
         store(z, acts + gates + hidden + j, n);
         store(c, acts + gates + 2 * hidden + j, n);
-        if (mask == nullptr || mask[b]) {
-          store(at::vec::fmadd(z, load(h_prev + row + j, n) - c, c), h + row + j, n);
-        }
+        if (h != nullptr && !padded) store(at::vec::fmadd(z, load(h_prev + row + j, n) - c, c), h + row + j, n);
       });
     }
   });
 }
 
 // From dh: the input terms' gradient (r, z, n parts; zero on padded rows), the recurrent terms' gradient du (its
-// n part gated by r) and the carry dh z to the previous state (dh itself on padded rows), written over dh.
+// n part gated by r) and the carry dh z to the previous state (dh itself on padded rows), written over dh. u are
+// the recurrent terms (rows x 3H), of which the candidate's part u_n is read.
 template <typename T>
-void gru_gates_backward(T* dh, const T* acts, const T* u_n, const T* h_prev, T* grad_a, T* grad_u,
+void gru_gates_backward(T* dh, const T* acts, const T* u, const T* h_prev, T* grad_a, T* grad_u,
                         const bool* mask, int64_t rows, int64_t hidden) {
   const Vec<T> one(T(1));
   over_rows(rows, 3 * hidden, [&](int64_t begin, int64_t end) {
@@ -146,7 +145,7 @@ void gru_gates_backward(T* dh, const T* acts, const T* u_n, const T* h_prev, T* 
         const Vec<T> d = load(dh + row + j, n);
         const Vec<T> dn = d * (one - z) * (one - c * c);
         const Vec<T> dz = d * (load(h_prev + row + j, n) - c) * z * (one - z);
-        const Vec<T> dr = dn * load(u_n + row + j, n) * r * (one - r);
+        const Vec<T> dr = dn * load(u + gates + 2 * hidden + j, n) * r * (one - r);
         store(dr, grad_a + gates + j, n);
         store(dz, grad_a + gates + hidden + j, n);
         store(dn, grad_a + gates + 2 * hidden + j, n);

@@ -116,13 +116,15 @@ class NoNorm final : public StepNorm<T> {
 
   void normalized(int64_t, const T* x, T* out, int64_t offset, int64_t width) override {
     const int64_t f = this->features_;
-    for (int64_t b = 0; b < this->rows_; ++b) {
-      vec_loop<T>(width, [&](int64_t i, int64_t n) {
-        Vec<T> y = load(x + b * f + offset + i, n);
-        if (this->shift_ != nullptr) y = y + load(this->shift_ + offset + i, n);
-        store(y, out + b * width + i, n);
-      });
-    }
+    over_rows(this->rows_, width, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        vec_loop<T>(width, [&](int64_t i, int64_t n) {
+          Vec<T> y = load(x + b * f + offset + i, n);
+          if (this->shift_ != nullptr) y = y + load(this->shift_ + offset + i, n);
+          store(y, out + b * width + i, n);
+        });
+      }
+    });
   }
 
   void backward(int64_t, const T* dy, const T*, T* dx, const bool*, int64_t) override {
@@ -206,14 +208,16 @@ class RowNorm final : public StepNorm<T> {
     const int64_t f = this->features_;
     const T* means = means_.data() + t * this->rows_;
     const T* rstds = rstds_.data() + t * this->rows_;
-    for (int64_t b = 0; b < this->rows_; ++b) {
-      const Vec<T> m(means[b]), r(rstds[b]);
-      vec_loop<T>(width, [&](int64_t i, int64_t n) {
-        Vec<T> y = (load(x + b * f + offset + i, n) - m) * r * load(this->weight_ + offset + i, n);
-        if (this->shift_ != nullptr) y = y + load(this->shift_ + offset + i, n);
-        store(y, out + b * width + i, n);
-      });
-    }
+    over_rows(this->rows_, width, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        const Vec<T> m(means[b]), r(rstds[b]);
+        vec_loop<T>(width, [&](int64_t i, int64_t n) {
+          Vec<T> y = (load(x + b * f + offset + i, n) - m) * r * load(this->weight_ + offset + i, n);
+          if (this->shift_ != nullptr) y = y + load(this->shift_ + offset + i, n);
+          store(y, out + b * width + i, n);
+        });
+      }
+    });
   }
 
   void backward(int64_t t, const T* dy, const T* x, T* dx, const bool* mask, int64_t) override {

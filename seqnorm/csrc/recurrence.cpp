@@ -198,7 +198,8 @@ Tensors lstm_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, con
 // ---- GRU -------------------------------------------------------------------------------------------------------
 
 // As lstm_forward: `inputs` (T, B, 3H) are W_ih x for the input norm, or the finished input terms. Returns hs, h_n;
-// acts and raw; the input and recurrent norms' saved statistics; their fallback steps.
+// raw; the input and recurrent norms' saved statistics; their fallback steps. The caller keeps `inputs` for the
+// backward, which recomputes the gates from them and raw.
 template <typename T>
 std::tuple<Tensors, Tensors, std::vector<Tensors>, std::vector<int64_t>> gru_forward(
     const at::Tensor& inputs, const at::Tensor& h0, const at::Tensor& weight_hh,
@@ -210,7 +211,8 @@ std::tuple<Tensors, Tensors, std::vector<Tensors>, std::vector<int64_t>> gru_for
   auto norm_hh = make_norm<T>(hh_args, steps, rows, gates, options, {});
   const int64_t kept = save ? steps : 1;
   at::Tensor hs = at::empty({steps, rows, hidden}, options);
-  at::Tensor acts = at::empty({kept, rows, gates}, options);
+  // The gates are recomputed in the backward from the saved terms: a GRU keeps W_ih x and W_hh h, not its gates.
+  at::Tensor acts = at::empty({1, rows, gates}, options);
   at::Tensor raw = at::empty({kept, rows, gates}, options);
   at::Tensor term = norm_ih->identity() ? at::Tensor() : at::empty({rows, gates}, options);
   at::Tensor u = norm_hh->identity() ? at::Tensor() : at::empty({rows, gates}, options);
@@ -234,12 +236,12 @@ std::tuple<Tensors, Tensors, std::vector<Tensors>, std::vector<int64_t>> gru_for
       norm_hh->forward(t, recurrent, ptr<T>(u), nullptr, m, count);
       recurrent = ptr<T>(u);
     }
-    gru_gates(a, recurrent, ptr<T>(acts) + slot * rows * gates, ptr<T>(h_prev), ptr<T>(h[t]), m, rows, hidden);
+    gru_gates(a, recurrent, ptr<T>(acts), ptr<T>(h_prev), ptr<T>(h[t]), m, rows, hidden);
   }
   Tensors saved;
   std::vector<Tensors> stats;
   if (save) {
-    saved = {acts, raw};
+    saved = {raw};
     stats = {norm_ih->saved(), norm_hh->saved()};
   }
   return {Tensors{hs, hs[steps - 1].clone()}, saved, stats, {norm_ih->fallback_steps(), norm_hh->fallback_steps()}};
@@ -251,9 +253,9 @@ Tensors gru_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, cons
                      const at::Tensor& h0, const at::Tensor& weight_hh, const c10::optional<at::Tensor>& mask,
                      const at::Tensor& hs, const Tensors& saved, const std::vector<Tensors>& stats,
                      const NormArgs& ih_args, const NormArgs& hh_args) {
-  const at::Tensor &acts = saved.at(0), &raw = saved.at(1);
-  const int64_t steps = acts.size(0), rows = acts.size(1), gates = acts.size(2), hidden = gates / 3;
-  const auto options = acts.options();
+  const at::Tensor& raw = saved.at(0);
+  const int64_t steps = raw.size(0), rows = raw.size(1), gates = raw.size(2), hidden = gates / 3;
+  const auto options = raw.options();
   const Padding padding(mask, steps, rows);
   auto norm_ih = make_norm<T>(ih_args, steps, rows, gates, options, stats.at(0));
   auto norm_hh = make_norm<T>(hh_args, steps, rows, gates, options, stats.at(1));
@@ -261,7 +263,10 @@ Tensors gru_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, cons
   at::Tensor grad_inputs = norm_ih->identity() ? grad_terms : at::empty({steps, rows, gates}, options);
   at::Tensor grad_raw = at::empty({steps, rows, gates}, options);
   at::Tensor du = norm_hh->identity() ? at::Tensor() : at::empty({rows, gates}, options);
-  at::Tensor u_n = at::empty({rows, hidden}, options);
+  // The step's terms and gates, recomputed from the saved W_ih x, W_hh h and statistics.
+  at::Tensor a = norm_ih->identity() ? at::Tensor() : at::empty({rows, gates}, options);
+  at::Tensor u = at::empty({rows, gates}, options);
+  at::Tensor acts = at::empty({rows, gates}, options);
   at::Tensor dh = grad_h_n + grad_hs[steps - 1];
   at::Tensor dh_next = at::empty({rows, hidden}, options);
   const Tensors grad_out = grad_hs.unbind(0), grad_r = grad_raw.unbind(0);
@@ -269,13 +274,19 @@ Tensors gru_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, cons
     const bool* m = padding.mask(t);
     const int64_t count = padding.count(t), block = t * rows * gates;
     const T* raw_step = ptr<T>(raw) + block;
+    const T* input = ptr<T>(inputs) + block;
     const T* h_prev = t == 0 ? ptr<T>(h0) : ptr<T>(hs) + (t - 1) * rows * hidden;
-    // u_n, the candidate's recurrent term, from the saved statistics rather than saved itself.
-    norm_hh->normalized(t, raw_step, ptr<T>(u_n), 2 * hidden, hidden);
+    const T* terms = input;
+    if (a.defined()) {
+      norm_ih->normalized(t, input, ptr<T>(a), 0, gates);
+      terms = ptr<T>(a);
+    }
+    norm_hh->normalized(t, raw_step, ptr<T>(u), 0, gates);
+    gru_gates<T>(terms, ptr<T>(u), ptr<T>(acts), h_prev, nullptr, nullptr, rows, hidden);
     T* grad_u = du.defined() ? ptr<T>(du) : ptr<T>(grad_r[t]);
     T* grad_a = ptr<T>(grad_terms) + block;
-    gru_gates_backward(ptr<T>(dh), ptr<T>(acts) + block, ptr<T>(u_n), h_prev, grad_a, grad_u, m, rows, hidden);
-    if (!norm_ih->identity()) norm_ih->backward(t, grad_a, ptr<T>(inputs) + block, ptr<T>(grad_inputs) + block, m, count);
+    gru_gates_backward(ptr<T>(dh), ptr<T>(acts), ptr<T>(u), h_prev, grad_a, grad_u, m, rows, hidden);
+    if (a.defined()) norm_ih->backward(t, grad_a, input, ptr<T>(grad_inputs) + block, m, count);
     if (du.defined()) norm_hh->backward(t, grad_u, raw_step, ptr<T>(grad_r[t]), m, count);
     // dh holds the carry dh z (dh on padded rows, whose recurrent gradient is zero).
     at::addmm_out(dh_next, dh, grad_r[t], weight_hh);

@@ -126,8 +126,8 @@ class _Recurrence(torch.autograd.Function):
         outputs, saved, stats, fallbacks = forward(inputs, *states, weight_hh, call.mask, *call.native(), True)
         call.count_fallbacks(fallbacks)
         ctx.call, ctx.sizes = call, (len(saved), *(len(named) for named in stats))
-        # The input projections only when the input norm's backward needs them.
-        kept_inputs = None if call.norms[0].kind == "none" else inputs
+        # The inputs where the backward reads them: the input norm's (LSTM, GRU), and the GRU's recomputed gates.
+        kept_inputs = inputs if call.states == 1 or call.norms[0].kind != "none" else None
         flat_stats = [tensor for named in stats for tensor in named]
         ctx.save_for_backward(kept_inputs, *states, weight_hh, outputs[0], *saved, *flat_stats, *weights)
         return tuple(outputs)
@@ -149,7 +149,7 @@ class _Recurrence(torch.autograd.Function):
         backward = call.kernels.lstm_backward if call.states == 2 else call.kernels.gru_backward
         if call.states == 2:  # LSTM: saved is cs, acts, tanh_cs, raw (None without a recurrent norm)
             extra = [saved[:3], saved[3]]
-        else:
+        else:  # GRU: raw (the gates are recomputed from it and the inputs)
             extra = [saved]
         result = backward(
             *(grad.contiguous() for grad in grads),
