@@ -29,6 +29,9 @@ struct NormArgs {
   bool renorm = false;
   double r_max = 1.0, d_max = 0.0;
   int64_t warmup = 0, r_max_steps = 1, d_max_steps = 1;
+  // Evaluation only, where nothing changes between calls (a generation step): per row of statistics the scale
+  // γ / sqrt(var + ε) and the shift minus mean times that scale, (R, F), folded once by the module.
+  c10::optional<at::Tensor> folded_scale, folded_offset;
 };
 
 template <typename T>
@@ -353,6 +356,13 @@ class BatchStepNorm final : public StepNorm<T> {
     T* r = rs_.data() + t * f;
     T* d = ds_.data() + t * f;
     const T eps = static_cast<T>(a.eps);
+    if (!a.training && a.folded_scale.has_value()) {
+      // Evaluation with the statistics folded once into a scale and shift per row (a generation step): y x s + o.
+      const T* scale = a.folded_scale->data_ptr<T>() + row * f;
+      const T* shifted = a.folded_offset->data_ptr<T>() + row * f;
+      apply_rows(x, out, addend, scale, shifted, 0, f, f);
+      return;
+    }
     // Fewer than 2 real rows in training: the step's running statistics, not updated (the module's fallback).
     const bool use_batch = a.training && count >= 2;
     batch_steps_[t] = use_batch;
@@ -494,6 +504,13 @@ class BatchStepNorm final : public StepNorm<T> {
       store(sc, scale + i, n);
       store(sh, shifted + i, n);
     });
+    apply_rows(x, out, addend, scale, shifted, offset, width, out_width);
+  }
+
+  // out = x scale + shifted (+ addend), per feature, on features [offset, offset + width) of every row.
+  void apply_rows(const T* x, T* out, const T* addend, const T* scale, const T* shifted, int64_t offset,
+                  int64_t width, int64_t out_width) {
+    const int64_t f = this->features_;
     over_rows(this->rows_, width, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {
         const T* xr = x + b * f + offset;

@@ -402,16 +402,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                              c10::optional<at::Tensor> shift, c10::optional<at::Tensor> running_mean,
                              c10::optional<at::Tensor> running_var, c10::optional<at::Tensor> num_batches_tracked,
                              double momentum, bool training, bool renorm, double r_max, double d_max, int64_t warmup,
-                             int64_t r_max_steps, int64_t d_max_steps) {
-             return NormArgs{std::move(kind), eps, std::move(weight), std::move(shift), std::move(running_mean),
-                             std::move(running_var), std::move(num_batches_tracked), momentum, training, renorm,
-                             r_max, d_max, warmup, r_max_steps, d_max_steps};
+                             int64_t r_max_steps, int64_t d_max_steps, c10::optional<at::Tensor> folded_scale,
+                             c10::optional<at::Tensor> folded_offset) {
+             return NormArgs{std::move(kind),         eps,           std::move(weight),
+                             std::move(shift),        std::move(running_mean), std::move(running_var),
+                             std::move(num_batches_tracked), momentum, training,
+                             renorm,                  r_max,         d_max,
+                             warmup,                  r_max_steps,   d_max_steps,
+                             std::move(folded_scale), std::move(folded_offset)};
            }),
            pybind11::arg("kind"), pybind11::arg("eps"), pybind11::arg("weight"), pybind11::arg("shift"),
            pybind11::arg("running_mean"), pybind11::arg("running_var"), pybind11::arg("num_batches_tracked"),
            pybind11::arg("momentum"), pybind11::arg("training"), pybind11::arg("renorm"), pybind11::arg("r_max"),
            pybind11::arg("d_max"), pybind11::arg("warmup"), pybind11::arg("r_max_steps"),
-           pybind11::arg("d_max_steps"))
+           pybind11::arg("d_max_steps"), pybind11::arg("folded_scale"), pybind11::arg("folded_offset"))
       .def_readonly("kind", &NormArgs::kind);
   m.def("lstm_forward", &lstm_forward);
   m.def("lstm_backward", &lstm_backward);

@@ -59,7 +59,9 @@ class KernelNorm:
 
     ``shift`` is the norm's β plus whatever bias follows it. Per-timestep BatchNorm passes its running buffers, which
     the kernel updates in place in training exactly as the module's forward does; ``momentum < 0`` means a
-    cumulative average (``momentum=None``). Renormalization adds its ``r_max``/``d_max`` schedule.
+    cumulative average (``momentum=None``). Renormalization adds its ``r_max``/``d_max`` schedule. For a generation
+    step (nothing changes until the cached step is rebuilt) BatchNorm in evaluation also passes its statistics
+    folded per row into ``folded_scale``/``folded_offset`` (``(R, F)``).
     """
 
     kind: NormKind
@@ -77,6 +79,8 @@ class KernelNorm:
     warmup: int = 0
     r_max_steps: int = 1
     d_max_steps: int = 1
+    folded_scale: Tensor | None = None
+    folded_offset: Tensor | None = None
     owner: Any = field(default=None, compare=False)
     """The module (the layers add the kernel's fallback-step count to its ``fallback_steps``)."""
 
@@ -98,6 +102,8 @@ class KernelNorm:
             warmup=self.warmup,
             r_max_steps=self.r_max_steps,
             d_max_steps=self.d_max_steps,
+            folded_scale=self.folded_scale,
+            folded_offset=self.folded_offset,
         )
 
 

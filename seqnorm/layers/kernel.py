@@ -33,11 +33,12 @@ from seqnorm.layers.stack import PaddingLayout
 __all__ = ["compiled_step", "kernel_norm", "run_recurrence"]
 
 
-def kernel_norm(norm: nn.Module | None, shift: Tensor | None) -> KernelNorm:
-    """What the kernels need of ``norm`` (the module's own :meth:`kernel_norm`), followed by ``shift``."""
+def kernel_norm(norm: nn.Module | None, shift: Tensor | None, *, frozen: bool = False) -> KernelNorm:
+    """What the kernels need of ``norm`` (the module's own :meth:`kernel_norm`), followed by ``shift``; ``frozen``
+    for a cached generation step (nothing changes until it is rebuilt)."""
     if norm is None:
         return NO_NORM if shift is None else dataclasses.replace(NO_NORM, shift=shift)
-    return norm.kernel_norm(shift)  # type: ignore[operator]
+    return norm.kernel_norm(shift, frozen=frozen)  # type: ignore[operator]
 
 
 def _plus(first: Tensor | None, second: Tensor | None) -> Tensor | None:
@@ -182,9 +183,9 @@ def compiled_step(cell: RecurrentCell, kernels: Any) -> CompiledStep:
     assert kind is not None
     beta = {name: None if norm is None else norm.bias for name, norm in _norms(cell).items()}
     # LSTM: both biases follow the input norm (folded); GRU: b_ih follows the input norm, b_hh the recurrent one.
-    ih = kernel_norm(cell.norm_ih, _plus(beta["ih"], cell.folded_bias()))
-    hh = kernel_norm(cell.norm_hh, _plus(beta["hh"], cell.recurrent_bias()))
-    state = kernel_norm(cell.norm_c, beta["c"])
+    ih = kernel_norm(cell.norm_ih, _plus(beta["ih"], cell.folded_bias()), frozen=True)
+    hh = kernel_norm(cell.norm_hh, _plus(beta["hh"], cell.recurrent_bias()), frozen=True)
+    state = kernel_norm(cell.norm_c, beta["c"], frozen=True)
     norms = [norm.native(kernels) for norm in (ih, hh, state)]
     step_kernel = kernels.generation_step
 

@@ -195,11 +195,16 @@ class BatchNormPieces:
         mean, rstd = call.stacked["means"], call.stacked["rstds"]  # per feature: (T, F)
         return torch.sub(x, mean[:, None, features]).mul_(rstd[:, None, features])
 
-    def generation_step(self, shift: Tensor | None) -> Callable[[Tensor, int], Tensor]:
-        # In evaluation (y - mean_t) / sqrt(var_t + eps) * γ + shift = y * scale_t + offset_t: each step's scale and
-        # offset folded once, one row per step (steps beyond max_steps use the last).
-        scales = torch.rsqrt(self.running_var + self.eps) * self.weight  # (max_steps, F)
+    def folded_statistics(self, shift: Tensor | None) -> tuple[Tensor, Tensor]:
+        """In evaluation ``(y - mean_t) / sqrt(var_t + eps) * γ + shift = y * scale_t + offset_t``: every row's scale
+        and offset, ``(max_steps, F)`` each (steps beyond ``max_steps`` use the last row)."""
+        scales = torch.rsqrt(self.running_var + self.eps) * self.weight
         offsets = -self.running_mean * scales if shift is None else shift - self.running_mean * scales
+        return scales, offsets
+
+    def generation_step(self, shift: Tensor | None) -> Callable[[Tensor, int], Tensor]:
+        # Each step's scale and offset folded once, one row per step.
+        scales, offsets = self.folded_statistics(shift)
         rows, last = list(zip(offsets.unbind(0), scales.unbind(0), strict=True)), self.max_steps - 1
 
         def batch(y: Tensor, step: int) -> Tensor:
@@ -208,9 +213,12 @@ class BatchNormPieces:
 
         return batch
 
-    def kernel_norm(self, shift: Tensor | None) -> KernelNorm:
+    def kernel_norm(self, shift: Tensor | None, *, frozen: bool = False) -> KernelNorm:
         """What the compiled kernels need (:mod:`seqnorm.kernels`): the module's mode, options and buffers, which the
-        kernel updates in place in training by the module's rule (:meth:`forward_step`)."""
+        kernel updates in place in training by the module's rule (:meth:`forward_step`). ``frozen``: nothing changes
+        until the caller rebuilds (a cached generation step), so evaluation's statistics come folded
+        (:meth:`folded_statistics`)."""
+        folded = self.folded_statistics(shift) if frozen and not self.training else (None, None)
         return KernelNorm(
             "batch",
             self.eps,
@@ -221,5 +229,7 @@ class BatchNormPieces:
             self.num_batches_tracked,
             momentum=-1.0 if self.momentum is None else self.momentum,
             training=self.training,
+            folded_scale=None if folded[0] is None else folded[0].contiguous(),
+            folded_offset=None if folded[1] is None else folded[1].contiguous(),
             owner=self,
         )

@@ -149,8 +149,9 @@ class LayerNorm(_RowNorm):
         shape, weight, eps = (self.num_features,), self.weight, self.eps
         return lambda y, step: torch.layer_norm(y, shape, weight, shift, eps)
 
-    def kernel_norm(self, shift: Tensor | None) -> KernelNorm:
-        """What the compiled kernels need (:mod:`seqnorm.kernels`): ``γ (x - mean) / sqrt(var + eps) + shift``."""
+    def kernel_norm(self, shift: Tensor | None, *, frozen: bool = False) -> KernelNorm:
+        """What the compiled kernels need (:mod:`seqnorm.kernels`): ``γ (x - mean) / sqrt(var + eps) + shift``
+        (``frozen``: a cached generation step's; nothing to fold for a row norm)."""
         return KernelNorm("layer", self.eps, self.weight, shift, owner=self)
 
 
@@ -226,6 +227,6 @@ class RMSNorm(_RowNorm):
 
         return rms
 
-    def kernel_norm(self, shift: Tensor | None) -> KernelNorm:
+    def kernel_norm(self, shift: Tensor | None, *, frozen: bool = False) -> KernelNorm:
         """What the compiled kernels need (:mod:`seqnorm.kernels`): ``γ x / sqrt(mean(x²) + eps) + shift``."""
         return KernelNorm("rms", self.eps, self.weight, shift, owner=self)

@@ -201,11 +201,11 @@ class TimestepBatchRenorm(TimestepBatchNorm):
             x_hat.mul_(r[:, None, features]).add_(d[:, None, features])
         return x_hat
 
-    def kernel_norm(self, shift: Tensor | None) -> KernelNorm:
+    def kernel_norm(self, shift: Tensor | None, *, frozen: bool = False) -> KernelNorm:
         """BatchNorm's, with the r/d correction and its schedule (:meth:`limits`, computed by the kernel from each
         step's batch count as it goes)."""
         return dataclasses.replace(
-            super().kernel_norm(shift),
+            super().kernel_norm(shift, frozen=frozen),
             renorm=True,
             r_max=self.r_max,
             d_max=self.d_max,
