@@ -376,22 +376,38 @@ class BatchStepNorm final : public StepNorm<T> {
       // The k-th batch of a row weighs 1/k under a cumulative average.
       const T weight = a.momentum < 0 ? T(1) / static_cast<T>(*tracked + 1) : static_cast<T>(a.momentum);
       const T unbias = static_cast<T>(count) / static_cast<T>(count - 1);
-      // Sums over the real rows, a row at a time (features are contiguous): first the mean, then the squares.
-      std::fill(mean, mean + f, T(0));
-      std::fill(rstd, rstd + f, T(0));
-      for (int64_t b = 0; b < rows; ++b) {
-        if (mask != nullptr && !mask[b]) continue;
-        vec_loop<T>(f, [&](int64_t i, int64_t n) { store(load(mean + i, n) + load(x + b * f + i, n), mean + i, n); });
-      }
+      // Per block of features (split between threads), sums over the real rows held in registers: the mean, then
+      // the squares of the deviations from it (written where rstd goes, turned into it below).
+      constexpr int64_t width = Vec<T>::size(), block = kBlockVectors * width;
       const Vec<T> inv_count(T(1) / static_cast<T>(count));
-      vec_loop<T>(f, [&](int64_t i, int64_t n) { store(load(mean + i, n) * inv_count, mean + i, n); });
-      for (int64_t b = 0; b < rows; ++b) {
-        if (mask != nullptr && !mask[b]) continue;
-        vec_loop<T>(f, [&](int64_t i, int64_t n) {
-          const Vec<T> centered = load(x + b * f + i, n) - load(mean + i, n);
-          store(at::vec::fmadd(centered, centered, load(rstd + i, n)), rstd + i, n);
-        });
-      }
+      over_features(rows, f, block, [&](int64_t begin, int64_t end) {
+        for (int64_t j = begin; j < end; j += block) {
+          const int64_t vectors = (std::min(block, end - j) + width - 1) / width;
+          int64_t counts[kBlockVectors];
+          Vec<T> sums[kBlockVectors], squares[kBlockVectors];
+          for (int64_t v = 0; v < vectors; ++v) {
+            counts[v] = std::min(width, end - j - v * width);
+            sums[v] = Vec<T>(T(0));
+            squares[v] = Vec<T>(T(0));
+          }
+          for (int64_t b = 0; b < rows; ++b) {
+            if (mask != nullptr && !mask[b]) continue;
+            for (int64_t v = 0; v < vectors; ++v) sums[v] = sums[v] + load(x + b * f + j + v * width, counts[v]);
+          }
+          for (int64_t v = 0; v < vectors; ++v) sums[v] = sums[v] * inv_count;
+          for (int64_t b = 0; b < rows; ++b) {
+            if (mask != nullptr && !mask[b]) continue;
+            for (int64_t v = 0; v < vectors; ++v) {
+              const Vec<T> centered = load(x + b * f + j + v * width, counts[v]) - sums[v];
+              squares[v] = at::vec::fmadd(centered, centered, squares[v]);
+            }
+          }
+          for (int64_t v = 0; v < vectors; ++v) {
+            store(sums[v], mean + j + v * width, counts[v]);
+            store(squares[v], rstd + j + v * width, counts[v]);
+          }
+        }
+      });
       for (int64_t j = 0; j < f; ++j) {
         const T m = mean[j];
         const T var = rstd[j] / static_cast<T>(count);
@@ -429,17 +445,35 @@ class BatchStepNorm final : public StepNorm<T> {
     T* shift_grad = shift_grad_.data_ptr<T>();
     T* dy_sum = scale_.data();    // Σ dy over the real rows, per feature
     T* dyx_sum = offset_.data();  // Σ dy x̂
-    std::fill(dy_sum, dy_sum + f, T(0));
-    std::fill(dyx_sum, dyx_sum + f, T(0));
-    for (int64_t b = 0; b < rows; ++b) {
-      if (mask != nullptr && !mask[b]) continue;
-      vec_loop<T>(f, [&](int64_t i, int64_t n) {
-        const Vec<T> g = load(dy + b * f + i, n);
-        const Vec<T> x_hat = (load(x + b * f + i, n) - load(mean + i, n)) * load(rstd + i, n);
-        store(load(dy_sum + i, n) + g, dy_sum + i, n);
-        store(at::vec::fmadd(g, x_hat, load(dyx_sum + i, n)), dyx_sum + i, n);
-      });
-    }
+    // Per block of features (split between threads), the sums over the real rows held in registers.
+    constexpr int64_t width = Vec<T>::size(), block = kBlockVectors * width;
+    over_features(rows, f, block, [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; j += block) {
+        const int64_t vectors = (std::min(block, end - j) + width - 1) / width;
+        int64_t counts[kBlockVectors];
+        Vec<T> m[kBlockVectors], s[kBlockVectors], g_sum[kBlockVectors], gx_sum[kBlockVectors];
+        for (int64_t v = 0; v < vectors; ++v) {
+          counts[v] = std::min(width, end - j - v * width);
+          m[v] = load(mean + j + v * width, counts[v]);
+          s[v] = load(rstd + j + v * width, counts[v]);
+          g_sum[v] = Vec<T>(T(0));
+          gx_sum[v] = Vec<T>(T(0));
+        }
+        for (int64_t b = 0; b < rows; ++b) {
+          if (mask != nullptr && !mask[b]) continue;
+          for (int64_t v = 0; v < vectors; ++v) {
+            const int64_t at = b * f + j + v * width;
+            const Vec<T> g = load(dy + at, counts[v]);
+            g_sum[v] = g_sum[v] + g;
+            gx_sum[v] = at::vec::fmadd(g, (load(x + at, counts[v]) - m[v]) * s[v], gx_sum[v]);
+          }
+        }
+        for (int64_t v = 0; v < vectors; ++v) {
+          store(g_sum[v], dy_sum + j + v * width, counts[v]);
+          store(gx_sum[v], dyx_sum + j + v * width, counts[v]);
+        }
+      }
+    });
     // dγ = Σ dy (x̂ r + d); with batch statistics dx = γ r rstd (dy - Σdy / n - x̂ Σ dy x̂ / n) on the real rows,
     // with running statistics (constants) dx = γ rstd dy.
     for (int64_t j = 0; j < f; ++j) {
