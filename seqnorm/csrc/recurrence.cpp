@@ -1,10 +1,11 @@
 // The time loops of the kernels: a layer direction's recurrence (training forward, its backward through time) and
 // the no-grad generation step, composed from the cells' gates (cells.h) and the norms' steps (norms.h).
 //
-// The matmuls stay BLAS/oneDNN calls (at::mm_out / at::addmm_out into preallocated buffers); everything between
-// them is one vectorized pass per piece, without temporaries. The Python side (seqnorm/kernels/) wraps these in a
-// torch.autograd.Function and checks every argument; the plain-PyTorch path (seqnorm/layers/bptt.py) is the
-// reference the tests compare them with.
+// The matmuls stay BLAS calls (at::mm_out / at::addmm_out into preallocated buffers); everything between them is
+// one vectorized pass per piece, without temporaries, split between threads (at::parallel_for, OpenMP) where the
+// block is big enough. seqnorm/layers/kernel.py wraps these in a torch.autograd.Function (the layers have checked
+// every argument); the plain-PyTorch paths (seqnorm/layers/bptt.py, the reference loop) are what the tests compare
+// them with.
 #include <torch/extension.h>
 
 #include <vector>

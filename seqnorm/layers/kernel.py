@@ -1,12 +1,15 @@
 """The compiled kernels' form of a layer direction's recurrence and of the generation step (:mod:`seqnorm.kernels`).
 
-:func:`run_recurrence` runs what the fast path's loop over hoisted input terms computes: the input terms of all
-steps come from :meth:`~seqnorm.cells.base.RecurrentCell.input_terms` (one matmul and the input norm, under
-autograd), then the recurrence — ``W_hh h`` into a preallocated buffer per step, the recurrent norm, the gates,
-the cell-state norm — runs in C++ as one ``torch.autograd.Function`` whose backward through time is C++ as well. The
-math of each piece is the kernels' own (``seqnorm/csrc``: a norm's statistics and their backward in ``norms.h``,
-the gates in ``cells.h``); what they are given comes from what the modules declare (:meth:`kernel_norm` of each
-norm: :class:`~seqnorm.kernels.KernelNorm`). Without a gradient to compute, the forward keeps only the current step.
+:func:`run_recurrence` runs what the fast path's loop over hoisted input terms computes. The input projection
+``W_ih x`` of all steps is one matmul (:func:`~seqnorm.cells.projection.project`, under autograd); then the
+recurrence — the input norm on each step's projection (its shift carrying the biases), ``W_hh h`` into a
+preallocated buffer, the recurrent norm, the gates, the cell-state norm — runs in C++ as one
+``torch.autograd.Function`` whose backward through time is C++ as well. (An input norm that does not declare the
+kernel form, sequence-wise statistics say, is applied beforehand by
+:meth:`~seqnorm.cells.base.RecurrentCell.input_terms`.) The math of each piece is the kernels' own
+(``seqnorm/csrc``: a norm's statistics and their backward in ``norms.h``, the gates in ``cells.h``); what they are
+given comes from what the modules declare (:meth:`kernel_norm` of each norm: :class:`~seqnorm.kernels.KernelNorm`).
+Without a gradient to compute, the forward keeps only the current step.
 
 :func:`compiled_step` is the generation step (:mod:`seqnorm.layers.stepping`) as one C++ call per cell.
 
