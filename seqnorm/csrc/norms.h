@@ -225,7 +225,7 @@ class RowNorm final : public StepNorm<T> {
 
   void backward(int64_t t, const T* dy, const T* x, T* dx, const bool* mask, int64_t) override {
     // x̂ = (x - mean) rstd, g = dy γ: dx = rstd (g - mean(g) - x̂ mean(g x̂)); dγ += Σ dy x̂, dshift += Σ dy.
-    constexpr int64_t width = Vec<T>::size(), block = kBlockVectors * width;
+    constexpr int64_t width = Vec<T>::size();
     const int64_t f = this->features_, rows = this->rows_;
     const T* means = means_.data() + t * rows;
     const T* rstds = rstds_.data() + t * rows;
@@ -236,42 +236,37 @@ class RowNorm final : public StepNorm<T> {
     // Σ g and Σ g x̂ (a vector per row and thread) are added up after.
     T* partials = partials_.data();
     std::fill(partials_.begin(), partials_.end(), T(0));
-    over_features(rows, f, block, [&](int64_t begin, int64_t end) {
+    feature_blocks<T>(rows, f, [&](int64_t j, int64_t vectors, const int64_t* counts) {
       T* own = partials + at::get_thread_num() * rows * 2 * width;
-      for (int64_t j = begin; j < end; j += block) {
-        const int64_t vectors = (std::min(block, end - j) + width - 1) / width;
-        int64_t counts[kBlockVectors];
-        Vec<T> gamma[kBlockVectors], dgamma[kBlockVectors], dshift[kBlockVectors];
+      Vec<T> gamma[kBlockVectors], dgamma[kBlockVectors], dshift[kBlockVectors];
+      for (int64_t v = 0; v < vectors; ++v) {
+        gamma[v] = load(weight + j + v * width, counts[v]);
+        dgamma[v] = Vec<T>(T(0));
+        dshift[v] = Vec<T>(T(0));
+      }
+      for (int64_t b = 0; b < rows; ++b) {
+        if (mask != nullptr && !mask[b]) continue;
+        const Vec<T> m(means[b]), r(rstds[b]);
+        Vec<T> g_sum(T(0)), gx_sum(T(0));
         for (int64_t v = 0; v < vectors; ++v) {
-          counts[v] = std::min(width, end - j - v * width);
-          gamma[v] = load(weight + j + v * width, counts[v]);
-          dgamma[v] = Vec<T>(T(0));
-          dshift[v] = Vec<T>(T(0));
+          const int64_t at = b * f + j + v * width;
+          const Vec<T> d = load(dy + at, counts[v]);
+          const Vec<T> x_hat = only((load(x + at, counts[v]) - m) * r, counts[v]);
+          const Vec<T> g = d * gamma[v];
+          dgamma[v] = at::vec::fmadd(d, x_hat, dgamma[v]);
+          dshift[v] = dshift[v] + d;
+          g_sum = g_sum + g;
+          gx_sum = at::vec::fmadd(g, x_hat, gx_sum);
         }
-        for (int64_t b = 0; b < rows; ++b) {
-          if (mask != nullptr && !mask[b]) continue;
-          const Vec<T> m(means[b]), r(rstds[b]);
-          Vec<T> g_sum(T(0)), gx_sum(T(0));
-          for (int64_t v = 0; v < vectors; ++v) {
-            const int64_t at = b * f + j + v * width;
-            const Vec<T> d = load(dy + at, counts[v]);
-            const Vec<T> x_hat = only((load(x + at, counts[v]) - m) * r, counts[v]);
-            const Vec<T> g = d * gamma[v];
-            dgamma[v] = at::vec::fmadd(d, x_hat, dgamma[v]);
-            dshift[v] = dshift[v] + d;
-            g_sum = g_sum + g;
-            gx_sum = at::vec::fmadd(g, x_hat, gx_sum);
-          }
-          T* row = own + b * 2 * width;
-          (Vec<T>::loadu(row) + g_sum).store(row);
-          (Vec<T>::loadu(row + width) + gx_sum).store(row + width);
-        }
-        for (int64_t v = 0; v < vectors; ++v) {
-          T* wg = weight_grad + j + v * width;
-          T* sg = shift_grad + j + v * width;
-          store(load(wg, counts[v]) + dgamma[v], wg, counts[v]);
-          store(load(sg, counts[v]) + dshift[v], sg, counts[v]);
-        }
+        T* row = own + b * 2 * width;
+        (Vec<T>::loadu(row) + g_sum).store(row);
+        (Vec<T>::loadu(row + width) + gx_sum).store(row + width);
+      }
+      for (int64_t v = 0; v < vectors; ++v) {
+        T* wg = weight_grad + j + v * width;
+        T* sg = shift_grad + j + v * width;
+        store(load(wg, counts[v]) + dgamma[v], wg, counts[v]);
+        store(load(sg, counts[v]) + dshift[v], sg, counts[v]);
       }
     });
     const int64_t threads = static_cast<int64_t>(partials_.size()) / (rows * 2 * width);
@@ -378,34 +373,29 @@ class BatchStepNorm final : public StepNorm<T> {
       const T unbias = static_cast<T>(count) / static_cast<T>(count - 1);
       // Per block of features (split between threads), sums over the real rows held in registers: the mean, then
       // the squares of the deviations from it (written where rstd goes, turned into it below).
-      constexpr int64_t width = Vec<T>::size(), block = kBlockVectors * width;
+      constexpr int64_t width = Vec<T>::size();
       const Vec<T> inv_count(T(1) / static_cast<T>(count));
-      over_features(rows, f, block, [&](int64_t begin, int64_t end) {
-        for (int64_t j = begin; j < end; j += block) {
-          const int64_t vectors = (std::min(block, end - j) + width - 1) / width;
-          int64_t counts[kBlockVectors];
-          Vec<T> sums[kBlockVectors], squares[kBlockVectors];
+      feature_blocks<T>(rows, f, [&](int64_t j, int64_t vectors, const int64_t* counts) {
+        Vec<T> sums[kBlockVectors], squares[kBlockVectors];
+        for (int64_t v = 0; v < vectors; ++v) {
+          sums[v] = Vec<T>(T(0));
+          squares[v] = Vec<T>(T(0));
+        }
+        for (int64_t b = 0; b < rows; ++b) {
+          if (mask != nullptr && !mask[b]) continue;
+          for (int64_t v = 0; v < vectors; ++v) sums[v] = sums[v] + load(x + b * f + j + v * width, counts[v]);
+        }
+        for (int64_t v = 0; v < vectors; ++v) sums[v] = sums[v] * inv_count;
+        for (int64_t b = 0; b < rows; ++b) {
+          if (mask != nullptr && !mask[b]) continue;
           for (int64_t v = 0; v < vectors; ++v) {
-            counts[v] = std::min(width, end - j - v * width);
-            sums[v] = Vec<T>(T(0));
-            squares[v] = Vec<T>(T(0));
+            const Vec<T> centered = load(x + b * f + j + v * width, counts[v]) - sums[v];
+            squares[v] = at::vec::fmadd(centered, centered, squares[v]);
           }
-          for (int64_t b = 0; b < rows; ++b) {
-            if (mask != nullptr && !mask[b]) continue;
-            for (int64_t v = 0; v < vectors; ++v) sums[v] = sums[v] + load(x + b * f + j + v * width, counts[v]);
-          }
-          for (int64_t v = 0; v < vectors; ++v) sums[v] = sums[v] * inv_count;
-          for (int64_t b = 0; b < rows; ++b) {
-            if (mask != nullptr && !mask[b]) continue;
-            for (int64_t v = 0; v < vectors; ++v) {
-              const Vec<T> centered = load(x + b * f + j + v * width, counts[v]) - sums[v];
-              squares[v] = at::vec::fmadd(centered, centered, squares[v]);
-            }
-          }
-          for (int64_t v = 0; v < vectors; ++v) {
-            store(sums[v], mean + j + v * width, counts[v]);
-            store(squares[v], rstd + j + v * width, counts[v]);
-          }
+        }
+        for (int64_t v = 0; v < vectors; ++v) {
+          store(sums[v], mean + j + v * width, counts[v]);
+          store(squares[v], rstd + j + v * width, counts[v]);
         }
       });
       for (int64_t j = 0; j < f; ++j) {
@@ -446,32 +436,27 @@ class BatchStepNorm final : public StepNorm<T> {
     T* dy_sum = scale_.data();    // Σ dy over the real rows, per feature
     T* dyx_sum = offset_.data();  // Σ dy x̂
     // Per block of features (split between threads), the sums over the real rows held in registers.
-    constexpr int64_t width = Vec<T>::size(), block = kBlockVectors * width;
-    over_features(rows, f, block, [&](int64_t begin, int64_t end) {
-      for (int64_t j = begin; j < end; j += block) {
-        const int64_t vectors = (std::min(block, end - j) + width - 1) / width;
-        int64_t counts[kBlockVectors];
-        Vec<T> m[kBlockVectors], s[kBlockVectors], g_sum[kBlockVectors], gx_sum[kBlockVectors];
+    constexpr int64_t width = Vec<T>::size();
+    feature_blocks<T>(rows, f, [&](int64_t j, int64_t vectors, const int64_t* counts) {
+      Vec<T> m[kBlockVectors], s[kBlockVectors], g_sum[kBlockVectors], gx_sum[kBlockVectors];
+      for (int64_t v = 0; v < vectors; ++v) {
+        m[v] = load(mean + j + v * width, counts[v]);
+        s[v] = load(rstd + j + v * width, counts[v]);
+        g_sum[v] = Vec<T>(T(0));
+        gx_sum[v] = Vec<T>(T(0));
+      }
+      for (int64_t b = 0; b < rows; ++b) {
+        if (mask != nullptr && !mask[b]) continue;
         for (int64_t v = 0; v < vectors; ++v) {
-          counts[v] = std::min(width, end - j - v * width);
-          m[v] = load(mean + j + v * width, counts[v]);
-          s[v] = load(rstd + j + v * width, counts[v]);
-          g_sum[v] = Vec<T>(T(0));
-          gx_sum[v] = Vec<T>(T(0));
+          const int64_t at = b * f + j + v * width;
+          const Vec<T> g = load(dy + at, counts[v]);
+          g_sum[v] = g_sum[v] + g;
+          gx_sum[v] = at::vec::fmadd(g, (load(x + at, counts[v]) - m[v]) * s[v], gx_sum[v]);
         }
-        for (int64_t b = 0; b < rows; ++b) {
-          if (mask != nullptr && !mask[b]) continue;
-          for (int64_t v = 0; v < vectors; ++v) {
-            const int64_t at = b * f + j + v * width;
-            const Vec<T> g = load(dy + at, counts[v]);
-            g_sum[v] = g_sum[v] + g;
-            gx_sum[v] = at::vec::fmadd(g, (load(x + at, counts[v]) - m[v]) * s[v], gx_sum[v]);
-          }
-        }
-        for (int64_t v = 0; v < vectors; ++v) {
-          store(g_sum[v], dy_sum + j + v * width, counts[v]);
-          store(gx_sum[v], dyx_sum + j + v * width, counts[v]);
-        }
+      }
+      for (int64_t v = 0; v < vectors; ++v) {
+        store(g_sum[v], dy_sum + j + v * width, counts[v]);
+        store(gx_sum[v], dyx_sum + j + v * width, counts[v]);
       }
     });
     // dγ = Σ dy (x̂ r + d); with batch statistics dx = γ r rstd (dy - Σdy / n - x̂ Σ dy x̂ / n) on the real rows,

@@ -102,4 +102,19 @@ inline void over_features(int64_t rows, int64_t features, int64_t block, const F
   }
 }
 
+// fn(j, vectors, counts) for every block of up to kBlockVectors vectors of features starting at feature j
+// (counts[v]: the lanes of vector v, fewer in the last one), the blocks split between threads (over_features).
+template <typename T, typename Fn>
+inline void feature_blocks(int64_t rows, int64_t features, const Fn& fn) {
+  constexpr int64_t width = Vec<T>::size(), block = kBlockVectors * width;
+  over_features(rows, features, block, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; j += block) {
+      const int64_t vectors = (std::min(block, end - j) + width - 1) / width;
+      int64_t counts[kBlockVectors];
+      for (int64_t v = 0; v < vectors; ++v) counts[v] = std::min(width, end - j - v * width);
+      fn(j, vectors, counts);
+    }
+  });
+}
+
 }  // namespace seqnorm
