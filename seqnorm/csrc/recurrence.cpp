@@ -1,13 +1,14 @@
 // The time loops of the kernels: a layer direction's recurrence (training forward, its backward through time) and
 // the no-grad generation step, composed from the cells' gates (cells.h) and the norms' steps (norms.h).
 //
-// The matmuls stay BLAS calls (at::mm_out / at::addmm_out into preallocated buffers); everything between them is
-// one vectorized pass per piece, without temporaries, split between threads (at::parallel_for, OpenMP) where the
-// block is big enough. seqnorm/layers/kernel.py wraps these in a torch.autograd.Function (the layers have checked
+// The matmuls stay BLAS calls (StepProduct: MKL's packed GEMM, or at::mm_out into preallocated buffers); everything
+// between them is one vectorized pass per piece, without temporaries, split between threads (at::parallel_for,
+// OpenMP) where the block is big enough. seqnorm/layers/kernel.py wraps these in a torch.autograd.Function (the layers have checked
 // every argument); the plain-PyTorch paths (seqnorm/layers/bptt.py, the reference loop) are what the tests compare
 // them with.
 #include <torch/extension.h>
 
+#include <optional>
 #include <vector>
 
 #include "cells.h"
@@ -70,6 +71,66 @@ at::Tensor weight_hh_grad(const at::Tensor& grad_raw, const at::Tensor& h0, cons
   return grad;
 }
 
+// ---- the per-step matmul ---------------------------------------------------------------------------------------
+
+// The handles of torch's packed MKL linear (mkl::_mkl_reorder_linear_weight, mkl::_mkl_linear), where torch has them.
+struct PackedLinear {
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, int64_t)> reorder;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const c10::optional<at::Tensor>&, int64_t)>
+      linear;
+};
+
+const PackedLinear* packed_linear() {
+  static const std::optional<PackedLinear> ops = []() -> std::optional<PackedLinear> {
+    if (!at::globalContext().hasMKL()) return std::nullopt;
+    auto& dispatcher = c10::Dispatcher::singleton();
+    const auto reorder = dispatcher.findSchema({"mkl::_mkl_reorder_linear_weight", ""});
+    const auto linear = dispatcher.findSchema({"mkl::_mkl_linear", ""});
+    if (!reorder.has_value() || !linear.has_value()) return std::nullopt;
+    return PackedLinear{reorder->typed<at::Tensor(const at::Tensor&, int64_t)>(),
+                        linear->typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                 const c10::optional<at::Tensor>&, int64_t)>()};
+  }();
+  return ops.has_value() ? &*ops : nullptr;
+}
+
+// out = x W^T (+ add) with the same W (N, K) at every step of a call, x (rows, K). In float32 on a torch built with
+// MKL, W is packed once per call and every step multiplies by the packed form: MKL otherwise repacks W at every
+// step (8 % of an LN-LSTM training step in a perf profile; 100 steps of 32x256 by 256x1024 with a sigmoid pass took
+// 6.5 instead of 7.5-8.6 ms, 2 threads). Otherwise (float64, no MKL) at::mm_out by W^T laid out row-major: MKL's
+// small-batch GEMM was 25-45 % faster with it than with the transposed view (32x256 by 256x1024: 92 vs 121 us).
+class StepProduct {
+ public:
+  StepProduct(const at::Tensor& weight, int64_t rows) : weight_(weight.contiguous()), rows_(rows) {
+    const PackedLinear* ops = weight_.scalar_type() == at::kFloat ? packed_linear() : nullptr;
+    if (ops != nullptr) {
+      packed_ = ops->reorder.call(weight_, rows);
+    } else {
+      weight_t_ = weight_.t().contiguous();
+    }
+  }
+
+  void operator()(const at::Tensor& x, at::Tensor& out, const at::Tensor* add = nullptr) const {
+    if (packed_.defined()) {
+      const at::Tensor y = packed_linear()->linear.call(x, packed_, weight_, c10::nullopt, rows_);
+      if (add != nullptr) {
+        at::add_out(out, y, *add);
+      } else {
+        out.copy_(y);
+      }
+    } else if (add != nullptr) {
+      at::addmm_out(out, *add, x, weight_t_);
+    } else {
+      at::mm_out(out, x, weight_t_);
+    }
+  }
+
+ private:
+  at::Tensor weight_, weight_t_, packed_;
+  int64_t rows_;
+};
+
 // ---- LSTM ------------------------------------------------------------------------------------------------------
 
 // The forward of one direction. `inputs` (T, B, 4H) are the input projections W_ih x, which the input norm
@@ -96,9 +157,7 @@ std::tuple<Tensors, Tensors, std::vector<Tensors>, std::vector<int64_t>> lstm_fo
   at::Tensor raw = norm_hh->identity() ? at::Tensor() : at::empty({kept, rows, gates}, options);
   at::Tensor pre = at::empty({rows, gates}, options);
   at::Tensor c_out = norm_c->identity() ? at::Tensor() : at::empty({rows, hidden}, options);
-  // W_hh^T laid out row-major once per call: MKL's small-batch GEMM was 25-45 % faster with it than with the
-  // transposed view (32x256 by 256x1024: 92 vs 121 us; one row: 10 vs 19 us).
-  const at::Tensor weight_t = weight_hh.t().contiguous();
+  const StepProduct recurrent(weight_hh, rows);  // h W_hh^T
   const Tensors input = inputs.unbind(0), h = hs.unbind(0), c = cs.unbind(0);
   Tensors raw_t = raw.defined() ? raw.unbind(0) : Tensors();
   for (int64_t t = 0; t < steps; ++t) {
@@ -113,10 +172,10 @@ std::tuple<Tensors, Tensors, std::vector<Tensors>, std::vector<int64_t>> lstm_fo
     if (normed_input) norm_ih->forward(t, ptr<T>(input[t]), ptr<T>(pre), nullptr, m, count);
     const at::Tensor& term = normed_input ? pre : input[t];
     if (raw.defined()) {
-      at::mm_out(raw_t[slot], h_prev, weight_t);
+      recurrent(h_prev, raw_t[slot]);
       norm_hh->forward(t, ptr<T>(raw_t[slot]), ptr<T>(pre), ptr<T>(term), m, count);
     } else {
-      at::addmm_out(pre, term, h_prev, weight_t);
+      recurrent(h_prev, pre, &term);
     }
     T* c_new = ptr<T>(c[c_slot]);
     T* a = ptr<T>(acts) + slot * rows * gates;
@@ -164,6 +223,7 @@ Tensors lstm_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, con
   at::Tensor dc = grad_c_n.clone();
   at::Tensor d_c_out = at::empty({rows, hidden}, options);
   at::Tensor dc_norm = norm_c->identity() ? d_c_out : at::empty({rows, hidden}, options);
+  const StepProduct back(weight_hh.t(), rows);  // dL/d(W_hh h) W_hh
   const Tensors grad_out = grad_hs.unbind(0), grad_r = grad_raw.unbind(0);
   for (int64_t t = steps - 1; t >= 0; --t) {
     const bool* m = padding.mask(t);
@@ -181,11 +241,7 @@ Tensors lstm_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, con
       norm_ih->backward(t, grad_pre, ptr<T>(inputs) + block, ptr<T>(grad_inputs) + block, m, count);
     }
     if (raw.defined()) norm_hh->backward(t, grad_pre, ptr<T>(raw) + block, ptr<T>(grad_r[t]), m, count);
-    if (t > 0) {
-      at::addmm_out(dh_next, grad_out[t - 1], grad_r[t], weight_hh);
-    } else {
-      at::mm_out(dh_next, grad_r[t], weight_hh);
-    }
+    back(grad_r[t], dh_next, t > 0 ? &grad_out[t - 1] : nullptr);
     add_padded_rows(ptr<T>(dh_next), ptr<T>(dh), m, rows, hidden);
     std::swap(dh, dh_next);
   }
@@ -217,8 +273,7 @@ std::tuple<Tensors, Tensors, std::vector<Tensors>, std::vector<int64_t>> gru_for
   at::Tensor raw = at::empty({kept, rows, gates}, options);
   at::Tensor term = norm_ih->identity() ? at::Tensor() : at::empty({rows, gates}, options);
   at::Tensor u = norm_hh->identity() ? at::Tensor() : at::empty({rows, gates}, options);
-  // W_hh^T row-major once per call (see lstm_forward).
-  const at::Tensor weight_t = weight_hh.t().contiguous();
+  const StepProduct recurrent(weight_hh, rows);  // h W_hh^T
   const Tensors input = inputs.unbind(0), h = hs.unbind(0);
   Tensors raw_t = raw.unbind(0);
   for (int64_t t = 0; t < steps; ++t) {
@@ -231,13 +286,13 @@ std::tuple<Tensors, Tensors, std::vector<Tensors>, std::vector<int64_t>> gru_for
       norm_ih->forward(t, a, ptr<T>(term), nullptr, m, count);
       a = ptr<T>(term);
     }
-    at::mm_out(raw_t[slot], h_prev, weight_t);
-    const T* recurrent = ptr<T>(raw_t[slot]);
+    recurrent(h_prev, raw_t[slot]);
+    const T* u_t = ptr<T>(raw_t[slot]);
     if (u.defined()) {
-      norm_hh->forward(t, recurrent, ptr<T>(u), nullptr, m, count);
-      recurrent = ptr<T>(u);
+      norm_hh->forward(t, u_t, ptr<T>(u), nullptr, m, count);
+      u_t = ptr<T>(u);
     }
-    gru_gates(a, recurrent, ptr<T>(acts), ptr<T>(h_prev), ptr<T>(h[t]), m, rows, hidden);
+    gru_gates(a, u_t, ptr<T>(acts), ptr<T>(h_prev), ptr<T>(h[t]), m, rows, hidden);
   }
   Tensors saved;
   std::vector<Tensors> stats;
@@ -270,6 +325,7 @@ Tensors gru_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, cons
   at::Tensor acts = at::empty({rows, gates}, options);
   at::Tensor dh = grad_h_n + grad_hs[steps - 1];
   at::Tensor dh_next = at::empty({rows, hidden}, options);
+  const StepProduct back(weight_hh.t(), rows);  // dL/d(W_hh h) W_hh
   const Tensors grad_out = grad_hs.unbind(0), grad_r = grad_raw.unbind(0);
   for (int64_t t = steps - 1; t >= 0; --t) {
     const bool* m = padding.mask(t);
@@ -290,7 +346,7 @@ Tensors gru_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, cons
     if (a.defined()) norm_ih->backward(t, grad_a, input, ptr<T>(grad_inputs) + block, m, count);
     if (du.defined()) norm_hh->backward(t, grad_u, raw_step, ptr<T>(grad_r[t]), m, count);
     // dh holds the carry dh z (dh on padded rows, whose recurrent gradient is zero).
-    at::addmm_out(dh_next, dh, grad_r[t], weight_hh);
+    back(grad_r[t], dh_next, &dh);
     if (t > 0) dh_next.add_(grad_out[t - 1]);
     std::swap(dh, dh_next);
   }
