@@ -319,6 +319,7 @@ class BatchStepNorm final : public StepNorm<T> {
   BatchStepNorm(const NormArgs& args, int64_t steps, int64_t rows, int64_t features,
                 const at::TensorOptions& options, const std::vector<at::Tensor>& saved, int64_t first_step)
       : StepNorm<T>(args, steps, rows, features, options), first_step_(first_step) {
+    if (!args.training && args.folded_scale.has_value()) return;  // folded: forward reads nothing else (generation)
     if (saved.empty()) {
       means_.assign(steps * features, T(0));
       rstds_.assign(steps * features, T(0));
