@@ -27,6 +27,7 @@ Usage: ``python scripts/bench.py`` (the sizes of issue 7), ``--quick`` (seconds)
 from __future__ import annotations
 
 import argparse
+import copy
 import platform
 import statistics
 import time
@@ -192,7 +193,15 @@ def bench_generation(args: argparse.Namespace, size: tuple[int, int, int, int]) 
 
             variants[norm] = seqnorm_steps
             if args.plain:
-                variants[f"{norm}/plain"] = plain(seqnorm_steps)
+                # A copy: the same layer would rebuild its cached step whenever the switch flips between variants.
+                other = copy.deepcopy(layer)
+
+                def plain_steps(layer: seqnorm.layers.RecurrentLayer = other, x: torch.Tensor = x) -> None:
+                    state = None
+                    for _ in range(args.generation_steps):
+                        _, state = layer.step(x, state)
+
+                variants[f"{norm}/plain"] = plain(plain_steps)
         with torch.no_grad():
             times = interleaved(variants, args.repeats)
         per_step = {name: statistics.median(values) / args.generation_steps for name, values in times.items()}

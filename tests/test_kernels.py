@@ -252,3 +252,26 @@ def test_two_threads_equal_the_reference(kind: str, norm: str) -> None:
         torch.set_num_threads(previous)
     assert_close(results[1], results[0], rtol=1e-9, atol=1e-9)
     assert_close(compiled.state_dict(), reference.state_dict(), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("layout", ["row-major", "view"])
+@pytest.mark.parametrize("kind", TORCH_KINDS)
+def test_generation_step_with_either_weight_layout(kind: str, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled step times two layouts of ``W^T`` when it is prepared (faster_layout); both give the same steps."""
+    from seqnorm.layers import kernel
+
+    weight = torch.randn(12, 5)
+    chosen = kernel.faster_layout(weight, 1)
+    assert torch.equal(chosen, weight.t()) and (chosen.is_contiguous() or chosen.data_ptr() == weight.data_ptr())
+    force = (lambda w, rows: w.t().contiguous()) if layout == "row-major" else (lambda w, rows: w.t())
+    monkeypatch.setattr(kernel, "faster_layout", force)
+    reference, compiled = _pair(kind, "layer", num_layers=2)
+    reference.eval()
+    compiled.eval()
+    x = torch.randn(3, 2, 3, dtype=torch.float64)
+    with torch.no_grad():
+        states: list[Any] = [None, None]
+        for x_t in x.unbind(0):
+            expected, states[0] = reference.step(x_t, states[0])
+            got, states[1] = compiled.step(x_t, states[1])
+            assert_close(got, expected, rtol=1e-12, atol=1e-12)

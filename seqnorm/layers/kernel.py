@@ -21,6 +21,7 @@ statistics, and ``tests/test_kernels.py`` compares them for every cell and norm.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +34,7 @@ from seqnorm.kernels import NO_NORM, KernelNorm, native
 from seqnorm.layers.plan import cell_kernel, norm_blocker
 from seqnorm.layers.stack import PaddingLayout
 
-__all__ = ["compiled_step", "kernel_norm", "run_recurrence"]
+__all__ = ["compiled_step", "faster_layout", "kernel_norm", "run_recurrence"]
 
 
 def kernel_norm(norm: nn.Module | None, shift: Tensor | None, *, frozen: bool = False) -> KernelNorm:
@@ -174,14 +175,14 @@ class _Recurrence(torch.autograd.Function):
 CompiledStep = Callable[[Tensor, Tensor, "Tensor | None", int], tuple[Tensor, "Tensor | None"]]
 
 
-def compiled_step(cell: RecurrentCell, kernels: Any) -> CompiledStep:
+def compiled_step(cell: RecurrentCell, kernels: Any, rows: int) -> CompiledStep:
     """The no-grad step of ``cell`` as one kernel call, with everything that depends on parameters alone prepared
-    once (weight norm's weights, the biases folded into the norms' shifts, the norms' C++ arguments).
+    once (weight norm's weights, the biases folded into the norms' shifts, the norms' C++ arguments, the weights'
+    layout for ``rows`` rows: :func:`faster_layout`).
 
     ``run(x, h, c, step) -> (h', c')`` with ``x`` ``(B, I)`` or ``(1, B, I)`` and ``h``, ``c`` ``(1, B, .)``.
     """
-    # Transposed and row-major, as the kernel multiplies by them (recurrence.cpp says why).
-    weight_ih, weight_hh = cell.weight_ih.t().contiguous(), cell.weight_hh.t().contiguous()
+    weight_ih, weight_hh = faster_layout(cell.weight_ih, rows), faster_layout(cell.weight_hh, rows)
     kind = cell_kernel(cell)
     assert kind is not None
     beta = {name: None if norm is None else norm.bias for name, norm in _norms(cell).items()}
@@ -199,6 +200,27 @@ def compiled_step(cell: RecurrentCell, kernels: Any) -> CompiledStep:
         return result[0].unsqueeze(0), (result[1].unsqueeze(0) if c is not None else None)
 
     return run
+
+
+def faster_layout(weight: Tensor, rows: int, trials: int = 5) -> Tensor:
+    """``W^T`` as a step multiplies ``(rows, in) @ W^T``: a row-major copy or the transposed view (torch's own cells'
+    layout), whichever MKL computed faster here, timed once when the step is prepared (about a millisecond).
+
+    Neither wins everywhere on this project's machines: at one row the copy took 10 µs against 19 µs for a
+    ``256 x 1024`` weight, the view 64 µs against 76 µs for a GRU's pair at ``I=256, H=512`` (BENCHMARKS.md)."""
+    candidates = (weight.t().contiguous(), weight.t())
+    probe = weight.new_zeros(rows, weight.shape[1])
+
+    def fastest_time(candidate: Tensor) -> float:
+        torch.mm(probe, candidate)  # warm-up
+        times = []
+        for _ in range(trials):
+            start = time.perf_counter()
+            torch.mm(probe, candidate)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    return min(candidates, key=fastest_time)
 
 
 def _norms(cell: RecurrentCell) -> dict[str, nn.Module | None]:

@@ -105,7 +105,8 @@ def lean_layer_step(layer: nn.Module, x: Tensor) -> LayerStep | None:
         if tensor is not None
     ]
     watched = tuple((store, name, tensor, tensor._version, tensor.data_ptr()) for store, name, tensor in stores)
-    run = _layer_run([_build(cell, route, x.device.type) for cell, route in zip(cells, plan.cells, strict=True)])
+    rows = x.shape[-2] if x.dim() > 1 else 1
+    run = _layer_run([_build(cell, route, x.device.type, rows) for cell, route in zip(cells, plan.cells, strict=True)])
     observers = tuple(cell.observer for cell in cells)
     _CACHE[layer] = _Snapshot(watched, observers, layer.training, x.dtype, x.device.type, kernels.enabled(), run)
     return run
@@ -134,9 +135,9 @@ def _layer_run(steps: list[Step]) -> LayerStep:
     return stacked
 
 
-def _build(cell: RecurrentCell, route: str, device_type: str) -> Step:
+def _build(cell: RecurrentCell, route: str, device_type: str, rows: int) -> Step:
     if route == "kernel":  # the compiled generation step (the plan found the kernels loaded)
-        return compiled_step(cell, native(device_type))
+        return compiled_step(cell, native(device_type), rows)
     weight_ih, weight_hh = cell.weight_ih, cell.weight_hh  # weight norm evaluated here, once
     hidden = cell.hidden_size
     if cell.norm_ih is None and cell.norm_hh is None and cell.norm_c is None:
