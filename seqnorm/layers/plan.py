@@ -22,7 +22,7 @@
   norms without per-timestep statistics ignore the index, so they keep their fast path).
 
 :meth:`~seqnorm.layers.base.RecurrentLayer.step` paths: ``"lean_step"`` (no gradient: the cached step of
-:mod:`seqnorm.layers.stepping`; per cell ``"kernel"``, the compiled generation step, where a normalized cell's norms
+:mod:`seqnorm.layers.stepping`; per cell ``"kernel"``, the compiled generation step, where the cell's norms (if any)
 declare the ``"kernel"`` form and the kernels are loaded, else ``"lean_step"``), else per cell ``"torch_kernel"``
 (torch's cell kernel, nothing normalized) or ``"reference"``.
 
