@@ -135,3 +135,28 @@ def test_torch_attribute_names_resolve_to_cells() -> None:
 def test_from_torch_rejects_wrong_module() -> None:
     with pytest.raises(ValueError, match=r"LSTM.from_torch: expected a torch.nn.LSTM, got"):
         seqnorm.LSTM.from_torch(nn.GRU(3, 4))
+
+
+@pytest.mark.parametrize("norm", [name for name in seqnorm.NORMS if name != "weight"])
+@pytest.mark.parametrize(("ours_cls", "torch_cls"), [(seqnorm.LSTM, nn.LSTM), (seqnorm.GRU, nn.GRU)])
+def test_from_torch_with_a_norm_keeps_the_weights(ours_cls: type, torch_cls: type, norm: str) -> None:
+    """``from_torch(module, norm=...)``: torch's weights copied, the norms at their initial values, keywords pass."""
+    reference = torch_cls(3, 4, num_layers=2, bidirectional=True)
+    layer = ours_cls.from_torch(reference, norm=norm, batch_first=True)
+    assert layer.batch_first
+    fresh = ours_cls(3, 4, num_layers=2, bidirectional=True, norm=norm)
+    for (name, value), (fresh_name, fresh_value) in zip(
+        layer.state_dict().items(), fresh.state_dict().items(), strict=True
+    ):
+        assert name == fresh_name
+        if ".norm_" in name:
+            assert torch.equal(value, fresh_value), name
+    for index, cell in enumerate(layer.cells):
+        suffix = f"_l{index // 2}" + ("_reverse" if index % 2 else "")
+        assert torch.equal(cell.weight_ih, getattr(reference, "weight_ih" + suffix))
+        assert torch.equal(cell.bias_hh, getattr(reference, "bias_hh" + suffix))
+
+
+def test_from_torch_refuses_weight_norm_clearly() -> None:
+    with pytest.raises(ValueError, match=r"LSTM.from_torch: expected a norm under which torch's weights stay"):
+        seqnorm.LSTM.from_torch(nn.LSTM(3, 4), norm="weight")

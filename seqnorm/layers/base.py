@@ -473,21 +473,28 @@ class RecurrentLayer(nn.Module):
         if getattr(module, "proj_size", 0):
             kwargs = {"proj_size": module.proj_size, **kwargs}
         weight = module.weight_ih_l0
-        layer = cls(
-            module.input_size,
-            module.hidden_size,
-            module.num_layers,
-            module.bias,
-            module.batch_first,
-            module.dropout,
-            module.bidirectional,
-            norm="none",
-            device=weight.device,
-            dtype=weight.dtype,
+        structure = {name: getattr(module, name) for name in _TORCH_LAYOUT}
+        options: dict[str, Any] = {
+            **structure,
+            "norm": "none",
+            "device": weight.device,
+            "dtype": weight.dtype,
             **kwargs,
-        )
-        layer.load_state_dict(module.state_dict())
+        }
+        layer = cls(**options)
+        # With a norm, its own parameters keep their initial values; every weight of `module` must still land.
+        missing, unexpected = layer.load_state_dict(module.state_dict(), strict=options["norm"] == "none")
+        if unexpected or any(".norm_" not in key for key in missing):
+            raise ValueError(
+                f"{cls.__name__}.from_torch: expected a norm under which torch's weights stay parameters as they are "
+                f"(any but 'weight', whose W = g v / |v| is a parametrization), got norm={options['norm']!r}; build "
+                f"seqnorm.{cls.__name__}(..., norm={options['norm']!r}) and train it instead"
+            )
         return layer
+
+
+# torch.nn.LSTM/GRU's structural arguments (from_torch copies them; a keyword may override one).
+_TORCH_LAYOUT = ("input_size", "hidden_size", "num_layers", "bias", "batch_first", "dropout", "bidirectional")
 
 
 def _repack(output: Tensor, lengths: Tensor, like: PackedSequence) -> PackedSequence:

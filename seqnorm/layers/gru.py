@@ -30,5 +30,6 @@ class GRU(RecurrentLayer):
 
     @classmethod
     def from_torch(cls, module: nn.GRU, **kwargs: object) -> GRU:
-        """An equivalent ``norm="none"`` layer with ``module``'s weights (extra keyword arguments pass through)."""
+        """A layer with ``module``'s weights: equivalent with the default ``norm="none"``; with another ``norm=``
+        (and any other keyword of the constructor), the norms start from their initial values."""
         return cls._from_torch(module, nn.GRU, **kwargs)  # type: ignore[return-value]

@@ -72,5 +72,6 @@ class LSTM(RecurrentLayer):
 
     @classmethod
     def from_torch(cls, module: nn.LSTM, **kwargs: object) -> LSTM:
-        """An equivalent ``norm="none"`` layer with ``module``'s weights (extra keyword arguments pass through)."""
+        """A layer with ``module``'s weights: equivalent with the default ``norm="none"``; with another ``norm=``
+        (and any other keyword of the constructor), the norms start from their initial values."""
         return cls._from_torch(module, nn.LSTM, **kwargs)  # type: ignore[return-value]
