@@ -209,10 +209,29 @@ def _generate_command(args: list[str]) -> None:
     print(text)
 
 
+GENERATE_HELP = "    generate            Sample text from a LanguageModel checkpoint (seqnorm generate --help)."
+
+
+def _version() -> str:
+    """``seqnorm --version``: this package, torch, and whether the compiled kernels run."""
+    import seqnorm
+
+    return f"seqnorm {seqnorm.__version__} (torch {torch.__version__}; compiled kernels: {seqnorm.kernels.status()})"
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``seqnorm`` console script."""
     argv = sys.argv[1:] if args is None else args
     command = argv[0] if argv else ""
+    if command in ("--version", "-V"):
+        print(_version())
+        return
+    if command in ("-h", "--help"):
+        # LightningCLI lists its own subcommands; generate is ours, beside them.
+        try:
+            SeqnormCLI(args=["--help"], seed_everything_default=0)
+        finally:
+            print(f"\nseqnorm's own command:\n{GENERATE_HELP}\n\n{_version()}")
     try:
         if command == "generate":
             _generate_command(argv[1:])

@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import seqnorm
 from seqnorm.cli import main
 from seqnorm.lightning import LanguageModel, SequenceClassifier
 from tests.conftest import QUIET, WORDS
@@ -221,3 +222,18 @@ def test_console_script_exit_code_and_no_traceback(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert "bad.tsv:2" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_version_names_the_package_torch_and_the_kernels(capsys: pytest.CaptureFixture[str]) -> None:
+    main(["--version"])
+    out = capsys.readouterr().out
+    assert out.startswith(f"seqnorm {seqnorm.__version__} (torch {torch.__version__}; compiled kernels: ")
+
+
+def test_help_lists_generate_beside_lightnings_subcommands(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code in (0, None)
+    out = capsys.readouterr().out
+    for command in ("fit", "validate", "test", "predict", "generate"):
+        assert f"    {command} " in out, command
