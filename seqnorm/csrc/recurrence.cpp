@@ -1,11 +1,11 @@
 // The time loops of the kernels: a layer direction's recurrence (training forward, its backward through time) and
 // the no-grad generation step, composed from the cells' gates (cells.h) and the norms' steps (norms.h).
 //
-// The matmuls stay BLAS calls (StepProduct: MKL's packed GEMM, or at::mm_out into preallocated buffers); everything
-// between them is one vectorized pass per piece, without temporaries, split between threads (at::parallel_for,
-// OpenMP) where the block is big enough. seqnorm/layers/kernel.py wraps these in a torch.autograd.Function (the layers have checked
-// every argument); the plain-PyTorch paths (seqnorm/layers/bptt.py, the reference loop) are what the tests compare
-// them with.
+// The matmuls stay BLAS-class calls into preallocated buffers (StepProduct, product.h: oneDNN's brgemm, MKL's packed
+// GEMM or at::mm_out, whichever was measured fastest for the shape); everything between them is one vectorized pass
+// per piece, without temporaries, split between threads (at::parallel_for, OpenMP) where the block is big enough.
+// seqnorm/layers/kernel.py wraps these in a torch.autograd.Function (the layers have checked every argument); the
+// plain-PyTorch paths (seqnorm/layers/bptt.py, the reference loop) are what the tests compare them with.
 #include <torch/extension.h>
 
 #include <optional>
@@ -13,6 +13,7 @@
 
 #include "cells.h"
 #include "norms.h"
+#include "product.h"
 
 namespace seqnorm {
 namespace {
@@ -70,71 +71,6 @@ at::Tensor weight_hh_grad(const at::Tensor& grad_raw, const at::Tensor& h0, cons
   }
   return grad;
 }
-
-// ---- the per-step matmul ---------------------------------------------------------------------------------------
-
-// The handles of torch's packed MKL linear (mkl::_mkl_reorder_linear_weight, mkl::_mkl_linear), where torch has them.
-struct PackedLinear {
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, int64_t)> reorder;
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      const c10::optional<at::Tensor>&, int64_t)>
-      linear;
-};
-
-const PackedLinear* packed_linear() {
-  static const std::optional<PackedLinear> ops = []() -> std::optional<PackedLinear> {
-    if (!at::globalContext().hasMKL()) return std::nullopt;
-    auto& dispatcher = c10::Dispatcher::singleton();
-    const auto reorder = dispatcher.findSchema({"mkl::_mkl_reorder_linear_weight", ""});
-    const auto linear = dispatcher.findSchema({"mkl::_mkl_linear", ""});
-    if (!reorder.has_value() || !linear.has_value()) return std::nullopt;
-    return PackedLinear{reorder->typed<at::Tensor(const at::Tensor&, int64_t)>(),
-                        linear->typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                 const c10::optional<at::Tensor>&, int64_t)>()};
-  }();
-  return ops.has_value() ? &*ops : nullptr;
-}
-
-// out = x W^T (+ add) with the same W (N, K) at every step of a call, x (rows, K). In float32 on a torch built with
-// MKL, W is packed once per call and every step multiplies by the packed form: MKL otherwise repacks W at every
-// step (8 % of an LN-LSTM training step in a perf profile; 100 steps of 32x256 by 256x1024 with a sigmoid pass took
-// 6.5 instead of 7.5-8.6 ms, 2 threads). Otherwise (float64, no MKL) at::mm_out by W^T laid out row-major: MKL's
-// small-batch GEMM was 25-45 % faster with it than with the transposed view (32x256 by 256x1024: 92 vs 121 us).
-class StepProduct {
- public:
-  static constexpr int64_t kPackedRows = 8;
-
-  StepProduct(const at::Tensor& weight, int64_t rows) : weight_(weight.contiguous()), rows_(rows) {
-    // A few rows are a matrix-vector product, where packing gains nothing and each step's fresh output and copy
-    // cost (LN-LSTM training at batch size 1: 1.49x torch packed, 1.31x not).
-    const bool worth_packing = weight_.scalar_type() == at::kFloat && rows >= kPackedRows;
-    const PackedLinear* ops = worth_packing ? packed_linear() : nullptr;
-    if (ops != nullptr) {
-      packed_ = ops->reorder.call(weight_, rows);
-    } else {
-      weight_t_ = weight_.t().contiguous();
-    }
-  }
-
-  void operator()(const at::Tensor& x, at::Tensor& out, const at::Tensor* add = nullptr) const {
-    if (packed_.defined()) {
-      const at::Tensor y = packed_linear()->linear.call(x, packed_, weight_, c10::nullopt, rows_);
-      if (add != nullptr) {
-        at::add_out(out, y, *add);
-      } else {
-        out.copy_(y);
-      }
-    } else if (add != nullptr) {
-      at::addmm_out(out, *add, x, weight_t_);
-    } else {
-      at::mm_out(out, x, weight_t_);
-    }
-  }
-
- private:
-  at::Tensor weight_, weight_t_, packed_;
-  int64_t rows_;
-};
 
 // ---- LSTM ------------------------------------------------------------------------------------------------------
 
@@ -484,4 +420,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gru_forward", &gru_forward);
   m.def("gru_backward", &gru_backward);
   m.def("generation_step", &generation_step);
+  m.def(
+      "set_product_route",
+      [](const std::string& route) {
+        if (route != "auto" && route != "brgemm" && route != "packed" && route != "blas") {
+          throw std::invalid_argument("set_product_route: expected auto, brgemm, packed or blas, got " + route);
+        }
+        seqnorm::route_setting() = route;
+      },
+      "Force the per-step matmul's route (where it applies; else the BLAS route) or let it be measured (auto)");
+  m.def(
+      "product_route",
+      [](const at::Tensor& weight, int64_t rows) { return std::string(seqnorm::route_name(seqnorm::StepProduct(weight, rows).route())); },
+      "The route the per-step product x W^T of `rows` rows takes here");
+  m.def("brgemm_available", &seqnorm::brgemm_works, "Whether oneDNN's float32 brgemm runs here");
 }

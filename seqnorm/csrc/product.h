@@ -1,0 +1,231 @@
+// The per-step matmul of the recurrences: out = x W^T (+ add) with the same W (N, K) at every step of a call.
+//
+// Three routes, all BLAS-class libraries torch itself ships:
+// - "brgemm": oneDNN's batch-reduce GEMM micro-kernel (at::native::cpublas::brgemm, float32 on x86), over column
+//   blocks of a row-major W^T split between threads. On an AMD EPYC (Zen 4) MKL's small-batch GEMM ran at half its
+//   speed (32x256 by 256x1024: at::mm 136 us, this route 79 us; one row 27 vs 10 us; 16x1024 by 1024x4096: 2.6 ms vs
+//   0.71 ms), which is why torch's own nn.LSTM (oneDNN's RNN) is fast there and a recurrence built on MKL was not.
+// - "packed": MKL's packed GEMM (torch's mkl::_mkl_reorder_linear_weight / mkl::_mkl_linear), W packed once per
+//   call: MKL otherwise repacks W at every step (8 % of an LN-LSTM training step on an Intel Xeon).
+// - "blas": at::mm_out by W^T laid out row-major (float64, or no MKL / oneDNN): MKL's small-batch GEMM was 25-45 %
+//   faster with it than with the transposed view.
+// Which route is fastest depends on the CPU and the shape, so in float32 the candidates are timed once per process
+// and shape (a few products, a few milliseconds once) and the fastest is kept: measured, not assumed from the CPU's
+// name. set_product_route() forces one (the tests run every route against the plain-PyTorch path).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace seqnorm {
+
+enum class Route { kBlas, kPacked, kBrgemm };
+
+inline const char* route_name(Route route) {
+  switch (route) {
+    case Route::kBrgemm:
+      return "brgemm";
+    case Route::kPacked:
+      return "packed";
+    default:
+      return "blas";
+  }
+}
+
+// "auto" (measured per shape), or the name of a route to force where it applies.
+inline std::string& route_setting() {
+  static std::string setting = "auto";
+  return setting;
+}
+
+// The handles of torch's packed MKL linear (mkl::_mkl_reorder_linear_weight, mkl::_mkl_linear), where torch has them.
+struct PackedLinear {
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, int64_t)> reorder;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const c10::optional<at::Tensor>&, int64_t)>
+      linear;
+};
+
+inline const PackedLinear* packed_linear() {
+  static const std::optional<PackedLinear> ops = []() -> std::optional<PackedLinear> {
+    if (!at::globalContext().hasMKL()) return std::nullopt;
+    auto& dispatcher = c10::Dispatcher::singleton();
+    const auto reorder = dispatcher.findSchema({"mkl::_mkl_reorder_linear_weight", ""});
+    const auto linear = dispatcher.findSchema({"mkl::_mkl_linear", ""});
+    if (!reorder.has_value() || !linear.has_value()) return std::nullopt;
+    return PackedLinear{reorder->typed<at::Tensor(const at::Tensor&, int64_t)>(),
+                        linear->typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                 const c10::optional<at::Tensor>&, int64_t)>()};
+  }();
+  return ops.has_value() ? &*ops : nullptr;
+}
+
+// Whether torch's float32 brgemm runs here and multiplies correctly (it needs oneDNN's micro-kernels: x86, torch
+// built with oneDNN), checked once on a small product against a plain loop.
+inline bool brgemm_works() {
+  static const bool works = [] {
+#if defined(CPUBLAS_BRGEMM_F32F32F32) && (defined(__x86_64__) || defined(_M_X64))
+    constexpr int64_t m = 3, k = 5, n = 70;
+    std::vector<float> a(m * k), b(k * n), c(m * n, 0.f), want(m * n, 0.f);
+    for (int64_t i = 0; i < m * k; ++i) a[i] = static_cast<float>(i % 7) - 3.f;
+    for (int64_t i = 0; i < k * n; ++i) b[i] = static_cast<float>(i % 5) * 0.5f - 1.f;
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t p = 0; p < k; ++p)
+        for (int64_t j = 0; j < n; ++j) want[i * n + j] += a[i * k + p] * b[p * n + j];
+    try {
+      at::native::cpublas::brgemm(m, n, k, k, n, n, false, a.data(), b.data(), c.data(), false);
+    } catch (const std::exception&) {
+      return false;
+    }
+    for (int64_t i = 0; i < m * n; ++i) {
+      if (std::abs(c[i] - want[i]) > 1e-4f * (1.f + std::abs(want[i]))) return false;
+    }
+    return true;
+#else
+    return false;
+#endif
+  }();
+  return works;
+}
+
+class StepProduct {
+ public:
+  // Packing gains nothing for a few rows (a matrix-vector product), where each step's fresh output and copy cost.
+  static constexpr int64_t kPackedRows = 8;
+  // Columns per brgemm call: 64 to 512 were within 5 % of each other (EPYC, 32x256 by 256x1024); 64 gives the
+  // threads enough blocks to share at every size here.
+  static constexpr int64_t kBlock = 64;
+
+  StepProduct(const at::Tensor& weight, int64_t rows) : weight_(weight.contiguous()), rows_(rows) {
+    std::vector<Route> candidates = {Route::kBlas};
+    if (weight_.scalar_type() == at::kFloat) candidates = float_routes(rows);
+    if (std::find(candidates.begin(), candidates.end(), Route::kPacked) != candidates.end()) {
+      packed_ = packed_linear()->reorder.call(weight_, rows_);
+    }
+    if (candidates.size() > 1 || candidates.front() != Route::kPacked) weight_t_ = weight_.t().contiguous();
+    route_ = candidates.size() == 1 ? candidates.front() : fastest(candidates);
+    if (route_ != Route::kPacked) packed_ = at::Tensor();
+    if (route_ == Route::kPacked) weight_t_ = at::Tensor();
+  }
+
+  // The routes a float32 product of this many rows may take here, or the one route_setting() forces.
+  static std::vector<Route> float_routes(int64_t rows) {
+    std::vector<Route> candidates;
+    if (brgemm_works()) candidates.push_back(Route::kBrgemm);
+    if (rows >= kPackedRows && packed_linear() != nullptr) candidates.push_back(Route::kPacked);
+    candidates.push_back(Route::kBlas);
+    const std::string& setting = route_setting();
+    if (setting == "auto") return candidates;
+    const auto forced = std::find_if(candidates.begin(), candidates.end(),
+                                     [&](Route route) { return setting == route_name(route); });
+    return {forced != candidates.end() ? *forced : candidates.back()};
+  }
+
+  Route route() const { return route_; }
+
+  void operator()(const at::Tensor& x, at::Tensor& out, const at::Tensor* add = nullptr) const {
+    run(route_, x, out, add);
+  }
+
+ private:
+  // Times each candidate (the minimum of a few products on this W and row count, after a warm-up that also builds
+  // the micro-kernels) once per process and shape.
+  Route fastest(const std::vector<Route>& candidates) const {
+    using Key = std::tuple<int64_t, int64_t, int64_t>;
+    static std::mutex mutex;
+    static std::map<Key, Route> chosen;
+    const Key key{rows_, weight_.size(1), weight_.size(0)};
+    std::lock_guard<std::mutex> lock(mutex);
+    const auto found = chosen.find(key);
+    if (found != chosen.end()) return found->second;
+    const at::Tensor x = at::zeros({rows_, weight_.size(1)}, weight_.options());
+    at::Tensor out = at::empty({rows_, weight_.size(0)}, weight_.options());
+    Route best = candidates.front();
+    double best_time = INFINITY;
+    for (const Route route : candidates) {
+      run(route, x, out);
+      double time = INFINITY;
+      for (int repeat = 0; repeat < 5; ++repeat) {
+        const auto start = std::chrono::steady_clock::now();
+        run(route, x, out);
+        time = std::min(time, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      }
+      if (time < best_time) {
+        best_time = time;
+        best = route;
+      }
+    }
+    chosen.emplace(key, best);
+    return best;
+  }
+
+  void run(Route route, const at::Tensor& x, at::Tensor& out, const at::Tensor* add = nullptr) const {
+    switch (route) {
+      case Route::kBrgemm:
+        if (out.is_contiguous()) {
+          brgemm(x, out, add);
+          return;
+        }
+        break;
+      case Route::kPacked: {
+        const at::Tensor y = packed_linear()->linear.call(x, packed_, weight_, c10::nullopt, rows_);
+        if (add != nullptr) {
+          at::add_out(out, y, *add);
+        } else {
+          out.copy_(y);
+        }
+        return;
+      }
+      default:
+        break;
+    }
+    if (add != nullptr) {
+      at::addmm_out(out, *add, x, weight_t_);
+    } else {
+      at::mm_out(out, x, weight_t_);
+    }
+  }
+
+  // out (contiguous) = x W^T (+ add), column block by column block; `add` is copied into each block first and the
+  // product accumulated onto it.
+  void brgemm(const at::Tensor& x, at::Tensor& out, const at::Tensor* add) const {
+    const at::Tensor a = x.contiguous();
+    const bool fused_add = add != nullptr && add->is_contiguous();
+    if (add != nullptr && !fused_add) out.copy_(*add);
+    const int64_t m = a.size(0), k = a.size(1), n = weight_t_.size(1);
+    const float* pa = a.data_ptr<float>();
+    const float* pb = weight_t_.data_ptr<float>();
+    const float* pd = fused_add ? add->data_ptr<float>() : nullptr;
+    float* pc = out.data_ptr<float>();
+    const int64_t blocks = (n + kBlock - 1) / kBlock;
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t block = begin; block < end; ++block) {
+        const int64_t col = block * kBlock, width = std::min(kBlock, n - col);
+        if (pd != nullptr) {
+          for (int64_t r = 0; r < m; ++r) std::memcpy(pc + r * n + col, pd + r * n + col, width * sizeof(float));
+        }
+        at::native::cpublas::brgemm(m, width, k, k, n, n, add != nullptr, pa, pb + col, pc + col, false);
+      }
+    });
+  }
+
+  at::Tensor weight_, weight_t_, packed_;
+  int64_t rows_;
+  Route route_ = Route::kBlas;
+};
+
+}  // namespace seqnorm
