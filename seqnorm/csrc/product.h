@@ -110,16 +110,27 @@ class StepProduct {
   // threads enough blocks to share at every size here.
   static constexpr int64_t kBlock = 64;
 
-  StepProduct(const at::Tensor& weight, int64_t rows) : weight_(weight.contiguous()), rows_(rows) {
+  // out = x right, right (K, N): W^T of the forward's h W_hh^T (a transposed view, copied row-major once per
+  // call), or W_hh itself in the backward (already row-major: no copy).
+  StepProduct(const at::Tensor& right, int64_t rows) : rows_(rows) {
     std::vector<Route> candidates = {Route::kBlas};
-    if (weight_.scalar_type() == at::kFloat) candidates = float_routes(rows);
-    if (std::find(candidates.begin(), candidates.end(), Route::kPacked) != candidates.end()) {
+    if (right.scalar_type() == at::kFloat) candidates = float_routes(rows);
+    const std::optional<Route> known = candidates.size() == 1 ? candidates.front() : measured(right);
+    const auto needs = [&](Route route) {
+      return known.has_value() ? *known == route
+                               : std::find(candidates.begin(), candidates.end(), route) != candidates.end();
+    };
+    if (needs(Route::kBrgemm) || needs(Route::kBlas)) right_ = right.contiguous();
+    if (needs(Route::kPacked)) {
+      weight_ = right.t().contiguous();
       packed_ = packed_linear()->reorder.call(weight_, rows_);
     }
-    if (candidates.size() > 1 || candidates.front() != Route::kPacked) weight_t_ = weight_.t().contiguous();
-    route_ = candidates.size() == 1 ? candidates.front() : fastest(candidates);
-    if (route_ != Route::kPacked) packed_ = at::Tensor();
-    if (route_ == Route::kPacked) weight_t_ = at::Tensor();
+    route_ = known.has_value() ? *known : fastest(candidates, right);
+    if (route_ == Route::kPacked) {
+      right_ = at::Tensor();
+    } else {
+      weight_ = packed_ = at::Tensor();
+    }
   }
 
   // The routes a float32 product of this many rows may take here, or the one route_setting() forces.
@@ -142,18 +153,30 @@ class StepProduct {
   }
 
  private:
-  // Times each candidate (the minimum of a few products on this W and row count, after a warm-up that also builds
-  // the micro-kernels) once per process and shape.
-  Route fastest(const std::vector<Route>& candidates) const {
-    using Key = std::tuple<int64_t, int64_t, int64_t>;
+  using Key = std::tuple<int64_t, int64_t, int64_t>;
+
+  static std::mutex& cache_mutex() {
     static std::mutex mutex;
+    return mutex;
+  }
+
+  static std::map<Key, Route>& cache() {
     static std::map<Key, Route> chosen;
-    const Key key{rows_, weight_.size(1), weight_.size(0)};
-    std::lock_guard<std::mutex> lock(mutex);
-    const auto found = chosen.find(key);
-    if (found != chosen.end()) return found->second;
-    const at::Tensor x = at::zeros({rows_, weight_.size(1)}, weight_.options());
-    at::Tensor out = at::empty({rows_, weight_.size(0)}, weight_.options());
+    return chosen;
+  }
+
+  // The route measured earlier in this process for this shape, if any.
+  std::optional<Route> measured(const at::Tensor& right) const {
+    std::lock_guard<std::mutex> lock(cache_mutex());
+    const auto found = cache().find(Key{rows_, right.size(0), right.size(1)});
+    return found == cache().end() ? std::nullopt : std::optional<Route>(found->second);
+  }
+
+  // Times each candidate (the minimum of a few products on this operand and row count, after a warm-up that also
+  // builds the micro-kernels) once per process and shape.
+  Route fastest(const std::vector<Route>& candidates, const at::Tensor& right) const {
+    const at::Tensor x = at::zeros({rows_, right.size(0)}, right.options());
+    at::Tensor out = at::empty({rows_, right.size(1)}, right.options());
     Route best = candidates.front();
     double best_time = INFINITY;
     for (const Route route : candidates) {
@@ -169,7 +192,8 @@ class StepProduct {
         best = route;
       }
     }
-    chosen.emplace(key, best);
+    std::lock_guard<std::mutex> lock(cache_mutex());
+    cache().emplace(Key{rows_, right.size(0), right.size(1)}, best);
     return best;
   }
 
@@ -194,9 +218,9 @@ class StepProduct {
         break;
     }
     if (add != nullptr) {
-      at::addmm_out(out, *add, x, weight_t_);
+      at::addmm_out(out, *add, x, right_);
     } else {
-      at::mm_out(out, x, weight_t_);
+      at::mm_out(out, x, right_);
     }
   }
 
@@ -206,9 +230,9 @@ class StepProduct {
     const at::Tensor a = x.contiguous();
     const bool fused_add = add != nullptr && add->is_contiguous();
     if (add != nullptr && !fused_add) out.copy_(*add);
-    const int64_t m = a.size(0), k = a.size(1), n = weight_t_.size(1);
+    const int64_t m = a.size(0), k = a.size(1), n = right_.size(1);
     const float* pa = a.data_ptr<float>();
-    const float* pb = weight_t_.data_ptr<float>();
+    const float* pb = right_.data_ptr<float>();
     const float* pd = fused_add ? add->data_ptr<float>() : nullptr;
     float* pc = out.data_ptr<float>();
     const int64_t blocks = (n + kBlock - 1) / kBlock;
@@ -223,7 +247,7 @@ class StepProduct {
     });
   }
 
-  at::Tensor weight_, weight_t_, packed_;
+  at::Tensor right_, weight_, packed_;  // x right; right^T and its MKL-packed form for the packed route
   int64_t rows_;
   Route route_ = Route::kBlas;
 };

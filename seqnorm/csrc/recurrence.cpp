@@ -98,7 +98,7 @@ std::tuple<Tensors, Tensors, std::vector<Tensors>, std::vector<int64_t>> lstm_fo
   at::Tensor raw = norm_hh->identity() ? at::Tensor() : at::empty({kept, rows, gates}, options);
   at::Tensor pre = at::empty({rows, gates}, options);
   at::Tensor c_out = norm_c->identity() ? at::Tensor() : at::empty({rows, hidden}, options);
-  const StepProduct recurrent(weight_hh, rows);  // h W_hh^T
+  const StepProduct recurrent(weight_hh.t(), rows);  // h W_hh^T
   const Tensors input = inputs.unbind(0), h = hs.unbind(0), c = cs.unbind(0);
   Tensors raw_t = raw.defined() ? raw.unbind(0) : Tensors();
   for (int64_t t = 0; t < steps; ++t) {
@@ -164,7 +164,7 @@ Tensors lstm_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, con
   at::Tensor dc = grad_c_n.clone();
   at::Tensor d_c_out = at::empty({rows, hidden}, options);
   at::Tensor dc_norm = norm_c->identity() ? d_c_out : at::empty({rows, hidden}, options);
-  const StepProduct back(weight_hh.t(), rows);  // dL/d(W_hh h) W_hh
+  const StepProduct back(weight_hh, rows);  // dL/d(W_hh h) W_hh
   const Tensors grad_out = grad_hs.unbind(0), grad_r = grad_raw.unbind(0);
   for (int64_t t = steps - 1; t >= 0; --t) {
     const bool* m = padding.mask(t);
@@ -214,7 +214,7 @@ std::tuple<Tensors, Tensors, std::vector<Tensors>, std::vector<int64_t>> gru_for
   at::Tensor raw = at::empty({kept, rows, gates}, options);
   at::Tensor term = norm_ih->identity() ? at::Tensor() : at::empty({rows, gates}, options);
   at::Tensor u = norm_hh->identity() ? at::Tensor() : at::empty({rows, gates}, options);
-  const StepProduct recurrent(weight_hh, rows);  // h W_hh^T
+  const StepProduct recurrent(weight_hh.t(), rows);  // h W_hh^T
   const Tensors input = inputs.unbind(0), h = hs.unbind(0);
   Tensors raw_t = raw.unbind(0);
   for (int64_t t = 0; t < steps; ++t) {
@@ -266,7 +266,7 @@ Tensors gru_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, cons
   at::Tensor acts = at::empty({rows, gates}, options);
   at::Tensor dh = grad_h_n + grad_hs[steps - 1];
   at::Tensor dh_next = at::empty({rows, hidden}, options);
-  const StepProduct back(weight_hh.t(), rows);  // dL/d(W_hh h) W_hh
+  const StepProduct back(weight_hh, rows);  // dL/d(W_hh h) W_hh
   const Tensors grad_out = grad_hs.unbind(0), grad_r = grad_raw.unbind(0);
   for (int64_t t = steps - 1; t >= 0; --t) {
     const bool* m = padding.mask(t);
@@ -431,7 +431,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "Force the per-step matmul's route (where it applies; else the BLAS route) or let it be measured (auto)");
   m.def(
       "product_route",
-      [](const at::Tensor& weight, int64_t rows) { return std::string(seqnorm::route_name(seqnorm::StepProduct(weight, rows).route())); },
-      "The route the per-step product x W^T of `rows` rows takes here");
+      [](const at::Tensor& right, int64_t rows) {
+        return std::string(seqnorm::route_name(seqnorm::StepProduct(right, rows).route()));
+      },
+      "The route the per-step product x @ right of `rows` rows takes here");
   m.def("brgemm_available", &seqnorm::brgemm_works, "Whether oneDNN's float32 brgemm runs here");
 }
