@@ -132,3 +132,32 @@ def test_the_format_is_saved_and_checked_and_old_states_still_load(write: Callab
     del state["text_format"]  # a checkpoint written before text formats
     plain.load_state_dict(state)
     assert plain.vocab == ptb.vocab
+
+
+def test_cli_fits_tests_and_generates_on_a_ptb_char_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from seqnorm.cli import main
+    from seqnorm.lightning.base import DATA_STATE_KEY
+
+    monkeypatch.chdir(tmp_path)
+    path = str(tmp_path / "ptb.char.train.txt")
+    Path(path).write_text(PTB_CHAR, encoding="utf-8")
+    data = ["--data", "TextCorpus", "--data.path", path, "--data.batch_size", "4", "--data.window_length", "17"]
+    quiet = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+    model = ["--model", "LanguageModel", "--model.hidden_size", "16", "--model.embedding_dim", "8"]
+    short = ["--trainer.max_steps", "3", "--trainer.limit_val_batches", "1", *quiet]
+    main(["fit", *model, *data, "--data.text_format", "ptb_char", *short])
+    last = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    state = torch.load(last, weights_only=True)[DATA_STATE_KEY]
+    assert state["text_format"] == "ptb_char" and "_" not in state["vocab"]["tokens"]
+
+    # Read from a checkpoint, the file is read the same way; left as plain, the run stops at the format check.
+    main(["test", *model, *data, "--data.text_format", "ptb_char", *quiet, "--ckpt_path", str(last)])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_code:
+        main(["test", *model, *data, *quiet, "--ckpt_path", str(last)])
+    assert exit_code.value.code == 2
+    assert "--data.text_format ptb_char" in capsys.readouterr().err
+    main(["generate", "--ckpt_path", str(last), "--prompt", "the cat", "--length", "20", "--seed", "0"])
+    assert "_" not in capsys.readouterr().out
