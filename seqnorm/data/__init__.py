@@ -3,6 +3,8 @@
 * :class:`TextCorpus` — language modelling (character or word level) from a file, a registered corpus
   (:data:`DATASETS`) or the embedded synthetic task; batches ``{"inputs", "targets", "lengths"}`` (plus ``window``
   and ``start`` with ``unit="stream"``: contiguous streams for stateful truncated BPTT, :mod:`seqnorm.data.streams`).
+* :data:`TEXT_FORMATS`, :func:`ptb_char_to_text` — how files are read (``--data.text_format plain | ptb_char``:
+  PTB-char's space-separated characters back to plain text), :mod:`seqnorm.data.formats`.
 * :class:`LabeledText` — classification from ``label<TAB>text`` lines or the embedded task; batches
   ``{"inputs", "lengths", "labels"}``.
 * :class:`Vocabulary`, :func:`tokenize`, :func:`detokenize` — token ids with ``<pad>=0``, ``<unk>=1``,
@@ -21,6 +23,7 @@ from seqnorm.data.collate import (
     collate_lm,
 )
 from seqnorm.data.errors import DataError
+from seqnorm.data.formats import TEXT_FORMATS, ptb_char_to_text
 from seqnorm.data.labeled import LabeledText
 from seqnorm.data.loader import ResumableDataLoader
 from seqnorm.data.registry import DATASETS, DatasetSpec, Download, SplitFile, default_cache_dir, fetch_dataset
@@ -31,6 +34,7 @@ from seqnorm.data.vocab import Vocabulary, detokenize, tokenize
 
 __all__ = [
     "DATASETS",
+    "TEXT_FORMATS",
     "BucketBatchSampler",
     "ClassificationDataset",
     "DataError",
@@ -51,6 +55,7 @@ __all__ = [
     "detokenize",
     "fetch_dataset",
     "is_well_nested",
+    "ptb_char_to_text",
     "synthetic_labeled",
     "synthetic_lines",
     "tokenize",

@@ -27,11 +27,12 @@ import shutil
 import tarfile
 import tempfile
 import zipfile
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from seqnorm.data.errors import DataError
+from seqnorm.data.formats import TextFormat
 
 __all__ = ["DATASETS", "MANIFEST", "DatasetSpec", "Download", "SplitFile", "default_cache_dir", "fetch_dataset"]
 
@@ -83,7 +84,9 @@ class DatasetSpec:
             the end of the training text (``--data.val_fraction``/``--data.test_fraction``).
         level: the default ``--data.level``.
         unit: the default ``--data.unit``.
-        transform: applied to each split's text after reading (e.g. PTB's spaced characters back to plain text).
+        text_format: how the files are read, the default ``--data.text_format`` (:mod:`seqnorm.data.formats`):
+            ``"ptb_char"`` for PTB's spaced characters, which are read back as plain text exactly as a PTB-char file
+            given with ``--data.path --data.text_format ptb_char`` is.
     """
 
     name: str
@@ -91,7 +94,7 @@ class DatasetSpec:
     splits: Mapping[str, SplitFile]
     level: str = "char"
     unit: str = "line"
-    transform: Callable[[str], str] | None = field(default=None, repr=False)
+    text_format: TextFormat = "plain"
 
     @property
     def downloads(self) -> list[Download]:
@@ -99,12 +102,6 @@ class DatasetSpec:
         for split in self.splits.values():
             unique.setdefault(split.download.url, split.download)
         return list(unique.values())
-
-
-def _ptb_char_to_text(text: str) -> str:
-    # ptb.char.*.txt spells each sentence as space-separated symbols with "_" between words
-    # ("a e r _ b a n k"); turn it back into plain text so char-level tokens are real characters.
-    return "\n".join("".join(" " if symbol == "_" else symbol for symbol in line.split()) for line in text.split("\n"))
 
 
 # PTB as prepared by Mikolov: word files mirrored in Zaremba's LSTM repository (checksums: the Hugging Face
@@ -142,7 +139,7 @@ DATASETS: dict[str, DatasetSpec] = {
         },
         level="char",
         unit="line",
-        transform=_ptb_char_to_text,
+        text_format="ptb_char",
     ),
     "ptb_word": DatasetSpec(
         "ptb_word",

@@ -11,6 +11,7 @@ from seqnorm.data.base import SPLITS, SequenceDataModule, check_at_least, check_
 from seqnorm.data.collate import LanguageModelingDataset, collate_lm
 from seqnorm.data.errors import DataError
 from seqnorm.data.files import read_text
+from seqnorm.data.formats import TEXT_FORMATS, TextFormat, apply_text_format
 from seqnorm.data.loader import ResumableDataLoader
 from seqnorm.data.registry import DatasetSpec, fetch_dataset, get_spec
 from seqnorm.data.sampler import InOrderBatchSampler
@@ -68,6 +69,11 @@ class TextCorpus(SequenceDataModule):
         min_freq: tokens seen fewer times in training map to ``<unk>``.
         max_vocab_size: the largest vocabulary, specials included; ``None`` for no limit.
         encoding: the text encoding of the files.
+        text_format: how the files are read (:mod:`seqnorm.data.formats`): ``"plain"``, or ``"ptb_char"`` for
+            characters separated by spaces with ``_`` between words (PTB-char; separators dropped, ``_`` read as a
+            space, so there is one token per real character). ``None``: the dataset's format, else plain text, and
+            a file that looks like PTB-char is refused (its separators would make bpc falsely good); pass
+            ``"plain"`` to read such a file as it is.
         val_fraction: share of the units carved for validation when there is no ``val_path``.
         test_fraction: share of the units carved for test when there is no ``test_path``.
         seed: seeds the embedded task and the batch order.
@@ -104,6 +110,7 @@ class TextCorpus(SequenceDataModule):
         min_freq: int = 1,
         max_vocab_size: int | None = None,
         encoding: str = "utf-8",
+        text_format: Literal["plain", "ptb_char"] | None = None,
         val_fraction: float = 0.1,
         test_fraction: float = 0.1,
         seed: int = 0,
@@ -135,10 +142,20 @@ class TextCorpus(SequenceDataModule):
             raise DataError(f"--data.level {level!r}: choose char or word")
         if unit is not None and unit not in UNITS:
             raise DataError(f"--data.unit {unit!r}: choose one of {', '.join(UNITS)}")
+        if text_format is not None and text_format not in TEXT_FORMATS:
+            raise DataError(f"--data.text_format {text_format!r}: choose one of {', '.join(TEXT_FORMATS)}")
+        own_text = path is not None or train_path is not None
+        if text_format == "ptb_char" and not own_text and self.spec is None:
+            raise DataError(
+                "--data.text_format ptb_char needs a file (--data.path or --data.train_path): the embedded task is "
+                "plain text"
+            )
         self.level: Literal["char", "word"] = level or (self.spec.level if self.spec else "char")  # type: ignore[assignment]
+        # None is kept apart from "plain": only a format nobody named is checked for PTB-char's look.
+        self._given_text_format: TextFormat | None = text_format
+        self.text_format: TextFormat = text_format or (self.spec.text_format if self.spec else "plain")
         # A character LM on a text file reads it as streams (stateful truncated BPTT, the char-rnn setup); the
         # embedded task's lines and word-level text keep one sequence per line.
-        own_text = path is not None or train_path is not None
         default_unit = "stream" if self.level == "char" and own_text else "line"
         self.unit: Literal["line", "paragraph", "sentence", "window", "stream"] = unit or (  # type: ignore[assignment]
             self.spec.unit if self.spec else default_unit
@@ -175,14 +192,19 @@ class TextCorpus(SequenceDataModule):
             texts: dict[str, str | None] = {}
             for split in SPLITS:
                 text = read_text(files[split], "utf-8", "--data.dataset") if split in files else None
-                texts[split] = self.spec.transform(text) if text is not None and self.spec.transform else text
+                source = f"--data.dataset {self.spec.name} ({files.get(split)})"
+                texts[split] = apply_text_format(text, self.text_format, source) if text is not None else None
             return texts
         if self.paths["train"] is None:
             return {"train": "\n".join(synthetic_lines(SYNTHETIC_LM_LINES, self.seed)), "val": None, "test": None}
         flags = {"train": self._train_flag}
         flags.update(val="--data.val_path", test="--data.test_path")
         return {
-            split: read_text(path, self.encoding, flags[split]) if path is not None else None
+            split: apply_text_format(
+                read_text(path, self.encoding, flags[split]), self._given_text_format, f"{flags[split]} {path}"
+            )
+            if path is not None
+            else None
             for split, path in self.paths.items()
         }
 
@@ -260,8 +282,9 @@ class TextCorpus(SequenceDataModule):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """The vocabulary and tokenization, saved in checkpoints so a resumed run keeps the same ids."""
-        return {"vocab": self.vocab.to_dict(), "level": self.level, "unit": self.unit}
+        """The vocabulary and tokenization, saved in checkpoints so a resumed run keeps the same ids and reads
+        its text the same way."""
+        return {"vocab": self.vocab.to_dict(), "level": self.level, "unit": self.unit, "text_format": self.text_format}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the vocabulary of :meth:`state_dict`; the data is re-encoded with it on next use."""
@@ -270,5 +293,13 @@ class TextCorpus(SequenceDataModule):
             raise DataError(
                 f"the checkpoint was trained with --data.level {saved_level} but this run has --data.level "
                 f"{self.level}: pass --data.level {saved_level}"
+            )
+        # Checkpoints from before text formats carry none: their data was read as plain text, or as PTB-char
+        # through the ptb_char dataset, which still reads it that way, so there is nothing to compare.
+        saved_format = state_dict.get("text_format", self.text_format)
+        if saved_format != self.text_format:
+            raise DataError(
+                f"the checkpoint was trained on text read with --data.text_format {saved_format} but this run reads "
+                f"{self.source} with --data.text_format {self.text_format}: pass --data.text_format {saved_format}"
             )
         self._set_vocab(state_dict)

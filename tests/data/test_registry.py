@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from seqnorm.data import DATASETS, DataError, DatasetSpec, Download, SplitFile, TextCorpus, fetch_dataset
-from seqnorm.data.registry import MANIFEST, _ptb_char_to_text, default_cache_dir
+from seqnorm.data.formats import ptb_char_to_text
+from seqnorm.data.registry import MANIFEST, default_cache_dir
 
 CORPUS = "".join(f"the quick brown fox {i}\n" for i in range(30))
 
@@ -172,7 +173,7 @@ def test_unreachable_server_is_a_data_error(tmp_path: Path, monkeypatch: pytest.
 
 
 def test_ptb_char_files_become_plain_text() -> None:
-    assert _ptb_char_to_text(" a e r _ b a n k \n n o _ i t \n") == "aer bank\nno it\n"
+    assert ptb_char_to_text(" a e r _ b a n k \n n o _ i t \n") == "aer bank\nno it\n"
 
 
 def test_cache_dir_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

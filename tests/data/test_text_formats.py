@@ -1,0 +1,163 @@
+"""``--data.text_format ptb_char``: PTB-char files read as their real characters, the same way whether they come from
+the registry's download or from ``--data.path``; PTB-char text read as plain text is refused, not scored."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from seqnorm.data import DataError, TextCorpus
+from seqnorm.data.registry import MANIFEST
+
+WORDS = ["the", "cat", "dog", "sat", "on", "a", "mat", "n't", "big", "red", "<unk>", "co.", "$", "N"]
+SPECIALS = 4
+
+
+def _sentences(count: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 8))) for _ in range(count)]
+
+
+def _ptb_char(sentences: list[str]) -> str:
+    # Mikolov's ptb.char.*.txt layout: " a e r _ b a n k\n", a leading space, one sentence a line.
+    return "".join(" " + " ".join("_" if c == " " else c for c in sentence) + "\n" for sentence in sentences)
+
+
+SENTENCES = _sentences(60)
+PTB_CHAR = _ptb_char(SENTENCES)
+PROSE = (
+    "A Heading\n\nI saw a cat on the mat.\nIt sat there for a while, and then it ran off.\n"
+    "a b c d\nThe dog did not care at all about it.\nEnd\n"
+)
+
+
+def _files_only(**kwargs: object) -> TextCorpus:
+    return TextCorpus(val_fraction=0.0, test_fraction=0.0, batch_size=1, window_length=512, **kwargs)  # type: ignore[arg-type]
+
+
+def test_ptb_char_tokens_are_the_real_characters_one_per_symbol(write: Callable[..., str]) -> None:
+    path = write("ptb.char.train.txt", PTB_CHAR)
+    symbols = sum(len(line.split()) for line in PTB_CHAR.split("\n"))  # letters and `_`, no separators
+    assert symbols == sum(len(sentence) for sentence in SENTENCES)
+
+    lines = _files_only(path=path, text_format="ptb_char", unit="line")
+    assert set(lines.vocab.tokens[SPECIALS:]) == set("".join(SENTENCES))  # `_` is read as the space between words
+    assert "_" not in lines.vocab
+    # What bpc averages over: one target per symbol and one <eos> per sentence, none for a separator.
+    assert sum(len(targets) for _, targets in lines.datasets["train"]) == symbols + len(SENTENCES)
+
+    stream = _files_only(path=path, text_format="ptb_char")
+    assert stream.unit == "stream"
+    assert stream.datasets["train"].streams.numel() == symbols + len(SENTENCES)  # one newline a sentence
+
+    # The override reads the file as it is: twice the tokens, the separator and `_` among them.
+    raw = _files_only(path=path, text_format="plain")
+    assert raw.datasets["train"].streams.numel() == len(PTB_CHAR)
+    assert "_" in raw.vocab
+
+
+@pytest.mark.parametrize("unit", ["line", "stream"])
+def test_registry_download_and_data_path_give_identical_tensors(
+    tmp_path: Path, write: Callable[..., str], unit: str
+) -> None:
+    texts = {"train": PTB_CHAR, "valid": _ptb_char(_sentences(12, seed=1)), "test": _ptb_char(_sentences(12, seed=2))}
+    # The registry's ptb_char cache as left by an earlier verified download: the unpacked members and their
+    # recorded SHA-256, which fetch_dataset uses without fetching the archive.
+    folder = tmp_path / "cache" / "ptb_char"
+    folder.mkdir(parents=True)
+    for name, text in texts.items():
+        (folder / f"ptb.char.{name}.txt").write_text(text, encoding="utf-8")
+    digests = {f"ptb.char.{name}.txt": hashlib.sha256(text.encode()).hexdigest() for name, text in texts.items()}
+    (folder / MANIFEST).write_text(json.dumps(digests), encoding="utf-8")
+
+    options = {"unit": unit, "batch_size": 2, "window_length": 9}
+    registry = TextCorpus(dataset="ptb_char", cache_dir=str(tmp_path / "cache"), **options)  # type: ignore[arg-type]
+    paths = {f"{split}_path": write(f"own/{name}.txt", texts[name]) for split, name in
+             (("train", "train"), ("val", "valid"), ("test", "test"))}  # fmt: skip
+    own = TextCorpus(**paths, text_format="ptb_char", **options)  # type: ignore[arg-type]
+
+    assert registry.text_format == own.text_format == "ptb_char"
+    assert registry.vocab == own.vocab
+    for split in ("train", "val", "test"):
+        ours, theirs = own.datasets[split], registry.datasets[split]
+        assert len(ours) == len(theirs) > 0
+        for mine, reference in zip(ours, theirs, strict=True):
+            for a, b in zip(mine[:2], reference[:2], strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_ptb_char_text_read_as_plain_is_refused_with_the_flags_that_fix_it(write: Callable[..., str]) -> None:
+    path = write("ptb.char.train.txt", PTB_CHAR)
+    with pytest.raises(DataError) as caught:
+        _ = _files_only(path=path).vocab
+    message = str(caught.value)
+    assert message.startswith(f"--data.path {path}: expected plain text, got what looks like PTB-char")
+    assert "--data.text_format ptb_char" in message and "--data.text_format plain" in message
+
+    # Each file is checked under its own flag: a PTB-char validation file beside a plain training file.
+    prose = write("prose.txt", PROSE * 5)
+    with pytest.raises(DataError, match=r"^--data\.val_path .*ptb\.char\.train\.txt: expected plain text"):
+        _ = TextCorpus(train_path=prose, val_path=path, test_fraction=0.0, batch_size=1).vocab
+
+
+def test_prose_is_read_as_plain_text_and_refused_as_ptb_char(write: Callable[..., str]) -> None:
+    path = write("prose.txt", PROSE)
+    corpus = _files_only(path=path)  # one line of single letters among longer ones is still prose
+    assert corpus.text_format == "plain"
+    assert corpus.datasets["train"].streams.numel() == len(PROSE)
+    with pytest.raises(DataError, match=r"^--data\.path .*prose\.txt: expected PTB-char text .* got 3 of the 4 lines"):
+        _ = _files_only(path=path, text_format="ptb_char").vocab
+
+
+def test_bad_text_format_values_are_named() -> None:
+    with pytest.raises(DataError, match=r"--data\.text_format 'ptb': choose one of plain, ptb_char"):
+        TextCorpus(text_format="ptb")  # type: ignore[arg-type]
+    with pytest.raises(DataError, match=r"--data\.text_format ptb_char needs a file"):
+        TextCorpus(text_format="ptb_char")
+
+
+def test_the_format_is_saved_and_checked_and_old_states_still_load(write: Callable[..., str]) -> None:
+    ptb = _files_only(path=write("ptb.char.txt", PTB_CHAR), text_format="ptb_char")
+    state = json.loads(json.dumps(ptb.state_dict()))
+    assert state["text_format"] == "ptb_char"
+    plain = _files_only(path=write("plain.txt", "".join(sentence + "\n" for sentence in SENTENCES)))
+    with pytest.raises(DataError, match=r"read with --data\.text_format ptb_char .* pass --data\.text_format ptb_char"):
+        plain.load_state_dict(state)
+    del state["text_format"]  # a checkpoint written before text formats
+    plain.load_state_dict(state)
+    assert plain.vocab == ptb.vocab
+
+
+def test_cli_fits_tests_and_generates_on_a_ptb_char_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from seqnorm.cli import main
+    from seqnorm.lightning.base import DATA_STATE_KEY
+
+    monkeypatch.chdir(tmp_path)
+    path = str(tmp_path / "ptb.char.train.txt")
+    Path(path).write_text(PTB_CHAR, encoding="utf-8")
+    data = ["--data", "TextCorpus", "--data.path", path, "--data.batch_size", "4", "--data.window_length", "17"]
+    quiet = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+    model = ["--model", "LanguageModel", "--model.hidden_size", "16", "--model.embedding_dim", "8"]
+    short = ["--trainer.max_steps", "3", "--trainer.limit_val_batches", "1", *quiet]
+    main(["fit", *model, *data, "--data.text_format", "ptb_char", *short])
+    last = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    state = torch.load(last, weights_only=True)[DATA_STATE_KEY]
+    assert state["text_format"] == "ptb_char" and "_" not in state["vocab"]["tokens"]
+
+    # Read from a checkpoint, the file is read the same way; left as plain, the run stops at the format check.
+    main(["test", *model, *data, "--data.text_format", "ptb_char", *quiet, "--ckpt_path", str(last)])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_code:
+        main(["test", *model, *data, *quiet, "--ckpt_path", str(last)])
+    assert exit_code.value.code == 2
+    assert "--data.text_format ptb_char" in capsys.readouterr().err
+    main(["generate", "--ckpt_path", str(last), "--prompt", "the cat", "--length", "20", "--seed", "0"])
+    assert "_" not in capsys.readouterr().out
