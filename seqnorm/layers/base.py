@@ -198,6 +198,7 @@ class RecurrentLayer(nn.Module):
         return self
 
     def reset_parameters(self) -> None:
+        """Reinitialize every cell (:meth:`RecurrentCell.reset_parameters`: weights, forget bias, norms)."""
         for cell in self.cells:
             cell.reset_parameters()
 
