@@ -48,8 +48,8 @@ def config_path(name: str) -> Path:
     key = name.removeprefix(CONFIG_PREFIX)
     if key not in configs:
         raise ValueError(
-            f"seqnorm: expected --config {CONFIG_PREFIX}<name> with one of the shipped configs "
-            f"({', '.join(configs)}; `seqnorm configs` lists them with their paths), got {name!r}"
+            f"--config: expected {CONFIG_PREFIX}<name> with one of the shipped configs ({', '.join(configs)}; "
+            f"`seqnorm configs` lists them with their paths), got {name!r}"
         )
     return configs[key]
 

@@ -31,7 +31,7 @@ def test_every_config_is_reachable_by_name() -> None:
         assert resolve_config_names(argv) == ["fit", "--config", str(path), f"--config={path}", "-c", str(path)]
     untouched = ["fit", "--config", "configs/char_lm.yaml", "--data.path", "seqnorm:char_lm"]  # not a --config value
     assert resolve_config_names(untouched) == untouched
-    with pytest.raises(ValueError, match=r"^seqnorm: expected --config seqnorm:<name> with one of .*char_lm.*got 'x'"):
+    with pytest.raises(ValueError, match=r"^--config: expected seqnorm:<name> with one of .*char_lm.*got 'x'"):
         config_path("x")
 
 
@@ -47,7 +47,8 @@ def test_the_command_line_takes_names_and_lists_them(
     with pytest.raises(SystemExit) as stopped:
         main(["fit", "--config", "seqnorm:no_such_config"])
     assert stopped.value.code == 2
-    assert "expected --config seqnorm:<name> with one of the shipped configs" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert "seqnorm fit: error: --config: expected seqnorm:<name> with one of the shipped configs" in error
     main(["configs"])
     listed = capsys.readouterr().out
     for name in NAMES:
