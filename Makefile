@@ -25,12 +25,12 @@ venv: $(BIN)/.installed $(BIN)/.kernels
 kernels: $(BIN)/.kernels
 
 test: venv
-	$(BIN)/python -m ruff check seqnorm tests scripts
+	$(BIN)/python -m ruff check seqnorm tests scripts examples
 	$(BIN)/python -m pytest
 
 lint: venv
-	$(BIN)/python -m ruff check seqnorm tests scripts
-	$(BIN)/python -m ruff format --check seqnorm tests scripts
+	$(BIN)/python -m ruff check seqnorm tests scripts examples
+	$(BIN)/python -m ruff format --check seqnorm tests scripts examples
 
 demo: venv
 	$(BIN)/python scripts/demo.py

@@ -35,6 +35,7 @@ from seqnorm.lightning import LanguageModel, SequenceClassifier, SyncBatchNorm
 from seqnorm.lightning.base import DATA_STATE_KEY
 from seqnorm.lightning.checkpoint_io import ALLOWED_GLOBALS, names_class, read_checkpoint, task_class
 from seqnorm.lightning.generate import generate_text
+from seqnorm.shipped_configs import describe_configs, resolve_config_names
 
 __all__ = ["SIGTERM_EXIT_CODE", "SeqnormCLI", "generate", "main"]
 
@@ -232,7 +233,15 @@ def main(args: list[str] | None = None) -> None:
             SeqnormCLI(args=["--help"], seed_everything_default=0)
         finally:
             print(f"\nseqnorm's own command:\n{GENERATE_HELP}\n\n{_version()}")
+    if command == "configs":
+        print(describe_configs())
+        return
     try:
+        argv = resolve_config_names(argv)  # `--config seqnorm:NAME`: a config shipped with the package
+        if args is None:
+            sys.argv[1:] = argv  # LightningCLI reads sys.argv itself (and warns when given args beside it)
+        else:
+            args = argv
         if command == "generate":
             _generate_command(argv[1:])
         else:

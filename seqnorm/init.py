@@ -27,11 +27,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["INITS", "init_recurrent_", "resolve_init"]
+__all__ = ["INITS", "InitName", "init_recurrent_", "resolve_init"]
+
+InitName = Literal["default", "xavier", "kaiming", "orthogonal", "identity", "glorot", "he"]
+"""The ``init=`` choices: the schemes of :data:`INITS` and their aliases (``glorot``, ``he``)."""
 
 
 def _blocks(weight: Tensor, num_gates: int) -> tuple[Tensor, ...]:

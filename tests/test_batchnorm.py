@@ -54,7 +54,7 @@ def test_batch_size_one_in_training_is_a_clear_error(kind: str, norm: str) -> No
         layer(torch.randn(5, 1, 3))
     cell = CELLS[kind](3, 4, norm=norm)
     with pytest.raises(ValueError, match=rf"^{type(cell).__name__}: expected a batch of at least 2 rows"):
-        cell(torch.randn(1, 3))
+        cell(torch.randn(1, 3), step=0)
     layer.eval()  # population statistics need no batch
     output, _ = layer(torch.randn(5, 1, 3))
     assert torch.isfinite(output).all()
@@ -68,9 +68,9 @@ def test_strict_policy_raises_at_a_single_row_step(kind: str, norm: str) -> None
         layer(torch.randn(6, 3, 3), lengths=torch.tensor([6, 2, 3]))
     cell = CELLS[kind](3, 4, norm=norm, small_batch="error")
     with pytest.raises(ValueError, match=r"got 1 \(batch size 4\)"):
-        cell(torch.randn(4, 3), mask=torch.tensor([False, True, False, False]))
+        cell(torch.randn(4, 3), step=0, mask=torch.tensor([False, True, False, False]))
     with pytest.raises(ValueError, match=r"got batch size 1\."):
-        cell(torch.randn(1, 3))
+        cell(torch.randn(1, 3), step=0)
 
 
 def test_tail_step_is_normalized_with_its_running_statistics() -> None:

@@ -62,8 +62,8 @@ def test_carried_state_norm_is_the_new_cell_state(norm: str) -> None:
     perturb_norm_parameters(output_only)
     carried.load_state_dict(output_only.state_dict())
     x, state = torch.randn(5, 3, **F64), (torch.randn(5, 4, **F64), torch.randn(5, 4, **F64))
-    h_out, c_raw = output_only(x, state)
-    h_car, c_car = carried(x, state)
+    h_out, c_raw = output_only(x, state, step=0)
+    h_car, c_car = carried(x, state, step=0)
     assert_close(h_car, h_out, **EXACT)  # the same h: only what is carried differs
     if norm == "layer":
         expected_c = _layer_norm(c_raw, carried.norm_c.weight, carried.norm_c.bias)
@@ -75,7 +75,7 @@ def test_carried_state_norm_is_the_new_cell_state(norm: str) -> None:
         )
     assert_close(c_car, expected_c, **EXACT)
     # and the next step starts from it
-    assert_close(carried(x, (h_car, c_car))[0], output_only(x, (h_car, c_car))[0], **EXACT)
+    assert_close(carried(x, (h_car, c_car), step=1)[0], output_only(x, (h_car, c_car), step=1)[0], **EXACT)
 
 
 @pytest.mark.parametrize("norm", ["layer", "rms", "batch", "batch_renorm"])
@@ -151,9 +151,9 @@ def test_sequence_wise_input_batch_norm(impl: str) -> None:
 def test_sequence_wise_input_norm_needs_whole_sequences_in_training() -> None:
     cell = seqnorm.LSTMCell(3, 4, norm="batch", input_stats="sequence")
     with pytest.raises(ValueError, match=r"LSTMCell: expected a whole sequence for input_stats='sequence'"):
-        cell(torch.randn(5, 3))
+        cell(torch.randn(5, 3), step=0)
     cell.eval()
-    h, _ = cell(torch.randn(5, 3))  # running statistics: one step at a time is fine
+    h, _ = cell(torch.randn(5, 3), step=0)  # running statistics: one step at a time is fine
     assert torch.isfinite(h).all()
     terms = cell.input_terms(torch.randn(6, 5, 3))  # the documented way to get its terms for a whole sequence
     assert terms.shape == (6, 5, 16)
@@ -317,7 +317,7 @@ def test_weight_norm_with_mean_only_bn_can_sit_jointly() -> None:
     x, h, c = torch.randn(5, 3), torch.randn(5, 4), torch.randn(5, 4)
     total = F.linear(x, cell.weight_ih) + F.linear(h, cell.weight_hh)
     o, c_new = _lstm_tail(total - total.mean(0) + cell.bias_ih + cell.bias_hh, c)
-    assert_close(cell(x, (h, c)), (o * torch.tanh(c_new), c_new))
+    assert_close(cell(x, (h, c), step=0), (o * torch.tanh(c_new), c_new))
 
 
 def test_repr_shows_switches() -> None:

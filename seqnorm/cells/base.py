@@ -13,15 +13,19 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrizations, parametrize
 
 from seqnorm.cells.projection import project
-from seqnorm.init import init_recurrent_, resolve_init
+from seqnorm.init import InitName, init_recurrent_, resolve_init
 from seqnorm.norms import (
     DEFAULT_MAX_STEPS,
     DEFAULT_SMALL_BATCH,
     NORMS,
     BeyondMaxSteps,
+    InputStats,
     NormContext,
+    NormName,
+    NormPlacement,
     NormSpec,
     SmallBatchPolicy,
+    StateNorm,
     check_placement,
     resolve_norm,
 )
@@ -102,9 +106,9 @@ class RecurrentCell(PicklableParametrizations):
         hidden_size: int,
         bias: bool = True,
         *,
-        norm: str | NormSpec = "none",
+        norm: NormName | NormSpec = "none",
         max_steps: int = DEFAULT_MAX_STEPS,
-        init: str = "default",
+        init: InitName = "default",
         forget_bias: float | None = None,
         eps: float = 1e-5,
         momentum: float | None = 0.1,
@@ -113,12 +117,12 @@ class RecurrentCell(PicklableParametrizations):
         zoneout_h: float = 0.0,
         zoneout_c: float = 0.0,
         proj_size: int = 0,
-        norm_placement: str = "separate",
-        state_norm: str = "output",
+        norm_placement: NormPlacement = "separate",
+        state_norm: StateNorm = "output",
         affine: bool = True,
         gamma_init: float | None = None,
         beta_init: float = 0.0,
-        input_stats: str = "timestep",
+        input_stats: InputStats = "timestep",
         beyond_max_steps: BeyondMaxSteps = "last",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -422,7 +426,23 @@ class RecurrentCell(PicklableParametrizations):
         return tensor
 
     def check_step(self, step: object) -> int:
+        """The time index of a call: ``step`` as an int ``>= 0``; ``None`` (not given) is a ``ValueError`` for a
+        cell whose norms keep statistics per time step (:attr:`indexed_by_step`), and step 0 for the others, which
+        compute the same at every step."""
+        if step is None:
+            if self.indexed_by_step:
+                raise ValueError(
+                    f"{type(self).__name__}: expected step=<time index> (norm={self.norm!r} keeps statistics per "
+                    "time step: call cell(x_t, state, step=t) in a loop over t), got none"
+                )
+            return 0
         return check_step(type(self).__name__, step)
+
+    @property
+    def indexed_by_step(self) -> bool:
+        """Whether the step index changes what this cell computes: one of its norms declares ``indexed_by_step``
+        (per-timestep batch statistics: ``"batch"``, ``"batch_renorm"``, ``"weight"`` with mean-only BN)."""
+        return any(getattr(module, "indexed_by_step", False) for module in self.modules() if module is not self)
 
     def reference_parameter(self) -> Tensor:
         """A parameter whose dtype and device all of this cell's share (one held directly when there is one)."""

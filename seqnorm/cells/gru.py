@@ -35,8 +35,9 @@ class GRUCell(RecurrentCell):
     be 0, ``norm_placement`` ``"separate"``, ``state_norm`` ``"output"`` and ``beta_init`` 0: a GRU has no cell state,
     and its candidate gates the recurrent term by ``r``, so the two terms are never one sum).
 
-    Inputs: ``x, h=None, *, step=0, mask=None`` with ``x`` ``(B, input_size)`` and ``h`` ``(B, hidden_size)``;
-    ``mask`` as for :class:`~seqnorm.LSTMCell` (padding rows keep their state).
+    Inputs: ``x, h=None, *, step=None, mask=None`` with ``x`` ``(B, input_size)`` and ``h`` ``(B, hidden_size)``;
+    ``step`` and ``mask`` as for :class:`~seqnorm.LSTMCell` (``step`` required by per-timestep norms; padding rows
+    keep their state).
 
     Outputs: ``h'`` ``(B, hidden_size)``.
 
@@ -53,7 +54,29 @@ class GRUCell(RecurrentCell):
     torch_kernel = "gru"
     hoisted_step = True
 
-    def forward(self, x: Tensor, state: Tensor | None = None, *, step: int = 0, mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, state: Tensor | None = None, *, step: int | None = None, mask: Tensor | None = None
+    ) -> Tensor:
+        """Advance the cell by one time step.
+
+        Args:
+            x: the input at this step, ``(B, input_size)``.
+            state: ``h`` ``(B, hidden_size)``; ``None``: zeros.
+            step: the time index ``t >= 0`` of ``x`` in its sequence. Required when the norm keeps statistics per
+                time step (``"batch"``, ``"batch_renorm"``, ``"weight"`` with mean-only BN: they normalize step
+                ``t`` with step ``t``'s statistics, in training and in evaluation); other norms compute the same at
+                every step and ignore it.
+            mask: ``(B,)`` bool, ``False`` for rows that are padding at this step: they enter no batch statistics
+                and keep their state. ``None``: every row is real.
+
+        Returns:
+            ``h'`` ``(B, hidden_size)``.
+
+        Raises:
+            ValueError: an input, state or mask of the wrong shape, dtype or device; ``step`` not an int ``>= 0``,
+                or not given for a norm with per-timestep statistics; a batch norm in training with fewer than 2
+                real rows (see ``small_batch``).
+        """
         self.check_input(x, mask)
         step = self.check_step(step)
         if state is None:

@@ -86,11 +86,12 @@ class LSTMCell(RecurrentCell):
             (see :mod:`seqnorm.norms.batch` for the trade-off).
         device, dtype: of the parameters.
 
-    Inputs: ``x, state=None, *, step=0, mask=None``
+    Inputs: ``x, state=None, *, step=None, mask=None``
         - **x** ``(B, input_size)``.
         - **state** ``(h, c)``: ``h`` ``(B, P)``, ``c`` ``(B, hidden_size)``; zeros when ``None``. ``P`` is
           ``proj_size`` if set, else ``hidden_size``.
-        - **step** the time index, which selects per-timestep statistics.
+        - **step** the time index, which selects per-timestep statistics: required by ``"batch"``,
+          ``"batch_renorm"`` and ``"weight"`` with mean-only BN (a ``ValueError`` without it), ignored by the others.
         - **mask** ``(B,)`` bool: ``False`` rows are padding at this step. They enter no batch statistics and keep
           their state unchanged, so a loop over a padded batch ends with each row's state at its last real step.
 
@@ -116,8 +117,34 @@ class LSTMCell(RecurrentCell):
     hoisted_step = True
 
     def forward(
-        self, x: Tensor, state: tuple[Tensor, Tensor] | None = None, *, step: int = 0, mask: Tensor | None = None
+        self,
+        x: Tensor,
+        state: tuple[Tensor, Tensor] | None = None,
+        *,
+        step: int | None = None,
+        mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
+        """Advance the cell by one time step.
+
+        Args:
+            x: the input at this step, ``(B, input_size)``.
+            state: ``(h, c)`` with ``h`` ``(B, P)`` and ``c`` ``(B, hidden_size)`` (``P``: ``proj_size`` if set,
+                else ``hidden_size``); ``None``: zeros.
+            step: the time index ``t >= 0`` of ``x`` in its sequence. Required when the norm keeps statistics per
+                time step (``"batch"``, ``"batch_renorm"``, ``"weight"`` with mean-only BN: they normalize step
+                ``t`` with step ``t``'s statistics, in training and in evaluation); other norms compute the same at
+                every step and ignore it.
+            mask: ``(B,)`` bool, ``False`` for rows that are padding at this step: they enter no batch statistics
+                and keep their state. ``None``: every row is real.
+
+        Returns:
+            ``(h', c')``, shaped as ``state``.
+
+        Raises:
+            ValueError: an input, state or mask of the wrong shape, dtype or device; ``step`` not an int ``>= 0``,
+                or not given for a norm with per-timestep statistics; a batch norm in training with fewer than 2
+                real rows (see ``small_batch``).
+        """
         self.check_input(x, mask)
         step = self.check_step(step)
         if state is None:

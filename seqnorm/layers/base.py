@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from seqnorm.cells.base import RecurrentCell, check_positive_int, check_proj_size, check_rate
-from seqnorm.init import resolve_init
+from seqnorm.init import InitName, resolve_init
 from seqnorm.layers.dropout import draw_sequence_masks
 from seqnorm.layers.fast import IMPLS, Impl, run_fast, run_fused, step_cell
 from seqnorm.layers.finite import watch_input_gradient
@@ -37,8 +37,12 @@ from seqnorm.norms import (
     DEFAULT_MAX_STEPS,
     DEFAULT_SMALL_BATCH,
     BeyondMaxSteps,
+    InputStats,
+    NormName,
+    NormPlacement,
     NormSpec,
     SmallBatchPolicy,
+    StateNorm,
     check_placement,
     resolve_norm,
 )
@@ -84,20 +88,20 @@ class RecurrentLayer(nn.Module):
         zoneout_h: float = 0.0,
         zoneout_c: float = 0.0,
         proj_size: int = 0,
-        norm: str | NormSpec = "none",
+        norm: NormName | NormSpec = "none",
         max_steps: int = DEFAULT_MAX_STEPS,
-        init: str = "default",
+        init: InitName = "default",
         forget_bias: float | None = None,
         eps: float = 1e-5,
         momentum: float | None = 0.1,
         small_batch: SmallBatchPolicy = DEFAULT_SMALL_BATCH,
         norm_options: Mapping[str, Any] | None = None,
-        norm_placement: str = "separate",
-        state_norm: str = "output",
+        norm_placement: NormPlacement = "separate",
+        state_norm: StateNorm = "output",
         affine: bool = True,
         gamma_init: float | None = None,
         beta_init: float = 0.0,
-        input_stats: str = "timestep",
+        input_stats: InputStats = "timestep",
         beyond_max_steps: BeyondMaxSteps = "last",
         impl: Impl = "auto",
         device: torch.device | str | None = None,
@@ -194,6 +198,7 @@ class RecurrentLayer(nn.Module):
         return self
 
     def reset_parameters(self) -> None:
+        """Reinitialize every cell (:meth:`RecurrentCell.reset_parameters`: weights, forget bias, norms)."""
         for cell in self.cells:
             cell.reset_parameters()
 

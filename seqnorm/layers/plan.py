@@ -187,7 +187,7 @@ def _forward_plan(
     cells: list[RecurrentCell] = list(layer.cells)
     if layer.impl == "reference":
         return Plan("reference", "impl='reference'")
-    if first_step and any(_indexed_by_step(cell) for cell in cells):
+    if first_step and any(cell.indexed_by_step for cell in cells):
         return Plan("reference", f"first_step={first_step} with per-timestep statistics (fast paths count from 0)")
     for index, cell in enumerate(cells):
         if cell.observer.active:
@@ -224,11 +224,6 @@ def _forward_plan(
         return Plan("bptt", reason + kernel_note, routes)
     why = next((blocker for blocker in blockers if blocker is not None), "no gradient is wanted")
     return Plan("loop", f"{name} declares hoisted_step; no hand-written BPTT: {why}{kernel_note}", routes)
-
-
-def _indexed_by_step(cell: RecurrentCell) -> bool:
-    """Whether a norm of ``cell`` declares that the step index changes what it computes (``indexed_by_step``)."""
-    return any(getattr(module, "indexed_by_step", False) for module in cell.modules() if module is not cell)
 
 
 def _hoisting_blocker(cells: list[RecurrentCell]) -> str | None:

@@ -61,6 +61,9 @@ class RNNClassifier(nn.Module):
         self.head = nn.Linear(hidden_size * (2 if bidirectional else 1), num_classes)
 
     def forward(self, inputs: Tensor, lengths: Tensor) -> Tensor:
+        """Class logits ``(B, num_classes)`` of token ids ``inputs`` ``(B, T)`` with real lengths ``lengths`` ``(B,)``:
+        from each sequence's state at its last real step (``pooling="last"``) or the mean or max of its outputs
+        over its real positions."""
         output, state = self.rnn(self.dropout(self.embedding(inputs)), lengths=lengths)  # output (B, T, D*H)
         if self.pooling == "last":
             h_n = state[0] if isinstance(state, tuple) else state  # (layers * D, B, H)

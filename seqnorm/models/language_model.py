@@ -57,6 +57,8 @@ class RNNLanguageModel(nn.Module):
             self.projection.weight = self.embedding.weight
 
     def forward(self, inputs: Tensor, lengths: Tensor | None = None) -> Tensor:
+        """Next-token logits ``(B, T, vocab_size)`` of token ids ``inputs`` ``(B, T)``; ``lengths`` ``(B,)`` marks
+        padding (``None``: none), from a zero state (:meth:`forward_with_state` carries one)."""
         return self.forward_with_state(inputs, lengths)[0]
 
     def forward_with_state(

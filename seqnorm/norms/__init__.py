@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
@@ -34,6 +34,7 @@ from seqnorm.norms.sequence import SequenceBatchNorm, SequenceBatchRenorm
 from seqnorm.norms.specs import (
     BatchNormSpec,
     BatchRenormSpec,
+    InputStats,
     LayerNormSpec,
     NoNormSpec,
     NormSpec,
@@ -53,11 +54,13 @@ __all__ = [
     "BatchNormSpec",
     "BatchRenormSpec",
     "BeyondMaxSteps",
+    "InputStats",
     "LayerNorm",
     "LayerNormSpec",
     "NoNormSpec",
     "NormContext",
     "NormName",
+    "NormPlacement",
     "NormScheme",
     "NormSpec",
     "Placement",
@@ -66,6 +69,7 @@ __all__ = [
     "SequenceBatchNorm",
     "SequenceBatchRenorm",
     "SmallBatchPolicy",
+    "StateNorm",
     "TimestepBatchNorm",
     "TimestepBatchRenorm",
     "WeightNormSpec",
@@ -77,6 +81,10 @@ __all__ = [
 ]
 
 NormName = Literal["none", "layer", "rms", "weight", "batch", "batch_renorm"]
+"""The built-in registry names, the short form of ``norm=`` (a test keeps it equal to the keys of :data:`NORMS`; a
+norm registered later is accepted at run time all the same)."""
+NormPlacement = Literal["separate", "joint"]
+StateNorm = Literal["output", "carried"]
 Role = Literal["input", "recurrent", "gates", "state"]
 
 
@@ -95,8 +103,8 @@ class Placement:
             ``c' <- N_c(c')`` is the new cell state too (LSTM only).
     """
 
-    norm_placement: Literal["separate", "joint"] = "separate"
-    state_norm: Literal["output", "carried"] = "output"
+    norm_placement: NormPlacement = "separate"
+    state_norm: StateNorm = "output"
 
 
 @dataclass(frozen=True)
@@ -363,8 +371,8 @@ def check_placement(
     """
     scheme = NORMS[spec.name]
     for name, value, choices in (
-        ("norm_placement", norm_placement, ("separate", "joint")),
-        ("state_norm", state_norm, ("output", "carried")),
+        ("norm_placement", norm_placement, get_args(NormPlacement)),
+        ("state_norm", state_norm, get_args(StateNorm)),
     ):
         if value not in choices or not isinstance(value, str):
             raise ValueError(f"{owner}: expected {name} to be one of {', '.join(map(repr, choices))}, got {value!r}")

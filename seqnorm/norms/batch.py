@@ -253,6 +253,13 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
 
     @float32_statistics
     def forward(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:
+        """Normalize ``x`` ``(B, F)``, the term at time step ``step``, with that step's statistics.
+
+        In training: the moments of the rows that ``mask`` ``(B,)`` marks real (all rows if ``None``), which also
+        update the running moments of ``step`` (steps with fewer than 2 real rows: ``small_batch``); in evaluation:
+        the running moments of ``step`` (beyond ``max_steps``: ``beyond_max_steps``). Cells pass ``step``; the
+        default 0 is for calling a norm on its own.
+        """
         if not self.training:
             return self._forward_rows(x.unsqueeze(0), None, [x.shape[0]], step)[0]
         active = x.shape[0] if mask is None else int(mask.sum())

@@ -109,6 +109,8 @@ class LayerNorm(_RowNorm):
 
     @float32_statistics
     def forward(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:
+        """Normalize each row of ``x`` ``(..., F)`` over its ``F`` features; ``step`` and ``mask`` are accepted for
+        the recurrent norm interface and ignored (rows are independent, the same at every step)."""
         return F.layer_norm(x, (self.num_features,), self.weight, self.bias, self.eps)
 
     # --- StepPieces: torch's own LayerNorm kernels, the ones autograd would run ---
@@ -162,6 +164,8 @@ class RMSNorm(_RowNorm):
 
     @float32_statistics
     def forward(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:
+        """Scale each row of ``x`` ``(..., F)`` by its root mean square; ``step`` and ``mask`` are ignored, as for
+        :class:`LayerNorm`."""
         x_hat = x * self._rstd(x, self._constants(x))
         y = x_hat if self.weight is None else x_hat * self.weight
         return y if self.bias is None else y + self.bias

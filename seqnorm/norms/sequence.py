@@ -26,6 +26,8 @@ class _OverTime:
     training: bool
 
     def forward(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:
+        """One step ``x`` ``(B, F)`` in evaluation, with the one row of running statistics (``step`` is ignored);
+        in training a ``ValueError``: statistics over batch × time need :meth:`forward_sequence`."""
         if self.training:
             raise ValueError(
                 f"{self.owner}: expected a whole sequence for input_stats='sequence' in training (its statistics "

@@ -1,0 +1,92 @@
+"""What a ``pip install`` gets: every shipped config inside the wheel and reachable by name, ``seqnorm:NAME``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from seqnorm.cli import main
+from seqnorm.shipped_configs import config_dir, config_path, resolve_config_names, shipped_configs
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "configs"
+NAMES = sorted(path.relative_to(CONFIGS).with_suffix("").as_posix() for path in CONFIGS.rglob("*.yaml"))
+
+
+def test_every_config_is_reachable_by_name() -> None:
+    assert config_dir() == CONFIGS  # a checkout: the repository's own directory
+    assert list(shipped_configs()) == NAMES and "norm/batch" in NAMES
+    for name in NAMES:
+        path = CONFIGS / f"{name}.yaml"
+        assert config_path(name) == path == config_path(f"seqnorm:{name}")
+        argv = ["fit", "--config", f"seqnorm:{name}", f"--config=seqnorm:{name}", "-c", f"seqnorm:{name}"]
+        assert resolve_config_names(argv) == ["fit", "--config", str(path), f"--config={path}", "-c", str(path)]
+    untouched = ["fit", "--config", "configs/char_lm.yaml", "--data.path", "seqnorm:char_lm"]  # not a --config value
+    assert resolve_config_names(untouched) == untouched
+    with pytest.raises(ValueError, match=r"^--config: expected seqnorm:<name> with one of .*char_lm.*got 'x'"):
+        config_path("x")
+
+
+def test_the_command_line_takes_names_and_lists_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stopped:
+        main(["fit", "--config", "seqnorm:embedded_lm", "--config=seqnorm:norm/batch", "--print_config"])
+    assert stopped.value.code in (0, None)
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["init_args"]["norm"] == "batch" and printed["model"]["init_args"]["max_steps"] == 256
+    with pytest.raises(SystemExit) as stopped:
+        main(["fit", "--config", "seqnorm:no_such_config"])
+    assert stopped.value.code == 2
+    error = capsys.readouterr().err
+    assert "seqnorm fit: error: --config: expected seqnorm:<name> with one of the shipped configs" in error
+    main(["configs"])
+    listed = capsys.readouterr().out
+    for name in NAMES:
+        assert f"seqnorm:{name} " in listed and str(CONFIGS / f"{name}.yaml") in listed
+
+
+def test_pyproject_lists_every_package() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    setuptools = pytest.importorskip("setuptools")
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = set(setuptools.find_packages(str(ROOT), include=["seqnorm*"]))
+    folders = {path.parent.relative_to(CONFIGS).parts for path in CONFIGS.rglob("*.yaml")}
+    assert set(config["packages"]) == found | {".".join(("seqnorm", "configs", *parts)) for parts in folders}
+    assert config["package-dir"] == {"seqnorm.configs": "configs"}
+
+
+def test_the_wheel_ships_every_config(tmp_path: Path) -> None:
+    setuptools = pytest.importorskip("setuptools")
+    if int(setuptools.__version__.split(".")[0]) < 77:  # pyproject.toml's build requirement (built here, offline)
+        pytest.skip(f"building needs setuptools>=77, this environment has {setuptools.__version__}")
+    source = tmp_path / "source"  # a copy: a build writes build/ and *.egg-info beside the sources
+    for name in ("seqnorm", "configs"):
+        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    command = [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q"]
+    subprocess.run([*command, "-w", str(tmp_path / "wheel")], check=True, capture_output=True, timeout=120)
+    (wheel,) = (tmp_path / "wheel").glob("seqnorm-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        assert {f"seqnorm/configs/{name}.yaml" for name in NAMES} | {"seqnorm/py.typed"} <= set(archive.namelist())
+        archive.extractall(tmp_path / "installed")
+    # Installed (here: unpacked, as pip does), the package finds them inside itself, by the same names.
+    probe = "import json; from seqnorm import shipped_configs as s; print(json.dumps(s.shipped_configs(), default=str))"
+    environment = {**os.environ, "PYTHONPATH": str(tmp_path / "installed")}
+    result = subprocess.run(
+        [sys.executable, "-c", probe], check=True, capture_output=True, text=True, env=environment, cwd=tmp_path
+    )
+    found = json.loads(result.stdout)
+    assert list(found) == NAMES
+    inside = tmp_path / "installed" / "seqnorm" / "configs"
+    assert all(Path(path).is_relative_to(inside) for path in found.values())
