@@ -178,3 +178,15 @@ def test_checkpoint_written_before_the_fix_still_reads(run: tuple[str, list[str]
     torch.save(checkpoint, "old.ckpt")
     main(["test", *args, "--ckpt_path", "old.ckpt"])
     assert "test/acc" in _scalars(Path("lightning_logs/version_1"))
+
+
+def test_stream_language_model_predicts_every_window(story: Path) -> None:
+    # a character LM on a file reads it as streams by default: one row per stream and window, each from zeros
+    args = ["--model", "LanguageModel", "--data", "TextCorpus", "--data.path", str(story), *TINY, *QUIET]
+    main(["fit", *args, "--data.window_length", "65", "--trainer.max_steps", "2", "--trainer.limit_val_batches", "1"])
+    main(["predict", *args, "--data.window_length", "65", "--ckpt_path", str(LAST)])
+    rows = [json.loads(line) for line in Path("lightning_logs/version_1/predictions.jsonl").read_text().splitlines()]
+    windows = TextCorpus(path=str(story), batch_size=16, window_length=65).datasets["test"]
+    assert [(row["window"], row["stream"]) for row in rows] == [(w, s) for w in range(len(windows)) for s in range(16)]
+    assert [row["index"] for row in rows] == list(range(len(rows)))
+    assert all(row["tokens"] == len(windows[row["window"]][0][row["stream"]]) for row in rows)
