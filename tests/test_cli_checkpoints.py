@@ -190,3 +190,19 @@ def test_stream_language_model_predicts_every_window(story: Path) -> None:
     assert [(row["window"], row["stream"]) for row in rows] == [(w, s) for w in range(len(windows)) for s in range(16)]
     assert [row["index"] for row in rows] == list(range(len(rows)))
     assert all(row["tokens"] == len(windows[row["window"]][0][row["stream"]]) for row in rows)
+
+
+@pytest.mark.parametrize("run", ["SequenceClassifier"], indirect=True)
+def test_predict_without_texts_to_predict_names_the_flag(
+    run: tuple[str, list[str]], capsys: pytest.CaptureFixture
+) -> None:
+    _, args = run
+    without_test_file = args[: args.index("--data.test_path")] + args[args.index("--data.test_path") + 2 :]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["predict", *without_test_file, "--ckpt_path", str(LAST)])
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err.strip().splitlines()[-1]  # Lightning's log lines may come before it
+    assert message == (
+        "seqnorm predict: error: --data.test_path: predict reads the test split, and this data has none: pass "
+        "--data.test_path with the texts to predict"
+    )
