@@ -4,7 +4,8 @@ Examples::
 
     seqnorm fit --model LanguageModel --data TextCorpus --data.path my.txt --model.norm layer
     seqnorm fit --config configs/char_lm.yaml --config configs/norm/batch.yaml --data.path my.txt
-    seqnorm fit ... --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt    # resume
+    seqnorm fit ... --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt    # resume: continues version_0
+    seqnorm predict ... --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt  # -> version_N/predictions.jsonl
     seqnorm generate --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt --prompt "The " --length 200
 
 User errors (a missing file, bad text, an impossible setting, a checkpoint that is not one) end with a

@@ -51,6 +51,7 @@ class ResumableCheckpoint(ModelCheckpoint):
     _last_written_at_step: int | None = None
     _held_back: list[tuple[str, str]] | None = None
     _restoring_from: str | None = None  # the checkpoint file whose state load_state_dict receives
+    _restoring_to_fit = True
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -68,8 +69,14 @@ class ResumableCheckpoint(ModelCheckpoint):
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         super().on_load_checkpoint(trainer, pl_module, checkpoint)
         self._restoring_from = str(trainer.ckpt_path) if trainer.ckpt_path is not None else None
+        self._restoring_to_fit = trainer.state.fn == TrainerFn.FITTING
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not self._restoring_to_fit:
+            # validate/test/predict save nothing: only best_model_path (ckpt_path="best") matters, and Lightning's
+            # warning that the other state is not reloaded from another run's folder would only puzzle
+            self.best_model_path = state_dict["best_model_path"]
+            return
         saved, source = state_dict.get("dirpath"), local_path(self._restoring_from) if self._restoring_from else None
         here = os.path.abspath(self.dirpath) if self.dirpath is not None and local_path(self.dirpath) else None
         if saved and here and source and saved != self.dirpath and os.path.dirname(os.path.abspath(source)) == here:
