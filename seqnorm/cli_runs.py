@@ -52,16 +52,23 @@ def continued_run_logger(ckpt_path: str | None, default_root_dir: str | None) ->
     Returns a logger when ``ckpt_path`` is a local file in the layout the default logger writes under this run's
     root directory, ``<default_root_dir>/lightning_logs/<version>/checkpoints/<file>``; the resumed fit then adds
     to that run's TensorBoard curves, ``config.yaml`` and top-k checkpoints instead of opening ``version_N+1``.
-    ``None`` (Lightning's default: a new version) for a checkpoint anywhere else, e.g. one copied from another
-    machine or written under another ``--trainer.default_root_dir``.
+    ``None`` (Lightning's default: a new version) for a checkpoint anywhere else, e.g. one kept outside the run
+    folders or written under another ``--trainer.default_root_dir``. A run folder moved or copied into
+    ``lightning_logs/`` continues too (:class:`~seqnorm.lightning.checkpoint.ResumableCheckpoint` rebases its
+    saved state).
     """
     checkpoint_file = local_path(ckpt_path) if ckpt_path is not None else None
-    root_dir = local_path(default_root_dir) if default_root_dir is not None else os.getcwd()
-    if checkpoint_file is None or root_dir is None:  # remote paths: Lightning's default
+    save_dir = default_root_dir if default_root_dir is not None else os.getcwd()  # what the Trainer's default uses
+    if checkpoint_file is None or local_path(save_dir) is None:  # remote paths: Lightning's default
         return None
-    checkpoint, root = Path(checkpoint_file).resolve(), Path(root_dir).resolve()
+    checkpoint = Path(checkpoint_file).resolve()
     run = checkpoint.parent.parent
-    if not checkpoint.is_file() or checkpoint.parent.name != "checkpoints" or run.parent != root / LOGS_NAME:
+    if (
+        not checkpoint.is_file()
+        or checkpoint.parent.name != "checkpoints"
+        or run.parent != Path(save_dir).resolve() / LOGS_NAME
+    ):
         return None
-    # The arguments of the Trainer's own default logger, plus the version: the run's directory name.
-    return TensorBoardLogger(save_dir=str(root), name=LOGS_NAME, version=run.name)
+    # The Trainer's own default logger, plus the version (the run's directory name): the same paths as the first
+    # run's, so ModelCheckpoint recognizes its saved dirpath and restores its top-k state.
+    return TensorBoardLogger(save_dir=save_dir, name=LOGS_NAME, version=run.name)
