@@ -4,7 +4,8 @@ Examples::
 
     seqnorm fit --model LanguageModel --data TextCorpus --data.path my.txt --model.norm layer
     seqnorm fit --config configs/char_lm.yaml --config configs/norm/batch.yaml --data.path my.txt
-    seqnorm fit ... --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt    # resume
+    seqnorm fit ... --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt    # resume: continues version_0
+    seqnorm predict ... --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt  # -> version_N/predictions.jsonl
     seqnorm generate --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt --prompt "The " --length 200
 
 User errors (a missing file, bad text, an impossible setting, a checkpoint that is not one) end with a
@@ -20,16 +21,18 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import warnings
 from typing import Any
 
 import torch
 from jsonargparse import Namespace, auto_cli
-from lightning.pytorch import Callback, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.layer_sync import LayerSync
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from seqnorm.cli_checks import apply_checkpoint_hparams, check_data_matches, check_writable_dir, user_error
+from seqnorm.cli_runs import ModelInstantiator, continued_run_logger
 from seqnorm.data import LabeledText, TextCorpus, Vocabulary
 from seqnorm.lightning import LanguageModel, SequenceClassifier, SyncBatchNorm
 from seqnorm.lightning.base import DATA_STATE_KEY
@@ -59,6 +62,11 @@ DEFAULT_CALLBACKS: list[dict[str, Any]] = [
         },
     },
 ]
+PREDICT_CALLBACKS: list[dict[str, Any]] = [
+    *DEFAULT_CALLBACKS,
+    # One JSON line per input under the run directory (lightning_logs/version_N/predictions.jsonl).
+    {"class_path": "seqnorm.lightning.prediction_writer.PredictionWriter"},
+]
 # The progress bar is Lightning's default RichProgressBar (rich is a dependency), so
 # `--trainer.enable_progress_bar false` still works.
 
@@ -74,6 +82,7 @@ class SeqnormCLI(LightningCLI):
 
     _args: ArgsType = None
     _resumed: dict[str, Any] | None = None  # the checked checkpoint's hyper_parameters and data state
+    _continues_run = False  # a resumed fit logging into its checkpoint's run directory (continued_run_logger)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # set_defaults, not trainer_defaults: it parses class_path dicts (and `--trainer.callbacks+=X` appends)
@@ -88,6 +97,12 @@ class SeqnormCLI(LightningCLI):
             ("data.num_classes", "model.init_args.num_classes"),
         ):
             parser.link_arguments(source, target, apply_on="instantiate")
+
+    def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> LightningArgumentParser:
+        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+        if subcommand == "predict":  # a default of this subcommand only: --trainer.callbacks replaces it, += adds
+            parser.set_defaults({"trainer.callbacks": PREDICT_CALLBACKS})
+        return parser
 
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
         self._args = args  # parsed again without defaults to tell the flags the user set (_parse_ckpt_path)
@@ -127,6 +142,11 @@ class SeqnormCLI(LightningCLI):
             return self.parser.parse_object(self._args, defaults=False)
         return self.parser.parse_args(self._args, defaults=False)
 
+    def _add_instantiators(self) -> None:
+        super()._add_instantiators()
+        # Replaces Lightning's model instantiator (same key): see ModelInstantiator for the hyperparameter it added.
+        self.parser.add_instantiator(ModelInstantiator(self), LightningModule, subclasses=True)
+
     def before_instantiate_classes(self) -> None:
         # Instantiating reads (and may download) the data: an unusable log folder should stop the run first.
         trainer = self._get(self.config, "trainer")
@@ -150,10 +170,20 @@ class SeqnormCLI(LightningCLI):
         plugins = list(plugins) if isinstance(plugins, list | tuple) else [plugins]
         if config.get("sync_batchnorm") and not any(isinstance(plugin, LayerSync) for plugin in plugins):
             config["plugins"] = [*plugins, SyncBatchNorm()]
+        # A resumed fit with the default logger continues its run directory: one TensorBoard run, one version_N.
+        # validate/test/predict keep Lightning's new version: their config.yaml, metrics and predictions are theirs.
+        if self.subcommand == "fit" and config.get("logger") in (None, True):
+            logger = continued_run_logger(self.config["fit"].get("ckpt_path"), config.get("default_root_dir"))
+            if logger is not None:
+                config["logger"], self._continues_run = logger, True
+                # config.yaml is there already: it becomes the resumed run's (Lightning refuses to overwrite it)
+                self.save_config_kwargs = {**self.save_config_kwargs, "overwrite": True}
         return super()._instantiate_trainer(config, callbacks)
 
     def _run_subcommand(self, subcommand: str) -> None:
-        with torch.serialization.safe_globals(ALLOWED_GLOBALS):
+        with torch.serialization.safe_globals(ALLOWED_GLOBALS), warnings.catch_warnings():
+            if self._continues_run:  # ModelCheckpoint warns of a non-empty folder: the resumed run's own
+                warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
             super()._run_subcommand(subcommand)
 
     def _prepare_subcommand_kwargs(self, subcommand: str) -> dict[str, Any]:
@@ -184,11 +214,16 @@ def generate(
     checkpoint = read_checkpoint(ckpt_path)
     saved_class = task_class(checkpoint, MODELS, ckpt_path)
     data_state = checkpoint.get(DATA_STATE_KEY)
-    if saved_class not in (LanguageModel, None) or not isinstance(data_state, dict) or "unit" not in data_state:
-        held = f"a {saved_class.__name__}" if saved_class not in (LanguageModel, None) else "no vocabulary"
+    if saved_class not in (LanguageModel, None):
         raise ValueError(
-            f"--ckpt_path {ckpt_path}: not a LanguageModel checkpoint written by `seqnorm fit` (it holds {held}); "
-            "pass a checkpoint of a language model run"
+            f"--ckpt_path {ckpt_path}: holds a {saved_class.__name__}, and generate samples text from a "
+            "LanguageModel: pass the checkpoint of a language model run (`seqnorm predict` labels text with a "
+            "classifier)"
+        )
+    if not isinstance(data_state, dict) or "unit" not in data_state:
+        raise ValueError(
+            f"--ckpt_path {ckpt_path}: not a LanguageModel checkpoint written by `seqnorm fit` (it holds no "
+            "vocabulary); pass a checkpoint of a language model run"
         )
     model = LanguageModel.load_from_checkpoint(ckpt_path, map_location="cpu")
     generator = torch.Generator().manual_seed(seed) if seed is not None else None

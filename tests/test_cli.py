@@ -47,14 +47,18 @@ def test_char_lm_on_own_file_trains_resumes_and_generates(story: Path, capsys: p
     assert checkpoint["global_step"] == 90
     assert checkpoint["seqnorm_data"]["level"] == "char"
 
-    # stop, then resume from last.ckpt: the step count and the optimizer state continue
+    # stop, then resume from last.ckpt: the step count and the optimizer state continue, in the same run directory
     main(["fit", *base, *TINY_LM, *QUIET, "--trainer.max_steps", "120", "--ckpt_path", str(last)])
-    resumed = Path("lightning_logs/version_1")
-    resumed_checkpoint = torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=False)
+    assert [path.name for path in Path("lightning_logs").iterdir()] == ["version_0"]
+    resumed_checkpoint = torch.load(last, weights_only=False)
     assert resumed_checkpoint["global_step"] == 120
     adam_steps = {float(state["step"]) for state in resumed_checkpoint["optimizer_states"][0]["state"].values()}
     assert adam_steps == {120.0}
-    assert min(step for step, _ in _scalars(resumed)["val/loss"]) >= 90
+    # one TensorBoard run: the first run's points, then the resumed run's, in step order
+    resumed_scalars = _scalars(run)
+    assert resumed_scalars["val/loss"][: len(scalars["val/loss"])] == scalars["val/loss"]
+    steps = [step for step, _ in resumed_scalars["val/loss"]]
+    assert steps == sorted(steps) and steps[-1] >= 110 and len(steps) > len(scalars["val/loss"])
 
     # generate at batch size 1 from the checkpoint: characters of the training text only
     capsys.readouterr()
@@ -66,9 +70,9 @@ def test_char_lm_on_own_file_trains_resumes_and_generates(story: Path, capsys: p
     main(["generate", "--ckpt_path", str(last), "--prompt", "the ", "--length", "60", "--seed", "0"])
     assert capsys.readouterr().out.rstrip("\n") == text  # seeded: reproducible
 
-    # test and validate read the same checkpoint
+    # test reads the same checkpoint, in a run directory of its own
     main(["test", *base, *TINY_LM, *QUIET, "--ckpt_path", str(last)])
-    tested = _scalars(Path("lightning_logs/version_2"))
+    tested = _scalars(Path("lightning_logs/version_1"))
     assert {"test/loss", "test/bpc"} <= set(tested)
     assert tested["test/bpc"][0][1] < 1.3
 
@@ -107,7 +111,7 @@ def test_interrupted_run_resumes_from_last_checkpoint(story: Path) -> None:
     assert torch.load(last, weights_only=False)["global_step"] == 12
     assert not list(last.parent.glob("best-*"))  # Ctrl-C writes last.ckpt only: nothing was validated at step 12
     main(["fit", *base, "--trainer.max_steps", "20", "--ckpt_path", str(last)])
-    assert torch.load(Path("lightning_logs/version_1/checkpoints/last.ckpt"), weights_only=False)["global_step"] == 20
+    assert torch.load(last, weights_only=False)["global_step"] == 20
 
 
 def test_word_lm_reports_perplexity(story: Path) -> None:

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +185,19 @@ def _launch(story: Path, env: dict[str, str], log: Path, max_steps: int, *extra:
         return subprocess.Popen(command, cwd=story.parent, env=env, stdout=output, stderr=subprocess.STDOUT)
 
 
+def _identity(path: Path) -> tuple[int, int] | None:
+    """``(inode, mtime)`` of ``path``, ``None`` if it does not exist: changes whenever a save replaces the file."""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
+
+
+def _replaced(path: Path, previous: tuple[int, int] | None) -> Callable[[], bool]:
+    return lambda: _identity(path) not in (None, previous)
+
+
 def _wait_for(condition: Any, process: subprocess.Popen) -> bool:
     """Poll ``condition`` until it holds (True) or the process ends (False)."""
     deadline = time.monotonic() + LAUNCH_DEADLINE
@@ -206,7 +220,8 @@ def _other_filesystem_tmpdir(tmp_path: Path) -> Path | None:
 def test_sigkill_at_random_moments_then_resume(
     story: Path, tmp_path: Path, tmpdir: str, request: pytest.FixtureRequest
 ) -> None:
-    """SIGKILL a real `seqnorm fit` (resumed from the previous one each time), some kills during a save."""
+    """SIGKILL a real `seqnorm fit` (resumed from the previous one each time, in its run directory), some kills
+    during a save."""
     child_tmp = None
     if tmpdir == "other filesystem":
         shm = _other_filesystem_tmpdir(tmp_path)
@@ -218,11 +233,13 @@ def test_sigkill_at_random_moments_then_resume(
     env = _child_env(tmp_path, child_tmp)
     rng = random.Random(f"sigkill {tmpdir}")
     resume: list[str] = []
+    directory = tmp_path / "lightning_logs/version_0/checkpoints"  # a resumed fit continues the run it resumes
     for run, during_save in enumerate([False, True, False] if child_tmp else [True, False]):
-        directory, log = tmp_path / f"lightning_logs/version_{run}/checkpoints", tmp_path / f"run{run}.log"
+        log, previous = tmp_path / f"run{run}.log", _identity(directory / "last.ckpt")
         process = _launch(story, env, log, UNREACHED, *SAVES_TAKE_A_WHILE, *resume)
         try:
-            assert _wait_for((directory / "last.ckpt").exists, process), log.read_text()[-2000:]
+            # this run's own first save: last.ckpt made, or replaced by a rename (another inode)
+            assert _wait_for(_replaced(directory / "last.ckpt", previous), process), log.read_text()[-2000:]
             if during_save:  # the moment a temporary checkpoint file appears: mid-write
                 _wait_for(lambda directory=directory: any(directory.glob(f".*{atomic_io.TEMP_SUFFIX}")), process)
             else:
@@ -236,8 +253,7 @@ def test_sigkill_at_random_moments_then_resume(
     max_steps = steps["last.ckpt"] + 2 * VAL_EVERY
     finished = _launch(story, env, log, max_steps, *SAVES_TAKE_A_WHILE, *resume)
     assert finished.wait() == 0, log.read_text()[-2000:]
-    final = tmp_path / f"lightning_logs/version_{run + 1}/checkpoints"
-    assert _check_directory(final, validated=False)["last.ckpt"] == max_steps
+    assert _check_directory(directory, validated=False)["last.ckpt"] == max_steps
 
 
 def test_sigterm_saves_last_writes_no_best_and_exits_nonzero(story: Path, tmp_path: Path) -> None:

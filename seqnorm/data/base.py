@@ -134,4 +134,9 @@ class SequenceDataModule(pl.LightningDataModule):
 
     def predict_dataloader(self) -> DataLoader:
         """The test split in file order, so predictions line up with the input."""
+        if len(self.datasets.get("test", ())) == 0:  # else `predict` writes an empty file and says nothing
+            raise DataError(
+                "--data.test_path: predict reads the test split, and this data has none: pass --data.test_path "
+                "with the texts to predict"
+            )
         return self._loader("test", shuffle=False, bucket=False)

@@ -281,6 +281,23 @@ class TextCorpus(SequenceDataModule):
             generator=torch.Generator().manual_seed(self.seed),
         )
 
+    def predict_dataloader(self) -> DataLoader:
+        """The test split in file order; with ``unit="stream"`` its windows in order, each one batch."""
+        loader = super().predict_dataloader()
+        if self.unit != "stream":
+            return loader
+        # A plain DataLoader: Lightning rebuilds the predict loader around its own index-tracking batch sampler,
+        # which ResumableDataLoader refuses (its sampler is the position a resumed fit restores); nothing resumes
+        # a prediction.
+        return DataLoader(
+            loader.dataset,
+            batch_size=1,
+            shuffle=False,
+            collate_fn=collate_stream,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
     def state_dict(self) -> dict[str, Any]:
         """The vocabulary and tokenization, saved in checkpoints so a resumed run keeps the same ids and reads
         its text the same way."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from typing import Any
 from weakref import proxy
 
 import lightning.pytorch as pl
@@ -38,12 +40,18 @@ class ResumableCheckpoint(ModelCheckpoint):
       every validation refreshes it, so a killed run loses at most one validation interval.
     - **last.ckpt at the final step.** A run stopped by ``max_steps`` between two validations still saves its final
       state, so ``--ckpt_path .../last.ckpt`` continues exactly where the run ended.
+    - **A moved run resumes in place.** Resumed from a checkpoint in its own ``dirpath`` (``seqnorm fit`` continues
+      a checkpoint's run directory) after that directory was moved or copied, the saved state names the same files
+      under the old path: it is rebased onto ``dirpath``, so the top-k files are still tracked and ``last.ckpt`` is
+      rewritten, where Lightning would drop the state and write a new ``last-v1.ckpt`` beside a stale ``last.ckpt``.
     """
 
     CHECKPOINT_NAME_INTERRUPTED = "interrupted"
 
     _last_written_at_step: int | None = None
     _held_back: list[tuple[str, str]] | None = None
+    _restoring_from: str | None = None  # the checkpoint file whose state load_state_dict receives
+    _restoring_to_fit = True
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -55,6 +63,25 @@ class ResumableCheckpoint(ModelCheckpoint):
             strategy.checkpoint_io = AtomicCheckpointIO()
         elif type(wrapped) is TorchCheckpointIO:  # e.g. AsyncCheckpointIO over the default writer
             checkpoint_io._checkpoint_io = AtomicCheckpointIO()
+
+    # ---- resuming ---------------------------------------------------------------------------------------------
+
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        super().on_load_checkpoint(trainer, pl_module, checkpoint)
+        self._restoring_from = str(trainer.ckpt_path) if trainer.ckpt_path is not None else None
+        self._restoring_to_fit = trainer.state.fn == TrainerFn.FITTING
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not self._restoring_to_fit:
+            # validate/test/predict save nothing: only best_model_path (ckpt_path="best") matters, and Lightning's
+            # warning that the other state is not reloaded from another run's folder would only puzzle
+            self.best_model_path = state_dict["best_model_path"]
+            return
+        saved, source = state_dict.get("dirpath"), local_path(self._restoring_from) if self._restoring_from else None
+        here = os.path.abspath(self.dirpath) if self.dirpath is not None and local_path(self.dirpath) else None
+        if saved and here and source and saved != self.dirpath and os.path.dirname(os.path.abspath(source)) == here:
+            state_dict = {key: _rebased(value, str(saved), here) for key, value in state_dict.items()}
+        super().load_state_dict(state_dict)
 
     # ---- last before best -------------------------------------------------------------------------------------
 
@@ -147,3 +174,13 @@ class ResumableCheckpoint(ModelCheckpoint):
         super().on_train_end(trainer, pl_module)
         if self.save_last and self.dirpath is not None and self._last_global_step_saved != trainer.global_step:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
+def _rebased(value: Any, old: str, new: str) -> Any:
+    """A path of ModelCheckpoint's state (or a dict keyed by them) in folder ``old``, read in folder ``new``."""
+    if isinstance(value, dict):
+        return {_rebased(key, old, new): item for key, item in value.items()}
+    old = old.rstrip(os.sep)
+    if isinstance(value, str) and (value == old or value.startswith(old + os.sep)):
+        return new + value[len(old) :]
+    return value

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -88,9 +90,24 @@ class SequenceClassifier(TaskModule):
     def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         self._shared_step(batch, "test")
 
-    def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        """Predicted class ids, in the order of the predict dataloader."""
-        return self(batch["inputs"], batch["lengths"]).argmax(1)
+    def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
+        """In the order of the predict dataloader: ``label``, the most likely class id ``(B,)``, its
+        ``probability`` ``(B,)``, and ``probabilities`` over all classes ``(B, num_classes)``."""
+        probabilities = self(batch["inputs"], batch["lengths"]).softmax(1)
+        probability, label = probabilities.max(1)
+        return {"label": label, "probability": probability, "probabilities": probabilities}
+
+    def prediction_records(self, prediction: dict[str, Tensor], batch: dict[str, Tensor]) -> list[dict[str, Any]]:
+        """One row per sequence of :meth:`predict_step`'s output, for
+        :class:`~seqnorm.lightning.prediction_writer.PredictionWriter`: ``label``, the class name (from the
+        DataModule's ``labels``; the class id when it has none), and its ``probability``."""
+        datamodule = self._trainer.datamodule if self._trainer is not None else None
+        names = getattr(datamodule, "labels", None)
+        labels = prediction["label"].tolist()
+        return [
+            {"label": names[label] if names is not None else label, "probability": probability}
+            for label, probability in zip(labels, prediction["probability"].tolist(), strict=True)
+        ]
 
     def on_validation_epoch_end(self) -> None:
         self.log_dict({f"val/{key}": v for key, v in self._epoch_values("val").items()}, prog_bar=True, sync_dist=True)

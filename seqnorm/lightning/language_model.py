@@ -158,13 +158,32 @@ class LanguageModel(TaskModule):
         loss, tokens = self._loss(batch, "test")
         self._update_metric("test", "loss", loss, tokens)
 
-    def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        """Per-sequence loss in nats per token (padding excluded), in the order of the predict dataloader."""
+    def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
+        """In the order of the predict dataloader: each sequence's ``loss``, the mean over its target tokens in nats
+        (padding excluded) ``(B,)``, and its number of ``tokens`` ``(B,)``."""
         logits = self(batch["inputs"], batch["lengths"])
         losses = F.cross_entropy(
             logits.transpose(1, 2), batch["targets"], ignore_index=self.hparams.pad_index, reduction="none"
         )
-        return losses.sum(1) / batch["lengths"].to(losses.dtype)
+        return {"loss": losses.sum(1) / batch["lengths"].to(losses.dtype), "tokens": batch["lengths"]}
+
+    def prediction_records(self, prediction: dict[str, Tensor], batch: dict[str, Tensor]) -> list[dict[str, Any]]:
+        """One row per sequence of :meth:`predict_step`'s output, for
+        :class:`~seqnorm.lightning.prediction_writer.PredictionWriter`: ``tokens``, ``loss`` (nats per token), and
+        ``bpc`` (character level) or ``ppl`` (word level) as the metrics logged in training; stream windows
+        (``unit="stream"``, each window started from zeros) add ``window`` and ``stream``, the row's position."""
+        losses, tokens = prediction["loss"].tolist(), prediction["tokens"].tolist()
+        records: list[dict[str, Any]] = []
+        for row, (loss, count) in enumerate(zip(losses, tokens, strict=True)):
+            record: dict[str, Any] = {"tokens": count, "loss": loss}
+            if self.hparams.level == "char":
+                record["bpc"] = loss / math.log(2)
+            else:
+                record["ppl"] = math.exp(loss)
+            if "window" in batch:
+                record.update(window=int(batch["window"]), stream=row)
+            records.append(record)
+        return records
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._batch_rewound = False

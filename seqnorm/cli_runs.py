@@ -1,0 +1,74 @@
+"""How the ``seqnorm`` command records a run: the model's hyperparameters, and the run directory a resumed fit uses.
+
+Kept apart from :mod:`seqnorm.cli` so that the command itself stays a short list of LightningCLI hooks.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.cli import LightningCLI, _InstantiatorFn
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from seqnorm.lightning.atomic_io import local_path
+
+__all__ = ["LOGS_NAME", "ModelInstantiator", "continued_run_logger"]
+
+LOGS_NAME = "lightning_logs"
+"""The folder under ``--trainer.default_root_dir`` where Lightning's default logger puts its ``version_N`` runs."""
+
+
+class ModelInstantiator(_InstantiatorFn):
+    """LightningCLI's model instantiator (it hands ``save_hyperparameters()`` the parsed config, so that checkpoints
+    record the ``class_path``), recording only the linked values that reached the constructor.
+
+    The CLI links ``data.level`` to ``model.init_args.level`` (and ``data.num_classes`` to ``num_classes``): where
+    the chosen model has no such argument, jsonargparse skips the link but still lists it as applied, and Lightning
+    writes every listed link into the hyperparameters. A SequenceClassifier checkpoint then held ``level``, which
+    its constructor does not take, and every reader that builds the model from the saved hyperparameters with
+    jsonargparse (LightningCLI's own ``--ckpt_path``, ``LightningModule.load_from_checkpoint``) failed with
+    "unexpected keyword argument 'level'". A link reached the constructor when its argument is among the keyword
+    arguments jsonargparse passes.
+    """
+
+    def __init__(self, cli: LightningCLI) -> None:
+        super().__init__(cli=cli, key="model")
+
+    def __call__(self, class_type: type, *args: Any, applied_instantiation_links: dict, **kwargs: Any) -> Any:
+        prefix = f"{self.key}.init_args."
+        reached = {
+            target: value
+            for target, value in applied_instantiation_links.items()
+            if not target.startswith(prefix) or target[len(prefix) :].partition(".")[0] in kwargs
+        }
+        return super().__call__(class_type, *args, applied_instantiation_links=reached, **kwargs)
+
+
+def continued_run_logger(ckpt_path: str | None, default_root_dir: str | None) -> TensorBoardLogger | None:
+    """The default logger (TensorBoard under ``lightning_logs/``), writing into the run a checkpoint belongs to.
+
+    Returns a logger when ``ckpt_path`` is a local file in the layout the default logger writes under this run's
+    root directory, ``<default_root_dir>/lightning_logs/<version>/checkpoints/<file>``; the resumed fit then adds
+    to that run's TensorBoard curves, ``config.yaml`` and top-k checkpoints instead of opening ``version_N+1``.
+    ``None`` (Lightning's default: a new version) for a checkpoint anywhere else, e.g. one kept outside the run
+    folders or written under another ``--trainer.default_root_dir``. A run folder moved or copied into
+    ``lightning_logs/`` continues too (:class:`~seqnorm.lightning.checkpoint.ResumableCheckpoint` rebases its
+    saved state).
+    """
+    checkpoint_file = local_path(ckpt_path) if ckpt_path is not None else None
+    save_dir = default_root_dir if default_root_dir is not None else os.getcwd()  # what the Trainer's default uses
+    if checkpoint_file is None or local_path(save_dir) is None:  # remote paths: Lightning's default
+        return None
+    checkpoint = Path(checkpoint_file).resolve()
+    run = checkpoint.parent.parent
+    if (
+        not checkpoint.is_file()
+        or checkpoint.parent.name != "checkpoints"
+        or run.parent != Path(save_dir).resolve() / LOGS_NAME
+    ):
+        return None
+    # The Trainer's own default logger, plus the version (the run's directory name): the same paths as the first
+    # run's, so ModelCheckpoint recognizes its saved dirpath and restores its top-k state.
+    return TensorBoardLogger(save_dir=save_dir, name=LOGS_NAME, version=run.name)
