@@ -31,7 +31,13 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 from lightning.pytorch.plugins.layer_sync import LayerSync
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from seqnorm.cli_checks import apply_checkpoint_hparams, check_data_matches, check_writable_dir, user_error
+from seqnorm.cli_checks import (
+    apply_checkpoint_hparams,
+    apply_checkpoint_text_format,
+    check_data_matches,
+    check_writable_dir,
+    user_error,
+)
 from seqnorm.cli_runs import ModelInstantiator, continued_run_logger
 from seqnorm.data import LabeledText, TextCorpus, Vocabulary
 from seqnorm.lightning import LanguageModel, SequenceClassifier, SyncBatchNorm
@@ -132,9 +138,11 @@ class SeqnormCLI(LightningCLI):
                 f"a {saved_class.__name__}: pass --model {saved_class.__name__}"
             )
         hparams = checkpoint["hyper_parameters"]
-        explicit = self._explicit_config()[subcommand].get("model")
-        apply_checkpoint_hparams(model, explicit, hparams, subcommand, ckpt_path)
-        self._resumed = {"hparams": hparams, "data_state": checkpoint.get(DATA_STATE_KEY), "path": ckpt_path}
+        explicit = self._explicit_config()[subcommand]
+        apply_checkpoint_hparams(model, explicit.get("model"), hparams, subcommand, ckpt_path)
+        data_state = checkpoint.get(DATA_STATE_KEY)
+        apply_checkpoint_text_format(config.get("data"), explicit.get("data"), data_state)
+        self._resumed = {"hparams": hparams, "data_state": data_state, "path": ckpt_path}
 
     def _explicit_config(self) -> Any:
         """The config with only what the command line and ``--config`` files set (no defaults)."""

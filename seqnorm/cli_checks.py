@@ -22,6 +22,7 @@ __all__ = [
     "EVALUATION_FREE",
     "LINKED_FROM_DATA",
     "apply_checkpoint_hparams",
+    "apply_checkpoint_text_format",
     "check_data_matches",
     "check_writable_dir",
     "user_error",
@@ -73,6 +74,19 @@ def apply_checkpoint_hparams(
             f"{keeps} the checkpoint's model: drop the flag (or that line of the --config file), or start a new "
             "run without --ckpt_path"
         )
+
+
+def apply_checkpoint_text_format(data: Namespace | None, explicit: Namespace | None, data_state: Any) -> None:
+    """Read the data as the checkpoint's run read it (``--data.text_format``, e.g. ``ptb_char``) unless the user
+    named a format: a PTB-char file would otherwise stop at the plain-text check. A named format that differs from
+    the checkpoint's is refused when the data state is loaded (``TextCorpus.load_state_dict``)."""
+    saved = data_state.get("text_format") if isinstance(data_state, dict) else None
+    init_args = data.get("init_args") if data is not None else None
+    if saved is None or init_args is None or "text_format" not in init_args:
+        return  # an older checkpoint, or data without text formats (LabeledText)
+    given = explicit.get("init_args") if explicit is not None else None
+    if given is None or given.get("text_format") is None:
+        init_args["text_format"] = saved
 
 
 def _norm_config(saved: Any, owner: str) -> Any:
@@ -132,6 +146,14 @@ def check_data_matches(
     """
     flag = _data_flag(data)
     state = datamodule.state_dict() if data_state is not None and hasattr(datamodule, "state_dict") else {}
+    saved_format, text_format = (data_state or {}).get("text_format"), state.get("text_format")
+    if saved_format is not None and text_format is not None and saved_format != text_format:
+        # said first: read in another format, the vocabulary differs too, and the format is what to change
+        raise ValueError(
+            f"{flag}: read with --data.text_format {text_format}, but the checkpoint {ckpt_path} was trained on "
+            f"text read with --data.text_format {saved_format}: pass --data.text_format {saved_format} (or leave "
+            "the flag out: a checkpoint's format applies by default)"
+        )
     for key, what in (("vocab", "vocabulary"), ("labels", "labels")):
         saved, current = (data_state or {}).get(key), state.get(key)
         if saved is None or current is None:

@@ -152,11 +152,15 @@ def test_cli_fits_tests_and_generates_on_a_ptb_char_file(
     state = torch.load(last, weights_only=True)[DATA_STATE_KEY]
     assert state["text_format"] == "ptb_char" and "_" not in state["vocab"]["tokens"]
 
-    # Read from a checkpoint, the file is read the same way; left as plain, the run stops at the format check.
+    # Read from a checkpoint, the file is read the same way: the saved format applies where none is named (the
+    # plain-text check would stop it otherwise); a format named against the checkpoint's is refused by name.
     main(["test", *model, *data, "--data.text_format", "ptb_char", *quiet, "--ckpt_path", str(last)])
+    main(["test", *model, *data, *quiet, "--ckpt_path", str(last)])
+    tested = sorted((tmp_path / "lightning_logs").glob("version_*/hparams.yaml"))
+    assert len(tested) == 3
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_code:
-        main(["test", *model, *data, *quiet, "--ckpt_path", str(last)])
+        main(["test", *model, *data, "--data.text_format", "plain", *quiet, "--ckpt_path", str(last)])
     assert exit_code.value.code == 2
     assert "--data.text_format ptb_char" in capsys.readouterr().err
     main(["generate", "--ckpt_path", str(last), "--prompt", "the cat", "--length", "20", "--seed", "0"])
