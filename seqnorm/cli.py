@@ -253,7 +253,10 @@ def _generate_command(args: list[str]) -> None:
     print(text)
 
 
-GENERATE_HELP = "    generate            Sample text from a LanguageModel checkpoint (seqnorm generate --help)."
+OWN_COMMANDS_HELP = (
+    "    generate            Sample text from a LanguageModel checkpoint (seqnorm generate --help).\n"
+    "    configs             List the shipped configs, used as --config seqnorm:NAME."
+)
 
 
 def _version() -> str:
@@ -275,7 +278,7 @@ def main(args: list[str] | None = None) -> None:
         try:
             SeqnormCLI(args=["--help"], seed_everything_default=0)
         finally:
-            print(f"\nseqnorm's own command:\n{GENERATE_HELP}\n\n{_version()}")
+            print(f"\nseqnorm's own commands:\n{OWN_COMMANDS_HELP}\n\n{_version()}")
     if command == "configs":
         print(describe_configs())
         return

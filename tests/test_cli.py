@@ -234,10 +234,10 @@ def test_version_names_the_package_torch_and_the_kernels(capsys: pytest.CaptureF
     assert out.startswith(f"seqnorm {seqnorm.__version__} (torch {torch.__version__}; compiled kernels: ")
 
 
-def test_help_lists_generate_beside_lightnings_subcommands(capsys: pytest.CaptureFixture[str]) -> None:
+def test_help_lists_generate_and_configs_beside_lightnings_subcommands(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])
     assert exit_info.value.code in (0, None)
     out = capsys.readouterr().out
-    for command in ("fit", "validate", "test", "predict", "generate"):
+    for command in ("fit", "validate", "test", "predict", "generate", "configs"):
         assert f"    {command} " in out, command
