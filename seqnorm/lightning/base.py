@@ -167,7 +167,11 @@ class TaskModule(pl.LightningModule):
         for key, metric in self.epoch_metrics.items():
             if key.startswith(f"{stage}_") and metric.update_called:
                 values[key[len(stage) + 1 :]] = metric.compute()
-                metric.reset()
+                # Fresh states made under validate/test's inference mode would be inference tensors, which a later
+                # fit's validation (run under no_grad) cannot update in place: `trainer.validate(model)` followed by
+                # `trainer.fit(model)` raised "Inplace update to inference tensor outside InferenceMode".
+                with torch.inference_mode(False):
+                    metric.reset()
         return values
 
     def population_forward(self, batch: dict[str, Tensor]) -> Tensor:
