@@ -15,6 +15,7 @@ from typing import Any
 
 from jsonargparse import Namespace
 
+from seqnorm.lightning.base import current_hparams
 from seqnorm.lightning.checkpoint_io import names_class
 from seqnorm.norms import NORMS, NormSpec, spec_from_dict
 
@@ -52,8 +53,9 @@ def apply_checkpoint_hparams(
     defaults) must equal the checkpoint's, except the :data:`EVALUATION_FREE` ones outside ``fit``; every other
     one takes the checkpoint's value, so the config saved with the run (``config.yaml``) records what is used.
     Arguments linked from the data are left to :func:`check_data_matches`; names the model no longer takes are
-    ignored, as Lightning's ``load_from_checkpoint`` does.
+    ignored, as Lightning's ``load_from_checkpoint`` does; renamed ones are read under their new names.
     """
+    hparams = current_hparams(hparams)  # a checkpoint's max_steps is today's norm_max_steps
     init_args = model.init_args
     given = explicit.get("init_args") if explicit is not None else None
     for name, saved in hparams.items():

@@ -1,13 +1,16 @@
 """What the ``seqnorm`` command prints besides the run: no known noise, and errors in the command line's words.
 
-Two messages appear on every Lightning run and say nothing about it; each is silenced where it comes from, by its
-exact text, so every other warning and info line still shows:
+Some messages appear on every Lightning run and say nothing about it, nor anything a user can act on; each is
+silenced where it comes from, by its text or the module that raises it, so every other warning and info line shows:
 
 - Lightning 2.6's advertisement for its cloud logger, an INFO record of the ``lightning.pytorch.utilities.rank_zero``
   logger ("💡 Tip: For seamless cloud logging ... litlogger"), dropped by a filter on that logger.
 - torch 2.10+'s FutureWarning "`isinstance(treespec, LeafSpec)` is deprecated", raised where Lightning's
   ``lightning/pytorch/utilities/_pytree.py`` builds a ``LeafSpec`` (reported as Lightning-AI/pytorch-lightning#21326;
-  Lightning 2.6.6 still does it), ignored for that module only: the code is Lightning's, a user cannot act on it.
+  Lightning 2.6.6 still does it), ignored for that module only.
+- jsonargparse 4.49+'s DeprecationWarnings about the API that Lightning's ``lightning/pytorch/cli.py`` calls
+  (``add_instantiator``, ``instantiate_classes``, ``skip_none``; Lightning-AI/pytorch-lightning#21900), ignored
+  for that module only. Hidden by Python's default filters in a plain run, they fill test and ``-W default`` output.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ _TIPS_FILTER = _DropLightningTips()
 
 
 def quiet_known_noise() -> None:
-    """Silence the two messages of the module docstring; repeated calls add nothing."""
+    """Silence the messages of the module docstring; repeated calls add nothing."""
     logger = logging.getLogger(_LIGHTNING_INFO_LOGGER)
     if _TIPS_FILTER not in logger.filters:
         logger.addFilter(_TIPS_FILTER)
@@ -41,8 +44,9 @@ def quiet_known_noise() -> None:
         "ignore",
         message=re.escape("`isinstance(treespec, LeafSpec)` is deprecated"),
         category=FutureWarning,
-        module=re.escape("lightning.pytorch.utilities._pytree"),
+        module=re.escape("lightning.pytorch.utilities._pytree") + r"\Z",
     )
+    warnings.filterwarnings("ignore", category=DeprecationWarning, module=re.escape("lightning.pytorch.cli") + r"\Z")
 
 
 def _parameters(classes: Iterable[type]) -> set[str]:
