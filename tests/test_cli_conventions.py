@@ -1,4 +1,4 @@
-"""The `seqnorm` command keeps Lightning's and torch's conventions: threads, Trainer switches, logging, names, output."""
+"""The `seqnorm` command keeps Lightning's and torch's conventions: threads, Trainer switches, logging, output."""
 
 from __future__ import annotations
 
@@ -222,4 +222,3 @@ def test_shipped_bn_overlays_use_the_new_name() -> None:
     for overlay in (ROOT / "configs" / "norm").glob("batch*.yaml"):
         text = overlay.read_text()
         assert "norm_max_steps:" in text and not re.search(r"^\s+max_steps:", text, re.MULTILINE), overlay
-
