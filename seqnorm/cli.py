@@ -30,7 +30,13 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 from lightning.pytorch.plugins.layer_sync import LayerSync
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
-from seqnorm.cli_checks import apply_checkpoint_hparams, check_data_matches, check_writable_dir, user_error
+from seqnorm.cli_checks import (
+    apply_checkpoint_hparams,
+    check_data_matches,
+    check_writable_dir,
+    fold_renamed_flags,
+    user_error,
+)
 from seqnorm.cli_output import in_command_line_words, quiet_known_noise
 from seqnorm.cli_threads import THREADS_HELP, configure_threads
 from seqnorm.cli_trainer import adjust_trainer_config
@@ -136,6 +142,7 @@ class SeqnormCLI(LightningCLI):
         trainer = self._get(self.config, "trainer")
         check_writable_dir(trainer.get("default_root_dir") if trainer is not None else None)
         configure_threads(self._get(self.config, "threads"))  # before the data and the model touch torch
+        fold_renamed_flags(self._get(self.config, "model"), MODELS)  # so config.yaml records today's names
 
     def after_instantiate_classes(self) -> None:
         if self._resumed is not None:  # before Lightning loads the weights into a model built for other data

@@ -82,7 +82,7 @@ def test_threads_flag_sets_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 # What Lightning prints on every run by design (device summary, the stop reason) and seqnorm's thread line.
 EXPECTED_STDERR = (
     r"Seed set to 0",
-    r"seqnorm: 2 torch CPU threads: SEQNORM_THREADS=2",
+    r"seqnorm: 1 torch CPU thread: SEQNORM_THREADS=1",
     r"GPU available: .*",
     r"TPU available: .*",
     r"`Trainer\(limit_val_batches=1\)` was configured so 1 batch will be used\.",
@@ -95,7 +95,7 @@ def test_a_plain_run_prints_nothing_avoidable(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "seqnorm.cli", "fit", *LM, "--trainer.max_steps", "6"]
     command += ["--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "1", "--trainer.logger", "false"]
     env = {key: value for key, value in os.environ.items() if key not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    env.update({THREADS_ENV: "2", "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "default"})
+    env.update({THREADS_ENV: "1", "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "default"})
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
@@ -196,6 +196,19 @@ def test_max_steps_is_a_deprecated_alias_of_norm_max_steps(cls: type) -> None:
     assert "max_steps" not in model.hparams and "max_steps" not in model.hparams_initial
     with pytest.raises(ValueError, match=r"expected max_steps \(the old name of norm_max_steps\) to agree"):
         cls(*sizes, norm="batch", max_steps=7, norm_max_steps=8)
+
+
+def test_the_old_model_flag_still_works_and_config_yaml_gets_the_new_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    args = [*LM, "--model.norm", "batch", "--model.max_steps", "7", "--trainer.logger", "false"]
+    with pytest.warns(FutureWarning, match=r"--model.max_steps is renamed --model.norm_max_steps"):
+        cli = SeqnormCLI(args=args, run=False)
+    assert _rows(cli.model) == 7
+    assert cli.config.model.init_args.norm_max_steps == 7 and cli.config.model.init_args.max_steps is None
+    error = _fails(capsys, ["fit", *args, "--model.norm_max_steps", "8", *QUIET])
+    assert "--model.max_steps 7 contradicts --model.norm_max_steps 8" in error
 
 
 def test_checkpoints_that_saved_max_steps_load_as_norm_max_steps(
