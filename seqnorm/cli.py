@@ -68,8 +68,9 @@ DEFAULT_CALLBACKS: list[dict[str, Any]] = [
         },
     },
 ]
-# The progress bar is Lightning's default RichProgressBar (rich is a dependency), so
-# `--trainer.enable_progress_bar false` still works.
+# The progress bar is not listed here but added when the Trainer is built (seqnorm.cli_trainer: a RichProgressBar
+# without "Epoch 0/-2"), so `--trainer.enable_progress_bar false` still works; so does
+# `--trainer.enable_checkpointing false`, which drops the checkpoint callback above.
 
 
 class SeqnormCLI(LightningCLI):
