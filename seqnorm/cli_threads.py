@@ -1,10 +1,13 @@
 """How many CPU threads the ``seqnorm`` command gives torch, and the one line that says so.
 
-seqnorm's models are small recurrent networks: each time step is a handful of small matrix products, so a second
-intra-op thread mostly adds synchronization, and on a busy machine a descheduled OpenMP worker stalls every op.
-Measured with ``scripts/bench_cli_threads.py`` (300 training steps of ``configs/embedded_lm.yaml``, 2-core machine
-shared with other jobs): one thread was as fast or faster than two at hidden size 128 and 512, and far steadier, so
-one thread is the default. The order of precedence:
+seqnorm's models are small recurrent networks: each time step is a handful of small matrix products, each one a
+parallel region whose threads must all arrive before the next step can start. When another job holds a core, the
+descheduled OpenMP worker stalls every one of them. Measured with ``scripts/bench_cli_threads.py`` (whole
+``seqnorm fit`` runs of ``configs/embedded_lm.yaml``, 2-core Xeon; BENCHMARKS.md, "Issue 17"): with the cores shared
+with other jobs, two threads took 3.9x (hidden size 128) and 4.5x (512) as long as one, and varied up to 10x between
+repeats; on the idle machine two threads were 1.2x (128), 1.5x (512) and 1.7x (1024) faster. One thread is the
+default: predictable, and at worst 1.2-1.7x slower, where the other choice is at worst several times slower. On a
+machine of your own, ``--threads 2`` (or more, or 0) is faster. The order of precedence:
 
 1. ``--threads N`` (or ``threads: N`` in a ``--config`` file);
 2. the environment variable ``SEQNORM_THREADS=N``;
@@ -33,8 +36,9 @@ _TORCH_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # read by torch at start-up
 
 THREADS_HELP = (
     f"torch CPU threads (intra-op). Default: ${THREADS_ENV} if set, else torch's own count when OMP_NUM_THREADS or "
-    f"MKL_NUM_THREADS is set, else {DEFAULT_THREADS}: seqnorm's small recurrent models ran as fast or faster on one "
-    "thread than on two, and steadier on a busy machine. 0 leaves torch's setting (one thread per core)."
+    f"MKL_NUM_THREADS is set, else {DEFAULT_THREADS}: with the cores shared with other jobs, seqnorm's small "
+    "recurrent models measured several times slower on two threads than on one (on an idle machine 1.2-1.7x "
+    "faster: pass 2 or more there). 0 leaves torch's setting (one thread per core)."
 )
 
 
@@ -53,7 +57,10 @@ def choose_threads(flag: int | None, environ: Mapping[str, str] = os.environ) ->
     for name in _TORCH_ENV:
         if environ.get(name, "").strip():
             return None, f"{name}={environ[name].strip()}"
-    return DEFAULT_THREADS, f"the default for small recurrent models; --threads N or {THREADS_ENV}=N to change"
+    return DEFAULT_THREADS, (
+        f"the default, steady on shared cores; --threads N or {THREADS_ENV}=N to change "
+        "(2 or more is faster on an idle machine)"
+    )
 
 
 def configure_threads(flag: int | None, environ: Mapping[str, str] = os.environ) -> int:
