@@ -26,19 +26,24 @@ from typing import Any
 
 import torch
 from jsonargparse import Namespace, auto_cli
+from jsonargparse.typing import NonNegativeInt
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.layer_sync import LayerSync
-from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 from seqnorm.cli_checks import (
     apply_checkpoint_hparams,
     apply_checkpoint_text_format,
     check_data_matches,
     check_writable_dir,
+    fold_renamed_flags,
     user_error,
 )
+from seqnorm.cli_output import in_command_line_words, quiet_known_noise
 from seqnorm.cli_runs import ModelInstantiator, continued_run_logger
+from seqnorm.cli_threads import THREADS_HELP, configure_threads
+from seqnorm.cli_trainer import adjust_trainer_config
 from seqnorm.data import LabeledText, TextCorpus, Vocabulary
 from seqnorm.lightning import LanguageModel, SequenceClassifier, SyncBatchNorm
 from seqnorm.lightning.base import DATA_STATE_KEY
@@ -73,8 +78,9 @@ PREDICT_CALLBACKS: list[dict[str, Any]] = [
     # One JSON line per input under the run directory (lightning_logs/version_N/predictions.jsonl).
     {"class_path": "seqnorm.lightning.prediction_writer.PredictionWriter"},
 ]
-# The progress bar is Lightning's default RichProgressBar (rich is a dependency), so
-# `--trainer.enable_progress_bar false` still works.
+# The progress bar is not listed here but added when the Trainer is built (seqnorm.cli_trainer: a RichProgressBar
+# without "Epoch 0/-2"), so `--trainer.enable_progress_bar false` still works; so does
+# `--trainer.enable_checkpointing false`, which drops the checkpoint callback above.
 
 
 class SeqnormCLI(LightningCLI):
@@ -103,6 +109,7 @@ class SeqnormCLI(LightningCLI):
             ("data.num_classes", "model.init_args.num_classes"),
         ):
             parser.link_arguments(source, target, apply_on="instantiate")
+        parser.add_argument("--threads", type=NonNegativeInt | None, default=None, help=THREADS_HELP)
 
     def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> LightningArgumentParser:
         parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
@@ -159,6 +166,8 @@ class SeqnormCLI(LightningCLI):
         # Instantiating reads (and may download) the data: an unusable log folder should stop the run first.
         trainer = self._get(self.config, "trainer")
         check_writable_dir(trainer.get("default_root_dir") if trainer is not None else None)
+        configure_threads(self._get(self.config, "threads"))  # before the data and the model touch torch
+        fold_renamed_flags(self._get(self.config, "model"), MODELS)  # so config.yaml records today's names
 
     def after_instantiate_classes(self) -> None:
         if self._resumed is not None:  # before Lightning loads the weights into a model built for other data
@@ -173,6 +182,7 @@ class SeqnormCLI(LightningCLI):
             self._resumed = None
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
+        adjust_trainer_config(config)  # enable_checkpointing false, logger false, the progress bar (cli_trainer)
         # --trainer.sync_batchnorm true: seqnorm's per-timestep BN too, through Lightning's LayerSync mechanism.
         plugins = config.get("plugins") or []
         plugins = list(plugins) if isinstance(plugins, list | tuple) else [plugins]
@@ -249,6 +259,7 @@ def generate(
 
 
 def _generate_command(args: list[str]) -> None:
+    configure_threads(None)  # one token at a time at batch size 1: the smallest steps there are
     text = auto_cli(generate, args=args)
     print(text)
 
@@ -269,6 +280,7 @@ def _version() -> str:
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``seqnorm`` console script."""
     argv = sys.argv[1:] if args is None else args
+    quiet_known_noise()
     command = argv[0] if argv else ""
     if command in ("--version", "-V"):
         print(_version())
@@ -297,10 +309,13 @@ def main(args: list[str] | None = None) -> None:
     except SIGTERMException:  # Lightning's SystemExit(None) would exit 0, as if the run had completed
         print(f"seqnorm {command}: stopped by SIGTERM", file=sys.stderr)
         raise SystemExit(SIGTERM_EXIT_CODE) from None
-    except ValueError as error:  # our user-facing errors (DataError included) are ValueErrors with a full message
+    except (ValueError, MisconfigurationException) as error:
+        # Our user-facing errors (DataError included) are ValueErrors with a full message; Lightning's
+        # MisconfigurationException is its word for a contradicting Trainer setting (its message names both).
         if os.environ.get("SEQNORM_DEBUG"):
             raise
-        print(f"seqnorm {command}: error: {user_error(error)}", file=sys.stderr)
+        shown = user_error(error) if isinstance(error, ValueError) else error
+        print(f"seqnorm {command}: error: {in_command_line_words(str(shown), MODELS)}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

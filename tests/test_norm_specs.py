@@ -224,7 +224,7 @@ def test_keyword_defaults_are_the_specs_defaults(cls: type) -> None:
 
 
 def test_model_folds_max_steps_and_small_batch_into_the_spec() -> None:
-    model = LanguageModel(10, norm="batch", max_steps=7, small_batch="running")
+    model = LanguageModel(10, norm="batch", norm_max_steps=7, small_batch="running")
     assert model.model.rnn.norm_spec == norms.BatchNormSpec(max_steps=7, small_batch="running")
     assert model.hparams.norm == "batch"  # a name stays a name
     model = LanguageModel(10, norm=norms.BatchNormSpec(momentum=0.05), small_batch="running")
@@ -236,7 +236,7 @@ def test_model_folds_max_steps_and_small_batch_into_the_spec() -> None:
     ):
         LanguageModel(10, norm="layer", small_batch="running")
     with pytest.raises(ValueError, match=r"^LanguageModel: expected max_steps=5 as norm=BatchNormSpec\(max_steps=5\)"):
-        LanguageModel(10, norm=norms.BatchNormSpec(max_steps=5), max_steps=6)
+        LanguageModel(10, norm=norms.BatchNormSpec(max_steps=5), norm_max_steps=6)
 
 
 def test_a_class_path_in_norm_is_still_refused(tmp_path: Path) -> None:

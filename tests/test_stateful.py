@@ -95,7 +95,7 @@ def _model(cell: str, norm: str, **kwargs: object) -> LanguageModel:
 @pytest.mark.parametrize("norm", ["none", "layer", "batch"])
 def test_carried_state_equals_one_long_sequence(cell: str, norm: str) -> None:
     # per-timestep BN sees the stream position only with stream_steps="continue"
-    model = _model(cell, norm, max_steps=40, stream_steps="continue")
+    model = _model(cell, norm, norm_max_steps=40, stream_steps="continue")
     ids = torch.randint(4, 11, (3 * 31,))
     streams = contiguous_streams(ids, 3)  # (3, 31)
     batches = _stream_batches(ids, 3, 8)  # windows of 7 steps: 7, 7, 7, 7, 2
@@ -112,7 +112,7 @@ def test_carried_state_equals_one_long_sequence(cell: str, norm: str) -> None:
 
 @pytest.mark.usefixtures("float64")
 def test_restart_numbers_every_window_from_zero() -> None:
-    model = _model("lstm", "batch", max_steps=40)  # stream_steps="restart"
+    model = _model("lstm", "batch", norm_max_steps=40)  # stream_steps="restart"
     ids = torch.randint(4, 11, (2 * 15,))
     first, second = _stream_batches(ids, 2, 8)
     model._logits(first, "val")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import os
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
@@ -32,7 +34,7 @@ from seqnorm.norms.specs import InputStats, field_names
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["DATA_STATE_KEY", "RNNOptions", "TaskModule"]
+__all__ = ["DATA_STATE_KEY", "RENAMED_HPARAMS", "RNNOptions", "TaskModule", "current_hparams"]
 
 DATA_STATE_KEY = "seqnorm_data"
 """Checkpoint key holding the DataModule's state (vocabulary, level, unit), read back by ``seqnorm generate``."""
@@ -40,8 +42,30 @@ DATA_STATE_KEY = "seqnorm_data"
 FALLBACK_TOTAL_KEY = "seqnorm_fallback_total"
 """Checkpoint key of the run's count of BN fallback steps (``norm/fallback_total`` continues after a resume)."""
 EVAL_STAGES = ("val", "test")
-RNN_ARGUMENTS = ("norm", "recurrent_dropout", "init", "max_steps", "small_batch")
-"""Arguments of both task modules that go to the recurrent layer (``small_batch`` folded into the norm's spec)."""
+RNN_ARGUMENTS = {
+    "norm": "norm",
+    "recurrent_dropout": "recurrent_dropout",
+    "init": "init",
+    "max_steps": "norm_max_steps",
+    "small_batch": "small_batch",
+}
+"""The recurrent layer's keyword arguments that both task modules take, each with the module's name for it
+(``small_batch`` is folded into the norm's spec)."""
+RENAMED_HPARAMS = {"max_steps": "norm_max_steps"}
+"""Old name -> new name of the task modules' arguments. ``max_steps`` read like ``--trainer.max_steps`` (the
+length of training) on the command line; it is the number of time steps with their own BN statistics. The old
+name is still accepted (with a FutureWarning) and checkpoints that saved it load unchanged (:func:`current_hparams`)."""
+
+
+def current_hparams(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    """Saved hyperparameters under today's names (:data:`RENAMED_HPARAMS`); a new name already saved wins."""
+    current = dict(hparams)
+    for old, new in RENAMED_HPARAMS.items():
+        if old in current:
+            value = current.pop(old)
+            if value is not None:
+                current.setdefault(new, value)
+    return current
 
 
 class RNNOptions(TypedDict, total=False):
@@ -71,7 +95,8 @@ class RNNOptions(TypedDict, total=False):
     input_stats: InputStats
     beyond_max_steps: BeyondMaxSteps
     norm_options: dict[str, Any] | None
-    # The model's own arguments: listed so that the model, not the parser, refuses them, naming the flag to use.
+    # The model's own arguments (RNN_ARGUMENTS): listed so that the model, not the parser, refuses them, naming the
+    # flag to use.
     norm: Any
     recurrent_dropout: Any
     init: Any
@@ -108,7 +133,12 @@ class TaskModule(pl.LightningModule):
         flag = f"{cls.__name__}.load_from_checkpoint"
         checkpoint = read_checkpoint(checkpoint_path, flag)
         task_class(checkpoint, _subclasses(cls), checkpoint_path, flag)
-        norm = checkpoint["hyper_parameters"].get("norm")
+        saved = checkpoint["hyper_parameters"]
+        renamed = current_hparams(saved)
+        for old, new in RENAMED_HPARAMS.items():
+            if old in saved and old not in kwargs and new not in kwargs:  # a checkpoint of before the rename
+                kwargs[new], kwargs[old] = renamed.get(new), None
+        norm = saved.get("norm")
         if isinstance(norm, Mapping) and "norm" not in kwargs:
             # A spec saved as plain data: made here by the registry, handed over as an object (jsonargparse, which
             # Lightning builds CLI checkpoints with, checks `norm` against its type and would refuse the dict).
@@ -118,10 +148,37 @@ class TaskModule(pl.LightningModule):
             checkpoint_path, map_location, hparams_file, strict, weights_only=True, **kwargs
         )
 
-    def _norm_spec(self, norm: str | NormSpec | Mapping[str, Any]) -> NormSpec:
-        """The spec of ``norm`` with the model's ``max_steps`` and ``small_batch``; ``hparams.norm`` becomes data.
+    def _take_renamed(self) -> None:
+        """Fold a deprecated argument given under its old name (:data:`RENAMED_HPARAMS`) into the new one, in the
+        hyperparameters and what loggers record. Call it right after ``save_hyperparameters()``."""
+        owner = type(self).__name__
+        for old, new in RENAMED_HPARAMS.items():
+            value = self.hparams.pop(old, None)
+            if hasattr(self, "_hparams_initial"):
+                self._hparams_initial.pop(old, None)
+            if value is None:
+                continue
+            default = inspect.signature(type(self).__init__).parameters[new].default
+            if self.hparams[new] not in (value, default):
+                raise ValueError(
+                    f"{owner}: expected {old} (the old name of {new}) to agree with {new}, got {old}={value} and "
+                    f"{new}={self.hparams[new]}; pass {new} only (--model.{new} on the command line)"
+                )
+            warnings.warn(
+                f"{owner}: {old} is renamed {new} (--model.{new} on the command line), the time steps with their own "
+                f"batch-norm statistics, not the length of training (--trainer.max_steps); {old}={value} is used as "
+                f"{new}. The old name will be removed.",
+                FutureWarning,
+                stacklevel=3,  # the line that built the model
+            )
+            self.hparams[new] = value
+            if hasattr(self, "_hparams_initial"):
+                self._hparams_initial[new] = value
 
-        Call it right after ``save_hyperparameters()``. Checkpoints hold plain values only (they are read with
+    def _norm_spec(self, norm: str | NormSpec | Mapping[str, Any]) -> NormSpec:
+        """The spec of ``norm`` with the model's ``norm_max_steps`` and ``small_batch``; ``hparams.norm`` becomes data.
+
+        Call it right after :meth:`_take_renamed`. Checkpoints hold plain values only (they are read with
         ``weights_only=True``, and a ``class_path`` in their hyperparameters is refused:
         :mod:`~seqnorm.lightning.checkpoint_io`), so a spec is saved as ``spec.to_dict()``, which only seqnorm's
         registry turns back into a spec; a name stays a name, as the shipped configs write it.
@@ -137,7 +194,7 @@ class TaskModule(pl.LightningModule):
         if small_batch == "error" and "small_batch" not in field_names(type(resolve_norm(owner, norm))):
             # The default before "tail": checkpoints of that time hold it whatever the norm.
             small_batch = DEFAULT_SMALL_BATCH
-        return resolve_norm(owner, norm, max_steps=self.hparams.max_steps, small_batch=small_batch)
+        return resolve_norm(owner, norm, max_steps=self.hparams.norm_max_steps, small_batch=small_batch)
 
     def _rnn_kwargs(self, norm: NormSpec) -> dict[str, Any]:
         """The recurrent layer's keyword arguments: ``norm`` (:meth:`_norm_spec`), the model's own
@@ -145,15 +202,26 @@ class TaskModule(pl.LightningModule):
 
         Read from the saved hyperparameters, so call it after ``save_hyperparameters()``.
         """
-        named = {name: self.hparams[name] for name in RNN_ARGUMENTS if name != "small_batch"}
+        named = {name: self.hparams[own] for name, own in RNN_ARGUMENTS.items() if name != "small_batch"}
         options = dict(self.hparams.rnn_options or {})
         clash = sorted(set(options) & set(RNN_ARGUMENTS))
         if clash:
             raise ValueError(
                 f"{type(self).__name__}: expected rnn_options without arguments the model takes itself, got "
-                f"{', '.join(clash)} (use --model.{clash[0]})"
+                f"{', '.join(clash)} (use --model.{RNN_ARGUMENTS[clash[0]]})"
             )
         return {**named, "norm": norm, **options}
+
+    def _log_train_loss(self, loss: Tensor, weight: int) -> None:
+        """``train/loss``: this step's loss, written every ``log_every_n_steps`` and shown in the progress bar;
+        ``train/loss_epoch``: the epoch's mean weighted by ``weight`` (tokens or examples), written at its end.
+
+        One step's loss is a noisy curve: bucketed batches differ in length and so in loss (0.9 to 1.8 nats on one
+        corpus). The epoch mean is the smooth one; Lightning's ``on_step``/``on_epoch`` pair would rename the step
+        value ``train/loss_step``, so each has its own ``log`` call and ``train/loss`` keeps its name.
+        """
+        self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True, batch_size=weight, sync_dist=True)
+        self.log("train/loss_epoch", loss, on_step=False, on_epoch=True, batch_size=weight, sync_dist=True)
 
     def _init_metrics(self, *names: str) -> None:
         self.epoch_metrics = nn.ModuleDict({f"{stage}_{name}": MeanMetric() for stage in EVAL_STAGES for name in names})

@@ -15,7 +15,8 @@ __all__ = ["SequenceClassifier"]
 
 
 class SequenceClassifier(TaskModule):
-    """Variable-length text -> label. Logs ``train/loss``, ``val/loss``, ``val/acc`` and the ``test/`` twins.
+    """Variable-length text -> label. Logs ``train/loss`` (each step), ``train/loss_epoch`` (its mean over the
+    epoch's examples), ``val/loss``, ``val/acc`` and the ``test/`` twins.
 
     Args:
         vocab_size: number of token ids; linked from the DataModule by the CLI.
@@ -24,8 +25,8 @@ class SequenceClassifier(TaskModule):
         pooling: ``"last"`` (each sequence's final state at its real end), ``"mean"`` or ``"max"`` over the real
             positions.
         bidirectional: read the text in both directions.
-        cell, norm, hidden_size, embedding_dim, num_layers, dropout, recurrent_dropout, init, max_steps,
-        small_batch, rnn_options, lr, weight_decay: as :class:`LanguageModel`.
+        cell, norm, hidden_size, embedding_dim, num_layers, dropout, recurrent_dropout, init, norm_max_steps,
+        small_batch, rnn_options, lr, weight_decay, max_steps: as :class:`LanguageModel`.
     """
 
     def __init__(
@@ -43,14 +44,16 @@ class SequenceClassifier(TaskModule):
         dropout: float = 0.0,
         recurrent_dropout: float = 0.0,
         init: str = "default",
-        max_steps: int = DEFAULT_MAX_STEPS,
+        norm_max_steps: int = DEFAULT_MAX_STEPS,
         small_batch: SmallBatchPolicy = DEFAULT_SMALL_BATCH,
         rnn_options: RNNOptions | None = None,
         lr: float = 2e-3,
         weight_decay: float = 0.0,
+        max_steps: int | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        self._take_renamed()
         self.model = RNNClassifier(
             vocab_size,
             num_classes,
@@ -74,7 +77,7 @@ class SequenceClassifier(TaskModule):
         loss = F.cross_entropy(logits, batch["labels"])
         examples = batch["labels"].shape[0]
         if stage == "train":
-            self.log("train/loss", loss, prog_bar=True, batch_size=examples, sync_dist=True)
+            self._log_train_loss(loss, examples)
         else:
             self._update_metric(stage, "loss", loss, examples)
             accuracy = (logits.argmax(1) == batch["labels"]).float().mean()

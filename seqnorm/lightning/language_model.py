@@ -22,7 +22,8 @@ STREAM_STATE_KEY = "seqnorm_stream_state"
 class LanguageModel(TaskModule):
     """Character- or word-level language modelling over variable-length sequences.
 
-    Logs ``train/loss`` (nats per token, each step), ``val/loss`` and ``val/bpc`` (bits per character, character
+    Logs ``train/loss`` (nats per token, each step) and ``train/loss_epoch`` (its mean over the epoch's tokens),
+    ``val/loss`` and ``val/bpc`` (bits per character, character
     level) or ``val/ppl`` (perplexity, word level), and the ``test/`` twins. Padding is ignored by the loss.
 
     Stateful truncated BPTT: batches of ``TextCorpus(unit="stream")`` carry a ``window`` index. Then the final state
@@ -44,8 +45,8 @@ class LanguageModel(TaskModule):
         dropout: dropout on embeddings, between layers and before the output projection.
         recurrent_dropout: variational dropout on the recurrent state.
         init: weight initialization scheme (see :mod:`seqnorm.init`).
-        max_steps: time steps with their own batch-norm statistics (per-timestep BN only; folded into the spec,
-            accepted whatever the norm).
+        norm_max_steps: time steps with their own batch-norm statistics (per-timestep BN only; folded into the
+            spec, accepted whatever the norm). Not the length of training: that is the Trainer's ``max_steps``.
         small_batch: what per-timestep BN does at a step with fewer than 2 active rows (the tail of the longest
             sequence of a variable-length batch): ``"tail"`` (default: normalize it with the running statistics of
             the step and count it, ``norm/fallback_steps``; a batch of one row raises), ``"error"`` (strict) or
@@ -54,7 +55,7 @@ class LanguageModel(TaskModule):
         stream_steps: the time index per-timestep BN sees in stream windows. ``"restart"``: steps ``0 .. T-1`` in
             every window, so each position of a window has its own statistics (all ``T`` of them trained in every
             batch, and evaluation sees the same positions as training). ``"continue"``: the stream position, so
-            window ``k`` has steps ``k*T .. k*T+T-1``, and steps beyond ``max_steps`` follow the norm's
+            window ``k`` has steps ``k*T .. k*T+T-1``, and steps beyond ``norm_max_steps`` follow the norm's
             ``beyond_max_steps`` policy. Norms without per-timestep statistics ignore it.
         tie_weights: share the embedding and output matrices (``embedding_dim`` must equal ``hidden_size``).
         rnn_options: further keyword arguments of :class:`seqnorm.LSTM` / :class:`seqnorm.GRU` that are not norm
@@ -65,6 +66,8 @@ class LanguageModel(TaskModule):
             CLI checks every key and value while parsing.
         lr: Adam learning rate (the CLI's ``--optimizer`` replaces Adam entirely).
         weight_decay: Adam weight decay.
+        max_steps: the old name of ``norm_max_steps``, still accepted with a FutureWarning (checkpoints that
+            saved it load as ``norm_max_steps``).
     """
 
     def __init__(
@@ -80,13 +83,14 @@ class LanguageModel(TaskModule):
         dropout: float = 0.0,
         recurrent_dropout: float = 0.0,
         init: str = "default",
-        max_steps: int = DEFAULT_MAX_STEPS,
+        norm_max_steps: int = DEFAULT_MAX_STEPS,
         small_batch: SmallBatchPolicy = DEFAULT_SMALL_BATCH,
         stream_steps: Literal["restart", "continue"] = "restart",
         tie_weights: bool = False,
         rnn_options: RNNOptions | None = None,
         lr: float = 2e-3,
         weight_decay: float = 0.0,
+        max_steps: int | None = None,
     ) -> None:
         super().__init__()
         if level not in ("char", "word"):
@@ -96,6 +100,7 @@ class LanguageModel(TaskModule):
                 f"LanguageModel: expected stream_steps to be 'restart' or 'continue', got {stream_steps!r}"
             )
         self.save_hyperparameters()
+        self._take_renamed()
         self.model = RNNLanguageModel(
             vocab_size,
             embedding_dim,
@@ -147,7 +152,7 @@ class LanguageModel(TaskModule):
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss, tokens = self._loss(batch, "train")
-        self.log("train/loss", loss, prog_bar=True, batch_size=int(tokens), sync_dist=True)
+        self._log_train_loss(loss, int(tokens))
         return loss
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:

@@ -1,0 +1,236 @@
+"""The `seqnorm` command keeps Lightning's and torch's conventions: threads, Trainer switches, logging, output."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from seqnorm.cli import SeqnormCLI, main
+from seqnorm.cli_output import in_command_line_words
+from seqnorm.cli_threads import DEFAULT_THREADS, THREADS_ENV, choose_threads
+from seqnorm.data import TextCorpus
+from seqnorm.lightning import LanguageModel, SequenceClassifier
+from seqnorm.lightning.progress import SeqnormProgressBar
+from tests.conftest import QUIET
+
+ROOT = Path(__file__).resolve().parent.parent
+LM = ["--model", "LanguageModel", "--data", "TextCorpus", "--model.hidden_size", "16", "--model.embedding_dim", "8"]
+SHORT = ["--trainer.max_steps", "4", "--trainer.limit_val_batches", "1", "--trainer.val_check_interval", "2"]
+
+
+def _fails(capsys: pytest.CaptureFixture[str], args: list[str]) -> str:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        main(args)
+    error = capsys.readouterr().err
+    assert stopped.value.code == 2, error
+    assert "Traceback" not in error
+    return error
+
+
+# ---- threads -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flag", "environ", "expected"),
+    [
+        (None, {}, (DEFAULT_THREADS, "the default")),
+        (None, {"OMP_NUM_THREADS": "3"}, (None, "OMP_NUM_THREADS=3")),  # torch already follows it
+        (None, {"MKL_NUM_THREADS": "3"}, (None, "MKL_NUM_THREADS=3")),
+        (None, {THREADS_ENV: "2", "OMP_NUM_THREADS": "3"}, (2, f"{THREADS_ENV}=2")),
+        (None, {THREADS_ENV: "0"}, (None, f"{THREADS_ENV}=0")),  # 0: torch's own setting
+        (4, {THREADS_ENV: "2", "OMP_NUM_THREADS": "3"}, (4, "--threads 4")),
+        (0, {}, (None, "--threads 0")),
+    ],
+)
+def test_thread_count_precedence(flag: int | None, environ: dict[str, str], expected: tuple[int | None, str]) -> None:
+    threads, reason = choose_threads(flag, environ)
+    assert threads == expected[0] and reason.startswith(expected[1])
+
+
+def test_a_bad_thread_variable_is_one_message(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    monkeypatch.setenv(THREADS_ENV, "two")
+    error = _fails(capsys, ["fit", *LM, *QUIET, *SHORT])
+    assert f"{THREADS_ENV}=two: expected a whole number of torch threads" in error
+
+
+def test_threads_flag_sets_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    before = torch.get_num_threads()
+    try:
+        SeqnormCLI(args=[*LM, "--threads", "2", "--trainer.logger", "false"], run=False)
+        assert torch.get_num_threads() == 2
+        monkeypatch.setenv(THREADS_ENV, "0")  # leave torch's setting (the default would set 1)
+        SeqnormCLI(args=[*LM, "--trainer.logger", "false"], run=False)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+# ---- a plain run: clean output, the progress bar, the thread line, logger false ------------------------------------
+
+# What Lightning prints on every run by design (device summary, the stop reason) and seqnorm's thread line.
+EXPECTED_STDERR = (
+    r"Seed set to 0",
+    r"seqnorm: 1 torch CPU thread: SEQNORM_THREADS=1",
+    r"GPU available: .*",
+    r"TPU available: .*",
+    r"`Trainer\(limit_val_batches=1\)` was configured so 1 batch will be used\.",
+    r"`Trainer.fit` stopped: `max_steps=6` reached\.",
+)
+
+
+def test_a_plain_run_prints_nothing_avoidable(tmp_path: Path) -> None:
+    # A fresh process: what a user sees (no pytest warning filters, Lightning's own log handler).
+    command = [sys.executable, "-m", "seqnorm.cli", "fit", *LM, "--trainer.max_steps", "6"]
+    command += ["--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "1", "--trainer.logger", "false"]
+    env = {key: value for key, value in os.environ.items() if key not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    env.update({THREADS_ENV: "1", "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "default"})
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    unexpected = [line for line in lines if not any(re.fullmatch(pattern, line) for pattern in EXPECTED_STDERR)]
+    assert unexpected == [], result.stderr
+    assert len(lines) == len(EXPECTED_STDERR), result.stderr  # the thread line once
+    # The progress bar of a run bounded by steps names no last epoch (Lightning's bar shows "Epoch 0/-2").
+    assert "Epoch 0 " in result.stdout and "/-2" not in result.stdout
+    # logger false: the run still gets its own folder, not ./config.yaml and ./checkpoints
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["lightning_logs"]
+    assert (tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_progress_bar_names_the_last_epoch_only_when_there_is_one() -> None:
+    bar = SeqnormProgressBar()
+    bar._trainer = SimpleNamespace(max_epochs=-1)  # what Trainer(max_steps=N) sets
+    assert bar._get_train_description(3).rstrip() == "Epoch 3"
+    bar._trainer = SimpleNamespace(max_epochs=5)
+    assert bar._get_train_description(3).rstrip() == "Epoch 3/4"
+
+
+# ---- Lightning's switches ------------------------------------------------------------------------------------------
+
+
+def test_logger_false_twice_gives_each_run_its_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):
+        main(["fit", *LM, *QUIET, *SHORT, "--trainer.logger", "false"])
+    for version in ("version_0", "version_1"):
+        run = tmp_path / "lightning_logs" / version
+        assert (run / "config.yaml").is_file() and (run / "checkpoints" / "last.ckpt").is_file()
+        assert not list(run.glob("events.out.tfevents*"))  # no logger: no TensorBoard files
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "config.yaml").exists()
+    # An explicit default_root_dir keeps Lightning's layout (config.yaml and checkpoints/ in it); a second run there
+    # would stop on the first one's config.yaml: one message naming both flags, before training.
+    explicit = ["fit", *LM, *QUIET, *SHORT, "--trainer.logger", "false", "--trainer.default_root_dir", "mine"]
+    main(explicit)
+    assert (tmp_path / "mine" / "config.yaml").is_file() and (tmp_path / "mine" / "checkpoints").is_dir()
+    error = _fails(capsys, explicit)
+    assert "--trainer.logger false: --trainer.default_root_dir mine already holds a run" in error
+
+
+def test_enable_checkpointing_false_and_train_loss_per_step_and_epoch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    args = ["fit", *LM, *QUIET, "--trainer.max_steps", "6", "--trainer.limit_val_batches", "1"]
+    args += ["--trainer.val_check_interval", "3", "--trainer.log_every_n_steps", "1"]
+    main([*args, "--trainer.enable_checkpointing", "false"])
+    run = tmp_path / "lightning_logs" / "version_0"
+    assert not (run / "checkpoints").exists()
+    accumulator = EventAccumulator(str(run))
+    accumulator.Reload()
+    steps = [event.step for event in accumulator.Scalars("train/loss")]
+    assert steps == list(range(6))  # every step, under its contract name
+    (epoch_mean,) = accumulator.Scalars("train/loss_epoch")  # the run's one (unfinished) epoch
+    losses = [event.value for event in accumulator.Scalars("train/loss")]
+    assert min(losses) <= epoch_mean.value <= max(losses)
+    # A ModelCheckpoint the user adds contradicts the switch: Lightning's sentence, exit 2, no traceback.
+    error = _fails(capsys, [*args, "--trainer.enable_checkpointing", "false", "--trainer.callbacks+=ModelCheckpoint"])
+    assert "enable_checkpointing=False" in error and "ModelCheckpoint" in error
+
+
+# ---- the BN small-batch error names the flag ------------------------------------------------------------------------
+
+
+def test_small_batch_error_names_the_flag_that_works(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    bn_at_batch_one = ["fit", *LM, *QUIET, *SHORT, "--model.norm", "batch", "--data.batch_size", "1"]
+    error = _fails(capsys, bn_at_batch_one)
+    assert "--model.small_batch running" in error and "--model.norm layer" in error
+    assert 'small_batch="running"' not in error
+    main([*bn_at_batch_one, "--model.small_batch", "running"])  # the flag the message names does work
+    assert (tmp_path / "lightning_logs" / "version_1" / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_only_suggested_model_arguments_become_flags() -> None:
+    message = 'use norm="layer", or pass small_batch="running"; got momentum="x" and norm=\'weight\''
+    assert in_command_line_words(message, [LanguageModel]) == (
+        "use --model.norm layer, or pass --model.small_batch running; got momentum=\"x\" and norm='weight'"
+    )
+
+
+# ---- norm_max_steps, formerly max_steps ----------------------------------------------------------------------------
+
+
+def _rows(model: LanguageModel | SequenceClassifier) -> int:
+    return model.model.rnn.cells[0].norm_hh.running_mean.shape[0]
+
+
+@pytest.mark.parametrize("cls", [LanguageModel, SequenceClassifier])
+def test_max_steps_is_a_deprecated_alias_of_norm_max_steps(cls: type) -> None:
+    sizes = (10,) if cls is LanguageModel else (10, 2)
+    assert _rows(cls(*sizes, norm="batch", norm_max_steps=7)) == 7
+    with pytest.warns(FutureWarning, match=r"max_steps is renamed norm_max_steps \(--model.norm_max_steps"):
+        model = cls(*sizes, norm="batch", max_steps=7)
+    assert _rows(model) == 7 and model.hparams.norm_max_steps == 7
+    assert "max_steps" not in model.hparams and "max_steps" not in model.hparams_initial
+    with pytest.raises(ValueError, match=r"expected max_steps \(the old name of norm_max_steps\) to agree"):
+        cls(*sizes, norm="batch", max_steps=7, norm_max_steps=8)
+
+
+def test_the_old_model_flag_still_works_and_config_yaml_gets_the_new_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    args = [*LM, "--model.norm", "batch", "--model.max_steps", "7", "--trainer.logger", "false"]
+    with pytest.warns(FutureWarning, match=r"--model.max_steps is renamed --model.norm_max_steps"):
+        cli = SeqnormCLI(args=args, run=False)
+    assert _rows(cli.model) == 7
+    assert cli.config.model.init_args.norm_max_steps == 7 and cli.config.model.init_args.max_steps is None
+    error = _fails(capsys, ["fit", *args, "--model.norm_max_steps", "8", *QUIET])
+    assert "--model.max_steps 7 contradicts --model.norm_max_steps 8" in error
+
+
+def test_checkpoints_that_saved_max_steps_load_as_norm_max_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    corpus = TextCorpus()
+    model = LanguageModel(corpus.vocab_size, corpus.pad_index, norm="batch", hidden_size=16, embedding_dim=8)
+    old = {("max_steps" if k == "norm_max_steps" else k): v for k, v in model.hparams.items()} | {"max_steps": 7}
+    model = LanguageModel(**{**model.hparams, "norm_max_steps": 7})
+    path = tmp_path / "old.ckpt"
+    torch.save({"state_dict": model.state_dict(), "hyper_parameters": old, "pytorch-lightning_version": "2.4.0"}, path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # a saved name is no deprecated use
+        loaded = LanguageModel.load_from_checkpoint(path)
+    assert _rows(loaded) == 7 and loaded.hparams.norm_max_steps == 7 and "max_steps" not in loaded.hparams
+    # through the CLI, which fills in the model flags from the checkpoint: evaluation runs on the old checkpoint
+    main(["test", *LM, *QUIET, "--model.norm", "batch", "--trainer.limit_test_batches", "1", "--ckpt_path", str(path)])
+    config = (tmp_path / "lightning_logs" / "version_0" / "config.yaml").read_text()
+    assert re.search(r"^\s+norm_max_steps: 7$", config, re.MULTILINE), config
+
+
+def test_shipped_bn_overlays_use_the_new_name() -> None:
+    for overlay in (ROOT / "configs" / "norm").glob("batch*.yaml"):
+        text = overlay.read_text()
+        assert "norm_max_steps:" in text and not re.search(r"^\s+max_steps:", text, re.MULTILINE), overlay
