@@ -41,7 +41,7 @@ from seqnorm.cli_checks import (
     user_error,
 )
 from seqnorm.cli_output import in_command_line_words, quiet_known_noise
-from seqnorm.cli_runs import ModelInstantiator, continued_run_logger
+from seqnorm.cli_runs import ModelInstantiator, continued_run_logger, with_checkpoint_model
 from seqnorm.cli_threads import THREADS_HELP, configure_threads
 from seqnorm.cli_trainer import adjust_trainer_config
 from seqnorm.data import LabeledText, TextCorpus, Vocabulary
@@ -296,6 +296,7 @@ def main(args: list[str] | None = None) -> None:
         return
     try:
         argv = resolve_config_names(argv)  # `--config seqnorm:NAME`: a config shipped with the package
+        argv = with_checkpoint_model(argv, MODELS)  # `test --ckpt_path X` without --model: the checkpoint's class
         if args is None:
             sys.argv[1:] = argv  # LightningCLI reads sys.argv itself (and warns when given args beside it)
         else:

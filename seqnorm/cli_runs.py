@@ -6,6 +6,7 @@ Kept apart from :mod:`seqnorm.cli` so that the command itself stays a short list
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +14,9 @@ from lightning.pytorch.cli import LightningCLI, _InstantiatorFn
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from seqnorm.lightning.atomic_io import local_path
+from seqnorm.lightning.checkpoint_io import read_checkpoint, task_class
 
-__all__ = ["LOGS_NAME", "ModelInstantiator", "continued_run_logger"]
+__all__ = ["LOGS_NAME", "ModelInstantiator", "continued_run_logger", "with_checkpoint_model"]
 
 LOGS_NAME = "lightning_logs"
 """The folder under ``--trainer.default_root_dir`` where Lightning's default logger puts its ``version_N`` runs."""
@@ -72,3 +74,34 @@ def continued_run_logger(ckpt_path: str | None, default_root_dir: str | None) ->
     # The Trainer's own default logger, plus the version (the run's directory name): the same paths as the first
     # run's, so ModelCheckpoint recognizes its saved dirpath and restores its top-k state.
     return TensorBoardLogger(save_dir=save_dir, name=LOGS_NAME, version=run.name)
+
+
+_RUN_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+_MODEL_FLAGS = ("--model", "--config", "-c")
+
+
+def _flag_value(argv: Sequence[str], flag: str) -> str | None:
+    for index, argument in enumerate(argv):
+        if argument == flag and index + 1 < len(argv):
+            return argv[index + 1]
+        if argument.startswith(f"{flag}="):
+            return argument.partition("=")[2]
+    return None
+
+
+def with_checkpoint_model(argv: Sequence[str], models: Sequence[type]) -> list[str]:
+    """``argv`` with ``--model <the checkpoint's class>`` added where a run subcommand has ``--ckpt_path`` but names
+    no model (no ``--model``, no ``--config`` that could): ``seqnorm test --data ... --ckpt_path X`` then evaluates
+    the checkpoint's model, as ``load_from_checkpoint`` would, instead of stopping at a missing ``--model``. The
+    checkpoint is read safely (``weights_only``) and its class must be one of ``models``."""
+    arguments = list(argv)
+    if not arguments or arguments[0] not in _RUN_SUBCOMMANDS:
+        return arguments
+    ckpt_path = _flag_value(arguments, "--ckpt_path")
+    names_model = any(argument.partition("=")[0] in _MODEL_FLAGS for argument in arguments)
+    if ckpt_path is None or names_model:
+        return arguments
+    saved_class = task_class(read_checkpoint(ckpt_path), models, ckpt_path)
+    if saved_class is None:  # not written by seqnorm's CLI: the parser asks for --model as usual
+        return arguments
+    return [arguments[0], "--model", saved_class.__name__, *arguments[1:]]

@@ -92,6 +92,17 @@ def test_evaluation_from_a_checkpoint(run: tuple[str, list[str]], command: str) 
 
 
 @pytest.mark.parametrize("run", list(TASKS), indirect=True)
+def test_the_checkpoint_names_the_model_when_no_flag_does(run: tuple[str, list[str]]) -> None:
+    task, args = run
+    without_model = args[2:]  # drops "--model <task>": the checkpoint's class is used
+    assert "--model" not in without_model
+    main(["test", *without_model, "--ckpt_path", str(LAST)])
+    assert f"test/{_metric(task)}" in _scalars(Path("lightning_logs/version_1"))
+    config = Path("lightning_logs/version_1/config.yaml").read_text(encoding="utf-8")
+    assert f"class_path: seqnorm.lightning.{task}" in config
+
+
+@pytest.mark.parametrize("run", list(TASKS), indirect=True)
 def test_resumed_fit_continues_the_same_run(run: tuple[str, list[str]]) -> None:
     _, args = run
     before = _scalars(Path("lightning_logs/version_0"))

@@ -43,7 +43,7 @@ def test_the_command_line_takes_names_and_lists_them(
         main(["fit", "--config", "seqnorm:embedded_lm", "--config=seqnorm:norm/batch", "--print_config"])
     assert stopped.value.code in (0, None)
     printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed["model"]["init_args"]["norm"] == "batch" and printed["model"]["init_args"]["max_steps"] == 256
+    assert printed["model"]["init_args"]["norm"] == "batch" and printed["model"]["init_args"]["norm_max_steps"] == 256
     with pytest.raises(SystemExit) as stopped:
         main(["fit", "--config", "seqnorm:no_such_config"])
     assert stopped.value.code == 2
