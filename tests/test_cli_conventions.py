@@ -234,3 +234,27 @@ def test_shipped_bn_overlays_use_the_new_name() -> None:
     for overlay in (ROOT / "configs" / "norm").glob("batch*.yaml"):
         text = overlay.read_text()
         assert "norm_max_steps:" in text and not re.search(r"^\s+max_steps:", text, re.MULTILINE), overlay
+
+
+def test_train_loss_is_the_mean_since_the_last_written_point(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Written every 3 steps, ``train/loss`` is the mean of those 3 steps' losses (equal batches: equal weights),
+    not the last batch's alone; written every step, it is each step's loss."""
+    monkeypatch.chdir(tmp_path)
+    classifier = ["--model", "SequenceClassifier", "--data", "LabeledText", "--data.batch_size", "8"]
+    classifier += ["--model.hidden_size", "16", "--model.embedding_dim", "8", "--trainer.limit_val_batches", "0"]
+
+    def losses(every: int) -> list[tuple[int, float]]:
+        root = tmp_path / f"every{every}"
+        main(["fit", *classifier, *QUIET, "--trainer.max_steps", "6", "--trainer.log_every_n_steps", str(every),
+              "--trainer.default_root_dir", str(root)])  # fmt: skip
+        accumulator = EventAccumulator(str(root / "lightning_logs" / "version_0"))
+        accumulator.Reload()
+        return [(event.step, event.value) for event in accumulator.Scalars("train/loss")]
+
+    per_step = losses(1)
+    assert [step for step, _ in per_step] == list(range(6))
+    means = losses(3)
+    assert [step for step, _ in means] == [2, 5]
+    for (_, value), first in zip(means, (0, 3), strict=True):
+        expected = sum(loss for _, loss in per_step[first : first + 3]) / 3
+        assert value == pytest.approx(expected, rel=1e-5)

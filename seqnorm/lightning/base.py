@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import os
 import warnings
+from collections import deque
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
@@ -213,14 +214,22 @@ class TaskModule(pl.LightningModule):
         return {**named, "norm": norm, **options}
 
     def _log_train_loss(self, loss: Tensor, weight: int) -> None:
-        """``train/loss``: this step's loss, written every ``log_every_n_steps`` and shown in the progress bar;
-        ``train/loss_epoch``: the epoch's mean weighted by ``weight`` (tokens or examples), written at its end.
+        """``train/loss``: the mean loss over the last ``log_every_n_steps`` steps, weighted by ``weight`` (tokens or
+        examples), shown in the progress bar and written every ``log_every_n_steps``, so each point of the curve
+        covers every step since the one before; ``train/loss_epoch``: the epoch's weighted mean, written at its end.
 
-        One step's loss is a noisy curve: bucketed batches differ in length and so in loss (0.9 to 1.8 nats on one
-        corpus). The epoch mean is the smooth one; Lightning's ``on_step``/``on_epoch`` pair would rename the step
-        value ``train/loss_step``, so each has its own ``log`` call and ``train/loss`` keeps its name.
+        One step's loss alone is a noisy sample: bucketed batches differ in length and so in loss (0.9 to 1.8 nats
+        on one corpus), and a point every 50 steps showed whichever batch came last. Lightning's
+        ``on_step``/``on_epoch`` pair would rename the step value ``train/loss_step``, so each has its own ``log``
+        call and ``train/loss`` keeps its name.
         """
-        self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True, batch_size=weight, sync_dist=True)
+        window = max(1, self.trainer.log_every_n_steps)
+        if getattr(self, "_recent_losses", None) is None or self._recent_losses.maxlen != window:
+            self._recent_losses: deque[tuple[Tensor, int]] = deque(maxlen=window)
+        self._recent_losses.append((loss.detach().float() * weight, weight))
+        total = torch.stack([weighted for weighted, _ in self._recent_losses]).sum()
+        recent = total / sum(count for _, count in self._recent_losses)
+        self.log("train/loss", recent, on_step=True, on_epoch=False, prog_bar=True, batch_size=weight, sync_dist=True)
         self.log("train/loss_epoch", loss, on_step=False, on_epoch=True, batch_size=weight, sync_dist=True)
 
     def _init_metrics(self, *names: str) -> None:

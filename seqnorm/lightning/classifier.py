@@ -15,8 +15,8 @@ __all__ = ["SequenceClassifier"]
 
 
 class SequenceClassifier(TaskModule):
-    """Variable-length text -> label. Logs ``train/loss`` (each step), ``train/loss_epoch`` (its mean over the
-    epoch's examples), ``val/loss``, ``val/acc`` and the ``test/`` twins.
+    """Variable-length text -> label. Logs ``train/loss`` (the mean over the last ``log_every_n_steps`` steps),
+    ``train/loss_epoch`` (the mean over the epoch's examples), ``val/loss``, ``val/acc`` and the ``test/`` twins.
 
     Args:
         vocab_size: number of token ids; linked from the DataModule by the CLI.

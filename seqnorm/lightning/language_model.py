@@ -22,9 +22,9 @@ STREAM_STATE_KEY = "seqnorm_stream_state"
 class LanguageModel(TaskModule):
     """Character- or word-level language modelling over variable-length sequences.
 
-    Logs ``train/loss`` (nats per token, each step) and ``train/loss_epoch`` (its mean over the epoch's tokens),
-    ``val/loss`` and ``val/bpc`` (bits per character, character
-    level) or ``val/ppl`` (perplexity, word level), and the ``test/`` twins. Padding is ignored by the loss.
+    Logs ``train/loss`` (nats per token, the mean over the last ``log_every_n_steps`` steps) and
+    ``train/loss_epoch`` (the mean over the epoch's tokens), ``val/loss`` and ``val/bpc`` (bits per character,
+    character level) or ``val/ppl`` (perplexity, word level), and the ``test/`` twins. Padding is ignored by the loss.
 
     Stateful truncated BPTT: batches of ``TextCorpus(unit="stream")`` carry a ``window`` index. Then the final state
     of each window, detached, starts the next window of the same stage (train, val and test each keep their own),
