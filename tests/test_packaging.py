@@ -61,7 +61,8 @@ def test_pyproject_lists_every_package() -> None:
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     found = set(setuptools.find_packages(str(ROOT), include=["seqnorm*"]))
     folders = {path.parent.relative_to(CONFIGS).parts for path in CONFIGS.rglob("*.yaml")}
-    assert set(config["packages"]) == found | {".".join(("seqnorm", "configs", *parts)) for parts in folders}
+    data_packages = {".".join(("seqnorm", "configs", *parts)) for parts in folders} | {"seqnorm.csrc"}
+    assert set(config["packages"]) == found | data_packages
     assert config["package-dir"] == {"seqnorm.configs": "configs"}
 
 
@@ -78,7 +79,9 @@ def test_the_wheel_ships_every_config(tmp_path: Path) -> None:
     subprocess.run([*command, "-w", str(tmp_path / "wheel")], check=True, capture_output=True, timeout=120)
     (wheel,) = (tmp_path / "wheel").glob("seqnorm-*.whl")
     with zipfile.ZipFile(wheel) as archive:
-        assert {f"seqnorm/configs/{name}.yaml" for name in NAMES} | {"seqnorm/py.typed"} <= set(archive.namelist())
+        shipped = {f"seqnorm/configs/{name}.yaml" for name in NAMES} | {"seqnorm/py.typed"}
+        shipped |= {f"seqnorm/csrc/{path.name}" for path in (ROOT / "seqnorm" / "csrc").iterdir()}  # the kernels' C++
+        assert shipped <= set(archive.namelist())
         archive.extractall(tmp_path / "installed")
     # Installed (here: unpacked, as pip does), the package finds them inside itself, by the same names.
     probe = "import json; from seqnorm import shipped_configs as s; print(json.dumps(s.shipped_configs(), default=str))"
