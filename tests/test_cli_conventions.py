@@ -258,3 +258,16 @@ def test_train_loss_is_the_mean_since_the_last_written_point(tmp_path: Path, mon
     for (_, value), first in zip(means, (0, 3), strict=True):
         expected = sum(loss for _, loss in per_step[first : first + 3]) / 3
         assert value == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_run_shorter_than_its_first_validation_keeps_last_without_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        main(["fit", *LM, *QUIET, "--trainer.max_steps", "3"])  # an epoch is longer: no validation
+    assert not [str(w.message) for w in caught if "could not find the monitored key" in str(w.message)]
+    checkpoints = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
+    assert [path.name for path in checkpoints.iterdir()] == ["last.ckpt"]
+    assert torch.load(checkpoints / "last.ckpt", weights_only=True)["global_step"] == 3

@@ -86,6 +86,10 @@ class ResumableCheckpoint(ModelCheckpoint):
     # ---- last before best -------------------------------------------------------------------------------------
 
     def _save_topk_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, Tensor]) -> None:
+        if self.monitor is not None and self.monitor not in monitor_candidates and not _validated(trainer):
+            # A run that ends before its first validation has no best to keep (last.ckpt holds its state);
+            # Lightning would warn as if the metric were misnamed. After a validation a missing key is still its error.
+            return
         if self.save_last is not True:  # no last.ckpt to write first ("link" makes last point at the top-k file)
             super()._save_topk_checkpoint(trainer, monitor_candidates)
             return
@@ -174,6 +178,11 @@ class ResumableCheckpoint(ModelCheckpoint):
         super().on_train_end(trainer, pl_module)
         if self.save_last and self.dirpath is not None and self._last_global_step_saved != trainer.global_step:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
+def _validated(trainer: pl.Trainer) -> bool:
+    """Whether this fit has run a validation loop (Lightning's own test before it calls a missing monitor an error)."""
+    return bool(getattr(trainer.fit_loop.epoch_loop.val_loop, "_has_run", True))
 
 
 def _rebased(value: Any, old: str, new: str) -> Any:
