@@ -49,53 +49,33 @@ void lstm_output(const T* c_out, const T* acts, T* tanh_c, T* h, T* c, const T* 
   });
 }
 
-// The gradient reaching N_c's output from dh: dh σ(o) (1 - tanh_c²), zero on padded rows.
+// One real row's backward (pointers at the row; the recurrence handles padded rows, which pass no gradient):
+
+// The gradient reaching N_c's output from dh: dh σ(o) (1 - tanh_c²). `acts` is the row's 4H activations.
 template <typename T>
-void lstm_output_backward(const T* dh, const T* acts, const T* tanh_c, T* d_c_out, const bool* mask, int64_t rows,
-                          int64_t hidden) {
+void lstm_output_backward(const T* dh, const T* acts, const T* tanh_c, T* d_c_out, int64_t hidden) {
   const Vec<T> one(T(1));
-  over_rows(rows, hidden, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t row = b * hidden;
-      if (mask != nullptr && !mask[b]) {
-        std::fill(d_c_out + row, d_c_out + row + hidden, T(0));
-        continue;
-      }
-      vec_loop<T>(hidden, [&](int64_t j, int64_t n) {
-        const Vec<T> t = load(tanh_c + row + j, n);
-        const Vec<T> o = load(acts + b * 4 * hidden + 3 * hidden + j, n);
-        store(load(dh + row + j, n) * o * (one - t * t), d_c_out + row + j, n);
-      });
-    }
+  vec_loop<T>(hidden, [&](int64_t j, int64_t n) {
+    const Vec<T> t = load(tanh_c + j, n);
+    store(load(dh + j, n) * load(acts + 3 * hidden + j, n) * (one - t * t), d_c_out + j, n);
   });
 }
 
-// Given dL/dc' (dc, carried, plus dc_norm through N_c) and dh: the pre-activations' gradient (rows x 4H, zero on
-// padded rows) and dc for the previous step (σ(f) dc', or dc itself on padded rows), written over dc.
+// Given dL/dc' (dc, carried, plus dc_norm through N_c) and dh: the pre-activations' gradient (4H) and dc for the
+// previous step, σ(f) dc', written over dc. `a` is the row's 4H activations.
 template <typename T>
-void lstm_gates_backward(const T* dh, T* dc, const T* dc_norm, const T* acts, const T* tanh_c, const T* c_prev,
-                         T* grad_pre, const bool* mask, int64_t rows, int64_t hidden) {
+void lstm_gates_backward(const T* dh, T* dc, const T* dc_norm, const T* a, const T* tanh_c, const T* c_prev,
+                         T* grad_pre, int64_t hidden) {
   const Vec<T> one(T(1));
-  over_rows(rows, 4 * hidden, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      T* gp = grad_pre + b * 4 * hidden;
-      if (mask != nullptr && !mask[b]) {
-        std::fill(gp, gp + 4 * hidden, T(0));
-        continue;
-      }
-      const T* a = acts + b * 4 * hidden;
-      const int64_t row = b * hidden;
-      vec_loop<T>(hidden, [&](int64_t j, int64_t n) {
-        const Vec<T> i = load(a + j, n), f = load(a + hidden + j, n), g = load(a + 2 * hidden + j, n);
-        const Vec<T> o = load(a + 3 * hidden + j, n);
-        const Vec<T> dct = load(dc + row + j, n) + load(dc_norm + row + j, n);
-        store(dct * g * i * (one - i), gp + j, n);
-        store(dct * load(c_prev + row + j, n) * f * (one - f), gp + hidden + j, n);
-        store(dct * i * (one - g * g), gp + 2 * hidden + j, n);
-        store(load(dh + row + j, n) * load(tanh_c + row + j, n) * o * (one - o), gp + 3 * hidden + j, n);
-        store(dct * f, dc + row + j, n);
-      });
-    }
+  vec_loop<T>(hidden, [&](int64_t j, int64_t n) {
+    const Vec<T> i = load(a + j, n), f = load(a + hidden + j, n), g = load(a + 2 * hidden + j, n);
+    const Vec<T> o = load(a + 3 * hidden + j, n);
+    const Vec<T> dct = load(dc + j, n) + load(dc_norm + j, n);
+    store(dct * g * i * (one - i), grad_pre + j, n);
+    store(dct * load(c_prev + j, n) * f * (one - f), grad_pre + hidden + j, n);
+    store(dct * i * (one - g * g), grad_pre + 2 * hidden + j, n);
+    store(load(dh + j, n) * load(tanh_c + j, n) * o * (one - o), grad_pre + 3 * hidden + j, n);
+    store(dct * f, dc + j, n);
   });
 }
 

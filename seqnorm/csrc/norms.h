@@ -69,18 +69,77 @@ class StepNorm {
   virtual void forward(int64_t t, const T* x, T* out, const T* addend, const bool* mask, int64_t count) = 0;
   // out (rows x width) = γ N(x) + shift on the features [offset, offset + width) of step t, from saved statistics.
   virtual void normalized(int64_t t, const T* x, T* out, int64_t offset, int64_t width) = 0;
-  // dx of step t given dy (zero on padded rows); adds this step's share of the γ and shift gradients.
-  virtual void backward(int64_t t, const T* dy, const T* x, T* dx, const bool* mask, int64_t count) = 0;
+
+  // The backward of step t in pieces, for a caller that runs them inside its own passes over the step's rows (the
+  // LSTM's backward takes a row from dh through every norm while it is in cache). Pointers are at row b:
+  //   backward_sums(t, b, dy, x)    row b's share of the sums: its own (a row norm's) or the step's (BN's), and
+  //                                 of the γ and shift gradients; called for every real row, by any thread
+  //   finish_sums(t, count)         after every real row's sums, before any backward_row (statistics that span
+  //                                 the rows; nothing for a row norm)
+  //   backward_row(t, b, dy, x, dx) row b's dx
+  // row_local(): backward_row(t, b) needs the sums of row b alone, so it may follow backward_sums(t, b) at once.
+  virtual bool row_local() const { return true; }
+  virtual void backward_sums(int64_t t, int64_t b, const T* dy, const T* x) = 0;
+  virtual void finish_sums(int64_t, int64_t) {}
+  virtual void backward_row(int64_t t, int64_t b, const T* dy, const T* x, T* dx) = 0;
+
+  // dx of step t given dy (zero on padded rows), from those pieces; adds this step's share of the γ and shift
+  // gradients.
+  void backward(int64_t t, const T* dy, const T* x, T* dx, const bool* mask, int64_t count) {
+    const int64_t f = features_;
+    const auto pass = [&](bool sums, bool rows) {
+      over_rows(rows_, f, [&](int64_t begin, int64_t end) {
+        for (int64_t b = begin; b < end; ++b) {
+          if (mask != nullptr && !mask[b]) {  // a padded row: no gradient
+            if (rows) std::fill(dx + b * f, dx + (b + 1) * f, T(0));
+            continue;
+          }
+          if (sums) backward_sums(t, b, dy + b * f, x + b * f);
+          if (rows) backward_row(t, b, dy + b * f, x + b * f, dx + b * f);
+        }
+      });
+    };
+    if (row_local()) {
+      pass(true, true);
+    } else {
+      pass(true, false);
+      finish_sums(t, count);
+      pass(false, true);
+    }
+  }
   // What the backward needs, in the order the constructor for the backward takes it.
   virtual std::vector<at::Tensor> saved() const = 0;
   // No norm and no shift: the output is the input itself.
   virtual bool identity() const { return false; }
   int64_t fallback_steps() const { return fallback_steps_; }
 
-  // (dL/dγ, dL/dshift), undefined where there is no γ or shift.
-  virtual std::pair<at::Tensor, at::Tensor> parameter_grads() const = 0;
+  // (dL/dγ, dL/dshift) after the backward, undefined where there is no γ or shift.
+  virtual std::pair<at::Tensor, at::Tensor> parameter_grads() = 0;
 
  protected:
+  // The rows of per-thread sums a backward needs: one per thread of its passes (a call from inside another parallel
+  // region runs its passes on the calling thread, whatever its number).
+  static int64_t thread_slots() { return std::max<int64_t>(at::get_num_threads(), at::get_thread_num() + 1); }
+
+  // Each thread's own row of `width` sums (`partials`: one row per thread of the backward's parallel passes).
+  static T* own(std::vector<T>& partials, int64_t width) {
+    const int64_t thread = at::get_thread_num();
+    TORCH_CHECK((thread + 1) * width <= static_cast<int64_t>(partials.size()), "seqnorm kernels: thread ", thread,
+                " beyond the threads the norm was built for");
+    return partials.data() + thread * width;
+  }
+
+  // The sum over threads of `partials` (rows of `width`), columns [offset, offset + size), as a tensor.
+  at::Tensor thread_total(const std::vector<T>& partials, int64_t width, int64_t offset, int64_t size) const {
+    at::Tensor total = at::zeros({size}, options_);
+    T* out = total.data_ptr<T>();
+    for (size_t row = 0; row * width < partials.size(); ++row) {
+      const T* from = partials.data() + row * width + offset;
+      for (int64_t j = 0; j < size; ++j) out[j] += from[j];
+    }
+    return total;
+  }
+
   NormArgs args_;
   int64_t steps_, rows_, features_;
   at::TensorOptions options_;
@@ -96,7 +155,7 @@ class NoNorm final : public StepNorm<T> {
  public:
   NoNorm(const NormArgs& args, int64_t steps, int64_t rows, int64_t features, const at::TensorOptions& options)
       : StepNorm<T>(args, steps, rows, features, options) {
-    if (this->shift_ != nullptr) shift_grad_ = at::zeros({features}, options);
+    if (this->shift_ != nullptr) partials_.assign(this->thread_slots() * features, T(0));
   }
   bool identity() const override { return this->shift_ == nullptr; }
 
@@ -131,22 +190,23 @@ class NoNorm final : public StepNorm<T> {
     });
   }
 
-  void backward(int64_t, const T* dy, const T*, T* dx, const bool*, int64_t) override {
-    const int64_t f = this->features_;
-    if (this->shift_ != nullptr) {
-      T* grad = shift_grad_.data_ptr<T>();
-      for (int64_t b = 0; b < this->rows_; ++b) {
-        vec_loop<T>(f, [&](int64_t i, int64_t n) { store(load(grad + i, n) + load(dy + b * f + i, n), grad + i, n); });
-      }
-    }
-    if (dx != dy) std::copy(dy, dy + this->rows_ * f, dx);
+  void backward_sums(int64_t, int64_t, const T* dy, const T*) override {
+    if (this->shift_ == nullptr) return;
+    T* grad = this->own(partials_, this->features_);
+    vec_loop<T>(this->features_, [&](int64_t i, int64_t n) { store(load(grad + i, n) + load(dy + i, n), grad + i, n); });
+  }
+  void backward_row(int64_t, int64_t, const T* dy, const T*, T* dx) override {
+    if (dx != dy) std::copy(dy, dy + this->features_, dx);
   }
 
   std::vector<at::Tensor> saved() const override { return {}; }
-  std::pair<at::Tensor, at::Tensor> parameter_grads() const override { return {at::Tensor(), shift_grad_}; }
+  std::pair<at::Tensor, at::Tensor> parameter_grads() override {
+    if (this->shift_ == nullptr) return {at::Tensor(), at::Tensor()};
+    return {at::Tensor(), this->thread_total(partials_, this->features_, 0, this->features_)};
+  }
 
  private:
-  at::Tensor shift_grad_;
+  std::vector<T> partials_;  // per thread: dL/dshift
 };
 
 // ---- LayerNorm and RMSNorm: statistics per row -----------------------------------------------------------------
@@ -164,9 +224,8 @@ class RowNorm final : public StepNorm<T> {
     } else {
       means_ = from_tensor<T>(saved.at(0));
       rstds_ = from_tensor<T>(saved.at(1));
-      weight_grad_ = at::zeros({features}, options);
-      shift_grad_ = at::zeros({features}, options);
-      partials_.assign(at::get_num_threads() * rows * 2 * Vec<T>::size(), T(0));
+      partials_.assign(this->thread_slots() * 2 * features, T(0));
+      row_sums_.assign(2 * rows, T(0));
     }
   }
 
@@ -224,76 +283,34 @@ class RowNorm final : public StepNorm<T> {
     });
   }
 
-  void backward(int64_t t, const T* dy, const T* x, T* dx, const bool* mask, int64_t) override {
-    // x̂ = (x - mean) rstd, g = dy γ: dx = rstd (g - mean(g) - x̂ mean(g x̂)); dγ += Σ dy x̂, dshift += Σ dy.
-    constexpr int64_t width = Vec<T>::size();
-    const int64_t f = this->features_, rows = this->rows_;
-    const T* means = means_.data() + t * rows;
-    const T* rstds = rstds_.data() + t * rows;
-    const T* weight = this->weight_;
-    T* weight_grad = weight_grad_.data_ptr<T>();
-    T* shift_grad = shift_grad_.data_ptr<T>();
-    // One pass over blocks of features: the parameters' sums over the rows stay in registers; every row's partial
-    // Σ g and Σ g x̂ (a vector per row and thread) are added up after.
-    T* partials = partials_.data();
-    std::fill(partials_.begin(), partials_.end(), T(0));
-    feature_blocks<T>(rows, f, [&](int64_t j, int64_t vectors, const int64_t* counts) {
-      T* own = partials + at::get_thread_num() * rows * 2 * width;
-      Vec<T> gamma[kBlockVectors], dgamma[kBlockVectors], dshift[kBlockVectors];
-      for (int64_t v = 0; v < vectors; ++v) {
-        gamma[v] = load(weight + j + v * width, counts[v]);
-        dgamma[v] = Vec<T>(T(0));
-        dshift[v] = Vec<T>(T(0));
-      }
-      for (int64_t b = 0; b < rows; ++b) {
-        if (mask != nullptr && !mask[b]) continue;
-        const Vec<T> m(means[b]), r(rstds[b]);
-        Vec<T> g_sum(T(0)), gx_sum(T(0));
-        for (int64_t v = 0; v < vectors; ++v) {
-          const int64_t at = b * f + j + v * width;
-          const Vec<T> d = load(dy + at, counts[v]);
-          const Vec<T> x_hat = only((load(x + at, counts[v]) - m) * r, counts[v]);
-          const Vec<T> g = d * gamma[v];
-          dgamma[v] = at::vec::fmadd(d, x_hat, dgamma[v]);
-          dshift[v] = dshift[v] + d;
-          g_sum = g_sum + g;
-          gx_sum = at::vec::fmadd(g, x_hat, gx_sum);
-        }
-        T* row = own + b * 2 * width;
-        (Vec<T>::loadu(row) + g_sum).store(row);
-        (Vec<T>::loadu(row + width) + gx_sum).store(row + width);
-      }
-      for (int64_t v = 0; v < vectors; ++v) {
-        T* wg = weight_grad + j + v * width;
-        T* sg = shift_grad + j + v * width;
-        store(load(wg, counts[v]) + dgamma[v], wg, counts[v]);
-        store(load(sg, counts[v]) + dshift[v], sg, counts[v]);
-      }
+  // x̂ = (x - mean) rstd, g = dy γ: dx = rstd (g - mean(g) - x̂ mean(g x̂)); dγ += Σ dy x̂, dshift += Σ dy.
+  void backward_sums(int64_t t, int64_t b, const T* dy, const T* x) override {
+    const int64_t f = this->features_;
+    const Vec<T> m(means_[t * this->rows_ + b]), r(rstds_[t * this->rows_ + b]);
+    T* dgamma = this->own(partials_, 2 * f);
+    T* dshift = dgamma + f;
+    Vec<T> g_sum(T(0)), gx_sum(T(0));
+    vec_loop<T>(f, [&](int64_t i, int64_t n) {
+      const Vec<T> d = load(dy + i, n);
+      const Vec<T> x_hat = only((load(x + i, n) - m) * r, n);
+      const Vec<T> g = d * load(this->weight_ + i, n);
+      store(at::vec::fmadd(d, x_hat, load(dgamma + i, n)), dgamma + i, n);
+      store(load(dshift + i, n) + d, dshift + i, n);
+      g_sum = g_sum + g;
+      gx_sum = at::vec::fmadd(g, x_hat, gx_sum);
     });
-    const int64_t threads = static_cast<int64_t>(partials_.size()) / (rows * 2 * width);
-    const T inv_f = T(1) / static_cast<T>(f);
-    over_rows(rows, f, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) {
-        T* dxr = dx + b * f;
-        if (mask != nullptr && !mask[b]) {  // a padded row: no gradient
-          std::fill(dxr, dxr + f, T(0));
-          continue;
-        }
-        T g_sum = 0, gx_sum = 0;
-        for (int64_t k = 0; k < threads; ++k) {
-          g_sum += hsum(Vec<T>::loadu(partials + (k * rows + b) * 2 * width));
-          gx_sum += hsum(Vec<T>::loadu(partials + (k * rows + b) * 2 * width + width));
-        }
-        const T* xr = x + b * f;
-        const T* dyr = dy + b * f;
-        const Vec<T> m(means[b]), r(rstds[b]);
-        const Vec<T> g_mean(centered_ ? g_sum * inv_f : T(0)), gx_mean(gx_sum * inv_f);
-        vec_loop<T>(f, [&](int64_t i, int64_t n) {
-          const Vec<T> x_hat = (load(xr + i, n) - m) * r;
-          const Vec<T> g = load(dyr + i, n) * load(weight + i, n);
-          store((g - g_mean - x_hat * gx_mean) * r, dxr + i, n);
-        });
-      }
+    row_sums_[2 * b] = hsum(g_sum);
+    row_sums_[2 * b + 1] = hsum(gx_sum);
+  }
+
+  void backward_row(int64_t t, int64_t b, const T* dy, const T* x, T* dx) override {
+    const T inv_f = T(1) / static_cast<T>(this->features_);
+    const Vec<T> m(means_[t * this->rows_ + b]), r(rstds_[t * this->rows_ + b]);
+    const Vec<T> g_mean(centered_ ? row_sums_[2 * b] * inv_f : T(0)), gx_mean(row_sums_[2 * b + 1] * inv_f);
+    vec_loop<T>(this->features_, [&](int64_t i, int64_t n) {
+      const Vec<T> x_hat = (load(x + i, n) - m) * r;
+      const Vec<T> g = load(dy + i, n) * load(this->weight_ + i, n);
+      store((g - g_mean - x_hat * gx_mean) * r, dx + i, n);
     });
   }
 
@@ -302,14 +319,17 @@ class RowNorm final : public StepNorm<T> {
             to_tensor(rstds_, {this->steps_, this->rows_}, this->options_)};
   }
 
-  std::pair<at::Tensor, at::Tensor> parameter_grads() const override {
-    return {weight_grad_, this->shift_ != nullptr ? shift_grad_ : at::Tensor()};
+  std::pair<at::Tensor, at::Tensor> parameter_grads() override {
+    const int64_t f = this->features_;
+    return {this->thread_total(partials_, 2 * f, 0, f),
+            this->shift_ != nullptr ? this->thread_total(partials_, 2 * f, f, f) : at::Tensor()};
   }
 
  private:
   bool centered_;
-  std::vector<T> means_, rstds_, partials_;
-  at::Tensor weight_grad_, shift_grad_;
+  std::vector<T> means_, rstds_;
+  std::vector<T> partials_;  // per thread: dγ, dshift (2F)
+  std::vector<T> row_sums_;  // per row of the step: Σ g, Σ g x̂
 };
 
 // ---- per-timestep BatchNorm (and batch renormalization): statistics per feature over the real rows ---------------
@@ -343,6 +363,7 @@ class BatchStepNorm final : public StepNorm<T> {
       batch_steps_ = from_tensor<uint8_t>(saved.at(4));
       weight_grad_ = at::zeros({features}, options);
       shift_grad_ = at::zeros({features}, options);
+      partials_.assign(this->thread_slots() * 2 * features, T(0));
     }
     if (!args.renorm) {
       no_r_.assign(features, T(1));
@@ -438,66 +459,69 @@ class BatchStepNorm final : public StepNorm<T> {
     apply(t, x, out, nullptr, offset, width, width);
   }
 
-  void backward(int64_t t, const T* dy, const T* x, T* dx, const bool* mask, int64_t count) override {
-    const int64_t f = this->features_, rows = this->rows_;
+  // Statistics over the step's rows: every row's sums come before any row's dx.
+  bool row_local() const override { return false; }
+
+  // Σ dy and Σ dy x̂ per feature over the real rows, each thread its own (merged by finish_sums).
+  void backward_sums(int64_t t, int64_t, const T* dy, const T* x) override {
+    const int64_t f = this->features_;
     const T* mean = means_.data_ptr<T>() + t * f;
     const T* rstd = rstds_.data_ptr<T>() + t * f;
+    T* dy_sum = this->own(partials_, 2 * f);
+    T* dyx_sum = dy_sum + f;
+    vec_loop<T>(f, [&](int64_t i, int64_t n) {
+      const Vec<T> g = load(dy + i, n);
+      const Vec<T> x_hat = (load(x + i, n) - load(mean + i, n)) * load(rstd + i, n);
+      store(load(dy_sum + i, n) + g, dy_sum + i, n);
+      store(at::vec::fmadd(g, x_hat, load(dyx_sum + i, n)), dyx_sum + i, n);
+    });
+  }
+
+  // dγ = Σ dy (x̂ r + d), dshift = Σ dy; the step's sums kept for backward_row, the threads' zeroed for the next.
+  void finish_sums(int64_t t, int64_t count) override {
+    const int64_t f = this->features_;
     const T* r = r_row(t);
     const T* d = d_row(t);
-    const bool batch_step = batch_steps_[t];
     T* weight_grad = weight_grad_.data_ptr<T>();
     T* shift_grad = shift_grad_.data_ptr<T>();
-    T* dy_sum = scale_.data();    // Σ dy over the real rows, per feature
-    T* dyx_sum = offset_.data();  // Σ dy x̂
-    // Per block of features (split between threads), the sums over the real rows held in registers.
-    constexpr int64_t width = Vec<T>::size();
-    feature_blocks<T>(rows, f, [&](int64_t j, int64_t vectors, const int64_t* counts) {
-      Vec<T> m[kBlockVectors], s[kBlockVectors], g_sum[kBlockVectors], gx_sum[kBlockVectors];
-      for (int64_t v = 0; v < vectors; ++v) {
-        m[v] = load(mean + j + v * width, counts[v]);
-        s[v] = load(rstd + j + v * width, counts[v]);
-        g_sum[v] = Vec<T>(T(0));
-        gx_sum[v] = Vec<T>(T(0));
+    T* dy_sum = scale_.data();
+    T* dyx_sum = offset_.data();
+    std::fill(dy_sum, dy_sum + f, T(0));
+    std::fill(dyx_sum, dyx_sum + f, T(0));
+    for (size_t thread = 0; thread * 2 * f < partials_.size(); ++thread) {
+      T* own = partials_.data() + thread * 2 * f;
+      for (int64_t j = 0; j < f; ++j) {
+        dy_sum[j] += own[j];
+        dyx_sum[j] += own[f + j];
       }
-      for (int64_t b = 0; b < rows; ++b) {
-        if (mask != nullptr && !mask[b]) continue;
-        for (int64_t v = 0; v < vectors; ++v) {
-          const int64_t at = b * f + j + v * width;
-          const Vec<T> g = load(dy + at, counts[v]);
-          g_sum[v] = g_sum[v] + g;
-          gx_sum[v] = at::vec::fmadd(g, (load(x + at, counts[v]) - m[v]) * s[v], gx_sum[v]);
-        }
-      }
-      for (int64_t v = 0; v < vectors; ++v) {
-        store(g_sum[v], dy_sum + j + v * width, counts[v]);
-        store(gx_sum[v], dyx_sum + j + v * width, counts[v]);
-      }
-    });
-    // dγ = Σ dy (x̂ r + d); with batch statistics dx = γ r rstd (dy - Σdy / n - x̂ Σ dy x̂ / n) on the real rows,
-    // with running statistics (constants) dx = γ rstd dy.
+      std::fill(own, own + 2 * f, T(0));
+    }
     for (int64_t j = 0; j < f; ++j) {
       weight_grad[j] += dyx_sum[j] * r[j] + dy_sum[j] * d[j];
       shift_grad[j] += dy_sum[j];
     }
-    const T inv_count = T(1) / static_cast<T>(std::max<int64_t>(count, 1));
-    over_rows(rows, f, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) {
-        T* dxr = dx + b * f;
-        if (mask != nullptr && !mask[b]) {
-          std::fill(dxr, dxr + f, T(0));
-          continue;
-        }
-        vec_loop<T>(f, [&](int64_t i, int64_t n) {
-          const Vec<T> s = load(rstd + i, n) * load(this->weight_ + i, n);
-          Vec<T> g = load(dy + b * f + i, n);
-          if (batch_step) {
-            const Vec<T> x_hat = (load(x + b * f + i, n) - load(mean + i, n)) * load(rstd + i, n);
-            const Vec<T> c(inv_count);
-            g = (g - load(dy_sum + i, n) * c - x_hat * load(dyx_sum + i, n) * c) * load(r + i, n);
-          }
-          store(g * s, dxr + i, n);
-        });
+    inv_count_ = T(1) / static_cast<T>(std::max<int64_t>(count, 1));
+  }
+
+  // With batch statistics dx = γ r rstd (dy - Σdy / n - x̂ Σ dy x̂ / n); with running statistics (constants)
+  // dx = γ rstd dy.
+  void backward_row(int64_t t, int64_t, const T* dy, const T* x, T* dx) override {
+    const int64_t f = this->features_;
+    const T* mean = means_.data_ptr<T>() + t * f;
+    const T* rstd = rstds_.data_ptr<T>() + t * f;
+    const T* r = r_row(t);
+    const T* dy_sum = scale_.data();
+    const T* dyx_sum = offset_.data();
+    const bool batch_step = batch_steps_[t];
+    const Vec<T> c(inv_count_);
+    vec_loop<T>(f, [&](int64_t i, int64_t n) {
+      const Vec<T> s = load(rstd + i, n) * load(this->weight_ + i, n);
+      Vec<T> g = load(dy + i, n);
+      if (batch_step) {
+        const Vec<T> x_hat = (load(x + i, n) - load(mean + i, n)) * load(rstd + i, n);
+        g = (g - load(dy_sum + i, n) * c - x_hat * load(dyx_sum + i, n) * c) * load(r + i, n);
       }
+      store(g * s, dx + i, n);
     });
   }
 
@@ -507,7 +531,7 @@ class BatchStepNorm final : public StepNorm<T> {
             to_tensor(batch_steps_, {this->steps_}, this->options_.dtype(at::kBool))};
   }
 
-  std::pair<at::Tensor, at::Tensor> parameter_grads() const override {
+  std::pair<at::Tensor, at::Tensor> parameter_grads() override {
     return {weight_grad_, this->shift_ != nullptr ? shift_grad_ : at::Tensor()};
   }
 
@@ -565,7 +589,9 @@ class BatchStepNorm final : public StepNorm<T> {
   std::vector<T> no_r_, no_d_;          // plain BN's r = 1 and d = 0 (F)
   std::vector<uint8_t> batch_steps_;  // whether a step used batch statistics
   at::Tensor weight_grad_, shift_grad_;
-  std::vector<T> scale_, offset_;  // per-step scratch
+  std::vector<T> scale_, offset_;  // per-step scratch (the backward: the step's Σ dy, Σ dy x̂)
+  std::vector<T> partials_;        // per thread of the backward: Σ dy, Σ dy x̂ of the step so far (2F)
+  T inv_count_ = T(1);             // the backward: 1 / the step's real rows
 };
 
 template <typename T>

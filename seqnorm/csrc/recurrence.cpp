@@ -156,7 +156,10 @@ Tensors lstm_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, con
   auto norm_ih = make_norm<T>(ih_args, steps, rows, gates, options, stats.at(0));
   auto norm_hh = make_norm<T>(hh_args, steps, rows, gates, options, stats.at(1));
   auto norm_c = make_norm<T>(c_args, steps, rows, hidden, options, stats.at(2));
-  at::Tensor grad_terms = at::empty({steps, rows, gates}, options);
+  // The pre-activations' gradient is kept for every step where it is a result (the input terms' gradient without
+  // an input norm, W_hh h's without a recurrent norm); between two norms it is one step's scratch.
+  const bool keep_pre = norm_ih->identity() || !raw.defined();
+  at::Tensor grad_terms = at::empty({keep_pre ? steps : 1, rows, gates}, options);
   at::Tensor grad_inputs = norm_ih->identity() ? grad_terms : at::empty({steps, rows, gates}, options);
   at::Tensor grad_raw = raw.defined() ? at::empty({steps, rows, gates}, options) : grad_terms;
   at::Tensor dh = grad_h_n + grad_hs[steps - 1];
@@ -166,22 +169,70 @@ Tensors lstm_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, con
   at::Tensor dc_norm = norm_c->identity() ? d_c_out : at::empty({rows, hidden}, options);
   const StepProduct back(weight_hh, rows);  // dL/d(W_hh h) W_hh
   const Tensors grad_out = grad_hs.unbind(0), grad_r = grad_raw.unbind(0);
+  // A step's work between the matmuls is one pass over its rows when every norm keeps its statistics per row
+  // (none, LayerNorm, RMSNorm): a row's gradient goes from dh through the cell-state norm, the gates and the input
+  // and recurrent norms while it is in cache. A norm whose statistics span the rows (per-timestep BN) needs every
+  // row's sums before any row's dx, and the rest of the row's work moves to a pass after that.
+  const bool c_local = norm_c->row_local(), terms_local = norm_ih->row_local() && norm_hh->row_local();
+  const bool c_normed = !norm_c->identity(), input_normed = !norm_ih->identity(), recurrent_normed = raw.defined();
   for (int64_t t = steps - 1; t >= 0; --t) {
     const bool* m = padding.mask(t);
     const int64_t count = padding.count(t), block = t * rows * gates;
     const T* a = ptr<T>(acts) + block;
     const T* tanh_c = ptr<T>(tanh_cs) + t * rows * hidden;
+    const T* c_t = ptr<T>(cs) + t * rows * hidden;
     const T* c_prev = t == 0 ? ptr<T>(c0) : ptr<T>(cs) + (t - 1) * rows * hidden;
-    T* grad_pre = ptr<T>(grad_terms) + block;
-    lstm_output_backward(ptr<T>(dh), a, tanh_c, ptr<T>(d_c_out), m, rows, hidden);
-    if (!norm_c->identity()) {
-      norm_c->backward(t, ptr<T>(d_c_out), ptr<T>(cs) + t * rows * hidden, ptr<T>(dc_norm), m, count);
+    const T* x_in = input_normed ? ptr<T>(inputs) + block : nullptr;
+    const T* x_raw = recurrent_normed ? ptr<T>(raw) + block : nullptr;
+    T* grad_pre = ptr<T>(grad_terms) + (keep_pre ? block : 0);
+    T* grad_in = ptr<T>(grad_inputs) + block;
+    T* grad_rec = ptr<T>(grad_r[t]);
+    T *d_h = ptr<T>(dh), *d_c = ptr<T>(dc), *d_out = ptr<T>(d_c_out), *d_norm = ptr<T>(dc_norm);
+    // Row b's pieces, from the last (the terms' norms' dx) to the first (dh to N_c's output and its sums).
+    const auto terms_rows = [&](int64_t b) {
+      const int64_t at = b * gates;
+      if (input_normed) norm_ih->backward_row(t, b, grad_pre + at, x_in + at, grad_in + at);
+      if (recurrent_normed) norm_hh->backward_row(t, b, grad_pre + at, x_raw + at, grad_rec + at);
+    };
+    const auto gate_rows = [&](int64_t b) {
+      const int64_t at = b * hidden;
+      if (c_normed) norm_c->backward_row(t, b, d_out + at, c_t + at, d_norm + at);
+      lstm_gates_backward(d_h + at, d_c + at, d_norm + at, a + b * gates, tanh_c + at, c_prev + at,
+                          grad_pre + b * gates, hidden);
+      if (input_normed) norm_ih->backward_sums(t, b, grad_pre + b * gates, x_in + b * gates);
+      if (recurrent_normed) norm_hh->backward_sums(t, b, grad_pre + b * gates, x_raw + b * gates);
+      if (terms_local) terms_rows(b);
+    };
+    const auto output_rows = [&](int64_t b) {
+      const int64_t at = b * hidden;
+      lstm_output_backward(d_h + at, a + b * gates, tanh_c + at, d_out + at, hidden);
+      if (c_normed) norm_c->backward_sums(t, b, d_out + at, c_t + at);
+      if (c_local) gate_rows(b);
+    };
+    // A pass of `fn` over the real rows; the first also clears the padded rows' gradients (dc passes on as it is).
+    const auto pass = [&](const auto& fn, bool first) {
+      over_rows(rows, gates, [&](int64_t begin, int64_t end) {
+        for (int64_t b = begin; b < end; ++b) {
+          if (m == nullptr || m[b]) {
+            fn(b);
+          } else if (first) {
+            std::fill(grad_pre + b * gates, grad_pre + (b + 1) * gates, T(0));
+            if (input_normed) std::fill(grad_in + b * gates, grad_in + (b + 1) * gates, T(0));
+            if (recurrent_normed) std::fill(grad_rec + b * gates, grad_rec + (b + 1) * gates, T(0));
+          }
+        }
+      });
+    };
+    pass(output_rows, true);
+    if (!c_local) {
+      norm_c->finish_sums(t, count);
+      pass(gate_rows, false);
     }
-    lstm_gates_backward(ptr<T>(dh), ptr<T>(dc), ptr<T>(dc_norm), a, tanh_c, c_prev, grad_pre, m, rows, hidden);
-    if (!norm_ih->identity()) {
-      norm_ih->backward(t, grad_pre, ptr<T>(inputs) + block, ptr<T>(grad_inputs) + block, m, count);
+    if (!terms_local) {
+      norm_ih->finish_sums(t, count);
+      norm_hh->finish_sums(t, count);
+      pass(terms_rows, false);
     }
-    if (raw.defined()) norm_hh->backward(t, grad_pre, ptr<T>(raw) + block, ptr<T>(grad_r[t]), m, count);
     back(grad_r[t], dh_next, t > 0 ? &grad_out[t - 1] : nullptr);
     add_padded_rows(ptr<T>(dh_next), ptr<T>(dh), m, rows, hidden);
     std::swap(dh, dh_next);
