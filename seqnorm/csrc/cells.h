@@ -1,5 +1,6 @@
-// The cells' gates, one step of a block of rows at a time: torch's LSTM and GRU steps (gate order i, f, g, o and
-// r, z, n), written once for the kernels. The norms around them are norms.h's; the time loop is recurrence.cpp's.
+// The cells' gates: torch's LSTM and GRU steps (gate order i, f, g, o and r, z, n), written once for the kernels,
+// the LSTM's a row at a time (the recurrence runs a row through its norms and gates in one pass), the GRU's a block
+// of rows. The norms around them are norms.h's; the time loop is recurrence.cpp's.
 #pragma once
 
 #include "vec.h"
@@ -8,48 +9,39 @@ namespace seqnorm {
 
 // ---- LSTM: (i, f, g, o) = pre, c' = σ(f) c + σ(i) tanh(g), h' = σ(o) tanh(N_c(c')) ------------------------------
 
-// acts = (σ(i), σ(f), tanh(g), σ(o)) of the pre-activations, c_new = σ(f) c_prev + σ(i) tanh(g); rows x 4H.
+// One row of a step (pointers at the row):
+
+// acts = (σ(i), σ(f), tanh(g), σ(o)) of the pre-activations (4H), c_new = σ(f) c_prev + σ(i) tanh(g).
 template <typename T>
-void lstm_gates(const T* pre, T* acts, const T* c_prev, T* c_new, int64_t rows, int64_t hidden) {
-  over_rows(rows, 4 * hidden, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const T* p = pre + b * 4 * hidden;
-      T* a = acts + b * 4 * hidden;
-      vec_loop<T>(hidden, [&](int64_t j, int64_t n) {
-        const Vec<T> i = vsigmoid(load(p + j, n));
-        const Vec<T> f = vsigmoid(load(p + hidden + j, n));
-        const Vec<T> g = vtanh(load(p + 2 * hidden + j, n));
-        store(i, a + j, n);
-        store(f, a + hidden + j, n);
-        store(g, a + 2 * hidden + j, n);
-        store(vsigmoid(load(p + 3 * hidden + j, n)), a + 3 * hidden + j, n);
-        store(at::vec::fmadd(f, load(c_prev + b * hidden + j, n), i * g), c_new + b * hidden + j, n);
-      });
-    }
+void lstm_gates(const T* pre, T* acts, const T* c_prev, T* c_new, int64_t hidden) {
+  vec_loop<T>(hidden, [&](int64_t j, int64_t n) {
+    const Vec<T> i = vsigmoid(load(pre + j, n));
+    const Vec<T> f = vsigmoid(load(pre + hidden + j, n));
+    const Vec<T> g = vtanh(load(pre + 2 * hidden + j, n));
+    store(i, acts + j, n);
+    store(f, acts + hidden + j, n);
+    store(g, acts + 2 * hidden + j, n);
+    store(vsigmoid(load(pre + 3 * hidden + j, n)), acts + 3 * hidden + j, n);
+    store(at::vec::fmadd(f, load(c_prev + j, n), i * g), c_new + j, n);
   });
 }
 
-// tanh_c = tanh(c_out), h = σ(o) tanh_c; padded rows (mask false) keep h_prev and c_prev (c is written in place).
+// tanh_c = tanh(c_out), h = σ(o) tanh_c; a padded row keeps h_prev and c_prev (c is written in place).
 template <typename T>
 void lstm_output(const T* c_out, const T* acts, T* tanh_c, T* h, T* c, const T* h_prev, const T* c_prev,
-                 const bool* mask, int64_t rows, int64_t hidden) {
-  over_rows(rows, hidden, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t row = b * hidden;
-      vec_loop<T>(hidden, [&](int64_t j, int64_t n) {
-        const Vec<T> t = vtanh(load(c_out + row + j, n));
-        store(t, tanh_c + row + j, n);
-        store(load(acts + b * 4 * hidden + 3 * hidden + j, n) * t, h + row + j, n);
-      });
-      if (mask != nullptr && !mask[b]) {
-        std::copy(h_prev + row, h_prev + row + hidden, h + row);
-        std::copy(c_prev + row, c_prev + row + hidden, c + row);
-      }
-    }
+                 bool padded, int64_t hidden) {
+  vec_loop<T>(hidden, [&](int64_t j, int64_t n) {
+    const Vec<T> t = vtanh(load(c_out + j, n));
+    store(t, tanh_c + j, n);
+    store(load(acts + 3 * hidden + j, n) * t, h + j, n);
   });
+  if (padded) {
+    std::copy(h_prev, h_prev + hidden, h);
+    std::copy(c_prev, c_prev + hidden, c);
+  }
 }
 
-// One real row's backward (pointers at the row; the recurrence handles padded rows, which pass no gradient):
+// One real row's backward (the recurrence handles padded rows, which pass no gradient):
 
 // The gradient reaching N_c's output from dh: dh σ(o) (1 - tanh_c²). `acts` is the row's 4H activations.
 template <typename T>

@@ -64,9 +64,28 @@ class StepNorm {
         weight_(data_or_null<T>(args.weight)), shift_(data_or_null<T>(args.shift)) {}
   virtual ~StepNorm() = default;
 
-  // out = γ N(x) + shift + addend (addend may be null) for step t's block (rows x features); `mask` marks the real
-  // rows (null: all of them, `count` rows).
-  virtual void forward(int64_t t, const T* x, T* out, const T* addend, const bool* mask, int64_t count) = 0;
+  // The forward of step t in pieces, for a caller that runs them inside its own passes over the step's rows (the
+  // LSTM's step takes a row from its terms to h' while it is in cache):
+  //   forward_stats(t, x, mask, count)      before any row, with the step's whole block x (rows x features; `mask`
+  //                                         marks the real rows, null: all `count`): statistics that span the rows
+  //                                         (BN's, and its running statistics' update); nothing for a row norm
+  //   forward_row(t, b, x, out, addend)     row b: out = γ N(x) + shift + addend (addend may be null; pointers at
+  //                                         the row; out may be addend); every row, padded or not, by any thread
+  // row_local() (below) says whether forward_stats does anything.
+  virtual void forward_stats(int64_t, const T*, const bool*, int64_t) {}
+  virtual void forward_row(int64_t t, int64_t b, const T* x, T* out, const T* addend) = 0;
+
+  // The whole step from those pieces: out = γ N(x) + shift + addend for step t's block.
+  void forward(int64_t t, const T* x, T* out, const T* addend, const bool* mask, int64_t count) {
+    const int64_t f = features_;
+    forward_stats(t, x, mask, count);
+    over_rows(rows_, f, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        forward_row(t, b, x + b * f, out + b * f, addend == nullptr ? nullptr : addend + b * f);
+      }
+    });
+  }
+
   // out (rows x width) = γ N(x) + shift on the features [offset, offset + width) of step t, from saved statistics.
   virtual void normalized(int64_t t, const T* x, T* out, int64_t offset, int64_t width) = 0;
 
@@ -77,7 +96,8 @@ class StepNorm {
   //   finish_sums(t, count)         after every real row's sums, before any backward_row (statistics that span
   //                                 the rows; nothing for a row norm)
   //   backward_row(t, b, dy, x, dx) row b's dx
-  // row_local(): backward_row(t, b) needs the sums of row b alone, so it may follow backward_sums(t, b) at once.
+  // row_local(): statistics per row. forward_stats does nothing, and backward_row(t, b) needs the sums of row b
+  // alone, so it may follow backward_sums(t, b) at once.
   virtual bool row_local() const { return true; }
   virtual void backward_sums(int64_t t, int64_t b, const T* dy, const T* x) = 0;
   virtual void finish_sums(int64_t, int64_t) {}
@@ -159,21 +179,12 @@ class NoNorm final : public StepNorm<T> {
   }
   bool identity() const override { return this->shift_ == nullptr; }
 
-  void forward(int64_t, const T* x, T* out, const T* addend, const bool*, int64_t) override {
-    const int64_t f = this->features_;
-    const T* shift = this->shift_;
-    over_rows(this->rows_, f, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) {
-        const T* xr = x + b * f;
-        T* yr = out + b * f;
-        const T* ar = addend == nullptr ? nullptr : addend + b * f;
-        vec_loop<T>(f, [&](int64_t i, int64_t n) {
-          Vec<T> y = load(xr + i, n);
-          if (shift != nullptr) y = y + load(shift + i, n);
-          if (ar != nullptr) y = y + load(ar + i, n);
-          store(y, yr + i, n);
-        });
-      }
+  void forward_row(int64_t, int64_t, const T* x, T* out, const T* addend) override {
+    vec_loop<T>(this->features_, [&](int64_t i, int64_t n) {
+      Vec<T> y = load(x + i, n);
+      if (this->shift_ != nullptr) y = y + load(this->shift_ + i, n);
+      if (addend != nullptr) y = y + load(addend + i, n);
+      store(y, out + i, n);
     });
   }
 
@@ -229,41 +240,29 @@ class RowNorm final : public StepNorm<T> {
     }
   }
 
-  void forward(int64_t t, const T* x, T* out, const T* addend, const bool*, int64_t) override {
+  void forward_row(int64_t t, int64_t b, const T* x, T* out, const T* addend) override {
     const int64_t f = this->features_;
-    const T eps = static_cast<T>(this->args_.eps);
-    T* means = means_.data() + t * this->rows_;
-    T* rstds = rstds_.data() + t * this->rows_;
-    const T* weight = this->weight_;
-    const T* shift = this->shift_;
-    over_rows(this->rows_, f, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) {
-        const T* xr = x + b * f;
-        T mean = 0;
-        if (centered_) {
-          Vec<T> sum(T(0));
-          vec_loop<T>(f, [&](int64_t i, int64_t n) { sum = sum + load(xr + i, n); });
-          mean = hsum(sum) / static_cast<T>(f);
-        }
-        Vec<T> squares(T(0));
-        const Vec<T> m(mean);
-        vec_loop<T>(f, [&](int64_t i, int64_t n) {
-          const Vec<T> d = only(load(xr + i, n) - m, n);
-          squares = at::vec::fmadd(d, d, squares);
-        });
-        const T rstd = T(1) / std::sqrt(hsum(squares) / static_cast<T>(f) + eps);
-        means[b] = mean;
-        rstds[b] = rstd;
-        const Vec<T> r(rstd);
-        T* yr = out + b * f;
-        const T* ar = addend == nullptr ? nullptr : addend + b * f;
-        vec_loop<T>(f, [&](int64_t i, int64_t n) {
-          Vec<T> y = (load(xr + i, n) - m) * r * load(weight + i, n);
-          if (shift != nullptr) y = y + load(shift + i, n);
-          if (ar != nullptr) y = y + load(ar + i, n);
-          store(y, yr + i, n);
-        });
-      }
+    T mean = 0;
+    if (centered_) {
+      Vec<T> sum(T(0));
+      vec_loop<T>(f, [&](int64_t i, int64_t n) { sum = sum + load(x + i, n); });
+      mean = hsum(sum) / static_cast<T>(f);
+    }
+    Vec<T> squares(T(0));
+    const Vec<T> m(mean);
+    vec_loop<T>(f, [&](int64_t i, int64_t n) {
+      const Vec<T> d = only(load(x + i, n) - m, n);
+      squares = at::vec::fmadd(d, d, squares);
+    });
+    const T rstd = T(1) / std::sqrt(hsum(squares) / static_cast<T>(f) + static_cast<T>(this->args_.eps));
+    means_[t * this->rows_ + b] = mean;
+    rstds_[t * this->rows_ + b] = rstd;
+    const Vec<T> r(rstd);
+    vec_loop<T>(f, [&](int64_t i, int64_t n) {
+      Vec<T> y = (load(x + i, n) - m) * r * load(this->weight_ + i, n);
+      if (this->shift_ != nullptr) y = y + load(this->shift_ + i, n);
+      if (addend != nullptr) y = y + load(addend + i, n);
+      store(y, out + i, n);
     });
   }
 
@@ -373,7 +372,9 @@ class BatchStepNorm final : public StepNorm<T> {
     offset_.assign(features, T(0));
   }
 
-  void forward(int64_t t, const T* x, T* out, const T* addend, const bool* mask, int64_t count) override {
+  // The step's mean and rstd (and r, d) over its real rows, or its running statistics; the running statistics
+  // updated; then the step's scale and shift per feature, which forward_row applies.
+  void forward_stats(int64_t t, const T* x, const bool* mask, int64_t count) override {
     const NormArgs& a = this->args_;
     const int64_t f = this->features_, rows = this->rows_;
     // Steps at or beyond max_steps share the last row of statistics.
@@ -382,10 +383,9 @@ class BatchStepNorm final : public StepNorm<T> {
     T* running_var = a.running_var->data_ptr<T>() + row * f;
     int64_t* tracked = a.num_batches_tracked->data_ptr<int64_t>() + row;
     if (!a.training && a.folded_scale.has_value()) {
-      // Evaluation with the statistics folded once into a scale and shift per row (a generation step): y x s + o.
-      const T* scale = a.folded_scale->data_ptr<T>() + row * f;
-      const T* shifted = a.folded_offset->data_ptr<T>() + row * f;
-      apply_rows(x, out, addend, scale, shifted, 0, f, f);
+      // Evaluation with the statistics folded once into a scale and shift per row (a generation step).
+      step_scale_ = a.folded_scale->data_ptr<T>() + row * f;
+      step_shift_ = a.folded_offset->data_ptr<T>() + row * f;
       return;
     }
     T* mean = means_.data_ptr<T>() + t * f;
@@ -433,30 +433,56 @@ class BatchStepNorm final : public StepNorm<T> {
           store(squares[v], rstd + j + v * width, counts[v]);
         }
       });
-      for (int64_t j = 0; j < f; ++j) {
-        const T m = mean[j];
-        const T var = rstd[j] / static_cast<T>(count);
-        rstd[j] = T(1) / std::sqrt(var + eps);
+      const Vec<T> real_rows(static_cast<T>(count)), one(T(1)), epsilon(eps), unbiased(unbias);
+      const Vec<T> r_high(static_cast<T>(r_max)), r_low(T(1) / static_cast<T>(r_max));
+      const Vec<T> d_high(static_cast<T>(d_max)), d_low(static_cast<T>(-d_max));
+      vec_loop<T>(f, [&](int64_t j, int64_t n) {
+        const Vec<T> m = load(mean + j, n);
+        const Vec<T> var = load(rstd + j, n) / real_rows;
+        const Vec<T> s = one / (var + epsilon).sqrt();
+        store(s, rstd + j, n);
+        const Vec<T> run_mean = load(running_mean + j, n), run_var = load(running_var + j, n);
         if (a.renorm) {
-          const T running_rstd = T(1) / std::sqrt(running_var[j] + eps);  // before this step's update
-          r[j] = std::min(std::max(running_rstd / rstd[j], T(1) / static_cast<T>(r_max)), static_cast<T>(r_max));
-          d[j] = std::min(std::max((m - running_mean[j]) * running_rstd, static_cast<T>(-d_max)),
-                          static_cast<T>(d_max));
+          const Vec<T> run_rstd = one / (run_var + epsilon).sqrt();  // before this step's update
+          store(at::vec::minimum(at::vec::maximum(run_rstd / s, r_low), r_high), r + j, n);
+          store(at::vec::minimum(at::vec::maximum((m - run_mean) * run_rstd, d_low), d_high), d + j, n);
         }
-        running_mean[j] = lerp(running_mean[j], m, weight);
-        running_var[j] = lerp(running_var[j], var * unbias, weight);
-      }
+        store(lerp(run_mean, m, weight), running_mean + j, n);
+        store(lerp(run_var, var * unbiased, weight), running_var + j, n);
+      });
       *tracked += 1;
     } else {
       std::copy(running_mean, running_mean + f, mean);
       const Vec<T> one(T(1)), epsilon(eps);
       vec_loop<T>(f, [&](int64_t i, int64_t n) { store(one / (load(running_var + i, n) + epsilon).sqrt(), rstd + i, n); });
     }
-    apply(t, x, out, addend, 0, f, f);
+    prepare(t, 0, f);
+    step_scale_ = scale_.data();
+    step_shift_ = offset_.data();
+  }
+
+  // out = x scale + shift (+ addend) with forward_stats' scale and shift of the step.
+  void forward_row(int64_t, int64_t, const T* x, T* out, const T* addend) override {
+    vec_loop<T>(this->features_, [&](int64_t i, int64_t n) {
+      Vec<T> y = at::vec::fmadd(load(x + i, n), load(step_scale_ + i, n), load(step_shift_ + i, n));
+      if (addend != nullptr) y = y + load(addend + i, n);
+      store(y, out + i, n);
+    });
   }
 
   void normalized(int64_t t, const T* x, T* out, int64_t offset, int64_t width) override {
-    apply(t, x, out, nullptr, offset, width, width);
+    prepare(t, offset, width);
+    const int64_t f = this->features_;
+    const T* scale = scale_.data();
+    const T* shifted = offset_.data();
+    over_rows(this->rows_, width, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        vec_loop<T>(width, [&](int64_t i, int64_t n) {
+          const Vec<T> y = at::vec::fmadd(load(x + b * f + offset + i, n), load(scale + i, n), load(shifted + i, n));
+          store(y, out + b * width + i, n);
+        });
+      }
+    });
   }
 
   // Statistics over the step's rows: every row's sums come before any row's dx.
@@ -537,21 +563,22 @@ class BatchStepNorm final : public StepNorm<T> {
 
  private:
   // torch.lerp's formula (the module updates its running moments with it).
-  static T lerp(T start, T end, T weight) {
-    return weight < T(0.5) ? start + weight * (end - start) : end - (end - start) * (T(1) - weight);
+  static Vec<T> lerp(const Vec<T>& start, const Vec<T>& end, T weight) {
+    return weight < T(0.5) ? start + Vec<T>(weight) * (end - start) : end - (end - start) * Vec<T>(T(1) - weight);
   }
 
-  // out (rows x out_width) = (x - mean) rstd γ r + γ d + shift (+ addend) on features [offset, offset + width).
-  void apply(int64_t t, const T* x, T* out, const T* addend, int64_t offset, int64_t width, int64_t out_width) {
+  // The scale γ rstd r and shift γ d - mean γ rstd r + shift of step t's features [offset, offset + width), into
+  // scale_ and offset_ from their start: y = x scale + shift = (x - mean) rstd γ r + γ d + shift.
+  void prepare(int64_t t, int64_t offset, int64_t width) {
     const int64_t f = this->features_;
     const T* mean = means_.data_ptr<T>() + t * f + offset;
     const T* rstd = rstds_.data_ptr<T>() + t * f + offset;
     const T* r = r_row(t) + offset;
     const T* d = d_row(t) + offset;
     const T* weight = this->weight_ + offset;
+    const T* shift = this->shift_ == nullptr ? nullptr : this->shift_ + offset;
     T* scale = scale_.data();
     T* shifted = offset_.data();
-    const T* shift = this->shift_ == nullptr ? nullptr : this->shift_ + offset;
     vec_loop<T>(width, [&](int64_t i, int64_t n) {
       const Vec<T> w = load(weight + i, n);
       const Vec<T> sc = load(rstd + i, n) * w * load(r + i, n);
@@ -559,24 +586,6 @@ class BatchStepNorm final : public StepNorm<T> {
       if (shift != nullptr) sh = sh + load(shift + i, n);
       store(sc, scale + i, n);
       store(sh, shifted + i, n);
-    });
-    apply_rows(x, out, addend, scale, shifted, offset, width, out_width);
-  }
-
-  // out = x scale + shifted (+ addend), per feature, on features [offset, offset + width) of every row.
-  void apply_rows(const T* x, T* out, const T* addend, const T* scale, const T* shifted, int64_t offset,
-                  int64_t width, int64_t out_width) {
-    const int64_t f = this->features_;
-    over_rows(this->rows_, width, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) {
-        const T* xr = x + b * f + offset;
-        const T* ar = addend == nullptr ? nullptr : addend + b * out_width;
-        vec_loop<T>(width, [&](int64_t i, int64_t n) {
-          Vec<T> y = at::vec::fmadd(load(xr + i, n), load(scale + i, n), load(shifted + i, n));
-          if (ar != nullptr) y = y + load(ar + i, n);
-          store(y, out + b * out_width + i, n);
-        });
-      }
     });
   }
 
@@ -590,6 +599,8 @@ class BatchStepNorm final : public StepNorm<T> {
   std::vector<uint8_t> batch_steps_;  // whether a step used batch statistics
   at::Tensor weight_grad_, shift_grad_;
   std::vector<T> scale_, offset_;  // per-step scratch (the backward: the step's Σ dy, Σ dy x̂)
+  const T* step_scale_ = nullptr;  // the forward: the step's scale and shift (scale_ and offset_, or folded)
+  const T* step_shift_ = nullptr;
   std::vector<T> partials_;        // per thread of the backward: Σ dy, Σ dy x̂ of the step so far (2F)
   T inv_count_ = T(1);             // the backward: 1 / the step's real rows
 };

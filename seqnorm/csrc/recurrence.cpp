@@ -74,6 +74,69 @@ at::Tensor weight_hh_grad(const at::Tensor& grad_raw, const at::Tensor& h0, cons
 
 // ---- LSTM ------------------------------------------------------------------------------------------------------
 
+// One LSTM step's blocks (rows x 4H or rows x H, at the step) once W_hh h is computed; `input` and `raw` may be null.
+template <typename T>
+struct LstmStep {
+  const T* input;  // the input terms, or W_ih x for the input norm; null: `pre` holds them (and W_hh h) already
+  const T* raw;    // W_hh h for the recurrent norm (null with `input`)
+  T* pre;          // the pre-activations (written here unless both are null)
+  T* acts;
+  const T* c_prev;
+  T* c;            // c' (a padded row: c_prev)
+  T* c_out;        // N_c(c'), null without a cell-state norm
+  T* tanh_c;
+  T* h;            // h' (a padded row: h_prev)
+  const T* h_prev;
+};
+
+// Step t of an LSTM from W_hh h on (training forward and generation step alike): pre = N_ih(W_ih x) + N_hh(W_hh h),
+// the gates, c' and N_c(c'), h'. One pass over the rows, each row from its terms to h' while it is in cache, when
+// the norms keep their statistics per row; per-timestep BN's statistics over the rows come first (the cell-state
+// norm's after every row's c', its rows' remaining work in a second pass).
+template <typename T>
+void lstm_step(StepNorm<T>& norm_ih, StepNorm<T>& norm_hh, StepNorm<T>& norm_c, int64_t t, const LstmStep<T>& s,
+               const bool* mask, int64_t count, int64_t rows, int64_t hidden) {
+  const int64_t gates = 4 * hidden;
+  if (s.raw != nullptr) {
+    if (!norm_ih.identity()) norm_ih.forward_stats(t, s.input, mask, count);
+    norm_hh.forward_stats(t, s.raw, mask, count);
+  }
+  const bool c_local = norm_c.row_local();
+  const auto output_row = [&](int64_t b) {
+    const int64_t at = b * hidden;
+    const T* c_normed = s.c + at;
+    if (s.c_out != nullptr) {
+      norm_c.forward_row(t, b, s.c + at, s.c_out + at, nullptr);
+      c_normed = s.c_out + at;
+    }
+    lstm_output(c_normed, s.acts + b * gates, s.tanh_c + at, s.h + at, s.c + at, s.h_prev + at, s.c_prev + at,
+                mask != nullptr && !mask[b], hidden);
+  };
+  const auto gate_row = [&](int64_t b) {
+    const int64_t at = b * gates;
+    if (s.raw != nullptr) {
+      // The input term, normalized into pre or as it is, is the recurrent norm's addend.
+      const T* term = s.input + at;
+      if (!norm_ih.identity()) {
+        norm_ih.forward_row(t, b, s.input + at, s.pre + at, nullptr);
+        term = s.pre + at;
+      }
+      norm_hh.forward_row(t, b, s.raw + at, s.pre + at, term);
+    }
+    lstm_gates(s.pre + at, s.acts + at, s.c_prev + b * hidden, s.c + b * hidden, hidden);
+    if (c_local) output_row(b);
+  };
+  over_rows(rows, gates, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) gate_row(b);
+  });
+  if (!c_local) {
+    norm_c.forward_stats(t, s.c, mask, count);
+    over_rows(rows, hidden, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) output_row(b);
+    });
+  }
+}
+
 // The forward of one direction. `inputs` (T, B, 4H) are the input projections W_ih x, which the input norm
 // normalizes step by step (its shift carries the biases), or with no input norm the finished input terms.
 // Returns hs, h_n, c_n; what the backward needs: cs, acts, tanh_cs and raw (W_hh h, undefined without a recurrent
@@ -107,27 +170,28 @@ std::tuple<Tensors, Tensors, std::vector<Tensors>, std::vector<int64_t>> lstm_fo
     const int64_t count = padding.count(t);
     const at::Tensor& h_prev = t == 0 ? h0 : h[t - 1];
     const at::Tensor& c_prev = t == 0 ? c0 : c[save ? t - 1 : (t - 1) % 2];
-    // The input term goes straight into the pre-activations, and the recurrent term is added to it there (one
-    // (B, 4H) buffer fewer for the caches to hold between the steps' matmuls).
-    const bool normed_input = !norm_ih->identity();
-    if (normed_input) norm_ih->forward(t, ptr<T>(input[t]), ptr<T>(pre), nullptr, m, count);
-    const at::Tensor& term = normed_input ? pre : input[t];
+    LstmStep<T> step{nullptr,
+                     nullptr,
+                     ptr<T>(pre),
+                     ptr<T>(acts) + slot * rows * gates,
+                     ptr<T>(c_prev),
+                     ptr<T>(c[c_slot]),
+                     c_out.defined() ? ptr<T>(c_out) : nullptr,
+                     ptr<T>(tanh_cs) + slot * rows * hidden,
+                     ptr<T>(h[t]),
+                     ptr<T>(h_prev)};
     if (raw.defined()) {
       recurrent(h_prev, raw_t[slot]);
-      norm_hh->forward(t, ptr<T>(raw_t[slot]), ptr<T>(pre), ptr<T>(term), m, count);
+      step.input = ptr<T>(input[t]);
+      step.raw = ptr<T>(raw_t[slot]);
     } else {
-      recurrent(h_prev, pre, &term);
+      // No recurrent norm: the input term goes into the pre-activations first and the product adds W_hh h to it
+      // there (one (B, 4H) buffer fewer for the caches to hold between the steps' matmuls).
+      const bool normed_input = !norm_ih->identity();
+      if (normed_input) norm_ih->forward(t, ptr<T>(input[t]), ptr<T>(pre), nullptr, m, count);
+      recurrent(h_prev, pre, normed_input ? &pre : &input[t]);
     }
-    T* c_new = ptr<T>(c[c_slot]);
-    T* a = ptr<T>(acts) + slot * rows * gates;
-    lstm_gates(ptr<T>(pre), a, ptr<T>(c_prev), c_new, rows, hidden);
-    const T* c_normed = c_new;
-    if (c_out.defined()) {
-      norm_c->forward(t, c_new, ptr<T>(c_out), nullptr, m, count);
-      c_normed = ptr<T>(c_out);
-    }
-    lstm_output(c_normed, a, ptr<T>(tanh_cs) + slot * rows * hidden, ptr<T>(h[t]), c_new, ptr<T>(h_prev),
-                ptr<T>(c_prev), m, rows, hidden);
+    lstm_step(*norm_ih, *norm_hh, *norm_c, t, step, m, count, rows, hidden);
   }
   const at::Tensor h_n = hs[steps - 1].clone(), c_n = c[save ? steps - 1 : (steps - 1) % 2].clone();
   Tensors saved;
@@ -364,26 +428,27 @@ Tensors generation_step(const std::string& cell, const at::Tensor& x, const at::
   auto norm_hh = make_norm<T>(hh_args, 1, rows, gates, options, {}, step);
   std::vector<T> acts(rows * gates);  // scratch: no tensors beyond the results (a step is a few microseconds)
   at::Tensor h_new = at::empty({rows, hidden}, options);
-  if (!norm_ih->identity()) norm_ih->forward(0, ptr<T>(input), ptr<T>(input), nullptr, nullptr, rows);
   if (cell == "gru") {
+    if (!norm_ih->identity()) norm_ih->forward(0, ptr<T>(input), ptr<T>(input), nullptr, nullptr, rows);
     if (!norm_hh->identity()) norm_hh->forward(0, ptr<T>(recurrent), ptr<T>(recurrent), nullptr, nullptr, rows);
     gru_gates(ptr<T>(input), ptr<T>(recurrent), acts.data(), ptr<T>(h), ptr<T>(h_new), nullptr, rows, hidden);
     return {h_new};
   }
-  // LSTM: the recurrent norm's output plus the input term.
-  norm_hh->forward(0, ptr<T>(recurrent), ptr<T>(recurrent), ptr<T>(input), nullptr, rows);
+  // LSTM: the step's pieces as in the training forward; the pre-activations are written over W_ih x.
   auto norm_c = make_norm<T>(c_args, 1, rows, hidden, options, {}, step);
   at::Tensor c_new = at::empty({rows, hidden}, options);
-  lstm_gates(ptr<T>(recurrent), acts.data(), ptr<T>(*c), ptr<T>(c_new), rows, hidden);
-  std::vector<T> c_out, tanh_c(rows * hidden);
-  const T* c_normed = ptr<T>(c_new);
-  if (!norm_c->identity()) {
-    c_out.resize(rows * hidden);
-    norm_c->forward(0, ptr<T>(c_new), c_out.data(), nullptr, nullptr, rows);
-    c_normed = c_out.data();
-  }
-  lstm_output(c_normed, acts.data(), tanh_c.data(), ptr<T>(h_new), ptr<T>(c_new), ptr<T>(h), ptr<T>(*c), nullptr,
-              rows, hidden);
+  std::vector<T> c_out(norm_c->identity() ? 0 : rows * hidden), tanh_c(rows * hidden);
+  const LstmStep<T> data{ptr<T>(input),
+                         ptr<T>(recurrent),
+                         ptr<T>(input),
+                         acts.data(),
+                         ptr<T>(*c),
+                         ptr<T>(c_new),
+                         c_out.empty() ? nullptr : c_out.data(),
+                         tanh_c.data(),
+                         ptr<T>(h_new),
+                         ptr<T>(h)};
+  lstm_step(*norm_ih, *norm_hh, *norm_c, 0, data, nullptr, rows, rows, hidden);
   return {h_new, c_new};
 }
 
