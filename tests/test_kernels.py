@@ -175,6 +175,39 @@ def test_float32_is_as_accurate_as_the_reference(kind: str, norm: str) -> None:
     assert errors[1] <= 4 * errors[0] + 1e-7, errors
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("terms", "state"), [("batch", "layer"), ("layer", "batch"), ("rms", "batch_renorm")])
+def test_lstm_with_row_and_batch_statistics_mixed(terms: str, state: str, threads: int) -> None:
+    """An LSTM step runs a row through every norm in one pass where the norms keep statistics per row, and splits
+    the pass where one's statistics span the rows: input and recurrent norms of one kind with a cell-state norm of
+    the other (swapped in from another layer) take each split, with padded rows, against the reference."""
+    layers = []
+    for impl in ("reference", "auto"):
+        torch.manual_seed(0)
+        layer = seqnorm.LSTM(3, 40, norm=terms, impl=impl, dtype=torch.float64, **_options(terms))
+        layer.cells[0].norm_c = seqnorm.LSTM(3, 40, norm=state, dtype=torch.float64, **_options(state)).cells[0].norm_c
+        perturb_norm_parameters(layer)
+        layers.append(layer)
+    layers[1].load_state_dict(layers[0].state_dict())
+    x = torch.randn(7, 60, 3, dtype=torch.float64)
+    lengths = torch.randint(2, 8, (60,))
+    lengths[:2] = 7  # >= 2 real rows at every step
+    assert layers[1].plan(x, lengths=lengths).path == "kernel"
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        results = []
+        for layer in layers:
+            leaf = x.clone().requires_grad_()
+            output, (h_n, c_n) = layer(leaf, lengths=lengths)
+            loss = output.square().sum() + h_n.sum() + c_n.square().sum()
+            results.append((output, h_n, c_n, torch.autograd.grad(loss, [leaf, *layer.parameters()])))
+    finally:
+        torch.set_num_threads(previous)
+    assert_close(results[1], results[0], rtol=1e-9, atol=1e-9)
+    assert_close(layers[1].state_dict(), layers[0].state_dict(), rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("norm", ["batch", "batch_renorm"])
 @pytest.mark.parametrize("kind", TORCH_KINDS)
 def test_batch_norm_counters_and_cumulative_average(kind: str, norm: str) -> None:
@@ -234,8 +267,9 @@ def test_the_build_command_without_a_compiler(tmp_path: Path) -> None:
 @pytest.mark.parametrize("norm", NORMALIZED)
 @pytest.mark.parametrize("kind", TORCH_KINDS)
 def test_two_threads_equal_the_reference(kind: str, norm: str) -> None:
-    """With 2 threads the kernels split each step's passes between them (by rows, or by features for batch
-    statistics and the parameters' gradients). The suite otherwise runs on one thread (conftest)."""
+    """With 2 threads the kernels split each step's passes between them (by rows, each thread summing the
+    parameters' gradients and batch statistics' backward sums apart; by features for the batch statistics
+    themselves). The suite otherwise runs on one thread (conftest)."""
     reference, compiled = _pair(kind, norm, num_layers=2, bidirectional=True, hidden_size=96)
     x = torch.randn(6, 70, 3, dtype=torch.float64)  # blocks of 70 x 288+ gates: big enough to be split
     lengths = torch.randint(2, 7, (70,))
