@@ -176,16 +176,19 @@ def test_float32_is_as_accurate_as_the_reference(kind: str, norm: str) -> None:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize(("terms", "state"), [("batch", "layer"), ("layer", "batch"), ("rms", "batch_renorm")])
-def test_lstm_with_row_and_batch_statistics_mixed(terms: str, state: str, threads: int) -> None:
-    """An LSTM step runs a row through every norm in one pass where the norms keep statistics per row, and splits
-    the pass where one's statistics span the rows: input and recurrent norms of one kind with a cell-state norm of
-    the other (swapped in from another layer) take each split, with padded rows, against the reference."""
+@pytest.mark.parametrize(("first", "second"), [("batch", "layer"), ("layer", "batch"), ("rms", "batch_renorm")])
+@pytest.mark.parametrize("kind", TORCH_KINDS)
+def test_row_and_batch_statistics_mixed(kind: str, first: str, second: str, threads: int) -> None:
+    """A step runs a row through every norm in one pass where the norms keep statistics per row, and splits the pass
+    where one's statistics span the rows. Norms of both kinds in one cell take each split, with padded rows, against
+    the reference: an LSTM's cell-state norm (a GRU's recurrent norm) swapped in from a layer with the other norm."""
+    swapped = "norm_c" if kind == "lstm" else "norm_hh"
     layers = []
     for impl in ("reference", "auto"):
         torch.manual_seed(0)
-        layer = seqnorm.LSTM(3, 40, norm=terms, impl=impl, dtype=torch.float64, **_options(terms))
-        layer.cells[0].norm_c = seqnorm.LSTM(3, 40, norm=state, dtype=torch.float64, **_options(state)).cells[0].norm_c
+        layer = LAYERS[kind](3, 40, norm=first, impl=impl, dtype=torch.float64, **_options(first))
+        donor = LAYERS[kind](3, 40, norm=second, dtype=torch.float64, **_options(second))
+        setattr(layer.cells[0], swapped, getattr(donor.cells[0], swapped))
         perturb_norm_parameters(layer)
         layers.append(layer)
     layers[1].load_state_dict(layers[0].state_dict())
@@ -199,9 +202,10 @@ def test_lstm_with_row_and_batch_statistics_mixed(terms: str, state: str, thread
         results = []
         for layer in layers:
             leaf = x.clone().requires_grad_()
-            output, (h_n, c_n) = layer(leaf, lengths=lengths)
-            loss = output.square().sum() + h_n.sum() + c_n.square().sum()
-            results.append((output, h_n, c_n, torch.autograd.grad(loss, [leaf, *layer.parameters()])))
+            output, state = layer(leaf, lengths=lengths)
+            final = state if isinstance(state, tuple) else (state,)
+            loss = output.square().sum() + sum(t.square().sum() for t in final)
+            results.append((output, final, torch.autograd.grad(loss, [leaf, *layer.parameters()])))
     finally:
         torch.set_num_threads(previous)
     assert_close(results[1], results[0], rtol=1e-9, atol=1e-9)

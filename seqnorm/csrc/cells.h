@@ -1,6 +1,5 @@
 // The cells' gates: torch's LSTM and GRU steps (gate order i, f, g, o and r, z, n), written once for the kernels,
-// the LSTM's a row at a time (the recurrence runs a row through its norms and gates in one pass), the GRU's a block
-// of rows. The norms around them are norms.h's; the time loop is recurrence.cpp's.
+// a row at a time (the recurrence runs a row through its norms and gates in one pass). The norms around them are norms.h's; the time loop is recurrence.cpp's.
 #pragma once
 
 #include "vec.h"
@@ -73,60 +72,44 @@ void lstm_gates_backward(const T* dh, T* dc, const T* dc_norm, const T* a, const
 
 // ---- GRU: u = N_hh(W_hh h) + b_hh, (r, z) = σ(a + u), n = tanh(a_n + r u_n), h' = (1 - z) n + z h -------------
 
-// acts = (r, z, n) from the input terms a and the recurrent terms u (rows x 3H); with h, also h' (padded rows keep
+// One row of a step (pointers at the row):
+
+// acts = (r, z, n) from the input terms a and the recurrent terms u (3H each); with h, also h' (a padded row keeps
 // h_prev). The backward calls it without h to recompute the gates instead of keeping them (GRU activation memory).
 template <typename T>
-void gru_gates(const T* a, const T* u, T* acts, const T* h_prev, T* h, const bool* mask, int64_t rows,
-               int64_t hidden) {
-  over_rows(rows, 3 * hidden, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t gates = b * 3 * hidden, row = b * hidden;
-      const bool padded = mask != nullptr && !mask[b];
-      if (h != nullptr && padded) std::copy(h_prev + row, h_prev + row + hidden, h + row);
-      vec_loop<T>(hidden, [&](int64_t j, int64_t n) {
-        const Vec<T> r = vsigmoid(load(a + gates + j, n) + load(u + gates + j, n));
-        const Vec<T> z = vsigmoid(load(a + gates + hidden + j, n) + load(u + gates + hidden + j, n));
-        const Vec<T> c = vtanh(at::vec::fmadd(r, load(u + gates + 2 * hidden + j, n), load(a + gates + 2 * hidden + j, n)));
-        store(r, acts + gates + j, n);
-        store(z, acts + gates + hidden + j, n);
-        store(c, acts + gates + 2 * hidden + j, n);
-        if (h != nullptr && !padded) store(at::vec::fmadd(z, load(h_prev + row + j, n) - c, c), h + row + j, n);
-      });
-    }
+void gru_gates(const T* a, const T* u, T* acts, const T* h_prev, T* h, bool padded, int64_t hidden) {
+  if (h != nullptr && padded) std::copy(h_prev, h_prev + hidden, h);
+  vec_loop<T>(hidden, [&](int64_t j, int64_t n) {
+    const Vec<T> r = vsigmoid(load(a + j, n) + load(u + j, n));
+    const Vec<T> z = vsigmoid(load(a + hidden + j, n) + load(u + hidden + j, n));
+    const Vec<T> c = vtanh(at::vec::fmadd(r, load(u + 2 * hidden + j, n), load(a + 2 * hidden + j, n)));
+    store(r, acts + j, n);
+    store(z, acts + hidden + j, n);
+    store(c, acts + 2 * hidden + j, n);
+    if (h != nullptr && !padded) store(at::vec::fmadd(z, load(h_prev + j, n) - c, c), h + j, n);
   });
 }
 
-// From dh: the input terms' gradient (r, z, n parts; zero on padded rows), the recurrent terms' gradient du (its
-// n part gated by r) and the carry dh z to the previous state (dh itself on padded rows), written over dh. u are
-// the recurrent terms (rows x 3H), of which the candidate's part u_n is read.
+// One real row's backward from dh: the input terms' gradient (r, z, n parts), the recurrent terms' gradient du (its
+// n part gated by r) and the carry dh z to the previous state, written over dh. u are the recurrent terms (3H), of
+// which the candidate's part u_n is read.
 template <typename T>
-void gru_gates_backward(T* dh, const T* acts, const T* u, const T* h_prev, T* grad_a, T* grad_u,
-                        const bool* mask, int64_t rows, int64_t hidden) {
+void gru_gates_backward(T* dh, const T* acts, const T* u, const T* h_prev, T* grad_a, T* grad_u, int64_t hidden) {
   const Vec<T> one(T(1));
-  over_rows(rows, 3 * hidden, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t gates = b * 3 * hidden, row = b * hidden;
-      if (mask != nullptr && !mask[b]) {
-        std::fill(grad_a + gates, grad_a + gates + 3 * hidden, T(0));
-        std::fill(grad_u + gates, grad_u + gates + 3 * hidden, T(0));
-        continue;
-      }
-      vec_loop<T>(hidden, [&](int64_t j, int64_t n) {
-        const Vec<T> r = load(acts + gates + j, n), z = load(acts + gates + hidden + j, n);
-        const Vec<T> c = load(acts + gates + 2 * hidden + j, n);
-        const Vec<T> d = load(dh + row + j, n);
-        const Vec<T> dn = d * (one - z) * (one - c * c);
-        const Vec<T> dz = d * (load(h_prev + row + j, n) - c) * z * (one - z);
-        const Vec<T> dr = dn * load(u + gates + 2 * hidden + j, n) * r * (one - r);
-        store(dr, grad_a + gates + j, n);
-        store(dz, grad_a + gates + hidden + j, n);
-        store(dn, grad_a + gates + 2 * hidden + j, n);
-        store(dr, grad_u + gates + j, n);
-        store(dz, grad_u + gates + hidden + j, n);
-        store(dn * r, grad_u + gates + 2 * hidden + j, n);
-        store(d * z, dh + row + j, n);
-      });
-    }
+  vec_loop<T>(hidden, [&](int64_t j, int64_t n) {
+    const Vec<T> r = load(acts + j, n), z = load(acts + hidden + j, n);
+    const Vec<T> c = load(acts + 2 * hidden + j, n);
+    const Vec<T> d = load(dh + j, n);
+    const Vec<T> dn = d * (one - z) * (one - c * c);
+    const Vec<T> dz = d * (load(h_prev + j, n) - c) * z * (one - z);
+    const Vec<T> dr = dn * load(u + 2 * hidden + j, n) * r * (one - r);
+    store(dr, grad_a + j, n);
+    store(dz, grad_a + hidden + j, n);
+    store(dn, grad_a + 2 * hidden + j, n);
+    store(dr, grad_u + j, n);
+    store(dz, grad_u + hidden + j, n);
+    store(dn * r, grad_u + 2 * hidden + j, n);
+    store(d * z, dh + j, n);
   });
 }
 

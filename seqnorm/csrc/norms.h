@@ -64,8 +64,8 @@ class StepNorm {
         weight_(data_or_null<T>(args.weight)), shift_(data_or_null<T>(args.shift)) {}
   virtual ~StepNorm() = default;
 
-  // The forward of step t in pieces, for a caller that runs them inside its own passes over the step's rows (the
-  // LSTM's step takes a row from its terms to h' while it is in cache):
+  // The forward of step t in pieces, for a caller that runs them inside its own passes over the step's rows (a
+  // cell's step takes each row from its terms to h' while it is in cache):
   //   forward_stats(t, x, mask, count)      before any row, with the step's whole block x (rows x features; `mask`
   //                                         marks the real rows, null: all `count`): statistics that span the rows
   //                                         (BN's, and its running statistics' update); nothing for a row norm
@@ -75,7 +75,8 @@ class StepNorm {
   virtual void forward_stats(int64_t, const T*, const bool*, int64_t) {}
   virtual void forward_row(int64_t t, int64_t b, const T* x, T* out, const T* addend) = 0;
 
-  // The whole step from those pieces: out = γ N(x) + shift + addend for step t's block.
+  // The whole step from those pieces: out = γ N(x) + shift + addend for step t's block (an LSTM without a
+  // recurrent norm applies its input norm so, before the product adds W_hh h).
   void forward(int64_t t, const T* x, T* out, const T* addend, const bool* mask, int64_t count) {
     const int64_t f = features_;
     forward_stats(t, x, mask, count);
@@ -86,11 +87,15 @@ class StepNorm {
     });
   }
 
-  // out (rows x width) = γ N(x) + shift on the features [offset, offset + width) of step t, from saved statistics.
-  virtual void normalized(int64_t t, const T* x, T* out, int64_t offset, int64_t width) = 0;
+  // The forward's output again from the saved statistics, for a backward that recomputes instead of keeping it (a
+  // GRU keeps W_ih x and W_hh h, not its gates):
+  //   saved_stats(t)                   before any row of step t (BN: the step's scale and shift)
+  //   normalized_row(t, b, x, out)     row b: out = γ N(x) + shift
+  virtual void saved_stats(int64_t) {}
+  virtual void normalized_row(int64_t t, int64_t b, const T* x, T* out) = 0;
 
-  // The backward of step t in pieces, for a caller that runs them inside its own passes over the step's rows (the
-  // LSTM's backward takes a row from dh through every norm while it is in cache). Pointers are at row b:
+  // The backward of step t in pieces, for a caller that runs them inside its own passes over the step's rows (a
+  // cell's backward takes each row from dh through every norm while it is in cache). Pointers are at row b:
   //   backward_sums(t, b, dy, x)    row b's share of the sums: its own (a row norm's) or the step's (BN's), and
   //                                 of the γ and shift gradients; called for every real row, by any thread
   //   finish_sums(t, count)         after every real row's sums, before any backward_row (statistics that span
@@ -103,30 +108,6 @@ class StepNorm {
   virtual void finish_sums(int64_t, int64_t) {}
   virtual void backward_row(int64_t t, int64_t b, const T* dy, const T* x, T* dx) = 0;
 
-  // dx of step t given dy (zero on padded rows), from those pieces; adds this step's share of the γ and shift
-  // gradients.
-  void backward(int64_t t, const T* dy, const T* x, T* dx, const bool* mask, int64_t count) {
-    const int64_t f = features_;
-    const auto pass = [&](bool sums, bool rows) {
-      over_rows(rows_, f, [&](int64_t begin, int64_t end) {
-        for (int64_t b = begin; b < end; ++b) {
-          if (mask != nullptr && !mask[b]) {  // a padded row: no gradient
-            if (rows) std::fill(dx + b * f, dx + (b + 1) * f, T(0));
-            continue;
-          }
-          if (sums) backward_sums(t, b, dy + b * f, x + b * f);
-          if (rows) backward_row(t, b, dy + b * f, x + b * f, dx + b * f);
-        }
-      });
-    };
-    if (row_local()) {
-      pass(true, true);
-    } else {
-      pass(true, false);
-      finish_sums(t, count);
-      pass(false, true);
-    }
-  }
   // What the backward needs, in the order the constructor for the backward takes it.
   virtual std::vector<at::Tensor> saved() const = 0;
   // No norm and no shift: the output is the input itself.
@@ -188,18 +169,7 @@ class NoNorm final : public StepNorm<T> {
     });
   }
 
-  void normalized(int64_t, const T* x, T* out, int64_t offset, int64_t width) override {
-    const int64_t f = this->features_;
-    over_rows(this->rows_, width, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) {
-        vec_loop<T>(width, [&](int64_t i, int64_t n) {
-          Vec<T> y = load(x + b * f + offset + i, n);
-          if (this->shift_ != nullptr) y = y + load(this->shift_ + offset + i, n);
-          store(y, out + b * width + i, n);
-        });
-      }
-    });
-  }
+  void normalized_row(int64_t t, int64_t b, const T* x, T* out) override { forward_row(t, b, x, out, nullptr); }
 
   void backward_sums(int64_t, int64_t, const T* dy, const T*) override {
     if (this->shift_ == nullptr) return;
@@ -257,29 +227,11 @@ class RowNorm final : public StepNorm<T> {
     const T rstd = T(1) / std::sqrt(hsum(squares) / static_cast<T>(f) + static_cast<T>(this->args_.eps));
     means_[t * this->rows_ + b] = mean;
     rstds_[t * this->rows_ + b] = rstd;
-    const Vec<T> r(rstd);
-    vec_loop<T>(f, [&](int64_t i, int64_t n) {
-      Vec<T> y = (load(x + i, n) - m) * r * load(this->weight_ + i, n);
-      if (this->shift_ != nullptr) y = y + load(this->shift_ + i, n);
-      if (addend != nullptr) y = y + load(addend + i, n);
-      store(y, out + i, n);
-    });
+    apply(mean, rstd, x, out, addend);
   }
 
-  void normalized(int64_t t, const T* x, T* out, int64_t offset, int64_t width) override {
-    const int64_t f = this->features_;
-    const T* means = means_.data() + t * this->rows_;
-    const T* rstds = rstds_.data() + t * this->rows_;
-    over_rows(this->rows_, width, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) {
-        const Vec<T> m(means[b]), r(rstds[b]);
-        vec_loop<T>(width, [&](int64_t i, int64_t n) {
-          Vec<T> y = (load(x + b * f + offset + i, n) - m) * r * load(this->weight_ + offset + i, n);
-          if (this->shift_ != nullptr) y = y + load(this->shift_ + offset + i, n);
-          store(y, out + b * width + i, n);
-        });
-      }
-    });
+  void normalized_row(int64_t t, int64_t b, const T* x, T* out) override {
+    apply(means_[t * this->rows_ + b], rstds_[t * this->rows_ + b], x, out, nullptr);
   }
 
   // x̂ = (x - mean) rstd, g = dy γ: dx = rstd (g - mean(g) - x̂ mean(g x̂)); dγ += Σ dy x̂, dshift += Σ dy.
@@ -325,6 +277,17 @@ class RowNorm final : public StepNorm<T> {
   }
 
  private:
+  // out = (x - mean) rstd γ + shift (+ addend) for one row.
+  void apply(T mean, T rstd, const T* x, T* out, const T* addend) const {
+    const Vec<T> m(mean), r(rstd);
+    vec_loop<T>(this->features_, [&](int64_t i, int64_t n) {
+      Vec<T> y = (load(x + i, n) - m) * r * load(this->weight_ + i, n);
+      if (this->shift_ != nullptr) y = y + load(this->shift_ + i, n);
+      if (addend != nullptr) y = y + load(addend + i, n);
+      store(y, out + i, n);
+    });
+  }
+
   bool centered_;
   std::vector<T> means_, rstds_;
   std::vector<T> partials_;  // per thread: dγ, dshift (2F)
@@ -363,6 +326,7 @@ class BatchStepNorm final : public StepNorm<T> {
       weight_grad_ = at::zeros({features}, options);
       shift_grad_ = at::zeros({features}, options);
       partials_.assign(this->thread_slots() * 2 * features, T(0));
+      sums_.assign(2 * features, T(0));
     }
     if (!args.renorm) {
       no_r_.assign(features, T(1));
@@ -456,9 +420,7 @@ class BatchStepNorm final : public StepNorm<T> {
       const Vec<T> one(T(1)), epsilon(eps);
       vec_loop<T>(f, [&](int64_t i, int64_t n) { store(one / (load(running_var + i, n) + epsilon).sqrt(), rstd + i, n); });
     }
-    prepare(t, 0, f);
-    step_scale_ = scale_.data();
-    step_shift_ = offset_.data();
+    saved_stats(t);
   }
 
   // out = x scale + shift (+ addend) with forward_stats' scale and shift of the step.
@@ -470,20 +432,13 @@ class BatchStepNorm final : public StepNorm<T> {
     });
   }
 
-  void normalized(int64_t t, const T* x, T* out, int64_t offset, int64_t width) override {
-    prepare(t, offset, width);
-    const int64_t f = this->features_;
-    const T* scale = scale_.data();
-    const T* shifted = offset_.data();
-    over_rows(this->rows_, width, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) {
-        vec_loop<T>(width, [&](int64_t i, int64_t n) {
-          const Vec<T> y = at::vec::fmadd(load(x + b * f + offset + i, n), load(scale + i, n), load(shifted + i, n));
-          store(y, out + b * width + i, n);
-        });
-      }
-    });
+  void saved_stats(int64_t t) override {
+    prepare(t);
+    step_scale_ = scale_.data();
+    step_shift_ = offset_.data();
   }
+
+  void normalized_row(int64_t t, int64_t b, const T* x, T* out) override { forward_row(t, b, x, out, nullptr); }
 
   // Statistics over the step's rows: every row's sums come before any row's dx.
   bool row_local() const override { return false; }
@@ -510,8 +465,8 @@ class BatchStepNorm final : public StepNorm<T> {
     const T* d = d_row(t);
     T* weight_grad = weight_grad_.data_ptr<T>();
     T* shift_grad = shift_grad_.data_ptr<T>();
-    T* dy_sum = scale_.data();
-    T* dyx_sum = offset_.data();
+    T* dy_sum = sums_.data();
+    T* dyx_sum = dy_sum + f;
     std::fill(dy_sum, dy_sum + f, T(0));
     std::fill(dyx_sum, dyx_sum + f, T(0));
     for (size_t thread = 0; thread * 2 * f < partials_.size(); ++thread) {
@@ -536,8 +491,8 @@ class BatchStepNorm final : public StepNorm<T> {
     const T* mean = means_.data_ptr<T>() + t * f;
     const T* rstd = rstds_.data_ptr<T>() + t * f;
     const T* r = r_row(t);
-    const T* dy_sum = scale_.data();
-    const T* dyx_sum = offset_.data();
+    const T* dy_sum = sums_.data();
+    const T* dyx_sum = dy_sum + f;
     const bool batch_step = batch_steps_[t];
     const Vec<T> c(inv_count_);
     vec_loop<T>(f, [&](int64_t i, int64_t n) {
@@ -567,23 +522,21 @@ class BatchStepNorm final : public StepNorm<T> {
     return weight < T(0.5) ? start + Vec<T>(weight) * (end - start) : end - (end - start) * Vec<T>(T(1) - weight);
   }
 
-  // The scale γ rstd r and shift γ d - mean γ rstd r + shift of step t's features [offset, offset + width), into
-  // scale_ and offset_ from their start: y = x scale + shift = (x - mean) rstd γ r + γ d + shift.
-  void prepare(int64_t t, int64_t offset, int64_t width) {
+  // Step t's scale γ rstd r and shift γ d - mean γ rstd r + shift per feature, into scale_ and offset_:
+  // y = x scale + shift = (x - mean) rstd γ r + γ d + shift.
+  void prepare(int64_t t) {
     const int64_t f = this->features_;
-    const T* mean = means_.data_ptr<T>() + t * f + offset;
-    const T* rstd = rstds_.data_ptr<T>() + t * f + offset;
-    const T* r = r_row(t) + offset;
-    const T* d = d_row(t) + offset;
-    const T* weight = this->weight_ + offset;
-    const T* shift = this->shift_ == nullptr ? nullptr : this->shift_ + offset;
+    const T* mean = means_.data_ptr<T>() + t * f;
+    const T* rstd = rstds_.data_ptr<T>() + t * f;
+    const T* r = r_row(t);
+    const T* d = d_row(t);
     T* scale = scale_.data();
     T* shifted = offset_.data();
-    vec_loop<T>(width, [&](int64_t i, int64_t n) {
-      const Vec<T> w = load(weight + i, n);
+    vec_loop<T>(f, [&](int64_t i, int64_t n) {
+      const Vec<T> w = load(this->weight_ + i, n);
       const Vec<T> sc = load(rstd + i, n) * w * load(r + i, n);
       Vec<T> sh = w * load(d + i, n) - load(mean + i, n) * sc;
-      if (shift != nullptr) sh = sh + load(shift + i, n);
+      if (this->shift_ != nullptr) sh = sh + load(this->shift_ + i, n);
       store(sc, scale + i, n);
       store(sh, shifted + i, n);
     });
@@ -598,9 +551,10 @@ class BatchStepNorm final : public StepNorm<T> {
   std::vector<T> no_r_, no_d_;          // plain BN's r = 1 and d = 0 (F)
   std::vector<uint8_t> batch_steps_;  // whether a step used batch statistics
   at::Tensor weight_grad_, shift_grad_;
-  std::vector<T> scale_, offset_;  // per-step scratch (the backward: the step's Σ dy, Σ dy x̂)
-  const T* step_scale_ = nullptr;  // the forward: the step's scale and shift (scale_ and offset_, or folded)
+  std::vector<T> scale_, offset_;  // the step's scale and shift (forward_stats, saved_stats)
+  const T* step_scale_ = nullptr;  // what forward_row applies: scale_ and offset_, or the folded rows
   const T* step_shift_ = nullptr;
+  std::vector<T> sums_;            // the backward: the step's Σ dy, Σ dy x̂ (2F)
   std::vector<T> partials_;        // per thread of the backward: Σ dy, Σ dy x̂ of the step so far (2F)
   T inv_count_ = T(1);             // the backward: 1 / the step's real rows
 };

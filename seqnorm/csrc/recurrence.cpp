@@ -310,6 +310,46 @@ Tensors lstm_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, con
 
 // ---- GRU -------------------------------------------------------------------------------------------------------
 
+// One GRU step's blocks (rows x 3H or rows x H, at the step) once W_hh h is computed.
+template <typename T>
+struct GruStep {
+  const T* input;  // the input terms, or W_ih x for the input norm
+  const T* raw;    // W_hh h
+  T* term;         // the input norm's output (unused without one; may be `input`)
+  T* u;            // the recurrent terms N_hh(W_hh h) + b_hh (unused when the recurrent norm is the identity; may
+                   // be `raw`)
+  T* acts;
+  T* h;            // h' (a padded row: h_prev)
+  const T* h_prev;
+};
+
+// Step t of a GRU from W_hh h on (training forward and generation step alike): the input and recurrent norms, the
+// gates and h', one pass over the rows, each row from its terms to h' while it is in cache (per-timestep BN's
+// statistics over the rows first).
+template <typename T>
+void gru_step(StepNorm<T>& norm_ih, StepNorm<T>& norm_hh, int64_t t, const GruStep<T>& s, const bool* mask,
+              int64_t count, int64_t rows, int64_t hidden) {
+  const int64_t gates = 3 * hidden;
+  norm_ih.forward_stats(t, s.input, mask, count);
+  norm_hh.forward_stats(t, s.raw, mask, count);
+  over_rows(rows, gates, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t at = b * gates;
+      const T* a = s.input + at;
+      if (!norm_ih.identity()) {
+        norm_ih.forward_row(t, b, s.input + at, s.term + at, nullptr);
+        a = s.term + at;
+      }
+      const T* u = s.raw + at;
+      if (!norm_hh.identity()) {
+        norm_hh.forward_row(t, b, s.raw + at, s.u + at, nullptr);
+        u = s.u + at;
+      }
+      gru_gates(a, u, s.acts + at, s.h_prev + b * hidden, s.h + b * hidden, mask != nullptr && !mask[b], hidden);
+    }
+  });
+}
+
 // As lstm_forward: `inputs` (T, B, 3H) are W_ih x for the input norm, or the finished input terms. Returns hs, h_n;
 // raw; the input and recurrent norms' saved statistics; their fallback steps. The caller keeps `inputs` for the
 // backward, which recomputes the gates from them and raw.
@@ -334,21 +374,16 @@ std::tuple<Tensors, Tensors, std::vector<Tensors>, std::vector<int64_t>> gru_for
   Tensors raw_t = raw.unbind(0);
   for (int64_t t = 0; t < steps; ++t) {
     const int64_t slot = save ? t : 0;
-    const bool* m = padding.mask(t);
-    const int64_t count = padding.count(t);
     const at::Tensor& h_prev = t == 0 ? h0 : h[t - 1];
-    const T* a = ptr<T>(input[t]);
-    if (term.defined()) {
-      norm_ih->forward(t, a, ptr<T>(term), nullptr, m, count);
-      a = ptr<T>(term);
-    }
     recurrent(h_prev, raw_t[slot]);
-    const T* u_t = ptr<T>(raw_t[slot]);
-    if (u.defined()) {
-      norm_hh->forward(t, u_t, ptr<T>(u), nullptr, m, count);
-      u_t = ptr<T>(u);
-    }
-    gru_gates(a, u_t, ptr<T>(acts), ptr<T>(h_prev), ptr<T>(h[t]), m, rows, hidden);
+    const GruStep<T> step{ptr<T>(input[t]),
+                          ptr<T>(raw_t[slot]),
+                          term.defined() ? ptr<T>(term) : nullptr,
+                          u.defined() ? ptr<T>(u) : nullptr,
+                          ptr<T>(acts),
+                          ptr<T>(h[t]),
+                          ptr<T>(h_prev)};
+    gru_step(*norm_ih, *norm_hh, t, step, padding.mask(t), padding.count(t), rows, hidden);
   }
   Tensors saved;
   std::vector<Tensors> stats;
@@ -371,37 +406,82 @@ Tensors gru_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, cons
   const Padding padding(mask, steps, rows);
   auto norm_ih = make_norm<T>(ih_args, steps, rows, gates, options, stats.at(0));
   auto norm_hh = make_norm<T>(hh_args, steps, rows, gates, options, stats.at(1));
-  at::Tensor grad_terms = at::empty({steps, rows, gates}, options);
-  at::Tensor grad_inputs = norm_ih->identity() ? grad_terms : at::empty({steps, rows, gates}, options);
+  // The input terms' gradient is kept for every step only without an input norm (it is the result then).
+  const bool input_normed = !norm_ih->identity(), recurrent_normed = !norm_hh->identity();
+  at::Tensor grad_terms = at::empty({input_normed ? 1 : steps, rows, gates}, options);
+  at::Tensor grad_inputs = input_normed ? at::empty({steps, rows, gates}, options) : grad_terms;
   at::Tensor grad_raw = at::empty({steps, rows, gates}, options);
-  at::Tensor du = norm_hh->identity() ? at::Tensor() : at::empty({rows, gates}, options);
+  at::Tensor du = recurrent_normed ? at::empty({rows, gates}, options) : at::Tensor();
   // The step's terms and gates, recomputed from the saved W_ih x, W_hh h and statistics.
-  at::Tensor a = norm_ih->identity() ? at::Tensor() : at::empty({rows, gates}, options);
-  at::Tensor u = at::empty({rows, gates}, options);
+  at::Tensor a = input_normed ? at::empty({rows, gates}, options) : at::Tensor();
+  at::Tensor u = recurrent_normed ? at::empty({rows, gates}, options) : at::Tensor();
   at::Tensor acts = at::empty({rows, gates}, options);
   at::Tensor dh = grad_h_n + grad_hs[steps - 1];
   at::Tensor dh_next = at::empty({rows, hidden}, options);
   const StepProduct back(weight_hh, rows);  // dL/d(W_hh h) W_hh
   const Tensors grad_out = grad_hs.unbind(0), grad_r = grad_raw.unbind(0);
+  // As the LSTM's backward: one pass over the rows per step when the norms keep statistics per row, a second for
+  // the norms' dx when one's statistics span the rows.
+  const bool terms_local = norm_ih->row_local() && norm_hh->row_local();
   for (int64_t t = steps - 1; t >= 0; --t) {
     const bool* m = padding.mask(t);
     const int64_t count = padding.count(t), block = t * rows * gates;
-    const T* raw_step = ptr<T>(raw) + block;
-    const T* input = ptr<T>(inputs) + block;
+    const T* x_raw = ptr<T>(raw) + block;
+    const T* x_in = ptr<T>(inputs) + block;
     const T* h_prev = t == 0 ? ptr<T>(h0) : ptr<T>(hs) + (t - 1) * rows * hidden;
-    const T* terms = input;
-    if (a.defined()) {
-      norm_ih->normalized(t, input, ptr<T>(a), 0, gates);
-      terms = ptr<T>(a);
+    T* grad_a = ptr<T>(grad_terms) + (input_normed ? 0 : block);
+    T* grad_in = ptr<T>(grad_inputs) + block;
+    T* grad_rec = ptr<T>(grad_r[t]);
+    T* grad_u = recurrent_normed ? ptr<T>(du) : grad_rec;
+    T* d_h = ptr<T>(dh);
+    norm_ih->saved_stats(t);
+    norm_hh->saved_stats(t);
+    const auto terms_rows = [&](int64_t b) {
+      const int64_t at = b * gates;
+      if (input_normed) norm_ih->backward_row(t, b, grad_a + at, x_in + at, grad_in + at);
+      if (recurrent_normed) norm_hh->backward_row(t, b, grad_u + at, x_raw + at, grad_rec + at);
+    };
+    const auto gate_rows = [&](int64_t b) {
+      const int64_t at = b * gates;
+      const T* terms = x_in + at;
+      if (input_normed) {
+        norm_ih->normalized_row(t, b, x_in + at, ptr<T>(a) + at);
+        terms = ptr<T>(a) + at;
+      }
+      const T* recurrent_terms = x_raw + at;
+      if (recurrent_normed) {
+        norm_hh->normalized_row(t, b, x_raw + at, ptr<T>(u) + at);
+        recurrent_terms = ptr<T>(u) + at;
+      }
+      gru_gates<T>(terms, recurrent_terms, ptr<T>(acts) + at, h_prev + b * hidden, nullptr, false, hidden);
+      gru_gates_backward(d_h + b * hidden, ptr<T>(acts) + at, recurrent_terms, h_prev + b * hidden, grad_a + at,
+                         grad_u + at, hidden);
+      if (input_normed) norm_ih->backward_sums(t, b, grad_a + at, x_in + at);
+      if (recurrent_normed) norm_hh->backward_sums(t, b, grad_u + at, x_raw + at);
+      if (terms_local) terms_rows(b);
+    };
+    // Padded rows: no gradient to the terms; dh passes on as it is (their recurrent gradient is zero).
+    over_rows(rows, gates, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        if (m == nullptr || m[b]) {
+          gate_rows(b);
+          continue;
+        }
+        std::fill(grad_a + b * gates, grad_a + (b + 1) * gates, T(0));
+        std::fill(grad_in + b * gates, grad_in + (b + 1) * gates, T(0));
+        std::fill(grad_rec + b * gates, grad_rec + (b + 1) * gates, T(0));
+      }
+    });
+    if (!terms_local) {
+      norm_ih->finish_sums(t, count);
+      norm_hh->finish_sums(t, count);
+      over_rows(rows, gates, [&](int64_t begin, int64_t end) {
+        for (int64_t b = begin; b < end; ++b) {
+          if (m == nullptr || m[b]) terms_rows(b);
+        }
+      });
     }
-    norm_hh->normalized(t, raw_step, ptr<T>(u), 0, gates);
-    gru_gates<T>(terms, ptr<T>(u), ptr<T>(acts), h_prev, nullptr, nullptr, rows, hidden);
-    T* grad_u = du.defined() ? ptr<T>(du) : ptr<T>(grad_r[t]);
-    T* grad_a = ptr<T>(grad_terms) + block;
-    gru_gates_backward(ptr<T>(dh), ptr<T>(acts), ptr<T>(u), h_prev, grad_a, grad_u, m, rows, hidden);
-    if (a.defined()) norm_ih->backward(t, grad_a, input, ptr<T>(grad_inputs) + block, m, count);
-    if (du.defined()) norm_hh->backward(t, grad_u, raw_step, ptr<T>(grad_r[t]), m, count);
-    // dh holds the carry dh z (dh on padded rows, whose recurrent gradient is zero).
+    // dh holds the carry dh z (dh on padded rows).
     back(grad_r[t], dh_next, &dh);
     if (t > 0) dh_next.add_(grad_out[t - 1]);
     std::swap(dh, dh_next);
@@ -428,10 +508,10 @@ Tensors generation_step(const std::string& cell, const at::Tensor& x, const at::
   auto norm_hh = make_norm<T>(hh_args, 1, rows, gates, options, {}, step);
   std::vector<T> acts(rows * gates);  // scratch: no tensors beyond the results (a step is a few microseconds)
   at::Tensor h_new = at::empty({rows, hidden}, options);
-  if (cell == "gru") {
-    if (!norm_ih->identity()) norm_ih->forward(0, ptr<T>(input), ptr<T>(input), nullptr, nullptr, rows);
-    if (!norm_hh->identity()) norm_hh->forward(0, ptr<T>(recurrent), ptr<T>(recurrent), nullptr, nullptr, rows);
-    gru_gates(ptr<T>(input), ptr<T>(recurrent), acts.data(), ptr<T>(h), ptr<T>(h_new), nullptr, rows, hidden);
+  if (cell == "gru") {  // the norms' outputs are written over W_ih x and W_hh h
+    const GruStep<T> data{ptr<T>(input), ptr<T>(recurrent), ptr<T>(input), ptr<T>(recurrent), acts.data(),
+                          ptr<T>(h_new), ptr<T>(h)};
+    gru_step(*norm_ih, *norm_hh, 0, data, nullptr, rows, rows, hidden);
     return {h_new};
   }
   // LSTM: the step's pieces as in the training forward; the pre-activations are written over W_ih x.
