@@ -21,6 +21,7 @@ statistics, and ``tests/test_kernels.py`` compares them for every cell and norm.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -202,25 +203,29 @@ def compiled_step(cell: RecurrentCell, kernels: Any, rows: int) -> CompiledStep:
     return run
 
 
-def faster_layout(weight: Tensor, rows: int, trials: int = 5) -> Tensor:
+def faster_layout(weight: Tensor, rows: int, rounds: int = 5, calls: int = 2) -> Tensor:
     """``W^T`` as a step multiplies ``(rows, in) @ W^T``: a row-major copy or the transposed view (torch's own cells'
-    layout), whichever MKL computed faster here, timed once when the step is prepared (about a millisecond).
+    layout), whichever MKL computed faster here, timed once when the step is prepared: the two alternate over
+    ``rounds`` rounds of ``calls`` products each, and the lower median wins (0.5 ms for a ``1024 x 256`` weight,
+    14 ms for a ``4096 x 1024`` one, copy included).
 
     Neither wins everywhere on this project's machines: at one row the copy took 10 µs against 19 µs for a
-    ``256 x 1024`` weight, the view 64 µs against 76 µs for a GRU's pair at ``I=256, H=512`` (BENCHMARKS.md)."""
+    ``256 x 1024`` weight, the view 64 µs against 76 µs for a GRU's pair at ``I=256, H=512`` (BENCHMARKS.md). Timed
+    one candidate after the other, by the fastest of 5 single products, the choice for a GRU's ``1536 x 512``
+    ``W_hh`` went to the copy in 2 processes of 6, whose steps then ran 1.16-1.27x torch's cell against
+    0.93-0.97x with the view (BENCHMARKS.md, issue 14)."""
     candidates = (weight.t().contiguous(), weight.t())
-    probe = weight.new_zeros(rows, weight.shape[1])
-
-    def fastest_time(candidate: Tensor) -> float:
+    probe = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    times: tuple[list[float], list[float]] = ([], [])
+    for candidate in candidates:
         torch.mm(probe, candidate)  # warm-up
-        times = []
-        for _ in range(trials):
+    for _ in range(rounds):
+        for candidate, samples in zip(candidates, times, strict=True):
             start = time.perf_counter()
-            torch.mm(probe, candidate)
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    return min(candidates, key=fastest_time)
+            for _ in range(calls):
+                torch.mm(probe, candidate)
+            samples.append(time.perf_counter() - start)
+    return min(zip(candidates, times, strict=True), key=lambda pair: statistics.median(pair[1]))[0]
 
 
 def _norms(cell: RecurrentCell) -> dict[str, nn.Module | None]:
