@@ -3,7 +3,9 @@
 //
 // The matmuls stay BLAS-class calls into preallocated buffers (StepProduct, product.h: oneDNN's brgemm, MKL's packed
 // GEMM or at::mm_out, whichever was measured fastest for the shape); everything between them is one vectorized pass
-// per piece, without temporaries, split between threads (at::parallel_for, OpenMP) where the block is big enough.
+// over the step's rows that takes each row through every norm and gate while it is in cache (two passes where a
+// norm's statistics span the rows), split between threads by rows (at::parallel_for, OpenMP) where the block is big
+// enough.
 // seqnorm/layers/kernel.py wraps these in a torch.autograd.Function (the layers have checked every argument); the
 // plain-PyTorch paths (seqnorm/layers/bptt.py, the reference loop) are what the tests compare them with.
 #include <torch/extension.h>
