@@ -10,6 +10,7 @@
 // plain-PyTorch paths (seqnorm/layers/bptt.py, the reference loop) are what the tests compare them with.
 #include <torch/extension.h>
 
+#include <initializer_list>
 #include <optional>
 #include <vector>
 
@@ -62,6 +63,57 @@ void add_padded_rows(T* dh_next, const T* dh, const bool* mask, int64_t rows, in
     for (int64_t j = 0; j < hidden; ++j) dh_next[b * hidden + j] += dh[b * hidden + j];
   }
 }
+
+// fn(b) for every real row b of a step (mask false: padded; null: every row), rows split between threads.
+template <typename Fn>
+void over_real_rows(int64_t rows, int64_t width, const bool* mask, const Fn& fn) {
+  over_rows(rows, width, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      if (mask == nullptr || mask[b]) fn(b);
+    }
+  });
+}
+
+// Zeroes the padded rows (mask false) of each non-null block (rows x width): they get no gradient.
+template <typename T>
+void clear_padded_rows(const bool* mask, int64_t rows, int64_t width, std::initializer_list<T*> blocks) {
+  if (mask == nullptr) return;
+  for (int64_t b = 0; b < rows; ++b) {
+    if (mask[b]) continue;
+    for (T* block : blocks) {
+      if (block != nullptr) std::fill(block + b * width, block + (b + 1) * width, T(0));
+    }
+  }
+}
+
+// The input and recurrent norms' backward pieces of one step, for either cell: each norm's output gradient dy, its
+// input x (W_ih x, W_hh h) and its input gradient dx, all (rows x gates) at the step; a norm that is the identity
+// is skipped (its gradient is the caller's dy itself).
+template <typename T>
+struct TermsBackward {
+  StepNorm<T>& ih;
+  StepNorm<T>& hh;
+  int64_t t, gates;
+  const T *dy_ih, *x_ih, *dy_hh, *x_hh;
+  T *dx_ih, *dx_hh;
+
+  // Whether rows() may follow sums() row by row (both norms keep statistics per row).
+  bool local() const { return ih.row_local() && hh.row_local(); }
+  void sums(int64_t b) const {
+    const int64_t at = b * gates;
+    if (!ih.identity()) ih.backward_sums(t, b, dy_ih + at, x_ih + at);
+    if (!hh.identity()) hh.backward_sums(t, b, dy_hh + at, x_hh + at);
+  }
+  void finish(int64_t count) const {
+    ih.finish_sums(t, count);
+    hh.finish_sums(t, count);
+  }
+  void rows(int64_t b) const {
+    const int64_t at = b * gates;
+    if (!ih.identity()) ih.backward_row(t, b, dy_ih + at, x_ih + at, dx_ih + at);
+    if (!hh.identity()) hh.backward_row(t, b, dy_hh + at, x_hh + at, dx_hh + at);
+  }
+};
 
 // dL/dW_hh = Σ_t dL/d(W_hh h_{t-1})^T h_{t-1}: one matmul over all steps (h_{-1} is h0).
 at::Tensor weight_hh_grad(const at::Tensor& grad_raw, const at::Tensor& h0, const at::Tensor& hs) {
@@ -239,8 +291,8 @@ Tensors lstm_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, con
   // (none, LayerNorm, RMSNorm): a row's gradient goes from dh through the cell-state norm, the gates and the input
   // and recurrent norms while it is in cache. A norm whose statistics span the rows (per-timestep BN) needs every
   // row's sums before any row's dx, and the rest of the row's work moves to a pass after that.
-  const bool c_local = norm_c->row_local(), terms_local = norm_ih->row_local() && norm_hh->row_local();
-  const bool c_normed = !norm_c->identity(), input_normed = !norm_ih->identity(), recurrent_normed = raw.defined();
+  const bool c_local = norm_c->row_local(), c_normed = !norm_c->identity();
+  const bool input_normed = !norm_ih->identity(), recurrent_normed = raw.defined();
   for (int64_t t = steps - 1; t >= 0; --t) {
     const bool* m = padding.mask(t);
     const int64_t count = padding.count(t), block = t * rows * gates;
@@ -248,26 +300,28 @@ Tensors lstm_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, con
     const T* tanh_c = ptr<T>(tanh_cs) + t * rows * hidden;
     const T* c_t = ptr<T>(cs) + t * rows * hidden;
     const T* c_prev = t == 0 ? ptr<T>(c0) : ptr<T>(cs) + (t - 1) * rows * hidden;
-    const T* x_in = input_normed ? ptr<T>(inputs) + block : nullptr;
-    const T* x_raw = recurrent_normed ? ptr<T>(raw) + block : nullptr;
     T* grad_pre = ptr<T>(grad_terms) + (keep_pre ? block : 0);
     T* grad_in = ptr<T>(grad_inputs) + block;
     T* grad_rec = ptr<T>(grad_r[t]);
     T *d_h = ptr<T>(dh), *d_c = ptr<T>(dc), *d_out = ptr<T>(d_c_out), *d_norm = ptr<T>(dc_norm);
-    // Row b's pieces, from the last (the terms' norms' dx) to the first (dh to N_c's output and its sums).
-    const auto terms_rows = [&](int64_t b) {
-      const int64_t at = b * gates;
-      if (input_normed) norm_ih->backward_row(t, b, grad_pre + at, x_in + at, grad_in + at);
-      if (recurrent_normed) norm_hh->backward_row(t, b, grad_pre + at, x_raw + at, grad_rec + at);
-    };
+    const TermsBackward<T> terms{*norm_ih,
+                                 *norm_hh,
+                                 t,
+                                 gates,
+                                 grad_pre,
+                                 input_normed ? ptr<T>(inputs) + block : nullptr,
+                                 grad_pre,
+                                 recurrent_normed ? ptr<T>(raw) + block : nullptr,
+                                 grad_in,
+                                 grad_rec};
+    // Row b's pieces, from the last (N_c's dx, the gates, the terms' norms) to the first (dh to N_c's output).
     const auto gate_rows = [&](int64_t b) {
       const int64_t at = b * hidden;
       if (c_normed) norm_c->backward_row(t, b, d_out + at, c_t + at, d_norm + at);
       lstm_gates_backward(d_h + at, d_c + at, d_norm + at, a + b * gates, tanh_c + at, c_prev + at,
                           grad_pre + b * gates, hidden);
-      if (input_normed) norm_ih->backward_sums(t, b, grad_pre + b * gates, x_in + b * gates);
-      if (recurrent_normed) norm_hh->backward_sums(t, b, grad_pre + b * gates, x_raw + b * gates);
-      if (terms_local) terms_rows(b);
+      terms.sums(b);
+      if (terms.local()) terms.rows(b);
     };
     const auto output_rows = [&](int64_t b) {
       const int64_t at = b * hidden;
@@ -275,29 +329,17 @@ Tensors lstm_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, con
       if (c_normed) norm_c->backward_sums(t, b, d_out + at, c_t + at);
       if (c_local) gate_rows(b);
     };
-    // A pass of `fn` over the real rows; the first also clears the padded rows' gradients (dc passes on as it is).
-    const auto pass = [&](const auto& fn, bool first) {
-      over_rows(rows, gates, [&](int64_t begin, int64_t end) {
-        for (int64_t b = begin; b < end; ++b) {
-          if (m == nullptr || m[b]) {
-            fn(b);
-          } else if (first) {
-            std::fill(grad_pre + b * gates, grad_pre + (b + 1) * gates, T(0));
-            if (input_normed) std::fill(grad_in + b * gates, grad_in + (b + 1) * gates, T(0));
-            if (recurrent_normed) std::fill(grad_rec + b * gates, grad_rec + (b + 1) * gates, T(0));
-          }
-        }
-      });
-    };
-    pass(output_rows, true);
+    // Padded rows pass dc on as it is.
+    clear_padded_rows<T>(m, rows, gates,
+                         {grad_pre, input_normed ? grad_in : nullptr, recurrent_normed ? grad_rec : nullptr});
+    over_real_rows(rows, gates, m, output_rows);
     if (!c_local) {
       norm_c->finish_sums(t, count);
-      pass(gate_rows, false);
+      over_real_rows(rows, gates, m, gate_rows);
     }
-    if (!terms_local) {
-      norm_ih->finish_sums(t, count);
-      norm_hh->finish_sums(t, count);
-      pass(terms_rows, false);
+    if (!terms.local()) {
+      terms.finish(count);
+      over_real_rows(rows, gates, m, [&](int64_t b) { terms.rows(b); });
     }
     back(grad_r[t], dh_next, t > 0 ? &grad_out[t - 1] : nullptr);
     add_padded_rows(ptr<T>(dh_next), ptr<T>(dh), m, rows, hidden);
@@ -424,7 +466,6 @@ Tensors gru_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, cons
   const Tensors grad_out = grad_hs.unbind(0), grad_r = grad_raw.unbind(0);
   // As the LSTM's backward: one pass over the rows per step when the norms keep statistics per row, a second for
   // the norms' dx when one's statistics span the rows.
-  const bool terms_local = norm_ih->row_local() && norm_hh->row_local();
   for (int64_t t = steps - 1; t >= 0; --t) {
     const bool* m = padding.mask(t);
     const int64_t count = padding.count(t), block = t * rows * gates;
@@ -438,50 +479,31 @@ Tensors gru_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, cons
     T* d_h = ptr<T>(dh);
     norm_ih->saved_stats(t);
     norm_hh->saved_stats(t);
-    const auto terms_rows = [&](int64_t b) {
-      const int64_t at = b * gates;
-      if (input_normed) norm_ih->backward_row(t, b, grad_a + at, x_in + at, grad_in + at);
-      if (recurrent_normed) norm_hh->backward_row(t, b, grad_u + at, x_raw + at, grad_rec + at);
-    };
+    const TermsBackward<T> terms{*norm_ih, *norm_hh, t, gates, grad_a, x_in, grad_u, x_raw, grad_in, grad_rec};
     const auto gate_rows = [&](int64_t b) {
       const int64_t at = b * gates;
-      const T* terms = x_in + at;
+      const T* input_terms = x_in + at;
       if (input_normed) {
         norm_ih->normalized_row(t, b, x_in + at, ptr<T>(a) + at);
-        terms = ptr<T>(a) + at;
+        input_terms = ptr<T>(a) + at;
       }
       const T* recurrent_terms = x_raw + at;
       if (recurrent_normed) {
         norm_hh->normalized_row(t, b, x_raw + at, ptr<T>(u) + at);
         recurrent_terms = ptr<T>(u) + at;
       }
-      gru_gates<T>(terms, recurrent_terms, ptr<T>(acts) + at, h_prev + b * hidden, nullptr, false, hidden);
+      gru_gates<T>(input_terms, recurrent_terms, ptr<T>(acts) + at, h_prev + b * hidden, nullptr, false, hidden);
       gru_gates_backward(d_h + b * hidden, ptr<T>(acts) + at, recurrent_terms, h_prev + b * hidden, grad_a + at,
                          grad_u + at, hidden);
-      if (input_normed) norm_ih->backward_sums(t, b, grad_a + at, x_in + at);
-      if (recurrent_normed) norm_hh->backward_sums(t, b, grad_u + at, x_raw + at);
-      if (terms_local) terms_rows(b);
+      terms.sums(b);
+      if (terms.local()) terms.rows(b);
     };
     // Padded rows: no gradient to the terms; dh passes on as it is (their recurrent gradient is zero).
-    over_rows(rows, gates, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) {
-        if (m == nullptr || m[b]) {
-          gate_rows(b);
-          continue;
-        }
-        std::fill(grad_a + b * gates, grad_a + (b + 1) * gates, T(0));
-        std::fill(grad_in + b * gates, grad_in + (b + 1) * gates, T(0));
-        std::fill(grad_rec + b * gates, grad_rec + (b + 1) * gates, T(0));
-      }
-    });
-    if (!terms_local) {
-      norm_ih->finish_sums(t, count);
-      norm_hh->finish_sums(t, count);
-      over_rows(rows, gates, [&](int64_t begin, int64_t end) {
-        for (int64_t b = begin; b < end; ++b) {
-          if (m == nullptr || m[b]) terms_rows(b);
-        }
-      });
+    clear_padded_rows<T>(m, rows, gates, {grad_a, grad_in, grad_rec});
+    over_real_rows(rows, gates, m, gate_rows);
+    if (!terms.local()) {
+      terms.finish(count);
+      over_real_rows(rows, gates, m, [&](int64_t b) { terms.rows(b); });
     }
     // dh holds the carry dh z (dh on padded rows).
     back(grad_r[t], dh_next, &dh);
