@@ -294,6 +294,22 @@ def test_two_threads_equal_the_reference(kind: str, norm: str) -> None:
     assert_close(compiled.state_dict(), reference.state_dict(), rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("kind", TORCH_KINDS)
+def test_preparing_the_kernels_draws_nothing_from_the_generator(kind: str) -> None:
+    """Measuring the per-step product's route and the generation step's weight layout runs products on operands of
+    its own: a sampling loop gives the same draws whether or not a step was just prepared. (Shapes no other test
+    uses, so that both measurements run here.)"""
+    layer = LAYERS[kind](3, 41, norm="layer")
+    x = torch.randn(5, 13, 3)
+    before = torch.get_rng_state()
+    layer(x)[0].sum().backward()
+    layer.eval()
+    with torch.no_grad():
+        assert layer.plan(x[0]).path == "lean_step"
+        layer.step(x[0])
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 @pytest.mark.parametrize("layout", ["row-major", "view"])
 @pytest.mark.parametrize("kind", TORCH_KINDS)
 def test_generation_step_with_either_weight_layout(kind: str, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:

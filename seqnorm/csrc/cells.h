@@ -1,5 +1,6 @@
 // The cells' gates: torch's LSTM and GRU steps (gate order i, f, g, o and r, z, n), written once for the kernels,
-// a row at a time (the recurrence runs a row through its norms and gates in one pass). The norms around them are norms.h's; the time loop is recurrence.cpp's.
+// a row at a time (the recurrence runs a row through its norms and gates in one pass). The norms around them are
+// norms.h's; the time loop is recurrence.cpp's.
 #pragma once
 
 #include "vec.h"

@@ -174,7 +174,8 @@ class NoNorm final : public StepNorm<T> {
   void backward_sums(int64_t, int64_t, const T* dy, const T*) override {
     if (this->shift_ == nullptr) return;
     T* grad = this->own(partials_, this->features_);
-    vec_loop<T>(this->features_, [&](int64_t i, int64_t n) { store(load(grad + i, n) + load(dy + i, n), grad + i, n); });
+    vec_loop<T>(this->features_,
+                [&](int64_t i, int64_t n) { store(load(grad + i, n) + load(dy + i, n), grad + i, n); });
   }
   void backward_row(int64_t, int64_t, const T* dy, const T*, T* dx) override {
     if (dx != dy) std::copy(dy, dy + this->features_, dx);
@@ -418,7 +419,9 @@ class BatchStepNorm final : public StepNorm<T> {
     } else {
       std::copy(running_mean, running_mean + f, mean);
       const Vec<T> one(T(1)), epsilon(eps);
-      vec_loop<T>(f, [&](int64_t i, int64_t n) { store(one / (load(running_var + i, n) + epsilon).sqrt(), rstd + i, n); });
+      vec_loop<T>(f, [&](int64_t i, int64_t n) {
+        store(one / (load(running_var + i, n) + epsilon).sqrt(), rstd + i, n);
+      });
     }
     saved_stats(t);
   }

@@ -11,7 +11,8 @@
 //   faster with it than with the transposed view.
 // Which route is fastest depends on the CPU and the shape, so in float32 the candidates are timed once per process
 // and shape (interleaved rounds of a few products, 5-40 ms once on an Intel Xeon) and the fastest is kept: measured,
-// not assumed from the CPU's name. set_product_route() forces one (the tests run every route against the plain-PyTorch path).
+// not assumed from the CPU's name. set_product_route() forces one (the tests run every route against the
+// plain-PyTorch path).
 #pragma once
 
 #include <torch/extension.h>
