@@ -1,0 +1,91 @@
+"""Where a training step's time goes: the forward with a gradient, the backward, and the forward without one, each
+as a ratio to torch.nn's fused layer in the same rounds (issue 14).
+
+``bench.py`` times whole training steps; this splits them, so that a machine where a ratio moves shows which half
+moved. Each round runs every variant once, in turn, on the same input (``bench.py``'s interleaving): the forward of
+``output.sum()`` with autograd recording, its backward, then the forward under ``torch.no_grad()``. Printed as a
+Markdown table, ``median (lowest–highest)`` of the rounds' ratios, with the CPU named.
+
+Usage: ``python scripts/bench_phases.py --sizes 100x32x128x256,100x64x256x512 --cells lstm,gru --norms layer,batch``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from datetime import date
+
+import torch
+from bench import LAYERS, TORCH_LAYERS, cpu_name, parse_sizes
+from torch import nn
+
+import seqnorm
+
+PHASES = ("forward", "backward", "no-grad forward")
+
+
+def phases(module: nn.Module, x: torch.Tensor) -> tuple[float, float, float]:
+    """Seconds of one forward with a gradient, its backward, and one forward without a gradient."""
+    for param in module.parameters():
+        param.grad = None
+    start = time.perf_counter()
+    output, _ = module(x)
+    loss = output.sum()
+    forward = time.perf_counter()
+    loss.backward()
+    backward = time.perf_counter()
+    with torch.no_grad():
+        module(x)
+    return forward - start, backward - forward, time.perf_counter() - backward
+
+
+def split(variants: dict[str, nn.Module], x: torch.Tensor, repeats: int) -> dict[str, list[tuple[float, ...]]]:
+    """Every round's phase times of each variant, after one warm-up round."""
+    for module in variants.values():
+        phases(module, x)
+    times: dict[str, list[tuple[float, ...]]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, module in variants.items():
+            times[name].append(phases(module, x))
+    return times
+
+
+def ratio(rounds: list[tuple[float, ...]], base: list[tuple[float, ...]], phase: int) -> str:
+    """``median (lowest–highest)`` of the per-round ratios of one phase."""
+    values = sorted(mine[phase] / theirs[phase] for mine, theirs in zip(rounds, base, strict=True))
+    return f"{statistics.median(values):.2f} ({values[0]:.2f}–{values[-1]:.2f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="100x32x128x256,100x64x256x512", help="TxBxIxH[,TxBxIxH...]")
+    parser.add_argument("--cells", default="lstm,gru", help="lstm,gru")
+    parser.add_argument("--norms", default="layer,rms,batch", help="norms to measure")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"{cpu_name()}; torch {torch.__version__}, {args.threads} threads; compiled kernels: ", end="")
+    print(f"{seqnorm.kernels.status()}; {date.today()}; median (lowest–highest) of {args.repeats} interleaved rounds'")
+    print("ratios to torch's layer\n")
+    print("| cell TxBxIxH | norm | torch ms (" + " / ".join(PHASES) + ") | " + " | ".join(PHASES) + " |")
+    print("|---|---|---:|" + "---:|" * len(PHASES))
+    for steps, batch, input_size, hidden in parse_sizes(args.sizes):
+        x = torch.randn(steps, batch, input_size)
+        for kind in args.cells.split(","):
+            variants: dict[str, nn.Module] = {"torch": TORCH_LAYERS[kind](input_size, hidden)}
+            for norm in args.norms.split(","):
+                torch.manual_seed(0)
+                variants[norm] = LAYERS[kind](input_size, hidden, norm=norm)
+            times = split(variants, x, args.repeats)
+            medians = [1e3 * statistics.median(rounds[i] for rounds in times["torch"]) for i in range(len(PHASES))]
+            label = f"{kind} {steps}x{batch}x{input_size}x{hidden}"
+            for norm in args.norms.split(","):
+                cells = " | ".join(ratio(times[norm], times["torch"], i) for i in range(len(PHASES)))
+                torch_ms = " / ".join(f"{value:.1f}" for value in medians)
+                print(f"| {label} | {norm} | {torch_ms} | {cells} |")
+
+
+if __name__ == "__main__":
+    main()
