@@ -17,7 +17,7 @@ import time
 from datetime import date
 
 import torch
-from bench import LAYERS, TORCH_LAYERS, cpu_name, parse_sizes
+from bench import LAYERS, TORCH_LAYERS, cpu_name, parse_sizes, ratio
 from torch import nn
 
 import seqnorm
@@ -40,21 +40,16 @@ def phases(module: nn.Module, x: torch.Tensor) -> tuple[float, float, float]:
     return forward - start, backward - forward, time.perf_counter() - backward
 
 
-def split(variants: dict[str, nn.Module], x: torch.Tensor, repeats: int) -> dict[str, list[tuple[float, ...]]]:
-    """Every round's phase times of each variant, after one warm-up round."""
+def split(variants: dict[str, nn.Module], x: torch.Tensor, repeats: int) -> dict[str, dict[str, list[float]]]:
+    """Per phase, every round's seconds of each variant, after one warm-up round."""
     for module in variants.values():
         phases(module, x)
-    times: dict[str, list[tuple[float, ...]]] = {name: [] for name in variants}
+    times: dict[str, dict[str, list[float]]] = {phase: {name: [] for name in variants} for phase in PHASES}
     for _ in range(repeats):
         for name, module in variants.items():
-            times[name].append(phases(module, x))
+            for phase, seconds in zip(PHASES, phases(module, x), strict=True):
+                times[phase][name].append(seconds)
     return times
-
-
-def ratio(rounds: list[tuple[float, ...]], base: list[tuple[float, ...]], phase: int) -> str:
-    """``median (lowest–highest)`` of the per-round ratios of one phase."""
-    values = sorted(mine[phase] / theirs[phase] for mine, theirs in zip(rounds, base, strict=True))
-    return f"{statistics.median(values):.2f} ({values[0]:.2f}–{values[-1]:.2f})"
 
 
 def main() -> None:
@@ -79,11 +74,10 @@ def main() -> None:
                 torch.manual_seed(0)
                 variants[norm] = LAYERS[kind](input_size, hidden, norm=norm)
             times = split(variants, x, args.repeats)
-            medians = [1e3 * statistics.median(rounds[i] for rounds in times["torch"]) for i in range(len(PHASES))]
+            torch_ms = " / ".join(f"{1e3 * statistics.median(times[phase]['torch']):.1f}" for phase in PHASES)
             label = f"{kind} {steps}x{batch}x{input_size}x{hidden}"
             for norm in args.norms.split(","):
-                cells = " | ".join(ratio(times[norm], times["torch"], i) for i in range(len(PHASES)))
-                torch_ms = " / ".join(f"{value:.1f}" for value in medians)
+                cells = " | ".join(ratio(times[phase], norm, "torch") for phase in PHASES)
                 print(f"| {label} | {norm} | {torch_ms} | {cells} |")
 
 

@@ -130,14 +130,19 @@ class StepNorm {
     return partials.data() + thread * width;
   }
 
-  // The sum over threads of `partials` (rows of `width`), columns [offset, offset + size), as a tensor.
-  at::Tensor thread_total(const std::vector<T>& partials, int64_t width, int64_t offset, int64_t size) const {
-    at::Tensor total = at::zeros({size}, options_);
-    T* out = total.data_ptr<T>();
+  // out[j] = the sum over threads of `partials` (rows of `width`) in column offset + j, j < size.
+  static void add_threads(const std::vector<T>& partials, int64_t width, int64_t offset, int64_t size, T* out) {
+    std::fill(out, out + size, T(0));
     for (size_t row = 0; row * width < partials.size(); ++row) {
       const T* from = partials.data() + row * width + offset;
       for (int64_t j = 0; j < size; ++j) out[j] += from[j];
     }
+  }
+
+  // The same, as a tensor.
+  at::Tensor thread_total(const std::vector<T>& partials, int64_t width, int64_t offset, int64_t size) const {
+    at::Tensor total = at::empty({size}, options_);
+    add_threads(partials, width, offset, size, total.data_ptr<T>());
     return total;
   }
 
@@ -469,17 +474,9 @@ class BatchStepNorm final : public StepNorm<T> {
     T* weight_grad = weight_grad_.data_ptr<T>();
     T* shift_grad = shift_grad_.data_ptr<T>();
     T* dy_sum = sums_.data();
-    T* dyx_sum = dy_sum + f;
-    std::fill(dy_sum, dy_sum + f, T(0));
-    std::fill(dyx_sum, dyx_sum + f, T(0));
-    for (size_t thread = 0; thread * 2 * f < partials_.size(); ++thread) {
-      T* own = partials_.data() + thread * 2 * f;
-      for (int64_t j = 0; j < f; ++j) {
-        dy_sum[j] += own[j];
-        dyx_sum[j] += own[f + j];
-      }
-      std::fill(own, own + 2 * f, T(0));
-    }
+    const T* dyx_sum = dy_sum + f;
+    this->add_threads(partials_, 2 * f, 0, 2 * f, dy_sum);
+    std::fill(partials_.begin(), partials_.end(), T(0));
     for (int64_t j = 0; j < f; ++j) {
       weight_grad[j] += dyx_sum[j] * r[j] + dy_sum[j] * d[j];
       shift_grad[j] += dy_sum[j];
