@@ -61,6 +61,30 @@ def test_cache_follows_parameter_updates(norm: str) -> None:
         assert_close(_steps(lean, x)[0], _steps(reference, x)[0], **TOLERANCE)
 
 
+def _update_through_data(layer: torch.nn.Module, factor: float) -> None:
+    """A hand-written SGD-like update: through ``.data``, which bumps no version counter."""
+    for parameter in layer.parameters():
+        parameter.data.mul_(factor)
+
+
+@pytest.mark.parametrize("norm", ["none", "layer", "rms", "weight", "batch", "batch_renorm"])
+@pytest.mark.parametrize("kind", TORCH_KINDS)
+def test_cache_sees_updates_through_data_after_a_training_step_or_a_mode_switch(kind: str, norm: str) -> None:
+    reference, lean = _pair(kind, norm)
+    x = torch.randn(4, 2, 3, dtype=torch.float64)
+    with torch.no_grad():
+        _steps(lean, x)  # builds the cache
+    lean(x)[0].sum().backward()  # a training step's forward and backward (in eval: the running statistics stay)
+    for layer in (reference, lean):
+        _update_through_data(layer, 0.9)
+    with torch.no_grad():
+        assert_close(_steps(lean, x)[0], _steps(reference, x)[0], **TOLERANCE)
+        for layer in (reference, lean):  # edited between generation steps, then eval() as the docs say
+            _update_through_data(layer, 1.2)
+            layer.eval()
+        assert_close(_steps(lean, x)[0], _steps(reference, x)[0], **TOLERANCE)
+
+
 @pytest.mark.parametrize("norm", ["batch", "batch_renorm"])
 def test_lean_step_only_without_gradients_and_batch_norm_only_in_eval(norm: str) -> None:
     layer = LAYERS["gru"](3, 4, norm=norm)

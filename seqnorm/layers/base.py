@@ -32,7 +32,7 @@ from seqnorm.layers.finite import watch_input_gradient
 from seqnorm.layers.keys import TORCH_KEY, from_torch_keys, to_torch_keys
 from seqnorm.layers.plan import Plan, log, plan_for
 from seqnorm.layers.stack import PaddingLayout, padding_layout, run_stack
-from seqnorm.layers.stepping import lean_layer_step
+from seqnorm.layers.stepping import forget, lean_layer_step
 from seqnorm.norms import (
     DEFAULT_MAX_STEPS,
     DEFAULT_SMALL_BATCH,
@@ -197,6 +197,11 @@ class RecurrentLayer(nn.Module):
         refuse_scripting(self)
         return self
 
+    def train(self, mode: bool = True) -> RecurrentLayer:
+        """``nn.Module.train``; also drops the cached generation step (:func:`seqnorm.layers.stepping.forget`)."""
+        forget(self)
+        return super().train(mode)
+
     def reset_parameters(self) -> None:
         """Reinitialize every cell (:meth:`RecurrentCell.reset_parameters`: weights, forget bias, norms)."""
         for cell in self.cells:
@@ -240,6 +245,8 @@ class RecurrentLayer(nn.Module):
         x, lengths, h0, c0, unbatched = self._prepare(input, hx, lengths)
         first_step = self._check_first_step(first_step)
         exporting = captured_by_export(self)
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            forget(self)  # a training step: its update may go through .data, which the step cache cannot see
         watch_input_gradient(type(self).__name__, x, x.shape[0], self.cells[0].scheme.batch_statistics)
         output, h_n, c_n = self._run(x, h0, c0, lengths, first_step, exporting=exporting)
         state: Any = h_n if c_n is None else (h_n, c_n)

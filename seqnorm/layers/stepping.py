@@ -8,9 +8,13 @@ each step's ``γ / sqrt(running_var + eps)`` and shift for all steps at once). A
 products and about ten fused element-wise operations (``addcmul``, ``F.layer_norm``, ``lerp``).
 
 The cache is keyed on the storage and version counter of every parameter and buffer of the cell, so any in-place
-update (an optimizer step, ``load_state_dict``, BN running statistics) or a move to another device rebuilds it. It is
-used only while gradients are disabled (``torch.no_grad()``/``inference_mode``); otherwise, and for anything it does
-not reproduce exactly (see :func:`lean_layer_step`), the cells' own steps run.
+update (an optimizer step, ``load_state_dict``, BN running statistics) or a move to another device rebuilds it. An
+update through ``.data`` (``p.data -= lr * p.grad`` in a hand-written training loop) bumps no version counter, as it
+escapes autograd's checks, so the cache is also dropped (:func:`forget`) at every forward or step with gradients and
+every ``train()``/``eval()``: a loop that updates through ``.data`` after its backward gets fresh steps. (Editing
+``.data`` between two generation steps, with neither in between, is not seen: call ``layer.eval()`` after it.) It
+is used only while gradients are disabled (``torch.no_grad()``/``inference_mode``); otherwise, and for anything it
+does not reproduce exactly (see :func:`lean_layer_step`), the cells' own steps run.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from seqnorm.layers.kernel import compiled_step
 from seqnorm.layers.plan import cell_kernel, plan_for
 from seqnorm.torch_ops import CELL_KERNELS
 
-__all__ = ["LayerStep", "Step", "lean_layer_step"]
+__all__ = ["LayerStep", "Step", "forget", "lean_layer_step"]
 
 
 # run(x, h, c, step) -> (h', c'): x (B, I) or (1, B, I); h, c (1, B, .); c is None for GRUs.
@@ -89,6 +93,7 @@ def lean_layer_step(layer: nn.Module, x: Tensor) -> LayerStep | None:
     training and evaluation.
     """
     if torch.is_grad_enabled():
+        forget(layer)
         return None
     cached = _CACHE.get(layer)
     if cached is not None and cached.valid(layer.training, x.dtype):
@@ -110,6 +115,14 @@ def lean_layer_step(layer: nn.Module, x: Tensor) -> LayerStep | None:
     observers = tuple(cell.observer for cell in cells)
     _CACHE[layer] = _Snapshot(watched, observers, layer.training, x.dtype, x.device.type, kernels.enabled(), run)
     return run
+
+
+def forget(layer: nn.Module) -> None:
+    """Drop ``layer``'s cached step, so that the next no-grad step is built from the parameters as they are then.
+
+    The layers call it at every forward or step with gradients and every ``train()``/``eval()``: parameters updated
+    through ``.data`` after a backward (which no version counter records) are seen from there on."""
+    _CACHE.pop(layer, None)
 
 
 def _layer_run(steps: list[Step]) -> LayerStep:
