@@ -518,12 +518,18 @@ Tensors gru_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, cons
 
 // ---- one step without gradients (generation) -------------------------------------------------------------------
 
-// h' (and c' for an LSTM) after one step at time index `step`; the norms' shifts carry the cell's biases. The
-// weights come transposed and row-major (W_ih^T, W_hh^T), prepared once by the caller (see lstm_forward).
+// h' (and c' for an LSTM, else undefined) after one step at time index `step`, each (1, B, H) as a layer's state
+// slice; x is (B, I) or (1, B, I), h and c (1, B, H). The norms' shifts carry the cell's biases. The weights come
+// as W_ih^T and W_hh^T in the layout prepared once by the caller (seqnorm/layers/kernel.py's faster_layout).
+// (The slices and the results' shapes are taken here: each is a Python call's worth of time in a step of ~20 us.)
 template <typename T>
-Tensors generation_step(const std::string& cell, const at::Tensor& x, const at::Tensor& h,
-                        const c10::optional<at::Tensor>& c, const at::Tensor& weight_ih_t, const at::Tensor& weight_hh_t,
-                        const NormArgs& ih_args, const NormArgs& hh_args, const NormArgs& c_args, int64_t step) {
+std::tuple<at::Tensor, at::Tensor> generation_step(const std::string& cell, const at::Tensor& x_in,
+                                                   const at::Tensor& h_in, const c10::optional<at::Tensor>& c_in,
+                                                   const at::Tensor& weight_ih_t, const at::Tensor& weight_hh_t,
+                                                   const NormArgs& ih_args, const NormArgs& hh_args,
+                                                   const NormArgs& c_args, int64_t step) {
+  const at::Tensor x = (x_in.dim() == 3 ? x_in.select(0, 0) : x_in).contiguous();
+  const at::Tensor h = h_in.select(0, 0).contiguous();
   const int64_t rows = x.size(0), gates = weight_hh_t.size(1), hidden = weight_hh_t.size(0);
   const auto options = x.options();
   at::Tensor input = at::mm(x, weight_ih_t);
@@ -531,22 +537,23 @@ Tensors generation_step(const std::string& cell, const at::Tensor& x, const at::
   auto norm_ih = make_norm<T>(ih_args, 1, rows, gates, options, {}, step);
   auto norm_hh = make_norm<T>(hh_args, 1, rows, gates, options, {}, step);
   std::vector<T> acts(rows * gates);  // scratch: no tensors beyond the results (a step is a few microseconds)
-  at::Tensor h_new = at::empty({rows, hidden}, options);
+  at::Tensor h_new = at::empty({1, rows, hidden}, options);
   if (cell == "gru") {  // the norms' outputs are written over W_ih x and W_hh h
     const GruStep<T> data{ptr<T>(input), ptr<T>(recurrent), ptr<T>(input), ptr<T>(recurrent), acts.data(),
                           ptr<T>(h_new), ptr<T>(h)};
     gru_step(*norm_ih, *norm_hh, 0, data, nullptr, rows, rows, hidden);
-    return {h_new};
+    return {h_new, at::Tensor()};
   }
   // LSTM: the step's pieces as in the training forward; the pre-activations are written over W_ih x.
+  const at::Tensor c = c_in->select(0, 0).contiguous();
   auto norm_c = make_norm<T>(c_args, 1, rows, hidden, options, {}, step);
-  at::Tensor c_new = at::empty({rows, hidden}, options);
+  at::Tensor c_new = at::empty({1, rows, hidden}, options);
   std::vector<T> c_out(norm_c->identity() ? 0 : rows * hidden), tanh_c(rows * hidden);
   const LstmStep<T> data{ptr<T>(input),
                          ptr<T>(recurrent),
                          ptr<T>(input),
                          acts.data(),
-                         ptr<T>(*c),
+                         ptr<T>(c),
                          ptr<T>(c_new),
                          c_out.empty() ? nullptr : c_out.data(),
                          tanh_c.data(),
@@ -602,10 +609,10 @@ Tensors gru_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, cons
   });
 }
 
-Tensors generation_step(const std::string& cell, const at::Tensor& x, const at::Tensor& h,
-                        const c10::optional<at::Tensor>& c, const at::Tensor& weight_ih_t,
-                        const at::Tensor& weight_hh_t, const NormArgs& ih, const NormArgs& hh, const NormArgs& c_norm,
-                        int64_t step) {
+std::tuple<at::Tensor, at::Tensor> generation_step(const std::string& cell, const at::Tensor& x, const at::Tensor& h,
+                                                   const c10::optional<at::Tensor>& c, const at::Tensor& weight_ih_t,
+                                                   const at::Tensor& weight_hh_t, const NormArgs& ih,
+                                                   const NormArgs& hh, const NormArgs& c_norm, int64_t step) {
   return AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "seqnorm_generation_step", [&] {
     return seqnorm::generation_step<scalar_t>(cell, x, h, c, weight_ih_t, weight_hh_t, ih, hh, c_norm, step);
   });

@@ -181,7 +181,8 @@ def compiled_step(cell: RecurrentCell, kernels: Any, rows: int) -> CompiledStep:
     once (weight norm's weights, the biases folded into the norms' shifts, the norms' C++ arguments, the weights'
     layout for ``rows`` rows: :func:`faster_layout`).
 
-    ``run(x, h, c, step) -> (h', c')`` with ``x`` ``(B, I)`` or ``(1, B, I)`` and ``h``, ``c`` ``(1, B, .)``.
+    ``run(x, h, c, step) -> (h', c')`` with ``x`` ``(B, I)`` or ``(1, B, I)`` and ``h``, ``c``, ``h'``, ``c'``
+    ``(1, B, .)`` (``c'`` ``None`` for a GRU).
     """
     weight_ih, weight_hh = faster_layout(cell.weight_ih, rows), faster_layout(cell.weight_hh, rows)
     kind = cell_kernel(cell)
@@ -195,10 +196,7 @@ def compiled_step(cell: RecurrentCell, kernels: Any, rows: int) -> CompiledStep:
     step_kernel = kernels.generation_step
 
     def run(x: Tensor, h: Tensor, c: Tensor | None, step: int) -> tuple[Tensor, Tensor | None]:
-        x = x if x.dim() == 2 else x.select(0, 0)
-        h, c = h.select(0, 0).contiguous(), None if c is None else c.select(0, 0).contiguous()
-        result = step_kernel(kind, x.contiguous(), h, c, weight_ih, weight_hh, *norms, step)
-        return result[0].unsqueeze(0), (result[1].unsqueeze(0) if c is not None else None)
+        return step_kernel(kind, x, h, c, weight_ih, weight_hh, *norms, step)  # type: ignore[no-any-return]
 
     return run
 
