@@ -1,4 +1,5 @@
-"""Checks of what a call brings against what the module holds: dtype and device of input, state and parameters."""
+"""Checks at the boundary, each a ``ValueError`` naming the class and what it expected: constructor arguments, and
+what a call brings against what the module holds (shapes, dtype and device of input, state and parameters)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,15 @@ import operator
 import torch
 from torch import Tensor
 
-__all__ = ["check_like_input", "check_like_parameters", "check_step"]
+__all__ = [
+    "check_like_input",
+    "check_like_parameters",
+    "check_positive_int",
+    "check_proj_size",
+    "check_rate",
+    "check_state_shape",
+    "check_step",
+]
 
 
 def check_like_parameters(owner: str, name: str, x: Tensor, parameter: Tensor) -> None:
@@ -49,3 +58,36 @@ def check_step(owner: str, step: object) -> int:
     if index is None or index < 0:
         raise ValueError(f"{owner}: expected step to be an int >= 0 (the time index), got {step!r}")
     return index
+
+
+def check_state_shape(owner: str, name: str, tensor: object, expected: tuple[int, ...], like: Tensor) -> Tensor:
+    """A state ``tensor`` of shape ``expected``, on ``like``'s device and in its dtype (:func:`check_like_input`)."""
+    if not isinstance(tensor, Tensor) or tuple(tensor.shape) != expected:
+        got = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
+        raise ValueError(f"{owner}: expected {name} of shape {expected}, got {got}")
+    check_like_input(owner, name, tensor, like)
+    return tensor
+
+
+def check_proj_size(owner: str, proj_size: object, hidden_size: int, supported: bool) -> int:
+    """``0`` (no projection) or an int in ``[1, hidden_size)``; ``supported`` is whether ``owner`` has projections."""
+    if isinstance(proj_size, bool) or not isinstance(proj_size, int) or not 0 <= proj_size < hidden_size:
+        raise ValueError(
+            f"{owner}: expected proj_size to be an int in [0, hidden_size={hidden_size}), got {proj_size!r}"
+        )
+    if proj_size and not supported:
+        raise ValueError(f"{owner}: expected proj_size=0 (projections are for LSTMs, as in torch), got {proj_size}")
+    return proj_size
+
+
+def check_rate(owner: str, name: str, value: object) -> float:
+    """A probability in ``[0, 1)`` (dropout and zoneout rates); a ``ValueError`` naming ``owner`` and ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ValueError(f"{owner}: expected {name} in [0, 1), got {value!r}")
+    return float(value)
+
+
+def check_positive_int(owner: str, name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{owner}: expected {name} to be a positive int, got {value!r}")
+    return value

@@ -31,33 +31,16 @@ from seqnorm.norms import (
 )
 from seqnorm.pickling import PicklableParametrizations
 from seqnorm.torch_capture import refuse_scripting
-from seqnorm.validation import check_like_input, check_like_parameters, check_step
+from seqnorm.validation import (
+    check_like_parameters,
+    check_positive_int,
+    check_proj_size,
+    check_rate,
+    check_state_shape,
+    check_step,
+)
 
-__all__ = ["RecurrentCell", "StepObserver", "check_positive_int", "check_proj_size", "check_rate"]
-
-
-def check_proj_size(owner: str, proj_size: object, hidden_size: int, supported: bool) -> int:
-    """``0`` (no projection) or an int in ``[1, hidden_size)``; ``supported`` is whether ``owner`` has projections."""
-    if isinstance(proj_size, bool) or not isinstance(proj_size, int) or not 0 <= proj_size < hidden_size:
-        raise ValueError(
-            f"{owner}: expected proj_size to be an int in [0, hidden_size={hidden_size}), got {proj_size!r}"
-        )
-    if proj_size and not supported:
-        raise ValueError(f"{owner}: expected proj_size=0 (projections are for LSTMs, as in torch), got {proj_size}")
-    return proj_size
-
-
-def check_rate(owner: str, name: str, value: object) -> float:
-    """A probability in ``[0, 1)`` (dropout and zoneout rates); a ``ValueError`` naming ``owner`` and ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-        raise ValueError(f"{owner}: expected {name} in [0, 1), got {value!r}")
-    return float(value)
-
-
-def check_positive_int(owner: str, name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{owner}: expected {name} to be a positive int, got {value!r}")
-    return value
+__all__ = ["RecurrentCell", "StepObserver"]
 
 
 class StepObserver(nn.Module):
@@ -419,11 +402,7 @@ class RecurrentCell(PicklableParametrizations):
 
     def check_state_tensor(self, name: str, tensor: object, batch_size: int, like: Tensor) -> Tensor:
         expected = (batch_size, self.state_size if name == "h" else self.hidden_size)
-        if not isinstance(tensor, Tensor) or tuple(tensor.shape) != expected:
-            got = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
-            raise ValueError(f"{type(self).__name__}: expected {name} of shape {expected}, got {got}")
-        check_like_input(type(self).__name__, name, tensor, like)
-        return tensor
+        return check_state_shape(type(self).__name__, name, tensor, expected, like)
 
     def check_step(self, step: object) -> int:
         """The time index of a call: ``step`` as an int ``>= 0``; ``None`` (not given) is a ``ValueError`` for a

@@ -22,10 +22,11 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
-from seqnorm.cells.base import RecurrentCell, check_positive_int, check_proj_size, check_rate
+from seqnorm.cells.base import RecurrentCell
 from seqnorm.init import InitName, resolve_init
+from seqnorm.layers.arguments import check_first_step, prepare
 from seqnorm.layers.dropout import draw_sequence_masks
 from seqnorm.layers.fast import IMPLS, Impl, run_fast, run_fused, step_cell
 from seqnorm.layers.finite import watch_input_gradient
@@ -48,7 +49,7 @@ from seqnorm.norms import (
 )
 from seqnorm.norms.sync import synchronized_steps
 from seqnorm.torch_capture import captured_by_export, refuse_scripting
-from seqnorm.validation import check_like_input, check_like_parameters
+from seqnorm.validation import check_positive_int, check_proj_size, check_rate, check_state_shape
 
 __all__ = ["RecurrentLayer", "RecurrentState"]
 
@@ -242,8 +243,8 @@ class RecurrentLayer(nn.Module):
         chunk, ``layer(chunk, hx, first_step=k)`` continues a sequence cut into chunks, as stateful truncated
         BPTT does. Unidirectional layers only (a reverse direction has no continuation).
         """
-        x, lengths, h0, c0, unbatched = self._prepare(input, hx, lengths)
-        first_step = self._check_first_step(first_step)
+        x, lengths, h0, c0, unbatched = prepare(self, input, hx, lengths)
+        first_step = check_first_step(self, first_step)
         exporting = captured_by_export(self)
         if torch.is_grad_enabled() and not torch.compiler.is_compiling():
             forget(self)  # a training step: its update may go through .data, which the step cache cannot see
@@ -270,43 +271,8 @@ class RecurrentLayer(nn.Module):
         """
         if isinstance(input, Tensor) and input.dim() == 2 and hx is None and lengths is None and not first_step:
             return plan_for(self, input, step=True)
-        x, lengths, h0, c0, _ = self._prepare(input, hx, lengths)
-        return plan_for(self, x, lengths, (h0, c0), first_step=self._check_first_step(first_step))
-
-    def _check_first_step(self, first_step: object) -> int:
-        owner = type(self).__name__
-        if isinstance(first_step, bool) or not isinstance(first_step, int) or first_step < 0:
-            raise ValueError(f"{owner}: expected first_step to be an int >= 0, got {first_step!r}")
-        if first_step and self.bidirectional:
-            raise ValueError(f"{owner}: expected first_step=0 with bidirectional=True, got {first_step}")
-        return first_step
-
-    def _prepare(
-        self, input: Tensor | PackedSequence, hx: Any, lengths: Tensor | list[int] | None
-    ) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None, bool]:
-        """Check :meth:`forward`'s arguments; ``x`` ``(T, B, I)``, lengths, ``h0``, ``c0`` and whether unbatched."""
-        owner = type(self).__name__
-        if isinstance(input, PackedSequence):
-            if lengths is not None:
-                raise ValueError(f"{owner}: expected lengths=None with a PackedSequence input, got lengths")
-            x, lengths = pad_packed_sequence(input)  # (T, B, I), original batch order
-            unbatched = False
-        else:
-            if not isinstance(input, Tensor) or input.dim() not in (2, 3):
-                got = f"shape {tuple(input.shape)}" if isinstance(input, Tensor) else type(input).__name__
-                layout = "(batch, seq, features)" if self.batch_first else "(seq, batch, features)"
-                raise ValueError(f"{owner}: expected a 3-D input {layout} or 2-D (seq, features), got {got}")
-            unbatched = input.dim() == 2
-            x = input.unsqueeze(1) if unbatched else (input.transpose(0, 1) if self.batch_first else input)
-        if x.shape[-1] != self.input_size:
-            raise ValueError(f"{owner}: expected input with {self.input_size} features, got {x.shape[-1]}")
-        check_like_parameters(owner, "input", x, self.cells[0].reference_parameter())
-        steps, batch = x.shape[0], x.shape[1]
-        if steps == 0:
-            raise ValueError(f"{owner}: expected at least one time step, got an input of length 0")
-        lengths = self._check_lengths(lengths, steps, batch)
-        h0, c0 = self._initial_state(hx, batch, x, unbatched)
-        return x, lengths, h0, c0, unbatched
+        x, lengths, h0, c0, _ = prepare(self, input, hx, lengths)
+        return plan_for(self, x, lengths, (h0, c0), first_step=check_first_step(self, first_step))
 
     def _run(
         self,
@@ -412,9 +378,9 @@ class RecurrentLayer(nn.Module):
         elif not isinstance(state, RecurrentState):
             raise ValueError(f"{owner}: expected state to be the RecurrentState step() returned, got {type(state)}")
         else:
-            self._check_state_shape("state.h", state.h, (self.num_layers, batch, self.state_size), x)
+            check_state_shape(owner, "state.h", state.h, (self.num_layers, batch, self.state_size), x)
             if first.has_cell_state:
-                self._check_state_shape("state.c", state.c, (self.num_layers, batch, self.hidden_size), x)
+                check_state_shape(owner, "state.c", state.c, (self.num_layers, batch, self.hidden_size), x)
         lean = lean_layer_step(self, x)  # without gradients: every cell's step prepared once (cached)
         if lean is not None:
             output, h, c = lean(x, state.h, state.c, state.step)
@@ -437,76 +403,6 @@ class RecurrentLayer(nn.Module):
             h = torch.cat(h_next)
             c = None if c is None else torch.cat(c_next)
         return h_next[-1].select(0, 0), RecurrentState(h, c, state.step + 1)
-
-    # --- checks ----------------------------------------------------------------------------------------------------
-
-    def _check_lengths(self, lengths: Tensor | list[int] | None, steps: int, batch: int) -> Tensor | None:
-        if lengths is None:
-            return None
-        owner = type(self).__name__
-        values = torch.as_tensor(lengths).detach().cpu() if not isinstance(lengths, Tensor) else lengths.detach().cpu()
-        if values.dim() != 1 or values.numel() != batch:
-            raise ValueError(f"{owner}: expected lengths of shape ({batch},), got {tuple(values.shape)}")
-        if values.dtype.is_floating_point or values.dtype == torch.bool or values.is_complex():
-            raise ValueError(f"{owner}: expected integer lengths, got dtype {values.dtype}")
-        low, high = int(values.min()), int(values.max())
-        if low < 1 or high > steps:
-            raise ValueError(f"{owner}: expected lengths in [1, {steps}] (the input's time steps), got {low}..{high}")
-        return values.to(torch.long)
-
-    def _check_state_shape(self, name: str, tensor: object, expected: tuple[int, ...], like: Tensor) -> Tensor:
-        if not isinstance(tensor, Tensor) or tuple(tensor.shape) != expected:
-            got = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
-            raise ValueError(f"{type(self).__name__}: expected {name} of shape {expected}, got {got}")
-        check_like_input(type(self).__name__, name, tensor, like)
-        return tensor
-
-    def _initial_state(self, hx: Any, batch: int, x: Tensor, unbatched: bool) -> tuple[Tensor, Tensor | None]:
-        has_c = self.cell_class.has_cell_state
-        layers = self.num_layers * self.num_directions
-        expected = (layers, self.state_size) if unbatched else (layers, batch, self.state_size)
-        expected_c = (*expected[:-1], self.hidden_size)
-        if hx is None:
-            h0 = x.new_zeros(layers, batch, self.state_size)
-            return h0, (x.new_zeros(layers, batch, self.hidden_size) if has_c else None)
-        if has_c:
-            if not isinstance(hx, (tuple, list)) or len(hx) != 2:
-                raise ValueError(f"{type(self).__name__}: expected hx to be a tuple (h_0, c_0), got {type(hx)}")
-            h0 = self._check_state_shape("h_0", hx[0], expected, x)
-            c0 = self._check_state_shape("c_0", hx[1], expected_c, x)
-            return (h0.unsqueeze(1), c0.unsqueeze(1)) if unbatched else (h0, c0)
-        h0 = self._check_state_shape("h_0", hx, expected, x)
-        return (h0.unsqueeze(1) if unbatched else h0), None
-
-    @classmethod
-    def _from_torch(cls, module: nn.Module, expected: type[nn.Module], **kwargs: Any) -> RecurrentLayer:
-        if not isinstance(module, expected):
-            raise ValueError(f"{cls.__name__}.from_torch: expected a torch.nn.{expected.__name__}, got {type(module)}")
-        if getattr(module, "proj_size", 0):
-            kwargs = {"proj_size": module.proj_size, **kwargs}
-        weight = module.weight_ih_l0
-        structure = {name: getattr(module, name) for name in _TORCH_LAYOUT}
-        options: dict[str, Any] = {
-            **structure,
-            "norm": "none",
-            "device": weight.device,
-            "dtype": weight.dtype,
-            **kwargs,
-        }
-        layer = cls(**options)
-        # With a norm, its own parameters keep their initial values; every weight of `module` must still land.
-        missing, unexpected = layer.load_state_dict(module.state_dict(), strict=options["norm"] == "none")
-        if unexpected or any(".norm_" not in key for key in missing):
-            raise ValueError(
-                f"{cls.__name__}.from_torch: expected a norm under which torch's weights stay parameters as they are "
-                f"(any but 'weight', whose W = g v / |v| is a parametrization), got norm={options['norm']!r}; build "
-                f"seqnorm.{cls.__name__}(..., norm={options['norm']!r}) and train it instead"
-            )
-        return layer
-
-
-# torch.nn.LSTM/GRU's structural arguments (from_torch copies them; a keyword may override one).
-_TORCH_LAYOUT = ("input_size", "hidden_size", "num_layers", "bias", "batch_first", "dropout", "bidirectional")
 
 
 def _repack(output: Tensor, lengths: Tensor, like: PackedSequence) -> PackedSequence:

@@ -7,6 +7,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from seqnorm.cells.gru import GRUCell
 from seqnorm.layers.base import RecurrentLayer
+from seqnorm.layers.keys import from_torch
 
 __all__ = ["GRU"]
 
@@ -66,4 +67,4 @@ class GRU(RecurrentLayer):
     def from_torch(cls, module: nn.GRU, **kwargs: object) -> GRU:
         """A layer with ``module``'s weights: equivalent with the default ``norm="none"``; with another ``norm=``
         (and any other keyword of the constructor), the norms start from their initial values."""
-        return cls._from_torch(module, nn.GRU, **kwargs)  # type: ignore[return-value]
+        return from_torch(cls, module, nn.GRU, **kwargs)  # type: ignore[return-value]

@@ -7,6 +7,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from seqnorm.cells.lstm import LSTMCell
 from seqnorm.layers.base import RecurrentLayer
+from seqnorm.layers.keys import from_torch
 
 __all__ = ["LSTM"]
 
@@ -110,4 +111,4 @@ class LSTM(RecurrentLayer):
     def from_torch(cls, module: nn.LSTM, **kwargs: object) -> LSTM:
         """A layer with ``module``'s weights: equivalent with the default ``norm="none"``; with another ``norm=``
         (and any other keyword of the constructor), the norms start from their initial values."""
-        return cls._from_torch(module, nn.LSTM, **kwargs)  # type: ignore[return-value]
+        return from_torch(cls, module, nn.LSTM, **kwargs)  # type: ignore[return-value]
