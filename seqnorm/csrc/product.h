@@ -9,10 +9,10 @@
 //   call: MKL otherwise repacks W at every step (8 % of an LN-LSTM training step on an Intel Xeon).
 // - "blas": at::mm_out by W^T laid out row-major (float64, or no MKL / oneDNN): MKL's small-batch GEMM was 25-45 %
 //   faster with it than with the transposed view.
-// Which route is fastest depends on the CPU and the shape, so in float32 the candidates are timed once per process
-// and shape (interleaved rounds of a few products, 5-40 ms once on an Intel Xeon) and the fastest is kept: measured,
-// not assumed from the CPU's name. set_product_route() forces one (the tests run every route against the
-// plain-PyTorch path).
+// Which route is fastest depends on the CPU, the shape and the thread count, so in float32 the candidates are timed
+// once per process, shape and thread count (interleaved rounds of a few products, 5-40 ms once on an Intel Xeon) and
+// the fastest is kept: measured, not assumed from the CPU's name. set_product_route() forces one (the tests run every
+// route against the plain-PyTorch path).
 #pragma once
 
 #include <torch/extension.h>
@@ -157,7 +157,11 @@ class StepProduct {
   }
 
  private:
-  using Key = std::tuple<int64_t, int64_t, int64_t>;
+  // Rows, K, N and torch's thread count: the fastest route at one thread is not the fastest at two (measured on an
+  // Intel Xeon: 64x256 by 256x1024 took MKL's at one thread and brgemm at two).
+  using Key = std::tuple<int64_t, int64_t, int64_t, int>;
+
+  Key key(const at::Tensor& right) const { return Key{rows_, right.size(0), right.size(1), at::get_num_threads()}; }
 
   static std::mutex& cache_mutex() {
     static std::mutex mutex;
@@ -172,14 +176,14 @@ class StepProduct {
   // The route measured earlier in this process for this shape, if any.
   std::optional<Route> measured(const at::Tensor& right) const {
     std::lock_guard<std::mutex> lock(cache_mutex());
-    const auto found = cache().find(Key{rows_, right.size(0), right.size(1)});
+    const auto found = cache().find(key(right));
     return found == cache().end() ? std::nullopt : std::optional<Route>(found->second);
   }
 
-  // Times the candidates once per process and shape, on this operand and row count: after a warm-up that also
-  // builds the micro-kernels, they alternate over a few rounds of two products each, and the lowest median wins (one
-  // candidate timed after the other, by its fastest single product, favoured whichever ran with the caches warmer:
-  // seqnorm/layers/kernel.py's faster_layout picked the slower weight layout in 2 processes of 6 that way).
+  // Times the candidates once per process, shape and thread count, on this operand and row count: after a warm-up
+  // that also builds the micro-kernels, they alternate over a few rounds of two products each, and the lowest median
+  // wins (one candidate timed after the other, by its fastest single product, favoured whichever ran with the caches
+  // warmer: seqnorm/layers/kernel.py's faster_layout picked the slower weight layout in 2 processes of 6 that way).
   Route fastest(const std::vector<Route>& candidates, const at::Tensor& right) const {
     constexpr int kRounds = 5;
     const at::Tensor x = at::full({rows_, right.size(0)}, 0.5, right.options());  // no draw from the user's generator
@@ -204,7 +208,7 @@ class StepProduct {
       }
     }
     std::lock_guard<std::mutex> lock(cache_mutex());
-    cache().emplace(Key{rows_, right.size(0), right.size(1)}, best);
+    cache().emplace(key(right), best);
     return best;
   }
 
