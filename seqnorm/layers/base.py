@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from functools import partial
-from typing import Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +50,9 @@ from seqnorm.norms import (
 from seqnorm.norms.sync import synchronized_steps
 from seqnorm.torch_capture import captured_by_export, refuse_scripting
 from seqnorm.validation import check_positive_int, check_proj_size, check_rate, check_state_shape
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = ["RecurrentLayer", "RecurrentState"]
 
@@ -198,7 +201,7 @@ class RecurrentLayer(nn.Module):
         refuse_scripting(self)
         return self
 
-    def train(self, mode: bool = True) -> RecurrentLayer:
+    def train(self, mode: bool = True) -> Self:
         """``nn.Module.train``; also drops the cached generation step (:func:`seqnorm.layers.stepping.forget`)."""
         forget(self)
         return super().train(mode)
