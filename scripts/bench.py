@@ -14,6 +14,10 @@ tables, ready for BENCHMARKS.md:
 - **generation step**: batch size 1, ``no_grad``, eval mode, one ``layer.step()`` against one ``torch.nn.LSTMCell``
   (``GRUCell``) call; µs per step.
 
+- **against issue 14's targets**: for each target (:data:`TARGETS`), the worst median ratio among the rows it covers
+  and where, ✓ within the bound, ✗ above it, or "not measured" when no row covers it (a size with batch 1 for the
+  batch-1 training target, say).
+
 ``× torch`` is the median over the repeats of each round's ratio to that round's torch time, with its spread (lowest
 and highest round) beside it; ``plain ×`` is the same layer with the compiled kernels switched off
 (``seqnorm.kernels.disabled()``: the plain-PyTorch hand-written BPTT and loop), the fallback where nothing is built.
@@ -32,6 +36,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import date
 
 import torch
@@ -44,6 +49,63 @@ TORCH_CELLS: dict[str, type[nn.Module]] = {"lstm": nn.LSTMCell, "gru": nn.GRUCel
 LAYERS: dict[str, type[seqnorm.layers.RecurrentLayer]] = {"lstm": seqnorm.LSTM, "gru": seqnorm.GRU}
 DEFAULT_SIZES = "100x32x128x256,100x64x256x512,50x16x512x1024,100x1x128x256"
 QUICK_SIZES = "20x8x32x64,20x1x32x64"
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One measured ratio to torch: ``what`` is "training", "memory" (activation memory) or "generation"."""
+
+    what: str
+    where: str  # the row's cell and size, as in its table
+    batch: int
+    norm: str
+    ratio: float
+
+
+@dataclass(frozen=True)
+class Target:
+    """A bound on the median ratio to torch of the rows of ``what`` with one of ``norms`` (and batch size 1 or not)."""
+
+    name: str
+    what: str
+    norms: tuple[str, ...]
+    bound: float
+    batch_one: bool | None = None  # True: batch-1 rows only; False: the others; None: any
+
+    def covers(self, row: Measured) -> bool:
+        return (
+            row.what == self.what
+            and row.norm in self.norms
+            and (self.batch_one is None or (row.batch == 1) == self.batch_one)
+        )
+
+
+# Issue 14's targets, for the norms its kernels run.
+KERNEL_NORMS = ("layer", "rms", "batch", "batch_renorm")
+TARGETS = (
+    Target("training step, LayerNorm (LSTM, GRU)", "training", ("layer",), 1.15, batch_one=False),
+    Target("training step, RMSNorm", "training", ("rms",), 1.15, batch_one=False),
+    Target("training step, per-timestep BN", "training", ("batch",), 1.25, batch_one=False),
+    Target("training step, batch renormalization", "training", ("batch_renorm",), 1.4, batch_one=False),
+    Target("training step at batch size 1 (layer, rms)", "training", ("layer", "rms"), 1.5, batch_one=True),
+    Target("generation step vs torch's cell", "generation", KERNEL_NORMS, 1.1),
+    Target("activation memory", "memory", KERNEL_NORMS, 1.2),
+)
+
+
+def target_rows(measured: list[Measured], targets: tuple[Target, ...] = TARGETS) -> list[str]:
+    """One Markdown row per target: its bound, the worst median ratio among the rows it covers and where, ✓ or ✗."""
+    rows = []
+    for target in targets:
+        covered = [row for row in measured if target.covers(row)]
+        if not covered:
+            rows.append(f"| {target.name} | ≤ {target.bound} | not measured | |")
+            continue
+        worst = max(covered, key=lambda row: row.ratio)
+        mark = "✓" if worst.ratio <= target.bound else "✗"
+        where = f"{worst.where}, {worst.norm}"
+        rows.append(f"| {target.name} | ≤ {target.bound} | {worst.ratio:.3f} ({where}; {len(covered)} rows) | {mark} |")
+    return rows
 
 
 def parse_sizes(text: str) -> list[tuple[int, int, int, int]]:
@@ -114,6 +176,11 @@ def ratio(times: dict[str, list[float]], name: str, base: str) -> str:
     return f"{statistics.median(rounds):.2f} ({rounds[0]:.2f}–{rounds[-1]:.2f})"
 
 
+def median_ratio(times: dict[str, list[float]], name: str, base: str) -> float:
+    """The median of the per-round ratios of ``name`` to ``base`` (what :func:`ratio` prints first)."""
+    return statistics.median(value / reference for value, reference in zip(times[name], times[base], strict=True))
+
+
 def plain(run: Callable[[], None]) -> Callable[[], None]:
     """``run`` with the compiled kernels switched off."""
 
@@ -124,7 +191,7 @@ def plain(run: Callable[[], None]) -> Callable[[], None]:
     return without_kernels
 
 
-def bench_training(args: argparse.Namespace, size: tuple[int, int, int, int]) -> list[str]:
+def bench_training(args: argparse.Namespace, size: tuple[int, int, int, int], measured: list[Measured]) -> list[str]:
     steps, batch, input_size, hidden = size
     rows = []
     for kind in args.cells:
@@ -157,6 +224,8 @@ def bench_training(args: argparse.Namespace, size: tuple[int, int, int, int]) ->
             f"| | 1.00 |"
         )
         for norm in layers:
+            measured.append(Measured("training", label, batch, norm, median_ratio(times, norm, "torch")))
+            measured.append(Measured("memory", label, batch, norm, memory[norm] / memory["torch"]))
             plain_ratio = ratio(times, f"{norm}/plain", "torch") if args.plain else "-"
             reference_ratio = ratio(times, f"{norm}/reference", "torch") if args.reference else "-"
             rows.append(
@@ -167,7 +236,7 @@ def bench_training(args: argparse.Namespace, size: tuple[int, int, int, int]) ->
     return rows
 
 
-def bench_generation(args: argparse.Namespace, size: tuple[int, int, int, int]) -> list[str]:
+def bench_generation(args: argparse.Namespace, size: tuple[int, int, int, int], measured: list[Measured]) -> list[str]:
     _, _, input_size, hidden = size
     rows = []
     for kind in args.cells:
@@ -209,6 +278,7 @@ def bench_generation(args: argparse.Namespace, size: tuple[int, int, int, int]) 
         label = f"{kind} I={input_size} H={hidden}"
         rows.append(f"| {label} | torch.nn.{TORCH_CELLS[kind].__name__} | {base * 1e6:.0f} | 1.00 | |")
         for norm in args.norms:
+            measured.append(Measured("generation", label, 1, norm, median_ratio(times, norm, "torch")))
             plain_ratio = ratio(times, f"{norm}/plain", "torch") if args.plain else "-"
             rows.append(
                 f"| {label} | {norm} | {per_step[norm] * 1e6:.0f} | {ratio(times, norm, 'torch')} | {plain_ratio} |"
@@ -248,15 +318,21 @@ def main() -> None:
         "activation memory × torch |"
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|")
+    measured: list[Measured] = []
     for size in args.sizes:
-        for row in bench_training(args, size):
+        for row in bench_training(args, size, measured):
             print(row, flush=True)
     print("\n### Generation step (batch size 1, `layer.step()` vs torch's cell)\n")
     print("| cell | norm | µs / step | × torch cell | plain × torch cell |")
     print("|---|---|---:|---:|---:|")
     for size in {(1, 1, s[2], s[3]): None for s in args.sizes}:
-        for row in bench_generation(args, size):
+        for row in bench_generation(args, size, measured):
             print(row, flush=True)
+    print(f"\n### Against issue 14's targets ({cpu_name()}; the worst median ratio of the rows each covers)\n")
+    print("| target | bound | worst median ratio (where; rows) | |")
+    print("|---|---|---|---|")
+    for row in target_rows(measured):
+        print(row)
 
 
 if __name__ == "__main__":
