@@ -13,7 +13,6 @@ tables, ready for BENCHMARKS.md:
   peaks (RSS) are dominated by the allocator and would not separate the variants.
 - **generation step**: batch size 1, ``no_grad``, eval mode, one ``layer.step()`` against one ``torch.nn.LSTMCell``
   (``GRUCell``) call; µs per step.
-
 - **against issue 14's targets**: for each target (:data:`TARGETS`), the worst median ratio among the rows it covers
   and where, ✓ within the bound, ✗ above it, or "not measured" when no row covers it (a size with batch 1 for the
   batch-1 training target, say).

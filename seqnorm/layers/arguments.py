@@ -1,5 +1,6 @@
-"""What a layer call brings, checked at the boundary: ``forward``'s input, ``hx``, ``lengths`` and ``first_step``,
-and the state ``step()`` is given back. Every refusal is a ``ValueError`` naming the layer class and what it expected.
+"""What a layer's ``forward`` brings, checked at the boundary: its input, ``hx``, ``lengths`` and ``first_step``.
+Every refusal is a ``ValueError`` naming the layer class and what it expected (``step()``'s state is checked with
+:func:`seqnorm.validation.check_state_shape`, as ``hx`` is here).
 
 :class:`~seqnorm.layers.base.RecurrentLayer` calls these; they read the layer's sizes and return what its time loop
 takes: ``x`` ``(T, B, I)``, integer lengths on the CPU, ``h0``/``c0`` ``(layers * directions, B, .)``.
