@@ -232,6 +232,36 @@ def test_batch_norm_counters_and_cumulative_average(kind: str, norm: str) -> Non
     assert sum(fallbacks(compiled)) > 0
 
 
+@pytest.mark.parametrize("fallback", [False, True])
+@pytest.mark.parametrize("norm", ["batch", "batch_renorm"])
+def test_gru_backward_recomputes_the_batch_moments_it_did_not_keep(norm: str, fallback: bool) -> None:
+    """A GRU's backward recomputes its terms from W_ih x and W_hh h, and per-timestep BN's moments from them too: the
+    forward keeps none ((T, 3H) rows: only batch renormalization's r and d, 2 per norm) unless a step fell back on
+    running statistics, whose buffers have changed since (then all 4 per norm). Gradients as the reference's."""
+    reference, compiled = _pair("gru", norm, hidden_size=7)
+    x = torch.randn(6, 4, 3, dtype=torch.float64)
+    lengths = torch.tensor([6, 2, 3, 3]) if fallback else torch.tensor([6, 4, 6, 5])  # steps 3..5: 1 real row or 2+
+    moments: list[int] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if tuple(tensor.shape) == (6, 21):  # (T, 3H): a row of statistics per step
+            moments.append(1)
+        return tensor
+
+    grads = []
+    for layer in (reference, compiled):
+        leaf = x.clone().requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            output, _ = layer(leaf, lengths=lengths)
+        if layer is reference:
+            moments.clear()
+        grads.append(torch.autograd.grad(output.square().sum(), [leaf, *layer.parameters()]))
+    kept = {"batch": 0, "batch_renorm": 4}[norm] + (4 if fallback else 0)
+    assert len(moments) == kept
+    assert_close(grads[1], grads[0], rtol=1e-9, atol=1e-9)
+    assert_close(compiled.state_dict(), reference.state_dict(), rtol=1e-12, atol=1e-12)
+
+
 def test_unbuilt_kernels_warn_once_and_the_plain_path_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SEQNORM_KERNELS_DIR", str(tmp_path))  # an empty cache: nothing built
     monkeypatch.setattr(kernels, "_LOADED", {})

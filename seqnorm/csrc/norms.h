@@ -87,11 +87,12 @@ class StepNorm {
     });
   }
 
-  // The forward's output again from the saved statistics, for a backward that recomputes instead of keeping it (a
-  // GRU keeps W_ih x and W_hh h, not its gates):
-  //   saved_stats(t)                   before any row of step t (BN: the step's scale and shift)
-  //   normalized_row(t, b, x, out)     row b: out = γ N(x) + shift
-  virtual void saved_stats(int64_t) {}
+  // The forward's output again, for a backward that recomputes instead of keeping it (a GRU keeps W_ih x and W_hh h,
+  // not its gates, and its norms keep no statistics they can compute again from those: saved(true)):
+  //   recompute_stats(t, x, mask, count)   before any row of step t, with the step's block x as the forward saw it
+  //                                        (BN: the step's moments, unless kept, then its scale and shift)
+  //   normalized_row(t, b, x, out)         row b: out = γ N(x) + shift
+  virtual void recompute_stats(int64_t, const T*, const bool*, int64_t) {}
   virtual void normalized_row(int64_t t, int64_t b, const T* x, T* out) = 0;
 
   // The backward of step t in pieces, for a caller that runs them inside its own passes over the step's rows (a
@@ -108,8 +109,9 @@ class StepNorm {
   virtual void finish_sums(int64_t, int64_t) {}
   virtual void backward_row(int64_t t, int64_t b, const T* dy, const T* x, T* dx) = 0;
 
-  // What the backward needs, in the order the constructor for the backward takes it.
-  virtual std::vector<at::Tensor> saved() const = 0;
+  // What the backward needs, in the order the constructor for the backward takes it. `recomputing`: the backward
+  // calls recompute_stats with every step's block, so statistics it can compute again need not be kept.
+  virtual std::vector<at::Tensor> saved(bool recomputing) const = 0;
   // No norm and no shift: the output is the input itself.
   virtual bool identity() const { return false; }
   int64_t fallback_steps() const { return fallback_steps_; }
@@ -186,7 +188,7 @@ class NoNorm final : public StepNorm<T> {
     if (dx != dy) std::copy(dy, dy + this->features_, dx);
   }
 
-  std::vector<at::Tensor> saved() const override { return {}; }
+  std::vector<at::Tensor> saved(bool) const override { return {}; }
   std::pair<at::Tensor, at::Tensor> parameter_grads() override {
     if (this->shift_ == nullptr) return {at::Tensor(), at::Tensor()};
     return {at::Tensor(), this->thread_total(partials_, this->features_, 0, this->features_)};
@@ -271,7 +273,8 @@ class RowNorm final : public StepNorm<T> {
     });
   }
 
-  std::vector<at::Tensor> saved() const override {
+  // A row's two values (kept: they are 1 / features of the block they would be recomputed from).
+  std::vector<at::Tensor> saved(bool) const override {
     return {to_tensor(means_, {this->steps_, this->rows_}, this->options_),
             to_tensor(rstds_, {this->steps_, this->rows_}, this->options_)};
   }
@@ -322,8 +325,10 @@ class BatchStepNorm final : public StepNorm<T> {
       }
       batch_steps_.assign(steps, 0);
     } else {
-      means_ = saved.at(0).contiguous();
-      rstds_ = saved.at(1).contiguous();
+      // No moments kept (saved(true), every step on batch statistics): recompute_stats fills each step's row.
+      recomputing_ = saved.at(0).numel() == 0;
+      means_ = recomputing_ ? at::empty({steps, features}, options) : saved.at(0).contiguous();
+      rstds_ = recomputing_ ? at::empty({steps, features}, options) : saved.at(1).contiguous();
       if (args.renorm) {
         rs_ = saved.at(2).contiguous();
         ds_ = saved.at(3).contiguous();
@@ -376,40 +381,14 @@ class BatchStepNorm final : public StepNorm<T> {
       // The k-th batch of a row weighs 1/k under a cumulative average.
       const T weight = a.momentum < 0 ? T(1) / static_cast<T>(*tracked + 1) : static_cast<T>(a.momentum);
       const T unbias = static_cast<T>(count) / static_cast<T>(count - 1);
-      // Per block of features (split between threads), sums over the real rows held in registers: the mean, then
-      // the squares of the deviations from it (written where rstd goes, turned into it below).
-      constexpr int64_t width = Vec<T>::size();
-      const Vec<T> inv_count(T(1) / static_cast<T>(count));
-      feature_blocks<T>(rows, f, [&](int64_t j, int64_t vectors, const int64_t* counts) {
-        Vec<T> sums[kBlockVectors], squares[kBlockVectors];
-        for (int64_t v = 0; v < vectors; ++v) {
-          sums[v] = Vec<T>(T(0));
-          squares[v] = Vec<T>(T(0));
-        }
-        for (int64_t b = 0; b < rows; ++b) {
-          if (mask != nullptr && !mask[b]) continue;
-          for (int64_t v = 0; v < vectors; ++v) sums[v] = sums[v] + load(x + b * f + j + v * width, counts[v]);
-        }
-        for (int64_t v = 0; v < vectors; ++v) sums[v] = sums[v] * inv_count;
-        for (int64_t b = 0; b < rows; ++b) {
-          if (mask != nullptr && !mask[b]) continue;
-          for (int64_t v = 0; v < vectors; ++v) {
-            const Vec<T> centered = load(x + b * f + j + v * width, counts[v]) - sums[v];
-            squares[v] = at::vec::fmadd(centered, centered, squares[v]);
-          }
-        }
-        for (int64_t v = 0; v < vectors; ++v) {
-          store(sums[v], mean + j + v * width, counts[v]);
-          store(squares[v], rstd + j + v * width, counts[v]);
-        }
-      });
-      const Vec<T> real_rows(static_cast<T>(count)), one(T(1)), epsilon(eps), unbiased(unbias);
+      moment_sums(x, mask, count, mean, rstd);
+      const Vec<T> one(T(1)), epsilon(eps), unbiased(unbias);
       const Vec<T> r_high(static_cast<T>(r_max)), r_low(T(1) / static_cast<T>(r_max));
       const Vec<T> d_high(static_cast<T>(d_max)), d_low(static_cast<T>(-d_max));
       vec_loop<T>(f, [&](int64_t j, int64_t n) {
         const Vec<T> m = load(mean + j, n);
-        const Vec<T> var = load(rstd + j, n) / real_rows;
-        const Vec<T> s = one / (var + epsilon).sqrt();
+        Vec<T> var;
+        const Vec<T> s = finish_moments(rstd + j, n, count, var);
         store(s, rstd + j, n);
         const Vec<T> run_mean = load(running_mean + j, n), run_var = load(running_var + j, n);
         if (a.renorm) {
@@ -428,7 +407,7 @@ class BatchStepNorm final : public StepNorm<T> {
         store(one / (load(running_var + i, n) + epsilon).sqrt(), rstd + i, n);
       });
     }
-    saved_stats(t);
+    prepare(t);
   }
 
   // out = x scale + shift (+ addend) with forward_stats' scale and shift of the step.
@@ -440,10 +419,20 @@ class BatchStepNorm final : public StepNorm<T> {
     });
   }
 
-  void saved_stats(int64_t t) override {
+  // The step's moments again from x when the forward kept none (the same sums, in the same order, as forward_stats:
+  // the same values), then its scale and shift.
+  void recompute_stats(int64_t t, const T* x, const bool* mask, int64_t count) override {
+    if (recomputing_) {
+      const int64_t f = this->features_;
+      T* mean = means_.data_ptr<T>() + t * f;
+      T* rstd = rstds_.data_ptr<T>() + t * f;
+      moment_sums(x, mask, count, mean, rstd);
+      vec_loop<T>(f, [&](int64_t j, int64_t n) {
+        Vec<T> var;
+        store(finish_moments(rstd + j, n, count, var), rstd + j, n);
+      });
+    }
     prepare(t);
-    step_scale_ = scale_.data();
-    step_shift_ = offset_.data();
   }
 
   void normalized_row(int64_t t, int64_t b, const T* x, T* out) override { forward_row(t, b, x, out, nullptr); }
@@ -506,10 +495,14 @@ class BatchStepNorm final : public StepNorm<T> {
     });
   }
 
-  std::vector<at::Tensor> saved() const override {
+  // The moments (none when the backward recomputes them and every step had batch statistics: a step on running
+  // statistics read buffers that have changed since), r and d (batch renormalization: they came from the running
+  // statistics before this step's update), which steps had batch statistics.
+  std::vector<at::Tensor> saved(bool recomputing) const override {
     const at::Tensor none = at::empty({0}, this->options_);  // plain BN: r = 1, d = 0, nothing to keep
-    return {means_, rstds_, this->args_.renorm ? rs_ : none, this->args_.renorm ? ds_ : none,
-            to_tensor(batch_steps_, {this->steps_}, this->options_.dtype(at::kBool))};
+    const bool keep = !recomputing || std::find(batch_steps_.begin(), batch_steps_.end(), 0) != batch_steps_.end();
+    return {keep ? means_ : none, keep ? rstds_ : none, this->args_.renorm ? rs_ : none,
+            this->args_.renorm ? ds_ : none, to_tensor(batch_steps_, {this->steps_}, this->options_.dtype(at::kBool))};
   }
 
   std::pair<at::Tensor, at::Tensor> parameter_grads() override {
@@ -522,7 +515,44 @@ class BatchStepNorm final : public StepNorm<T> {
     return weight < T(0.5) ? start + Vec<T>(weight) * (end - start) : end - (end - start) * Vec<T>(T(1) - weight);
   }
 
-  // Step t's scale γ rstd r and shift γ d - mean γ rstd r + shift per feature, into scale_ and offset_:
+  // Per block of features (split between threads), sums over the real rows held in registers: the mean into `mean`,
+  // then the squares of the deviations from it into `squares` (finish_moments turns them into rstd).
+  void moment_sums(const T* x, const bool* mask, int64_t count, T* mean, T* squares) const {
+    const int64_t f = this->features_, rows = this->rows_;
+    constexpr int64_t width = Vec<T>::size();
+    const Vec<T> inv_count(T(1) / static_cast<T>(count));
+    feature_blocks<T>(rows, f, [&](int64_t j, int64_t vectors, const int64_t* counts) {
+      Vec<T> sums[kBlockVectors], squared[kBlockVectors];
+      for (int64_t v = 0; v < vectors; ++v) {
+        sums[v] = Vec<T>(T(0));
+        squared[v] = Vec<T>(T(0));
+      }
+      for (int64_t b = 0; b < rows; ++b) {
+        if (mask != nullptr && !mask[b]) continue;
+        for (int64_t v = 0; v < vectors; ++v) sums[v] = sums[v] + load(x + b * f + j + v * width, counts[v]);
+      }
+      for (int64_t v = 0; v < vectors; ++v) sums[v] = sums[v] * inv_count;
+      for (int64_t b = 0; b < rows; ++b) {
+        if (mask != nullptr && !mask[b]) continue;
+        for (int64_t v = 0; v < vectors; ++v) {
+          const Vec<T> centered = load(x + b * f + j + v * width, counts[v]) - sums[v];
+          squared[v] = at::vec::fmadd(centered, centered, squared[v]);
+        }
+      }
+      for (int64_t v = 0; v < vectors; ++v) {
+        store(sums[v], mean + j + v * width, counts[v]);
+        store(squared[v], squares + j + v * width, counts[v]);
+      }
+    });
+  }
+
+  // The biased variance (into `var`) and rstd of the n features at `squares` (moment_sums' sums of squares).
+  Vec<T> finish_moments(const T* squares, int64_t n, int64_t count, Vec<T>& var) const {
+    var = load(squares, n) / Vec<T>(static_cast<T>(count));
+    return Vec<T>(T(1)) / (var + Vec<T>(static_cast<T>(this->args_.eps))).sqrt();
+  }
+
+  // Step t's scale γ rstd r and shift γ d - mean γ rstd r + shift per feature, what forward_row applies:
   // y = x scale + shift = (x - mean) rstd γ r + γ d + shift.
   void prepare(int64_t t) {
     const int64_t f = this->features_;
@@ -540,6 +570,8 @@ class BatchStepNorm final : public StepNorm<T> {
       store(sc, scale + i, n);
       store(sh, shifted + i, n);
     });
+    step_scale_ = scale;
+    step_shift_ = shifted;
   }
 
   // Batch renormalization's r and d of step t, or plain BN's shared row of 1 and 0.
@@ -548,10 +580,11 @@ class BatchStepNorm final : public StepNorm<T> {
 
   int64_t first_step_;  // the time index of step 0 (a generation step's own index)
   at::Tensor means_, rstds_, rs_, ds_;  // (steps, F); rs_ and ds_ only for batch renormalization
+  bool recomputing_ = false;            // the backward: means_ and rstds_ filled by recompute_stats
   std::vector<T> no_r_, no_d_;          // plain BN's r = 1 and d = 0 (F)
   std::vector<uint8_t> batch_steps_;  // whether a step used batch statistics
   at::Tensor weight_grad_, shift_grad_;
-  std::vector<T> scale_, offset_;  // the step's scale and shift (forward_stats, saved_stats)
+  std::vector<T> scale_, offset_;  // the step's scale and shift (forward_stats, recompute_stats)
   const T* step_scale_ = nullptr;  // what forward_row applies: scale_ and offset_, or the folded rows
   const T* step_shift_ = nullptr;
   std::vector<T> sums_;            // the backward: the step's Σ dy, Σ dy x̂ (2F)

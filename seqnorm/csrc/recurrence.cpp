@@ -252,7 +252,7 @@ std::tuple<Tensors, Tensors, std::vector<Tensors>, std::vector<int64_t>> lstm_fo
   std::vector<Tensors> stats;
   if (save) {
     saved = {cs, acts, tanh_cs, raw};  // raw last: None in Python when undefined
-    stats = {norm_ih->saved(), norm_hh->saved(), norm_c->saved()};
+    stats = {norm_ih->saved(false), norm_hh->saved(false), norm_c->saved(false)};
   }
   return {Tensors{hs, h_n, c_n}, saved, stats,
           {norm_ih->fallback_steps(), norm_hh->fallback_steps(), norm_c->fallback_steps()}};
@@ -433,7 +433,8 @@ std::tuple<Tensors, Tensors, std::vector<Tensors>, std::vector<int64_t>> gru_for
   std::vector<Tensors> stats;
   if (save) {
     saved = {raw};
-    stats = {norm_ih->saved(), norm_hh->saved()};
+    // The backward recomputes the terms from inputs and raw, and what statistics it can from them too.
+    stats = {norm_ih->saved(true), norm_hh->saved(true)};
   }
   return {Tensors{hs, hs[steps - 1].clone()}, saved, stats, {norm_ih->fallback_steps(), norm_hh->fallback_steps()}};
 }
@@ -477,8 +478,8 @@ Tensors gru_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, cons
     T* grad_rec = ptr<T>(grad_r[t]);
     T* grad_u = recurrent_normed ? ptr<T>(du) : grad_rec;
     T* d_h = ptr<T>(dh);
-    norm_ih->saved_stats(t);
-    norm_hh->saved_stats(t);
+    norm_ih->recompute_stats(t, x_in, m, count);
+    norm_hh->recompute_stats(t, x_raw, m, count);
     const TermsBackward<T> terms{*norm_ih, *norm_hh, t, gates, grad_a, x_in, grad_u, x_raw, grad_in, grad_rec};
     const auto gate_rows = [&](int64_t b) {
       const int64_t at = b * gates;
