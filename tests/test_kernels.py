@@ -363,6 +363,31 @@ def test_generation_step_with_either_weight_layout(kind: str, layout: str, monke
             assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 
+def test_the_weight_layout_is_timed_once_per_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step prepared again (after every training step, say) reuses the layout timed for the shape; another shape
+    or row count is timed anew."""
+    from seqnorm.layers import kernel
+
+    monkeypatch.setattr(kernel, "_LAYOUTS", {})
+    clock = {"reads": 0}
+    real = kernel.time.perf_counter
+
+    def counted() -> float:
+        clock["reads"] += 1
+        return real()
+
+    monkeypatch.setattr(kernel.time, "perf_counter", counted)
+    weight = torch.randn(12, 5)
+    first = kernel.faster_layout(weight, 1)
+    timed = clock["reads"]
+    assert timed > 0
+    again = kernel.faster_layout(weight * 2, 1)  # same shape: no timing, the same layout
+    assert clock["reads"] == timed
+    assert again.is_contiguous() == first.is_contiguous() and torch.equal(again, (weight * 2).t())
+    kernel.faster_layout(weight, 3)  # other rows: timed
+    assert clock["reads"] > timed
+
+
 @pytest.fixture
 def product_route() -> Any:
     """Forces the per-step matmul's route (csrc/product.h) for one test, then lets it be measured again."""

@@ -211,7 +211,15 @@ def faster_layout(weight: Tensor, rows: int, rounds: int = 5, calls: int = 2) ->
     ``256 x 1024`` weight, the view 64 µs against 76 µs for a GRU's pair at ``I=256, H=512`` (BENCHMARKS.md). Timed
     one candidate after the other, by the fastest of 5 single products, the choice for a GRU's ``1536 x 512``
     ``W_hh`` went to the copy in 2 processes of 6, whose steps then ran 1.16-1.27x torch's cell against
-    0.93-0.97x with the view (BENCHMARKS.md, issue 14)."""
+    0.93-0.97x with the view (BENCHMARKS.md, issue 14).
+
+    The choice is kept per shape, dtype, device, rows and thread count for the process: a step is prepared again
+    after every training step and ``train()``/``eval()`` (:func:`seqnorm.layers.stepping.forget`), and a loop that
+    alternates training and generation would otherwise time the products each time."""
+    key = (tuple(weight.shape), weight.dtype, weight.device.type, rows, torch.get_num_threads())
+    known = _LAYOUTS.get(key)
+    if known is not None:
+        return weight.t().contiguous() if known else weight.t()
     candidates = (weight.t().contiguous(), weight.t())
     probe = weight.new_full((rows, weight.shape[1]), 0.5)  # not drawn: the user's generator stays as it was
     times: tuple[list[float], list[float]] = ([], [])
@@ -223,7 +231,13 @@ def faster_layout(weight: Tensor, rows: int, rounds: int = 5, calls: int = 2) ->
             for _ in range(calls):
                 torch.mm(probe, candidate)
             samples.append(time.perf_counter() - start)
-    return min(zip(candidates, times, strict=True), key=lambda pair: statistics.median(pair[1]))[0]
+    copy_wins = statistics.median(times[0]) <= statistics.median(times[1])
+    _LAYOUTS[key] = copy_wins
+    return candidates[0] if copy_wins else candidates[1]
+
+
+# faster_layout's choices in this process: whether the row-major copy won, per shape, dtype, device, rows, threads.
+_LAYOUTS: dict[tuple[Any, ...], bool] = {}
 
 
 def _norms(cell: RecurrentCell) -> dict[str, nn.Module | None]:
