@@ -107,6 +107,20 @@ def target_rows(measured: list[Measured], targets: tuple[Target, ...] = TARGETS)
     return rows
 
 
+def ab_arguments(description: str, *, cells: str, norms: str, repeats: int) -> argparse.Namespace:
+    """The options of the A/B scripts (``bench_phases.py``, ``bench_routes.py``), with their defaults; sets torch's
+    thread count to ``--threads``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--sizes", default="100x32x128x256,100x64x256x512", help="TxBxIxH[,TxBxIxH...]")
+    parser.add_argument("--cells", default=cells, help="lstm,gru")
+    parser.add_argument("--norms", default=norms, help="norms to measure")
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    return args
+
+
 def parse_sizes(text: str) -> list[tuple[int, int, int, int]]:
     sizes = []
     for item in text.split(","):
@@ -169,15 +183,20 @@ def interleaved(variants: dict[str, Callable[[], None]], repeats: int) -> dict[s
     return times
 
 
+def round_ratios(times: dict[str, list[float]], name: str, base: str) -> list[float]:
+    """Each round's ratio of ``name`` to ``base``, sorted."""
+    return sorted(value / reference for value, reference in zip(times[name], times[base], strict=True))
+
+
 def ratio(times: dict[str, list[float]], name: str, base: str) -> str:
     """``median (lowest–highest)`` of the per-round ratios of ``name`` to ``base``."""
-    rounds = sorted(value / reference for value, reference in zip(times[name], times[base], strict=True))
+    rounds = round_ratios(times, name, base)
     return f"{statistics.median(rounds):.2f} ({rounds[0]:.2f}–{rounds[-1]:.2f})"
 
 
 def median_ratio(times: dict[str, list[float]], name: str, base: str) -> float:
     """The median of the per-round ratios of ``name`` to ``base`` (what :func:`ratio` prints first)."""
-    return statistics.median(value / reference for value, reference in zip(times[name], times[base], strict=True))
+    return statistics.median(round_ratios(times, name, base))
 
 
 def plain(run: Callable[[], None]) -> Callable[[], None]:

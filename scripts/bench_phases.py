@@ -11,13 +11,12 @@ Usage: ``python scripts/bench_phases.py --sizes 100x32x128x256,100x64x256x512 --
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from datetime import date
 
 import torch
-from bench import LAYERS, TORCH_LAYERS, cpu_name, parse_sizes, ratio
+from bench import LAYERS, TORCH_LAYERS, ab_arguments, cpu_name, parse_sizes, ratio
 from torch import nn
 
 import seqnorm
@@ -53,14 +52,7 @@ def split(variants: dict[str, nn.Module], x: torch.Tensor, repeats: int) -> dict
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="100x32x128x256,100x64x256x512", help="TxBxIxH[,TxBxIxH...]")
-    parser.add_argument("--cells", default="lstm,gru", help="lstm,gru")
-    parser.add_argument("--norms", default="layer,rms,batch", help="norms to measure")
-    parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    args = ab_arguments(__doc__.splitlines()[0], cells="lstm,gru", norms="layer,rms,batch", repeats=9)
     print(f"{cpu_name()}; torch {torch.__version__}, {args.threads} threads; compiled kernels: ", end="")
     print(f"{seqnorm.kernels.status()}; {date.today()}; median (lowest–highest) of {args.repeats} interleaved rounds'")
     print("ratios to torch's layer\n")

@@ -10,13 +10,12 @@ Usage: ``python scripts/bench_routes.py --sizes 100x32x128x256,100x64x256x512 --
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from datetime import date
 from typing import Any
 
 import torch
-from bench import LAYERS, TORCH_LAYERS, cpu_name, interleaved, parse_sizes, ratio, training_step
+from bench import LAYERS, TORCH_LAYERS, ab_arguments, cpu_name, interleaved, parse_sizes, ratio, training_step
 
 import seqnorm
 
@@ -37,14 +36,7 @@ def forced(native: Any, route: str, run: Callable[[], None]) -> Callable[[], Non
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="100x32x128x256,100x64x256x512", help="TxBxIxH[,TxBxIxH...]")
-    parser.add_argument("--cells", default="lstm", help="lstm,gru")
-    parser.add_argument("--norms", default="layer,batch", help="normalized norms the kernels run")
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    args = ab_arguments(__doc__.splitlines()[0], cells="lstm", norms="layer,batch", repeats=7)
     native = seqnorm.kernels.native("cpu")
     if native is None:
         raise SystemExit(f"bench_routes.py: expected the compiled kernels, got: {seqnorm.kernels.status()}")
