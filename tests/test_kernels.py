@@ -175,6 +175,28 @@ def test_float32_is_as_accurate_as_the_reference(kind: str, norm: str) -> None:
     assert errors[1] <= 4 * errors[0] + 1e-7, errors
 
 
+@pytest.mark.parametrize("norm", [*NORMALIZED, "none", "weight"])
+@pytest.mark.parametrize("kind", TORCH_KINDS)
+def test_float32_kernels_propagate_nan_like_the_reference(kind: str, norm: str) -> None:
+    """A NaN in the input reaches the same outputs as on the plain path, forward and generation step alike. The
+    float exp clamps its argument, which turned NaN into σ = 0 and a zero state: a finite loss that hid the NaN."""
+    reference, compiled = _pair(kind, norm, dtype=torch.float32)
+    x = torch.randn(5, 3, 3)
+    x[1, 0, 0] = float("nan")
+    x[3, 2, 1] = float("inf")
+    for train in (True, False):
+        expected, _ = reference.train(train)(x)
+        got, _ = compiled.train(train)(x)
+        assert expected[1:].isnan().any()
+        assert torch.equal(got.isnan(), expected.isnan()), norm
+    with torch.no_grad():
+        states: list[Any] = [None, None]
+        for x_t in x.unbind(0):
+            expected, states[0] = reference.step(x_t, states[0])
+            got, states[1] = compiled.step(x_t, states[1])
+            assert torch.equal(got.isnan(), expected.isnan()), norm
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("first", "second"), [("batch", "layer"), ("layer", "batch"), ("rms", "batch_renorm")])
 @pytest.mark.parametrize("kind", TORCH_KINDS)
