@@ -46,8 +46,9 @@ def check_like_input(owner: str, name: str, tensor: Tensor, x: Tensor) -> None:
     raise ValueError(f"{owner}: expected {name} of dtype {x.dtype} (the input's), got {tensor.dtype}")
 
 
-def check_step(owner: str, step: object) -> int:
-    """``step`` as an int ``>= 0``, the time index a per-timestep norm reads its statistics at."""
+def check_step(owner: str, step: object, name: str = "step") -> int:
+    """``step`` as an int ``>= 0``, the time index a per-timestep norm reads its statistics at (``name``: what the
+    caller calls it)."""
     if isinstance(step, bool) or (isinstance(step, Tensor) and (step.dim() or step.is_floating_point())):
         index = None
     else:
@@ -56,7 +57,7 @@ def check_step(owner: str, step: object) -> int:
         except TypeError:
             index = None
     if index is None or index < 0:
-        raise ValueError(f"{owner}: expected step to be an int >= 0 (the time index), got {step!r}")
+        raise ValueError(f"{owner}: expected {name} to be an int >= 0 (the time index), got {step!r}")
     return index
 
 

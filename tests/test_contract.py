@@ -130,3 +130,24 @@ def test_layer_contract(kind: str, norm: str) -> None:
     layer.eval()
     copy.eval()
     assert torch.equal(copy(x, lengths=lengths)[0], layer(x, lengths=lengths)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_empty_batch_gives_empty_outputs_like_torch(kind: str, norm: str, dtype: torch.dtype) -> None:
+    """Batch size 0 (``torch.nn.LSTM`` returns empty outputs): every path, the float32 kernels' matmul routes
+    included (they crashed with ``std::bad_alloc``); in training only where the norm needs no batch statistics."""
+    layer = LAYERS[kind](4, 5, num_layers=2, norm=norm, max_steps=3, dtype=dtype)
+    x = torch.randn(6, 0, 4, dtype=dtype, requires_grad=True)
+    for training in (False, True) if norm not in BATCH_NORMS else (False,):
+        output, _ = layer.train(training)(x)
+        assert output.shape == (6, 0, 5)
+        output.sum().backward()
+        assert x.grad is not None and x.grad.shape == x.shape
+    with torch.no_grad():
+        y, state = layer.eval().step(x[0])
+    assert y.shape == (0, 5) and state.h.shape == (2, 0, 5)
+    if norm in BATCH_NORMS:
+        with pytest.raises(ValueError, match="got batch size 0"):
+            layer.train()(x)

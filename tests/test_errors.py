@@ -100,8 +100,26 @@ def test_step_errors() -> None:
     _, state = layer.step(torch.randn(2, 3))
     with pytest.raises(ValueError, match=r"^LSTM: expected state.h of shape \(2, 3, 4\), got \(2, 2, 4\)$"):
         layer.step(torch.randn(3, 3), state)
-    with pytest.raises(ValueError, match=r"^LSTMCell: expected input of shape \(batch, 3\), got \(2, 5\)$"):
+    with pytest.raises(ValueError, match=r"^LSTM: expected input of shape \(batch, 3\), got \(2, 5\)$"):
         layer.step(torch.randn(2, 5), state)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_layer_step_state_step_must_be_a_non_negative_int(kind: str) -> None:
+    """A hand-built RecurrentState's step indexes BN's per-step statistics in the compiled step (a negative one read
+    out of bounds: garbage, then a segmentation fault)."""
+    layer = LAYERS[kind](3, 4, norm="batch", max_steps=3)
+    layer(torch.randn(5, 4, 3))
+    layer.eval()
+    name = type(layer).__name__
+    x = torch.randn(4, 3)
+    _, state = layer.step(x)
+    for step in (-3, -(10**7), 2.5, None):
+        for grad in (False, True):
+            with torch.set_grad_enabled(grad), pytest.raises(ValueError, match=rf"^{name}: expected state.step to be"):
+                layer.step(x, state._replace(step=step))
+    y, later = layer.step(x, state._replace(step=np.int64(5)))  # integer-like: the int
+    assert later.step == 6 and type(later.step) is int
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -136,8 +154,8 @@ def test_dtype_and_device_mismatches_name_both(kind: str) -> None:
         cell(x64)
     with pytest.raises(ValueError, match=rf"^{layer_name}: expected input of dtype torch.float32 {convert}"):
         layer(x64.unsqueeze(0))
-    with pytest.raises(ValueError, match=rf"^{cell_name}: expected input of dtype torch.float32 {convert}"):
-        layer.step(x64)  # step() checks its input through the first cell, as for shapes
+    with pytest.raises(ValueError, match=rf"^{layer_name}: expected input of dtype torch.float32 {convert}"):
+        layer.step(x64)  # step() checks its input through the first cell, in its own name
     integer = r"expected a floating-point input of dtype torch.float32, got torch.int64$"
     with pytest.raises(ValueError, match=rf"^{cell_name}: {integer}"):
         cell(torch.ones(2, 3, dtype=torch.long))

@@ -388,8 +388,10 @@ class RecurrentCell(PicklableParametrizations):
 
     # --- input checks --------------------------------------------------------------------------------------------
 
-    def check_input(self, x: Tensor, mask: Tensor | None) -> None:
-        owner = type(self).__name__
+    def check_input(self, x: Tensor, mask: Tensor | None, owner: str | None = None) -> None:
+        """``x`` ``(B, input_size)`` like the parameters, ``mask`` ``(B,)`` bool or ``None``; errors name ``owner``
+        (default: this cell's class; a layer's ``step()`` names itself)."""
+        owner = owner or type(self).__name__
         if not isinstance(x, Tensor) or x.dim() != 2 or x.shape[1] != self.input_size:
             got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(f"{owner}: expected input of shape (batch, {self.input_size}), got {got}")

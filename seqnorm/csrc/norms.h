@@ -311,6 +311,7 @@ class BatchStepNorm final : public StepNorm<T> {
   BatchStepNorm(const NormArgs& args, int64_t steps, int64_t rows, int64_t features,
                 const at::TensorOptions& options, const std::vector<at::Tensor>& saved, int64_t first_step)
       : StepNorm<T>(args, steps, rows, features, options), first_step_(first_step) {
+    TORCH_CHECK(first_step >= 0, "seqnorm kernels: expected a time index >= 0, got ", first_step);
     if (!args.training && args.folded_scale.has_value()) return;  // folded: forward reads nothing else (generation)
     // The statistics of every step are tensors from the start (unlike the row norms' few per-row values): saving
     // them copies nothing, and each fresh buffer is touched once. As vectors copied into tensors to be saved and

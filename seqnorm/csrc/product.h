@@ -118,7 +118,8 @@ class StepProduct {
   // call), or W_hh itself in the backward (already row-major: no copy).
   StepProduct(const at::Tensor& right, int64_t rows) : rows_(rows) {
     std::vector<Route> candidates = {Route::kBlas};
-    if (right.scalar_type() == at::kFloat) candidates = float_routes(rows);
+    // An empty batch takes at::mm_out, which returns at once (brgemm and the route timing do not take 0 rows).
+    if (right.scalar_type() == at::kFloat && rows > 0) candidates = float_routes(rows);
     const std::optional<Route> known = candidates.size() == 1 ? candidates.front() : measured(right);
     const auto needs = [&](Route route) {
       return known.has_value() ? *known == route

@@ -49,7 +49,7 @@ from seqnorm.norms import (
 )
 from seqnorm.norms.sync import synchronized_steps
 from seqnorm.torch_capture import captured_by_export, refuse_scripting
-from seqnorm.validation import check_positive_int, check_proj_size, check_rate, check_state_shape
+from seqnorm.validation import check_positive_int, check_proj_size, check_rate, check_state_shape, check_step
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -372,7 +372,7 @@ class RecurrentLayer(nn.Module):
             raise ValueError(f"{owner}: expected a unidirectional layer for step(), got bidirectional=True")
         cells = self._modules["cells"]  # not self.cells (two __getattr__ calls) nor cells[0]: slow at every step
         first = next(iter(cells._modules.values()))
-        first.check_input(x, None)
+        first.check_input(x, None, owner)
         batch = x.shape[0]
         if state is None:
             h = x.new_zeros(self.num_layers, batch, self.state_size)
@@ -384,6 +384,8 @@ class RecurrentLayer(nn.Module):
             check_state_shape(owner, "state.h", state.h, (self.num_layers, batch, self.state_size), x)
             if first.has_cell_state:
                 check_state_shape(owner, "state.c", state.c, (self.num_layers, batch, self.hidden_size), x)
+            if type(state.step) is not int or state.step < 0:  # the C++ step indexes BN's statistics with it
+                state = state._replace(step=check_step(owner, state.step, "state.step"))
         lean = lean_layer_step(self, x)  # without gradients: every cell's step prepared once (cached)
         if lean is not None:
             output, h, c = lean(x, state.h, state.c, state.step)

@@ -406,7 +406,7 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
         if batch < 2:
             return ValueError(
                 f"{self.owner}: expected a batch of at least 2 rows to form per-timestep batch statistics in "
-                f"training, got batch size {batch}. The batch variance of a single sample is undefined: "
+                f"training, got batch size {batch}. The batch variance of fewer than 2 samples is undefined: "
                 'per-timestep BN cannot train at batch size 1; use norm="layer" (or "rms"/"weight"), which works '
                 'at batch size 1, or pass small_batch="running" to normalize every step with running statistics.'
             )
