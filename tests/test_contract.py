@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.autograd import gradgradcheck
 from torch.func import functional_call
 from torch.testing import assert_close
 
@@ -151,3 +152,18 @@ def test_an_empty_batch_gives_empty_outputs_like_torch(kind: str, norm: str, dty
     if norm in BATCH_NORMS:
         with pytest.raises(ValueError, match="got batch size 0"):
             layer.train()(x)
+
+
+@pytest.mark.parametrize("norm", ["layer", "batch"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_second_derivatives_through_the_reference_loop(kind: str, norm: str) -> None:
+    """The README's promise: the fast paths' hand-written backwards are first-order (a second backward is torch's
+    once_differentiable error), and impl="reference" has every derivative (gradgradcheck)."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, 2, dtype=torch.float64, requires_grad=True)
+    fast = LAYERS[kind](2, 3, norm=norm, dtype=torch.float64)
+    (grad,) = torch.autograd.grad(fast(x)[0].square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        grad.sum().backward()
+    reference = LAYERS[kind](2, 3, norm=norm, dtype=torch.float64, impl="reference")
+    assert gradgradcheck(lambda x: reference(x)[0], (x,), eps=1e-6, atol=1e-5)

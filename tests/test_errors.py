@@ -118,7 +118,7 @@ def test_layer_step_state_step_must_be_a_non_negative_int(kind: str) -> None:
         for grad in (False, True):
             with torch.set_grad_enabled(grad), pytest.raises(ValueError, match=rf"^{name}: expected state.step to be"):
                 layer.step(x, state._replace(step=step))
-    y, later = layer.step(x, state._replace(step=np.int64(5)))  # integer-like: the int
+    _, later = layer.step(x, state._replace(step=np.int64(5)))  # integer-like: the int
     assert later.step == 6 and type(later.step) is int
 
 

@@ -132,6 +132,27 @@ def test_torch_attribute_names_resolve_to_cells() -> None:
         _ = seqnorm.LSTM(3, 4).weight_ih_l0_reverse
 
 
+@pytest.mark.parametrize("kind", TORCH_KINDS)
+@pytest.mark.parametrize(("bias", "proj_size"), [(True, 0), (False, 0), (True, 2)])
+def test_torch_layer_api_for_drop_in_code(kind: str, bias: bool, proj_size: int) -> None:
+    """``all_weights`` lists torch's tensors in torch's order; ``flatten_parameters()`` runs; dropout with one layer
+    warns as torch does."""
+    if proj_size and not CELLS[kind].supports_projection:
+        pytest.skip("torch's GRU has no proj_size")
+    options = {"proj_size": proj_size} if proj_size else {}
+    reference = TORCH_LAYERS[kind][0](3, 4, num_layers=2, bidirectional=True, bias=bias, **options)
+    layer = LAYERS[kind](3, 4, num_layers=2, bidirectional=True, bias=bias, **options)
+    layer.load_state_dict(reference.state_dict())
+    ours, theirs = layer.all_weights, reference.all_weights
+    assert [len(weights) for weights in ours] == [len(weights) for weights in theirs]
+    for mine, torch_weights in zip(ours, theirs, strict=True):
+        for got, expected in zip(mine, torch_weights, strict=True):
+            assert torch.equal(got, expected)
+    assert layer.flatten_parameters() is None
+    with pytest.warns(UserWarning, match=r"dropout=0.5 has no effect with num_layers=1"):
+        LAYERS[kind](3, 4, dropout=0.5)
+
+
 def test_from_torch_rejects_wrong_module() -> None:
     with pytest.raises(ValueError, match=r"LSTM.from_torch: expected a torch.nn.LSTM, got"):
         seqnorm.LSTM.from_torch(nn.GRU(3, 4))

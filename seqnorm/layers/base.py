@@ -15,6 +15,7 @@ loop — chosen in one place, :func:`seqnorm.layers.plan.plan_for`, from what th
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
@@ -138,6 +139,12 @@ class RecurrentLayer(nn.Module):
         switches = {"norm_placement": norm_placement, "state_norm": state_norm}
         check_placement(owner, self.norm_spec, has_cell_state=self.cell_class.has_cell_state, **switches)
         self.dropout = check_rate(owner, "dropout", dropout)
+        if self.dropout and self.num_layers == 1:  # torch.nn.LSTM warns the same
+            warnings.warn(
+                f"{owner}: dropout={dropout} has no effect with num_layers=1 (it applies between stacked layers; "
+                "recurrent_dropout and input_dropout act within a layer)",
+                stacklevel=2,
+            )
         self.recurrent_dropout = check_rate(owner, "recurrent_dropout", recurrent_dropout)
         self.input_dropout = check_rate(owner, "input_dropout", input_dropout)
         self.weight_dropout = check_rate(owner, "weight_dropout", weight_dropout)
@@ -205,6 +212,18 @@ class RecurrentLayer(nn.Module):
         """``nn.Module.train``; also drops the cached generation step (:func:`seqnorm.layers.stepping.forget`)."""
         forget(self)
         return super().train(mode)
+
+    def flatten_parameters(self) -> None:
+        """Nothing to do; here so that code written for ``torch.nn.LSTM``/``GRU`` (which calls it to lay the weights
+        out for cuDNN) runs unchanged: no path of these layers reads a flattened copy of the weights."""
+
+    @property
+    def all_weights(self) -> list[list[Tensor]]:
+        """As ``torch.nn.LSTM.all_weights``: per layer and direction, ``[weight_ih, weight_hh, bias_ih, bias_hh]``
+        (those that exist), then ``weight_hr`` with ``proj_size`` (weight norm: the computed weights). The norms'
+        own parameters are in :meth:`parameters`, under the cells' names."""
+        names = ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "weight_hr")
+        return [[w for w in (getattr(cell, name, None) for name in names) if w is not None] for cell in self.cells]
 
     def reset_parameters(self) -> None:
         """Reinitialize every cell (:meth:`RecurrentCell.reset_parameters`: weights, forget bias, norms)."""

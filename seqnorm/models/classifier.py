@@ -53,7 +53,7 @@ class RNNClassifier(nn.Module):
             embedding_dim,
             hidden_size,
             num_layers=num_layers,
-            dropout=dropout,
+            dropout=dropout if num_layers > 1 else 0.0,  # between layers; the model's own dropout is below
             bidirectional=bidirectional,
             **rnn_kwargs,
         )

@@ -50,7 +50,14 @@ class RNNLanguageModel(nn.Module):
                 f"got {embedding_dim} and {hidden_size}"
             )
         self.embedding = nn.Embedding(vocab_size, embedding_dim, padding_idx=pad_index)
-        self.rnn = build_rnn(cell, embedding_dim, hidden_size, num_layers=num_layers, dropout=dropout, **rnn_kwargs)
+        self.rnn = build_rnn(
+            cell,
+            embedding_dim,
+            hidden_size,
+            num_layers=num_layers,
+            dropout=dropout if num_layers > 1 else 0.0,
+            **rnn_kwargs,
+        )
         self.dropout = nn.Dropout(dropout)
         self.projection = nn.Linear(hidden_size, vocab_size)
         if tie_weights:
