@@ -210,6 +210,31 @@ def test_resume_after_interrupt_inside_a_step(
     assert not different
 
 
+@pytest.mark.parametrize("stop", [5, EPOCH + 1])
+def test_resume_after_interrupt_inside_a_step_with_batch_norm(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, stop: int
+) -> None:
+    """The interrupted step's forward had updated BN's running statistics; the checkpoint holds them as they were
+    before it (the redone step counted them twice: every parameter drifted, as small_batch="tail" normalizes the
+    batches' short tails with the running statistics)."""
+    batch_norm = ["--model.norm", "batch"]
+    reference, reference_parameters = _uninterrupted(True, tmp_path_factory, *batch_norm)
+    write_story(tmp_path / "story.txt")
+    first, _ = _fit(
+        tmp_path / "first", True, "--trainer.max_steps", str(TOTAL), *batch_norm, *_interrupt_inside(stop, "step")
+    )
+    last = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    saved = torch.load(last, weights_only=True)["state_dict"]
+    counters = [value for name, value in saved.items() if name.endswith("num_batches_tracked")]
+    assert counters and max(int(value.max()) for value in counters) == stop - 1
+    resumed, parameters = _fit(
+        tmp_path / "resumed", True, "--trainer.max_steps", str(TOTAL), *batch_norm, "--ckpt_path", str(last)
+    )
+    assert _steps_redone(first, resumed, "step") == reference
+    different = [name for name, value in parameters.items() if not torch.equal(value, reference_parameters[name])]
+    assert not different
+
+
 def test_resume_twice_after_interrupts_inside_steps(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """A resumed run's own checkpoints resume exactly too, the loop counters included."""
     reference, reference_parameters = _uninterrupted(True, tmp_path_factory)
