@@ -28,6 +28,7 @@ import torch
 from jsonargparse import Namespace, auto_cli
 from jsonargparse.typing import NonNegativeInt
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.layer_sync import LayerSync
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
@@ -49,6 +50,7 @@ from seqnorm.lightning import LanguageModel, SequenceClassifier, SyncBatchNorm
 from seqnorm.lightning.base import DATA_STATE_KEY
 from seqnorm.lightning.checkpoint_io import ALLOWED_GLOBALS, names_class, read_checkpoint, task_class
 from seqnorm.lightning.generate import generate_text
+from seqnorm.lightning.prediction_writer import PredictionWriter
 from seqnorm.shipped_configs import describe_configs, resolve_config_names
 
 __all__ = ["SIGTERM_EXIT_CODE", "SeqnormCLI", "generate", "main"]
@@ -196,6 +198,13 @@ class SeqnormCLI(LightningCLI):
                 config["logger"], self._continues_run = logger, True
                 # config.yaml is there already: it becomes the resumed run's (Lightning refuses to overwrite it)
                 self.save_config_kwargs = {**self.save_config_kwargs, "overwrite": True}
+        if self.subcommand == "predict":
+            given = config.get("callbacks") or []
+            given = list(given) if isinstance(given, list | tuple) else [given]
+            if not any(isinstance(callback, BasePredictionWriter) for callback in [*given, *callbacks]):
+                # A callbacks list replaced predict's default (a fit run's config.yaml lists fit's callbacks):
+                # without a writer, predict would compute every prediction and write none.
+                callbacks = [*callbacks, PredictionWriter()]
         return super()._instantiate_trainer(config, callbacks)
 
     def _run_subcommand(self, subcommand: str) -> None:

@@ -137,6 +137,16 @@ def test_classifier_predictions_are_label_names_that_score_what_test_reports(run
 
 
 @pytest.mark.parametrize("run", ["LanguageModel"], indirect=True)
+def test_predict_with_the_runs_own_config_still_writes_predictions(run: tuple[str, list[str]]) -> None:
+    """The fit run's config.yaml lists fit's callbacks, which replace predict's default list (its writer)."""
+    own = ["--config", "lightning_logs/version_0/config.yaml", "--trainer.default_root_dir", "."]  # not the original's
+    main(["predict", *own, "--ckpt_path", str(LAST)])
+    assert Path("lightning_logs/version_1/predictions.jsonl").read_text().splitlines()
+    config = Path("lightning_logs/version_1/config.yaml").read_text(encoding="utf-8")
+    assert "PredictionWriter" not in config  # the writer came from the fallback, not from the list
+
+
+@pytest.mark.parametrize("run", ["LanguageModel"], indirect=True)
 def test_language_model_predictions_are_per_sequence_losses(
     run: tuple[str, list[str]], caplog: pytest.LogCaptureFixture
 ) -> None:
