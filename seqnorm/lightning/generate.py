@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from seqnorm.data.units import STREAM_UNITS
 from seqnorm.data.vocab import Vocabulary, tokenize
 from seqnorm.models import RNNLanguageModel
 
@@ -28,9 +29,17 @@ def generate_text(
 ) -> str:
     """Continue ``prompt`` by ``length`` sampled tokens, using the model's stepping interface (batch size 1).
 
-    Models trained on natural units (``unit`` other than ``"window"``) start from ``<bos>``; sampling ``<eos>``
-    ends a unit: it is written as a newline and the next unit starts from ``<bos>``. ``temperature=0`` is greedy
-    decoding; ``top_k`` keeps only the ``k`` most likely tokens. Returns the generated continuation only.
+    Each token is fed as the model saw it in training:
+
+    - natural units (``line``, ``paragraph``, ``sentence``): each unit was ``<bos>`` + tokens + ``<eos>``, so
+      generation starts from ``<bos>``, and a sampled ``<eos>`` is written as a newline and followed by ``<bos>``;
+    - token streams (``window``, ``stream``: :func:`~seqnorm.data.units.token_stream`): no ``<bos>`` ever. At
+      character level a newline is a character like any other and ``<eos>`` never occurs; at word level each line
+      ends with ``<eos>``, which is written as a newline and fed on. An empty prompt starts after a line break
+      (``"\n"``, or ``<eos>`` for words), where the stream's lines begin.
+
+    ``temperature=0`` is greedy decoding; ``top_k`` keeps only the ``k`` most likely tokens. Returns the generated
+    continuation only.
     """
     if length < 0:
         raise ValueError(f"generate_text: expected length >= 0, got {length}")
@@ -40,22 +49,29 @@ def generate_text(
         raise ValueError(f"generate_text: expected top_k >= 1, got {top_k}")
     model.eval()
     device = model.projection.weight.device
-    natural_units = unit != "window"
+    natural_units = unit not in STREAM_UNITS
     banned = [vocab.pad_index, vocab.unk_index] + ([vocab.bos_index] if vocab.bos_eos else [])
-    if not natural_units and vocab.bos_eos:
-        banned.append(vocab.eos_index)  # windows never end
+    if not natural_units and level == "char" and vocab.bos_eos:
+        banned.append(vocab.eos_index)  # a character stream has no <eos>: its line breaks are "\n"
+    # What follows a sampled <eos>: the next unit's <bos>, or in a word stream the <eos> itself.
+    after_eos = vocab.bos_index if natural_units else vocab.eos_index
 
     def feed(token: int, state: object) -> tuple[torch.Tensor, object]:
         return model.step(torch.tensor([token], device=device), state)  # type: ignore[arg-type]
 
+    start = [vocab.bos_index] if natural_units else []
+    prompt_ids = vocab.encode(tokenize(prompt, level))  # type: ignore[arg-type]
+    if not natural_units and not prompt_ids:
+        line_break = vocab.eos_index if level == "word" else vocab.encode(["\n"])[0]
+        if line_break == vocab.unk_index:
+            raise ValueError(
+                f"generate_text: expected a non-empty prompt for a model trained on unit={unit!r} (its text has no "
+                "line break to start after), got ''"
+            )
+        start = [line_break]
     state = None
-    logits = None
-    if natural_units:
-        logits, state = feed(vocab.bos_index, state)
-    for token in vocab.encode(tokenize(prompt, level)):  # type: ignore[arg-type]
+    for token in [*start, *prompt_ids]:
         logits, state = feed(token, state)
-    if logits is None:
-        raise ValueError("generate_text: expected a non-empty prompt for a model trained on windows, got ''")
     pieces: list[str] = []
     for _ in range(length):
         scores = logits[0].float()
@@ -68,9 +84,9 @@ def generate_text(
                 threshold = scores.topk(top_k).values[-1]
                 scores = scores.masked_fill(scores < threshold, float("-inf"))
             token = int(torch.multinomial(scores.softmax(0), 1, generator=generator))
-        if natural_units and token == vocab.eos_index:
+        if vocab.bos_eos and token == vocab.eos_index:
             pieces.append("\n")
-            logits, state = feed(vocab.bos_index, state)
+            logits, state = feed(after_eos, state)
             continue
         pieces.append(vocab.decode([token])[0])
         logits, state = feed(token, state)

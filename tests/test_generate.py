@@ -1,0 +1,58 @@
+"""``generate_text`` feeds each token as the model saw it in training: ``<bos>``/``<eos>`` for natural units, the
+stream's own line breaks for ``window``/``stream`` units (which never contained ``<bos>``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from seqnorm.data.vocab import BOS, EOS, Vocabulary
+from seqnorm.lightning.generate import generate_text
+
+
+class Scripted(nn.Module):
+    """A language model stand-in that records the tokens it is fed and always prefers ``favourite``."""
+
+    def __init__(self, vocab_size: int, favourite: int) -> None:
+        super().__init__()
+        self.projection = nn.Linear(1, vocab_size)
+        self.favourite = favourite
+        self.fed: list[int] = []
+
+    def step(self, token: torch.Tensor, state: object) -> tuple[torch.Tensor, object]:
+        self.fed.append(int(token))
+        logits = torch.zeros(1, self.projection.out_features)
+        logits[0, self.favourite] = 10.0
+        return logits, state
+
+
+def _run(vocab: Vocabulary, favourite: str, **kwargs: object) -> tuple[str, list[str]]:
+    model = Scripted(len(vocab), vocab.encode([favourite])[0])
+    text = generate_text(model, vocab, length=3, temperature=0, **kwargs)  # type: ignore[arg-type]
+    return text, vocab.decode(model.fed)
+
+
+def test_natural_units_start_from_bos_and_restart_after_eos() -> None:
+    vocab = Vocabulary(["a", "b", "\n"])
+    assert _run(vocab, EOS, level="char", unit="line") == ("\n\n\n", [BOS, BOS, BOS, BOS])
+    assert _run(vocab, "a", level="char", unit="line", prompt="b") == ("aaa", [BOS, "b", "a", "a", "a"])
+
+
+@pytest.mark.parametrize("unit", ["stream", "window"])
+def test_character_streams_never_see_bos_or_eos(unit: str) -> None:
+    vocab = Vocabulary(["a", "b", "\n"])
+    # an empty prompt starts after a line break; <eos> (never a target in a character stream) is not sampled
+    text, fed = _run(vocab, EOS, level="char", unit=unit)
+    assert BOS not in fed and EOS not in fed and fed[0] == "\n"
+    assert EOS not in text
+    assert _run(vocab, "a", level="char", unit=unit, prompt="ab") == ("aaa", ["a", "b", "a", "a", "a"])
+    with pytest.raises(ValueError, match=r"expected a non-empty prompt for a model trained on unit="):
+        _run(Vocabulary(["a", "b"]), "a", level="char", unit=unit)  # no line break to start after
+
+
+@pytest.mark.parametrize("unit", ["stream", "window"])
+def test_word_streams_feed_eos_as_their_line_break(unit: str) -> None:
+    vocab = Vocabulary(["the", "cat"])
+    assert _run(vocab, EOS, level="word", unit=unit) == ("\n\n\n", [EOS, EOS, EOS, EOS])
+    assert _run(vocab, "cat", level="word", unit=unit, prompt="the") == ("cat cat cat", ["the", "cat", "cat", "cat"])
