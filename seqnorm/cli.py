@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from jsonargparse import Namespace, auto_cli
 from jsonargparse.typing import NonNegativeInt
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.layer_sync import LayerSync
@@ -42,7 +42,7 @@ from seqnorm.cli_checks import (
     user_error,
 )
 from seqnorm.cli_output import in_command_line_words, quiet_known_noise
-from seqnorm.cli_runs import ModelInstantiator, continued_run_logger, with_checkpoint_model
+from seqnorm.cli_runs import DataInstantiator, ModelInstantiator, continued_run_logger, with_checkpoint_model
 from seqnorm.cli_threads import THREADS_HELP, configure_threads
 from seqnorm.cli_trainer import adjust_trainer_config
 from seqnorm.data import LabeledText, TextCorpus, Vocabulary
@@ -163,6 +163,14 @@ class SeqnormCLI(LightningCLI):
         super()._add_instantiators()
         # Replaces Lightning's model instantiator (same key): see ModelInstantiator for the hyperparameter it added.
         self.parser.add_instantiator(ModelInstantiator(self), LightningModule, subclasses=True)
+        # And the data's (same key): evaluating a checkpoint, the data takes its vocabulary (DataInstantiator).
+        self.parser.add_instantiator(
+            DataInstantiator(self, self._checkpoint_data_state), LightningDataModule, subclasses=True
+        )
+
+    def _checkpoint_data_state(self) -> dict[str, Any] | None:
+        """The DataModule state saved in the ``--ckpt_path`` checkpoint (vocabulary, labels, ...), if any."""
+        return (self._resumed or {}).get("data_state")
 
     def before_instantiate_classes(self) -> None:
         # Instantiating reads (and may download) the data: an unusable log folder should stop the run first.

@@ -6,7 +6,7 @@ Kept apart from :mod:`seqnorm.cli` so that the command itself stays a short list
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,17 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from seqnorm.lightning.atomic_io import local_path
 from seqnorm.lightning.checkpoint_io import read_checkpoint, task_class
 
-__all__ = ["LOGS_NAME", "ModelInstantiator", "continued_run_logger", "with_checkpoint_model"]
+__all__ = [
+    "EVALUATIONS",
+    "LOGS_NAME",
+    "DataInstantiator",
+    "ModelInstantiator",
+    "continued_run_logger",
+    "with_checkpoint_model",
+]
+
+EVALUATIONS = ("validate", "test", "predict")
+"""The subcommands that evaluate a checkpoint (a resumed ``fit`` trains on, and must read the same data)."""
 
 LOGS_NAME = "lightning_logs"
 """The folder under ``--trainer.default_root_dir`` where Lightning's default logger puts its ``version_N`` runs."""
@@ -46,6 +56,30 @@ class ModelInstantiator(_InstantiatorFn):
             if not target.startswith(prefix) or target[len(prefix) :].partition(".")[0] in kwargs
         }
         return super().__call__(class_type, *args, applied_instantiation_links=reached, **kwargs)
+
+
+class DataInstantiator(_InstantiatorFn):
+    """LightningCLI's data instantiator; evaluating a checkpoint (:data:`EVALUATIONS`), it gives the DataModule the
+    checkpoint's vocabulary (and labels) before the model's linked sizes are read from it.
+
+    A DataModule builds its vocabulary from its training split, which depends on more than the checkpoint's corpus:
+    with ``--data.test_path new.txt`` nothing is carved off ``--data.path`` for testing, so the training split grows
+    and its vocabulary comes out in another order. The model reads ids in the checkpoint's mapping; tokens outside
+    it become ``<unk>``. A resumed ``fit`` keeps the strict comparison (``check_data_matches``): it trains on.
+    """
+
+    def __init__(self, cli: LightningCLI, data_state: Callable[[], dict[str, Any] | None]) -> None:
+        super().__init__(cli=cli, key="data")
+        self.data_state = data_state
+
+    def __call__(self, class_type: type, *args: Any, applied_instantiation_links: dict, **kwargs: Any) -> Any:
+        datamodule = super().__call__(
+            class_type, *args, applied_instantiation_links=applied_instantiation_links, **kwargs
+        )
+        state = self.data_state()
+        if state is not None and self.cli.subcommand in EVALUATIONS and hasattr(datamodule, "load_state_dict"):
+            datamodule.load_state_dict(state)
+        return datamodule
 
 
 def continued_run_logger(ckpt_path: str | None, default_root_dir: str | None) -> TensorBoardLogger | None:

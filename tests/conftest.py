@@ -74,3 +74,12 @@ def story(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """``story.txt`` (:func:`write_story`) in a fresh working directory."""
     monkeypatch.chdir(tmp_path)
     return write_story(tmp_path / "story.txt")
+
+
+def logged_scalars(run: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar a TensorBoard run directory holds: tag -> [(step, value), ...] in the order written."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(run))
+    accumulator.Reload()
+    return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}

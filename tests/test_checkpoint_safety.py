@@ -19,7 +19,7 @@ import yaml
 from seqnorm.cli import main
 from seqnorm.lightning import LanguageModel
 from seqnorm.lightning.checkpoint_io import CheckpointError
-from tests.conftest import QUIET, write_story
+from tests.conftest import QUIET, logged_scalars, write_story
 
 TINY = ["--model.hidden_size", "16", "--model.embedding_dim", "8", *QUIET]
 SHORT = ["--trainer.max_steps", "4", "--trainer.limit_val_batches", "2"]
@@ -211,17 +211,33 @@ def test_model_class_contradicting_the_checkpoint(story: Path, trained: Path, ca
     assert "--model SequenceClassifier contradicts" in error and "LanguageModel" in error
 
 
-@pytest.mark.parametrize("command", ["fit", "test"])
-def test_other_corpus_is_refused_before_any_size_mismatch(
-    story: Path, trained: Path, capsys: pytest.CaptureFixture, command: str
+def test_resuming_on_another_corpus_is_refused_before_any_size_mismatch(
+    story: Path, trained: Path, capsys: pytest.CaptureFixture
 ) -> None:
     other = write_story(story.parent / "other.txt", lines=200, words=["zebra", "quiz", "jumping", "vex", "the"], seed=1)
-    args = [command, *LM, "--data.path", str(other), *QUIET, *SHORT, "--ckpt_path", str(trained)]
+    args = ["fit", *LM, "--data.path", str(other), *QUIET, *SHORT, "--ckpt_path", str(trained)]
     error = _fails(capsys, args)
     vocab = torch.load(trained, weights_only=True)["seqnorm_data"]["vocab"]["tokens"]
     assert f"--data.path {other}: its vocabulary" in error and str(trained) in error
     assert f"({len(vocab)} entries;" in error and "'z'" in error
     assert "size mismatch" not in error
+
+
+def test_evaluation_reads_new_text_with_the_checkpoints_vocabulary(story: Path, trained: Path) -> None:
+    """``test --data.test_path`` on held-out text: nothing is carved off ``--data.path`` for testing then, so the
+    data's own vocabulary would come out in another order (it was refused). The checkpoint's mapping applies: the
+    carved test text, passed as a file, scores exactly what the carved split does; other text is read too."""
+    from seqnorm.data import TextCorpus
+
+    held_out = story.parent / "held_out.txt"
+    held_out.write_text(TextCorpus(path=str(story))._load_items()["test"], encoding="utf-8")
+    other = write_story(story.parent / "other.txt", lines=50, words=["zebra", "quiz", "the"], seed=1)
+    losses = []
+    for extra in ([], ["--data.test_path", str(held_out)], ["--data.test_path", str(other)]):
+        main(["test", *LM, "--data.path", str(story), *extra, *QUIET, "--ckpt_path", str(trained)])
+        losses.append(logged_scalars(Path(f"lightning_logs/version_{len(losses)}"))["test/loss"][-1][1])
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+    assert all(loss == loss and loss < 10 for loss in losses)  # finite: unknown characters read as <unk>
 
 
 def test_weights_only_false_is_refused(story: Path, trained: Path, capsys: pytest.CaptureFixture) -> None:

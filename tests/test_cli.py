@@ -12,22 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import seqnorm
 from seqnorm.cli import main
 from seqnorm.lightning import LanguageModel, SequenceClassifier
-from tests.conftest import QUIET, WORDS
+from tests.conftest import QUIET, WORDS, logged_scalars
 
 TINY_LM = ["--model.hidden_size", "48", "--model.embedding_dim", "16", "--model.lr", "0.01"]
-
-
-def _scalars(run: Path) -> dict[str, list[tuple[int, float]]]:
-    accumulator = EventAccumulator(str(run))
-    accumulator.Reload()
-    return {
-        tag: [(event.step, event.value) for event in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]
-    }
 
 
 def test_char_lm_on_own_file_trains_resumes_and_generates(story: Path, capsys: pytest.CaptureFixture) -> None:
@@ -36,7 +27,7 @@ def test_char_lm_on_own_file_trains_resumes_and_generates(story: Path, capsys: p
     run = Path("lightning_logs/version_0")
     last = run / "checkpoints" / "last.ckpt"
     assert last.is_file() and list((run / "checkpoints").glob("best-*.ckpt"))
-    scalars = _scalars(run)
+    scalars = logged_scalars(run)
     assert {"train/loss", "val/loss", "val/bpc"} <= set(scalars)
     first_bpc, final_bpc = scalars["val/bpc"][0][1], scalars["val/bpc"][-1][1]
     # uniform over the ~20 symbols is 4.3 bits; the text's own entropy is about 0.9 bits per character
@@ -55,7 +46,7 @@ def test_char_lm_on_own_file_trains_resumes_and_generates(story: Path, capsys: p
     adam_steps = {float(state["step"]) for state in resumed_checkpoint["optimizer_states"][0]["state"].values()}
     assert adam_steps == {120.0}
     # one TensorBoard run: the first run's points, then the resumed run's, in step order
-    resumed_scalars = _scalars(run)
+    resumed_scalars = logged_scalars(run)
     assert resumed_scalars["val/loss"][: len(scalars["val/loss"])] == scalars["val/loss"]
     steps = [step for step, _ in resumed_scalars["val/loss"]]
     assert steps == sorted(steps) and steps[-1] >= 110 and len(steps) > len(scalars["val/loss"])
@@ -72,7 +63,7 @@ def test_char_lm_on_own_file_trains_resumes_and_generates(story: Path, capsys: p
 
     # test reads the same checkpoint, in a run directory of its own
     main(["test", *base, *TINY_LM, *QUIET, "--ckpt_path", str(last)])
-    tested = _scalars(Path("lightning_logs/version_1"))
+    tested = logged_scalars(Path("lightning_logs/version_1"))
     assert {"test/loss", "test/bpc"} <= set(tested)
     assert tested["test/bpc"][0][1] < 1.3
 
@@ -117,7 +108,7 @@ def test_interrupted_run_resumes_from_last_checkpoint(story: Path) -> None:
 def test_word_lm_reports_perplexity(story: Path) -> None:
     args = ["--model", "LanguageModel", "--data", "TextCorpus", "--data.path", str(story), "--data.level", "word"]
     main(["fit", *args, *TINY_LM, *QUIET, "--trainer.max_steps", "40", "--data.batch_size", "16"])
-    scalars = _scalars(Path("lightning_logs/version_0"))
+    scalars = logged_scalars(Path("lightning_logs/version_0"))
     assert "val/ppl" in scalars and "val/bpc" not in scalars
     # 14 words + <eos> + specials: a trained model is far below the uniform perplexity
     assert scalars["val/ppl"][-1][1] < 14
@@ -135,7 +126,7 @@ def test_classifier_on_own_tsv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     base = ["--model", "SequenceClassifier", "--data", "LabeledText", "--data.train_path", "train.tsv"]
     options = ["--model.hidden_size", "32", "--model.embedding_dim", "16", "--model.lr", "0.01"]
     main(["fit", *base, *options, *QUIET, "--trainer.max_epochs", "8", "--data.batch_size", "16"])
-    scalars = _scalars(Path("lightning_logs/version_0"))
+    scalars = logged_scalars(Path("lightning_logs/version_0"))
     assert scalars["val/acc"][-1][1] >= 0.9, scalars["val/acc"]
     assert {"train/loss", "val/loss"} <= set(scalars)
 
@@ -147,11 +138,11 @@ def test_fit_with_no_data_arguments_trains_the_embedded_task(tmp_path: Path, mon
     switches = ["--model.rnn_options", '{"norm_placement": "joint", "zoneout_h": 0.1}']
     main(["fit", "--model", "LanguageModel", "--data", "TextCorpus", *TINY_LM, *switches, *short])
     main(["fit", "--model", "SequenceClassifier", "--data", "LabeledText", "--model.hidden_size", "16", *short])
-    assert "val/bpc" in _scalars(Path("lightning_logs/version_0"))
+    assert "val/bpc" in logged_scalars(Path("lightning_logs/version_0"))
     checkpoint = torch.load("lightning_logs/version_0/checkpoints/last.ckpt", weights_only=False)
     assert checkpoint["hyper_parameters"]["rnn_options"] == {"norm_placement": "joint", "zoneout_h": 0.1}
     assert any(".norm_gates_l0." in key for key in checkpoint["state_dict"])
-    assert "val/acc" in _scalars(Path("lightning_logs/version_1"))
+    assert "val/acc" in logged_scalars(Path("lightning_logs/version_1"))
     assert Path("lightning_logs/version_1/checkpoints/last.ckpt").is_file()
 
 

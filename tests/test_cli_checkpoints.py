@@ -13,12 +13,11 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from seqnorm.cli import main
 from seqnorm.data import TextCorpus
 from seqnorm.lightning import LanguageModel, SequenceClassifier
-from tests.conftest import QUIET, WORDS, write_story
+from tests.conftest import QUIET, WORDS, logged_scalars, write_story
 
 TINY = ["--model.hidden_size", "16", "--model.embedding_dim", "8", "--model.lr", "0.01", "--data.batch_size", "16"]
 # a validation every 3 steps, so a resumed run's validations continue the curve
@@ -70,12 +69,6 @@ def run(trained: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     return task, [*TASKS[task], *TINY, *QUIET]
 
 
-def _scalars(run: Path) -> dict[str, list[tuple[int, float]]]:
-    accumulator = EventAccumulator(str(run))
-    accumulator.Reload()
-    return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
-
-
 def _metric(task: str) -> str:
     return "acc" if task == "SequenceClassifier" else "bpc"
 
@@ -87,7 +80,7 @@ def test_evaluation_from_a_checkpoint(run: tuple[str, list[str]], command: str) 
     main([command, *args, "--ckpt_path", str(LAST)])
     stage = "val" if command == "validate" else "test"
     # a new run directory: the evaluation's config.yaml and metrics are its own, the training run is left as it was
-    logged = _scalars(Path("lightning_logs/version_1"))
+    logged = logged_scalars(Path("lightning_logs/version_1"))
     assert {f"{stage}/loss", f"{stage}/{_metric(task)}"} <= set(logged)
 
 
@@ -97,7 +90,7 @@ def test_the_checkpoint_names_the_model_when_no_flag_does(run: tuple[str, list[s
     without_model = args[2:]  # drops "--model <task>": the checkpoint's class is used
     assert "--model" not in without_model
     main(["test", *without_model, "--ckpt_path", str(LAST)])
-    assert f"test/{_metric(task)}" in _scalars(Path("lightning_logs/version_1"))
+    assert f"test/{_metric(task)}" in logged_scalars(Path("lightning_logs/version_1"))
     config = Path("lightning_logs/version_1/config.yaml").read_text(encoding="utf-8")
     assert f"class_path: seqnorm.lightning.{task}" in config
 
@@ -105,13 +98,13 @@ def test_the_checkpoint_names_the_model_when_no_flag_does(run: tuple[str, list[s
 @pytest.mark.parametrize("run", list(TASKS), indirect=True)
 def test_resumed_fit_continues_the_same_run(run: tuple[str, list[str]]) -> None:
     _, args = run
-    before = _scalars(Path("lightning_logs/version_0"))
+    before = logged_scalars(Path("lightning_logs/version_0"))
     main(["fit", *args, *SCHEDULE, "--trainer.max_steps", str(STEPS + 3), "--ckpt_path", str(LAST)])
     assert sorted(path.name for path in Path("lightning_logs").iterdir()) == ["version_0"]
     assert torch.load(LAST, weights_only=True)["global_step"] == STEPS + 3
     # the copied run's top-k files are tracked on from their new place: last.ckpt is rewritten, not a last-v1.ckpt
     assert not list(LAST.parent.glob("last-v*"))
-    after = _scalars(Path("lightning_logs/version_0"))
+    after = logged_scalars(Path("lightning_logs/version_0"))
     # one TensorBoard run whose curves go on: the earlier points are kept, the resumed run's follow them
     assert [step for step, _ in before["val/loss"]] == [2, 5]  # steps count from 0: after steps 3 and 6
     assert [step for step, _ in after["val/loss"]] == [2, 5, 8]
@@ -126,7 +119,7 @@ def test_classifier_predictions_are_label_names_that_score_what_test_reports(run
     _, args = run
     main(["test", *args, "--ckpt_path", str(LAST)])
     main(["predict", *args, "--ckpt_path", str(LAST)])
-    tested = _scalars(Path("lightning_logs/version_1"))["test/acc"][-1][1]
+    tested = logged_scalars(Path("lightning_logs/version_1"))["test/acc"][-1][1]
     rows = [json.loads(line) for line in Path("lightning_logs/version_2/predictions.jsonl").read_text().splitlines()]
     truth = [line.split("\t")[0] for line in Path("test.tsv").read_text().splitlines()]
     assert [row["index"] for row in rows] == list(range(len(truth)))  # one row per input line, in input order
@@ -198,7 +191,7 @@ def test_checkpoint_written_before_the_fix_still_reads(run: tuple[str, list[str]
     checkpoint["hyper_parameters"]["level"] = "word"  # what the linked level left in classifier checkpoints
     torch.save(checkpoint, "old.ckpt")
     main(["test", *args, "--ckpt_path", "old.ckpt"])
-    assert "test/acc" in _scalars(Path("lightning_logs/version_1"))
+    assert "test/acc" in logged_scalars(Path("lightning_logs/version_1"))
 
 
 def test_stream_language_model_predicts_every_window(story: Path) -> None:
