@@ -37,12 +37,20 @@ from seqnorm.cli_checks import (
     apply_checkpoint_hparams,
     apply_checkpoint_text_format,
     check_data_matches,
+    check_weights_fit,
     check_writable_dir,
     fold_renamed_flags,
     user_error,
+    weight_shapes,
 )
 from seqnorm.cli_output import in_command_line_words, quiet_known_noise
-from seqnorm.cli_runs import DataInstantiator, ModelInstantiator, continued_run_logger, with_checkpoint_model
+from seqnorm.cli_runs import (
+    EVALUATIONS,
+    DataInstantiator,
+    ModelInstantiator,
+    continued_run_logger,
+    with_checkpoint_model,
+)
 from seqnorm.cli_threads import THREADS_HELP, configure_threads
 from seqnorm.cli_trainer import adjust_trainer_config
 from seqnorm.data import LabeledText, TextCorpus, Vocabulary
@@ -151,7 +159,8 @@ class SeqnormCLI(LightningCLI):
         apply_checkpoint_hparams(model, explicit.get("model"), hparams, subcommand, ckpt_path)
         data_state = checkpoint.get(DATA_STATE_KEY)
         apply_checkpoint_text_format(config.get("data"), explicit.get("data"), data_state)
-        self._resumed = {"hparams": hparams, "data_state": data_state, "path": ckpt_path}
+        shapes = weight_shapes(checkpoint, ckpt_path)
+        self._resumed = {"hparams": hparams, "data_state": data_state, "path": ckpt_path, "shapes": shapes}
 
     def _explicit_config(self) -> Any:
         """The config with only what the command line and ``--config`` files set (no defaults)."""
@@ -165,12 +174,18 @@ class SeqnormCLI(LightningCLI):
         self.parser.add_instantiator(ModelInstantiator(self), LightningModule, subclasses=True)
         # And the data's (same key): evaluating a checkpoint, the data takes its vocabulary (DataInstantiator).
         self.parser.add_instantiator(
-            DataInstantiator(self, self._checkpoint_data_state), LightningDataModule, subclasses=True
+            DataInstantiator(self, self._adopt_checkpoint_data), LightningDataModule, subclasses=True
         )
 
-    def _checkpoint_data_state(self) -> dict[str, Any] | None:
-        """The DataModule state saved in the ``--ckpt_path`` checkpoint (vocabulary, labels, ...), if any."""
-        return (self._resumed or {}).get("data_state")
+    def _adopt_checkpoint_data(self, datamodule: LightningDataModule) -> None:
+        """Evaluating a checkpoint (:data:`EVALUATIONS`), give the DataModule the vocabulary and labels saved in it."""
+        state = (self._resumed or {}).get("data_state")
+        if state is None or self.subcommand not in EVALUATIONS or not hasattr(datamodule, "load_state_dict"):
+            return
+        try:
+            datamodule.load_state_dict(state)
+        except ValueError as error:  # DataError included: a corrupt or contradicted saved state
+            raise ValueError(f"--ckpt_path {self._resumed['path']}: {error}") from None
 
     def before_instantiate_classes(self) -> None:
         # Instantiating reads (and may download) the data: an unusable log folder should stop the run first.
@@ -189,6 +204,7 @@ class SeqnormCLI(LightningCLI):
                 self._get(self.config, "data"),
                 self._resumed["path"],
             )
+            check_weights_fit(self._resumed["shapes"], self.model, self._resumed["path"])
             self._resumed = None
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
@@ -260,7 +276,16 @@ def generate(
             f"--ckpt_path {ckpt_path}: not a LanguageModel checkpoint written by `seqnorm fit` (it holds no "
             "vocabulary); pass a checkpoint of a language model run"
         )
-    model = LanguageModel.load_from_checkpoint(ckpt_path, map_location="cpu")
+    shapes = weight_shapes(checkpoint, ckpt_path)
+    try:  # strict=False: a tensor missing or one too many is check_weights_fit's to name, below
+        model = LanguageModel.load_from_checkpoint(ckpt_path, map_location="cpu", strict=False)
+    except RuntimeError as error:  # load_state_dict's size mismatch (in the cells' own names)
+        detail = " ".join(str(error).split())
+        raise ValueError(
+            f"--ckpt_path {ckpt_path}: its weights do not fit the LanguageModel its hyperparameters describe "
+            f"({detail}): pass a checkpoint written by `seqnorm fit` as it was"
+        ) from None
+    check_weights_fit(shapes, model, ckpt_path)
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     return generate_text(
         model.model,

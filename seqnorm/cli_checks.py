@@ -15,6 +15,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import torch
 from jsonargparse import Namespace
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -28,9 +29,11 @@ __all__ = [
     "apply_checkpoint_hparams",
     "apply_checkpoint_text_format",
     "check_data_matches",
+    "check_weights_fit",
     "check_writable_dir",
     "fold_renamed_flags",
     "user_error",
+    "weight_shapes",
 ]
 
 LINKED_FROM_DATA = ("vocab_size", "pad_index", "level", "num_classes")
@@ -186,6 +189,33 @@ def check_data_matches(
                 f"{flag}: gives {name}={model_hparams[name]}, but the checkpoint {ckpt_path} has "
                 f"{name}={hparams[name]}; pass the data it was trained on, or start a new run without --ckpt_path"
             )
+
+
+def weight_shapes(checkpoint: dict[str, Any], ckpt_path: str) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor in a checkpoint's ``state_dict``, for :func:`check_weights_fit`."""
+    state = checkpoint.get("state_dict")
+    if not isinstance(state, dict) or not all(isinstance(value, torch.Tensor) for value in state.values()):
+        raise ValueError(f"--ckpt_path {ckpt_path}: expected a 'state_dict' of tensors, got {type(state).__name__}")
+    return {key: tuple(value.shape) for key, value in state.items()}
+
+
+def check_weights_fit(saved: dict[str, tuple[int, ...]], model: torch.nn.Module, ckpt_path: str) -> None:
+    """Refuse a checkpoint whose weights do not fit the model its own hyperparameters build (a tensor missing, one
+    too many or one of another shape: an edited or foreign file), as one message before Lightning's load_state_dict
+    raises its traceback."""
+    expected = {key: tuple(value.shape) for key, value in model.state_dict().items()}
+    problems = [f"missing {key}" for key in expected if key not in saved]
+    problems += [f"unexpected {key}" for key in saved if key not in expected]
+    problems += [
+        f"{key} of shape {list(saved[key])} where the model has {list(shape)}"
+        for key, shape in expected.items()
+        if key in saved and saved[key] != shape
+    ]
+    if problems:
+        raise ValueError(
+            f"--ckpt_path {ckpt_path}: its weights do not fit the {type(model).__name__} its hyperparameters "
+            f"describe ({_few(problems).replace(chr(39), '')}): pass a checkpoint written by `seqnorm fit` as it was"
+        )
 
 
 def check_writable_dir(value: str | None, flag: str = "--trainer.default_root_dir") -> None:

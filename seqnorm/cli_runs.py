@@ -59,26 +59,24 @@ class ModelInstantiator(_InstantiatorFn):
 
 
 class DataInstantiator(_InstantiatorFn):
-    """LightningCLI's data instantiator; evaluating a checkpoint (:data:`EVALUATIONS`), it gives the DataModule the
-    checkpoint's vocabulary (and labels) before the model's linked sizes are read from it.
+    """LightningCLI's data instantiator, which hands the new DataModule to ``adopt`` before anything reads it.
 
-    A DataModule builds its vocabulary from its training split, which depends on more than the checkpoint's corpus:
-    with ``--data.test_path new.txt`` nothing is carved off ``--data.path`` for testing, so the training split grows
-    and its vocabulary comes out in another order. The model reads ids in the checkpoint's mapping; tokens outside
-    it become ``<unk>``. A resumed ``fit`` keeps the strict comparison (``check_data_matches``): it trains on.
+    Evaluating a checkpoint, the CLI gives the DataModule the checkpoint's vocabulary (and labels) there, before the
+    model's linked sizes are read from it. A DataModule builds its vocabulary from its training split, which
+    depends on more than the checkpoint's corpus: with ``--data.test_path new.txt`` nothing is carved off
+    ``--data.path`` for testing, so the training split grows and its vocabulary comes out in another order. A
+    resumed ``fit`` keeps the strict comparison (``check_data_matches``): it trains on, and must read the same data.
     """
 
-    def __init__(self, cli: LightningCLI, data_state: Callable[[], dict[str, Any] | None]) -> None:
+    def __init__(self, cli: LightningCLI, adopt: Callable[[Any], None]) -> None:
         super().__init__(cli=cli, key="data")
-        self.data_state = data_state
+        self.adopt = adopt
 
     def __call__(self, class_type: type, *args: Any, applied_instantiation_links: dict, **kwargs: Any) -> Any:
         datamodule = super().__call__(
             class_type, *args, applied_instantiation_links=applied_instantiation_links, **kwargs
         )
-        state = self.data_state()
-        if state is not None and self.cli.subcommand in EVALUATIONS and hasattr(datamodule, "load_state_dict"):
-            datamodule.load_state_dict(state)
+        self.adopt(datamodule)
         return datamodule
 
 
