@@ -286,10 +286,14 @@ def generate(
             f"({detail}): pass a checkpoint written by `seqnorm fit` as it was"
         ) from None
     check_weights_fit(shapes, model, ckpt_path)
+    try:
+        vocab = Vocabulary.from_dict(data_state["vocab"])
+    except (ValueError, TypeError, KeyError) as error:
+        raise ValueError(f"--ckpt_path {ckpt_path}: {error}") from None
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     return generate_text(
         model.model,
-        Vocabulary.from_dict(data_state["vocab"]),
+        vocab,
         level=data_state["level"],
         unit=data_state["unit"],
         prompt=prompt,
