@@ -37,6 +37,7 @@ from seqnorm.cli_checks import (
     apply_checkpoint_hparams,
     apply_checkpoint_text_format,
     check_data_matches,
+    check_resumed_batch_size,
     check_weights_fit,
     check_writable_dir,
     fold_renamed_flags,
@@ -205,6 +206,8 @@ class SeqnormCLI(LightningCLI):
                 self._resumed["path"],
             )
             check_weights_fit(self._resumed["shapes"], self.model, self._resumed["path"])
+            if self.subcommand == "fit":
+                check_resumed_batch_size(self._resumed["data_state"], self.datamodule, self._resumed["path"])
             self._resumed = None
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:

@@ -29,6 +29,7 @@ __all__ = [
     "apply_checkpoint_hparams",
     "apply_checkpoint_text_format",
     "check_data_matches",
+    "check_resumed_batch_size",
     "check_weights_fit",
     "check_writable_dir",
     "fold_renamed_flags",
@@ -215,6 +216,19 @@ def check_weights_fit(saved: dict[str, tuple[int, ...]], model: torch.nn.Module,
         raise ValueError(
             f"--ckpt_path {ckpt_path}: its weights do not fit the {type(model).__name__} its hyperparameters "
             f"describe ({_few(problems).replace(chr(39), '')}): pass a checkpoint written by `seqnorm fit` as it was"
+        )
+
+
+def check_resumed_batch_size(data_state: dict[str, Any] | None, datamodule: Any, ckpt_path: str) -> None:
+    """Refuse to resume a ``fit`` with another ``--data.batch_size``: the checkpoint's data position counts batches
+    of the size it was trained with (another size crashed in the sampler, or resumed silently elsewhere)."""
+    saved = (data_state or {}).get("batch_size")  # checkpoints from before it was saved carry none
+    current = getattr(datamodule, "batch_size", None)
+    if saved is not None and current is not None and saved != current:
+        raise ValueError(
+            f"--data.batch_size {current}: the checkpoint {ckpt_path} was trained with --data.batch_size {saved}, "
+            f"and a resumed fit continues that run's data order in batches of {saved}: pass --data.batch_size "
+            f"{saved}, or start a new run without --ckpt_path"
         )
 
 

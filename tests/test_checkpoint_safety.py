@@ -239,6 +239,18 @@ def test_resuming_on_another_corpus_is_refused_before_any_size_mismatch(
     assert "size mismatch" not in error
 
 
+def test_resuming_with_another_batch_size_is_refused(story: Path, trained: Path, capsys: pytest.CaptureFixture) -> None:
+    saved = torch.load(trained, weights_only=True)["seqnorm_data"]["batch_size"]
+    args = ["fit", *LM, "--data.path", str(story), "--data.batch_size", str(saved + 1), *QUIET, *SHORT]
+    error = _fails(capsys, [*args, "--ckpt_path", str(trained)])
+    assert error.endswith(
+        f"error: --data.batch_size {saved + 1}: the checkpoint {trained} was trained with --data.batch_size {saved}, "
+        f"and a resumed fit continues that run's data order in batches of {saved}: pass --data.batch_size {saved}, "
+        "or start a new run without --ckpt_path"
+    )
+    main(["test", *LM, "--data.path", str(story), "--data.batch_size", "3", *QUIET, "--ckpt_path", str(trained)])
+
+
 def test_evaluation_reads_new_text_with_the_checkpoints_vocabulary(story: Path, trained: Path) -> None:
     """``test --data.test_path`` on held-out text: nothing is carved off ``--data.path`` for testing then, so the
     data's own vocabulary would come out in another order (it was refused). The checkpoint's mapping applies: the

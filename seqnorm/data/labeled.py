@@ -222,7 +222,12 @@ class LabeledText(SequenceDataModule):
 
     def state_dict(self) -> dict[str, Any]:
         """The vocabulary and the label names, saved in checkpoints so a resumed run keeps the same ids."""
-        return {"vocab": self.vocab.to_dict(), "labels": self.labels, "level": self.level}
+        return {
+            "vocab": self.vocab.to_dict(),
+            "labels": self.labels,
+            "level": self.level,
+            "batch_size": self.batch_size,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the vocabulary and labels of :meth:`state_dict`; the data is re-encoded on next use."""

@@ -301,7 +301,13 @@ class TextCorpus(SequenceDataModule):
     def state_dict(self) -> dict[str, Any]:
         """The vocabulary and tokenization, saved in checkpoints so a resumed run keeps the same ids and reads
         its text the same way."""
-        return {"vocab": self.vocab.to_dict(), "level": self.level, "unit": self.unit, "text_format": self.text_format}
+        return {
+            "vocab": self.vocab.to_dict(),
+            "level": self.level,
+            "unit": self.unit,
+            "text_format": self.text_format,
+            "batch_size": self.batch_size,  # a resumed fit continues the data order in batches of this size
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the vocabulary of :meth:`state_dict`; the data is re-encoded with it on next use."""
