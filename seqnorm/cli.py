@@ -265,6 +265,14 @@ def generate(
         top_k: sample only among the k most likely tokens.
         seed: random seed for reproducible samples.
     """
+    # Named by flag here (generate_text checks the same, by its argument names, for library callers).
+    for flag, value, expected in (
+        ("--length", length, "an int >= 0" if length < 0 else None),
+        ("--temperature", temperature, "a value >= 0 (0: greedy)" if temperature < 0 else None),
+        ("--top_k", top_k, "an int >= 1" if top_k is not None and top_k < 1 else None),
+    ):
+        if expected is not None:
+            raise ValueError(f"{flag} {value}: expected {expected}")
     checkpoint = read_checkpoint(ckpt_path)
     saved_class = task_class(checkpoint, MODELS, ckpt_path)
     data_state = checkpoint.get(DATA_STATE_KEY)

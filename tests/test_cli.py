@@ -209,6 +209,38 @@ def test_generate_rejects_a_missing_checkpoint(capsys: pytest.CaptureFixture) ->
     assert "--ckpt_path nowhere.ckpt: no such checkpoint file" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "expected"),
+    [
+        ("--temperature", "-1", "--temperature -1.0: expected a value >= 0 (0: greedy)"),
+        ("--top_k", "0", "--top_k 0: expected an int >= 1"),
+        ("--length", "-2", "--length -2: expected an int >= 0"),
+    ],
+)
+def test_generate_names_the_flag_at_fault(capsys: pytest.CaptureFixture, flag: str, value: str, expected: str) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--ckpt_path", "nowhere.ckpt", flag, value])  # checked before the file is read
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == f"seqnorm generate: error: {expected}"
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--model.norm_max_steps", "0"], "LanguageModel: expected norm_max_steps to be a positive int, got 0"),
+        (["--model.lr", "-1"], "LanguageModel: expected lr > 0, got -1.0"),
+        (["--model.weight_decay", "-0.1"], "LanguageModel: expected weight_decay >= 0, got -0.1"),
+    ],
+)
+def test_model_numbers_are_refused_under_their_own_flag_names(
+    capsys: pytest.CaptureFixture, flags: list[str], expected: str
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--model", "LanguageModel", "--data", "TextCorpus", *flags, *QUIET, "--trainer.max_steps", "1"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().endswith(f"error: {expected}")
+
+
 def test_console_script_exit_code_and_no_traceback(tmp_path: Path) -> None:
     (tmp_path / "bad.tsv").write_text("positive\tgood film\nno label here\n", encoding="utf-8")
     command = [sys.executable, "-m", "seqnorm.cli", "fit", "--model", "SequenceClassifier", "--data", "LabeledText"]
