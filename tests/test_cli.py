@@ -228,7 +228,7 @@ def test_generate_names_the_flag_at_fault(capsys: pytest.CaptureFixture, flag: s
     ("flags", "expected"),
     [
         (["--model.norm_max_steps", "0"], "LanguageModel: expected norm_max_steps to be a positive int, got 0"),
-        (["--model.lr", "-1"], "LanguageModel: expected lr > 0, got -1.0"),
+        (["--model.lr", "-1"], "LanguageModel: expected lr >= 0, got -1.0"),
         (["--model.weight_decay", "-0.1"], "LanguageModel: expected weight_decay >= 0, got -0.1"),
     ],
 )

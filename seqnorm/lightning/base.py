@@ -190,8 +190,8 @@ class TaskModule(pl.LightningModule):
         if self.hparams.norm_max_steps is not None:
             check_positive_int(owner, "norm_max_steps", self.hparams.norm_max_steps)
         lr, weight_decay = self.hparams.lr, self.hparams.weight_decay
-        if isinstance(lr, bool) or not isinstance(lr, int | float) or not lr > 0:
-            raise ValueError(f"{owner}: expected lr > 0, got {lr!r}")
+        if isinstance(lr, bool) or not isinstance(lr, int | float) or not lr >= 0:  # 0: frozen, as torch allows
+            raise ValueError(f"{owner}: expected lr >= 0, got {lr!r}")
         if isinstance(weight_decay, bool) or not isinstance(weight_decay, int | float) or not weight_decay >= 0:
             raise ValueError(f"{owner}: expected weight_decay >= 0, got {weight_decay!r}")
         if isinstance(norm, Mapping):  # what a checkpoint holds
