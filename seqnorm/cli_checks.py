@@ -215,7 +215,8 @@ def check_weights_fit(saved: dict[str, tuple[int, ...]], model: torch.nn.Module,
     if problems:
         raise ValueError(
             f"--ckpt_path {ckpt_path}: its weights do not fit the {type(model).__name__} its hyperparameters "
-            f"describe ({_few(problems).replace(chr(39), '')}): pass a checkpoint written by `seqnorm fit` as it was"
+            f"describe ({'; '.join(problems[:5])}{'; ...' if len(problems) > 5 else ''}): pass a checkpoint "
+            "written by `seqnorm fit` as it was"
         )
 
 
