@@ -250,6 +250,13 @@ def _retrieve(spec: DatasetSpec, download: Download, folder: Path, known_hash: s
             f"different file now: check it and pass --data.dataset_hash, or use --data.path. ({error})"
         ) from None
     except (requests.RequestException, OSError) as error:
+        if target.exists():  # pooch downloads over a cached copy only when that copy fails the check
+            target.unlink(missing_ok=True)
+            raise DataError(
+                f"--data.dataset {spec.name}: the cached {target} does not match its checksum ({known_hash}), so "
+                f"it was deleted, and downloading {download.url} again failed ({error}). Check the network, or put "
+                f"a copy that matches the checksum at {target}"
+            ) from None
         raise DataError(
             f"--data.dataset {spec.name}: could not download {download.url} into {folder} ({error}); the cache "
             f"holds no partial file. Check the network, or download the file yourself to {target}"

@@ -172,6 +172,25 @@ def test_unreachable_server_is_a_data_error(tmp_path: Path, monkeypatch: pytest.
     assert [path for path in tmp_path.rglob("*") if path.is_file()] == []
 
 
+def test_a_cached_copy_failing_its_checksum_offline_is_named_and_deleted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pooch re-downloads a cached file that fails its hash; offline, the error was "could not download", about a
+    file that was there, and the bad copy stayed."""
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    _register(
+        monkeypatch, DatasetSpec("dead", "test", {"train": SplitFile(Download("http://127.0.0.1:9/x.txt", "0" * 64))})
+    )
+    with pytest.raises(DataError):
+        fetch_dataset("dead", tmp_path)  # where the cache puts it
+    folder = next(path for path in tmp_path.rglob("*") if path.is_dir())
+    tampered = folder / "x.txt"
+    tampered.write_text("not the published file")
+    with pytest.raises(DataError, match=rf"the cached {re.escape(str(tampered))} does not match its checksum"):
+        fetch_dataset("dead", tmp_path)
+    assert not tampered.exists()
+
+
 def test_ptb_char_files_become_plain_text() -> None:
     assert ptb_char_to_text(" a e r _ b a n k \n n o _ i t \n") == "aer bank\nno it\n"
 
