@@ -129,6 +129,25 @@ def test_classifier_predictions_are_label_names_that_score_what_test_reports(run
     assert accuracy == pytest.approx(tested, abs=1e-6)
 
 
+@pytest.mark.parametrize("run", ["SequenceClassifier"], indirect=True)
+def test_classifier_labels_unlabelled_text(run: tuple[str, list[str]]) -> None:
+    """``--data.predict_path``: the test file's texts without their labels (and a blank line) get the labels and
+    probabilities the labelled test file gets."""
+    _, args = run
+    texts = [line.split("\t", 1)[1] for line in Path("test.tsv").read_text().splitlines()]
+    Path("unlabelled.txt").write_text("\n".join([texts[0], "", *texts[1:]]) + "\n", encoding="utf-8")
+    main(["predict", *args, "--ckpt_path", str(LAST)])
+    main(["predict", *args, "--data.predict_path", "unlabelled.txt", "--ckpt_path", str(LAST)])
+    labelled, unlabelled = (
+        [json.loads(line) for line in Path(f"lightning_logs/version_{n}/predictions.jsonl").read_text().splitlines()]
+        for n in (1, 2)
+    )
+    assert len(unlabelled) == len(texts)
+    for got, expected in zip(unlabelled, labelled, strict=True):
+        assert got["index"] == expected["index"] and got["label"] == expected["label"]
+        assert got["probability"] == pytest.approx(expected["probability"], abs=1e-6)
+
+
 @pytest.mark.parametrize("run", ["LanguageModel"], indirect=True)
 def test_predict_with_the_runs_own_config_still_writes_predictions(run: tuple[str, list[str]]) -> None:
     """The fit run's config.yaml lists fit's callbacks, which replace predict's default list (its writer)."""

@@ -64,5 +64,5 @@ def read_text(path: str | Path, encoding: str = "utf-8", flag: str = "--data.pat
         ) from None
     text = text.removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
     if not text.strip():
-        raise DataError(f"{path}: the file is empty (given as {flag}): it needs text to train on")
+        raise DataError(f"{path}: the file is empty (given as {flag}): it needs text")
     return text

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from seqnorm.data.base import SequenceDataModule, check_at_least, check_fraction
 from seqnorm.data.collate import ClassificationDataset, collate_classification
@@ -16,7 +17,7 @@ from seqnorm.data.files import read_text
 from seqnorm.data.synthetic import synthetic_labeled
 from seqnorm.data.vocab import Vocabulary, tokenize
 
-__all__ = ["SYNTHETIC_CLASSIFICATION_SIZES", "Example", "LabeledText", "parse_labeled"]
+__all__ = ["NO_LABEL", "SYNTHETIC_CLASSIFICATION_SIZES", "Example", "LabeledText", "parse_labeled"]
 
 SYNTHETIC_CLASSIFICATION_SIZES = {"train": 2000, "test": 500}
 """Examples of the embedded bracket task (validation is carved from train) when no ``train_path`` is given."""
@@ -60,6 +61,10 @@ def parse_labeled(text: str, path: str, fmt: Literal["tsv", "first_token"], flag
     return examples
 
 
+NO_LABEL = -1
+"""The label id of a text to be labelled (``predict_path``): no class."""
+
+
 class LabeledText(SequenceDataModule):
     """Classification batches from labelled text files, or from the embedded bracket-nesting task.
 
@@ -73,7 +78,10 @@ class LabeledText(SequenceDataModule):
         train_path: the training file. ``None``: the embedded task (see :func:`synthetic_labeled`), whose symbols
             are space-separated so both levels work.
         val_path: the validation file. ``None``: a seeded random ``val_fraction`` of the training file.
-        test_path: the test file (also used by ``predict``). ``None``: no test split (the embedded task has one).
+        test_path: the test file (also what ``predict`` labels without ``predict_path``). ``None``: no test split
+            (the embedded task has one).
+        predict_path: texts to label, one per non-blank line and without labels: what ``predict`` reads when
+            given (the model's vocabulary applies; tokens outside it become ``<unk>``).
         val_fraction: share of the training examples held out when there is no ``val_path``.
         format: ``"tsv"`` or ``"first_token"``, as above.
         level: ``"word"`` or ``"char"`` tokens.
@@ -102,6 +110,7 @@ class LabeledText(SequenceDataModule):
         train_path: str | None = None,
         val_path: str | None = None,
         test_path: str | None = None,
+        predict_path: str | None = None,
         val_fraction: float = 0.1,
         format: Literal["tsv", "first_token"] = "tsv",
         level: Literal["word", "char"] = "word",
@@ -127,6 +136,7 @@ class LabeledText(SequenceDataModule):
         if train_path is None and (val_path is not None or test_path is not None):
             raise DataError("--data.val_path / --data.test_path need --data.train_path (the training file)")
         self.paths = {"train": train_path, "val": val_path, "test": test_path}
+        self.predict_path = predict_path
         self.val_fraction = val_fraction
         self.format = format
         self.level: Literal["word", "char"] = level
@@ -219,6 +229,24 @@ class LabeledText(SequenceDataModule):
                 f"{self.batch_size}: lower --data.batch_size or add examples"
             )
         return datasets
+
+    def predict_dataloader(self) -> DataLoader:
+        """``predict_path``'s texts in file order (each non-blank line one example, without a label), or without
+        it the test split's, as for any DataModule."""
+        if self.predict_path is None:
+            return super().predict_dataloader()
+        texts = [
+            line.strip() for line in read_text(self.predict_path, self.encoding, "--data.predict_path").split("\n")
+        ]
+        texts = [text for text in texts if text]  # not empty: read_text refuses a blank file
+        sequences = [torch.tensor(self.vocab.encode(self._tokens(text)), dtype=torch.int64) for text in texts]
+        return DataLoader(
+            ClassificationDataset(sequences, [NO_LABEL] * len(sequences)),
+            batch_size=self.batch_size,
+            shuffle=False,
+            collate_fn=partial(collate_classification, pad_index=self.pad_index),
+            num_workers=self.num_workers,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """The vocabulary and the label names, saved in checkpoints so a resumed run keeps the same ids."""

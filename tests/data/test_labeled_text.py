@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from seqnorm.data import DataError, LabeledText
+from seqnorm.data.labeled import NO_LABEL
 
 EXAMPLES = [("pos" if i % 3 else "neg", f"word{i % 5} common text {'x ' * (i % 4)}".strip()) for i in range(30)]
 
@@ -104,3 +105,21 @@ def test_embedded_task_works_offline() -> None:
                                                                                "test": 500}  # fmt: skip
     batch = next(iter(data.train_dataloader()))
     assert set(batch["labels"].tolist()) <= {0, 1}
+
+
+def test_predict_path_reads_unlabelled_lines_in_file_order(write: Callable[..., str]) -> None:
+    train = write("t.tsv", _tsv(EXAMPLES))
+    texts = ["word1 common text", "", "zebra word2", "   "]
+    data = LabeledText(train_path=train, predict_path=write("new.txt", "\n".join(texts)), batch_size=2)
+    batches = list(data.predict_dataloader())
+    decoded = [
+        data.vocab.decode(row[:length].tolist())
+        for b in batches
+        for row, length in zip(b["inputs"], b["lengths"], strict=True)
+    ]
+    assert decoded == [["word1", "common", "text"], ["<unk>", "word2"]]  # blank lines skipped; unknown words <unk>
+    assert all((b["labels"] == NO_LABEL).all() for b in batches)
+    with pytest.raises(DataError, match=r"blank\.txt: the file is empty \(given as --data\.predict_path\)"):
+        LabeledText(train_path=train, predict_path=write("blank.txt", "\n \n")).predict_dataloader()
+    with pytest.raises(DataError, match=r"--data\.predict_path"):
+        LabeledText(train_path=train, predict_path="nowhere.txt").predict_dataloader()
