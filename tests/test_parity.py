@@ -46,6 +46,28 @@ def test_cell_matches_torch(kind: str, bias: bool) -> None:
 
 
 @pytest.mark.parametrize("kind", TORCH_KINDS)
+def test_unbatched_cell_input_matches_torch(kind: str) -> None:
+    """torch's cells take ``(input_size,)`` with ``(H,)`` states and return ``(H,)``; so do ours, every norm."""
+    torch_cls, ours_cls = TORCH_CELLS[kind]
+    reference = torch_cls(3, 4, dtype=torch.float64)
+    cell = ours_cls(3, 4, dtype=torch.float64)
+    cell.load_state_dict(reference.state_dict())
+    x = torch.randn(3, dtype=torch.float64)
+    state = (torch.randn(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64))
+    hx = state if kind == "lstm" else state[0]
+    for given in (None, hx):
+        got, expected = cell(x, given), reference(x, given)
+        assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    for norm in ("layer", "batch"):
+        normed = ours_cls(3, 4, norm=norm, dtype=torch.float64).eval()
+        batched = normed(x.unsqueeze(0), None, step=0)
+        unbatched = normed(x, None, step=0)
+        assert_close(unbatched, tuple(t[0] for t in batched) if kind == "lstm" else batched[0])
+    with pytest.raises(ValueError, match=r"expected h of shape \(hidden,\) with an unbatched input, got \(1, 4\)"):
+        cell(x, tuple(t.unsqueeze(0) for t in state) if kind == "lstm" else state[0].unsqueeze(0))
+
+
+@pytest.mark.parametrize("kind", TORCH_KINDS)
 def test_cell_state_dict_is_torch_state_dict(kind: str) -> None:
     torch_cls, ours_cls = TORCH_CELLS[kind]
     ours = ours_cls(3, 4)

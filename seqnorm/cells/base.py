@@ -388,6 +388,22 @@ class RecurrentCell(PicklableParametrizations):
 
     # --- input checks --------------------------------------------------------------------------------------------
 
+    def unbatched(self, x: Tensor, state: Any, step: int | None, mask: Tensor | None) -> Any:
+        """torch's unbatched cell call: ``x`` ``(input_size,)`` and states ``(H,)``, run as a batch of one (a batch
+        norm in training refuses it as it refuses batch size 1). The outputs are ``(H,)``."""
+        owner = type(self).__name__
+        if mask is not None:
+            raise ValueError(f"{owner}: expected mask=None with an unbatched input (a mask marks rows), got a mask")
+        states = state if isinstance(state, (tuple, list)) else (state,)
+        for name, tensor in zip(("h", "c"), states, strict=False):
+            if tensor is not None and (not isinstance(tensor, Tensor) or tensor.dim() != 1):
+                got = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
+                raise ValueError(f"{owner}: expected {name} of shape (hidden,) with an unbatched input, got {got}")
+        if state is not None:
+            state = tuple(t.unsqueeze(0) for t in state) if isinstance(state, (tuple, list)) else state.unsqueeze(0)
+        output = self(x.unsqueeze(0), state, step=step)
+        return tuple(t.squeeze(0) for t in output) if isinstance(output, tuple) else output.squeeze(0)
+
     def check_input(self, x: Tensor, mask: Tensor | None, owner: str | None = None) -> None:
         """``x`` ``(B, input_size)`` like the parameters, ``mask`` ``(B,)`` bool or ``None``; errors name ``owner``
         (default: this cell's class; a layer's ``step()`` names itself)."""

@@ -127,7 +127,8 @@ class LSTMCell(RecurrentCell):
         """Advance the cell by one time step.
 
         Args:
-            x: the input at this step, ``(B, input_size)``.
+            x: the input at this step, ``(B, input_size)``, or ``(input_size,)`` unbatched (as torch's cells take
+                it; the state and the outputs are then ``(H,)``).
             state: ``(h, c)`` with ``h`` ``(B, P)`` and ``c`` ``(B, hidden_size)`` (``P``: ``proj_size`` if set,
                 else ``hidden_size``); ``None``: zeros.
             step: the time index ``t >= 0`` of ``x`` in its sequence. Required when the norm keeps statistics per
@@ -145,6 +146,8 @@ class LSTMCell(RecurrentCell):
                 or not given for a norm with per-timestep statistics; a batch norm in training with fewer than 2
                 real rows (see ``small_batch``).
         """
+        if isinstance(x, Tensor) and x.dim() == 1:
+            return self.unbatched(x, state, step, mask)
         self.check_input(x, mask)
         step = self.check_step(step)
         if state is None:
