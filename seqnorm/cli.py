@@ -317,10 +317,11 @@ def generate(
 
 def _generate_command(args: list[str]) -> None:
     configure_threads(None)  # one token at a time at batch size 1: the smallest steps there are
-    text = auto_cli(generate, args=args)
+    text = auto_cli(generate, args=args, prog="seqnorm generate")
     print(text)
 
 
+COMMANDS = ("fit", "validate", "test", "predict", "generate", "configs")
 OWN_COMMANDS_HELP = (
     "    generate            Sample text from a LanguageModel checkpoint (seqnorm generate --help).\n"
     "    configs             List the shipped configs, used as --config seqnorm:NAME."
@@ -342,10 +343,18 @@ def main(args: list[str] | None = None) -> None:
     if command in ("--version", "-V"):
         print(_version())
         return
+    if not command:  # LightningCLI's own error would list its subcommands only
+        print(
+            f"usage: seqnorm {{{','.join(COMMANDS)}}} ...\n"
+            "seqnorm: error: no command given (seqnorm --help lists them)",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
     if command in ("-h", "--help"):
-        # LightningCLI lists its own subcommands; generate is ours, beside them.
+        # LightningCLI lists its own subcommands; generate is ours, beside them. args=None from the console:
+        # LightningCLI reads sys.argv (["--help"] there), and warns when also given args.
         try:
-            SeqnormCLI(args=["--help"], seed_everything_default=0)
+            SeqnormCLI(args=None if args is None else ["--help"], seed_everything_default=0)
         finally:
             print(f"\nseqnorm's own commands:\n{OWN_COMMANDS_HELP}\n\n{_version()}")
     if command == "configs":

@@ -264,3 +264,23 @@ def test_help_lists_generate_and_configs_beside_lightnings_subcommands(capsys: p
     out = capsys.readouterr().out
     for command in ("fit", "validate", "test", "predict", "generate", "configs"):
         assert f"    {command} " in out, command
+
+
+def test_no_command_and_generate_help_name_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([])
+    assert exit_info.value.code == 2
+    assert "usage: seqnorm {fit,validate,test,predict,generate,configs} ..." in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    assert capsys.readouterr().out.startswith("usage: seqnorm generate ")
+
+
+def test_the_console_help_has_no_lightning_warning() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.argv = ['seqnorm', '--help']; from seqnorm.cli import main; main()"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "fit" in result.stdout and "args parameter" not in result.stderr, result.stderr
