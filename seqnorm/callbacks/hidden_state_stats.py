@@ -196,7 +196,8 @@ class HiddenStateStats(Callback):
             or self._observation is not None
         ):
             return
-        self._begin("val", trainer.global_step, media=True)
+        # At Lightning's step for this validation's metrics (val/loss): the last trained batch's, from 0.
+        self._begin("val", max(trainer.global_step - 1, 0), media=True)
 
     def on_validation_batch_end(
         self,

@@ -118,3 +118,13 @@ def test_only_the_last_of_several_instances_is_active(tmp_path: Path) -> None:
         trainer.fit(TinySequenceModel(), loader(), loader())
     assert not first._enabled and second._enabled
     assert len(events(tmp_path / "version_0").Scalars("hidden/l0/h_std")) == 1
+
+
+def test_validation_statistics_share_the_step_of_the_validation_loss(tmp_path: Path) -> None:
+    model = TinySequenceModel(cell="lstm", norm="layer")
+    callback = HiddenStateStats(every_n_steps=100, media_every_n_steps=None)
+    make_trainer(tmp_path, callback, max_steps=4, val_check_interval=2).fit(model, loader(), loader())
+    run = events(tmp_path / "version_0")
+    validations = [event.step for event in run.Scalars("val/loss")]
+    observed = sorted({event.step for tag in run.Tags()["scalars"] if "val_" in tag for event in run.Scalars(tag)})
+    assert len(validations) == 2 and observed == validations
