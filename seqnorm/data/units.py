@@ -105,8 +105,9 @@ def carve(items: Items, val_fraction: float | None, test_fraction: float | None)
     end_train = total - n_val - n_test
     if end_train < 1:
         raise DataError(
-            f"the corpus has only {total} unit{'' if total == 1 else 's'}: too few to carve --data.val_fraction {val_fraction} and "
-            f"--data.test_fraction {test_fraction} from it and keep a training split; lower them or add text"
+            f"the corpus has only {total} unit{'' if total == 1 else 's'}: too few to carve --data.val_fraction "
+            f"{val_fraction} and --data.test_fraction {test_fraction} from it and keep a training split; lower them "
+            "or add text"
         )
     return items[:end_train], items[end_train : total - n_test], items[total - n_test :]
 
