@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -64,7 +65,16 @@ class SequenceDataModule(pl.LightningDataModule):
     def datasets(self) -> dict[str, Dataset]:
         """The encoded ``train``/``val``/``test`` datasets, built on first access."""
         if self._datasets is None:
+            from_data = self._vocab is None
             self._datasets = self._build()
+            assert self._vocab is not None
+            if from_data and len(self._vocab) == len(Vocabulary(bos_eos=self._vocab.bos_eos)):
+                warnings.warn(
+                    f"{type(self).__name__}: the vocabulary holds no token besides the special ones (every token of "
+                    f"the training split is rarer than --data.min_freq {getattr(self, 'min_freq', 1)}): every input "
+                    "reads as <unk>",
+                    stacklevel=2,
+                )
         return self._datasets
 
     @property

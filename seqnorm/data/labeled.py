@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import warnings
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal
@@ -182,6 +183,12 @@ class LabeledText(SequenceDataModule):
         if self._labels is None:
             # From the whole training file, so a rare label that falls into the held-out part still has an id.
             self._labels = sorted({example.label for example in examples["train"]})
+            if len(self._labels) == 1:
+                warnings.warn(
+                    f"LabeledText: every training example has the label {self._labels[0]!r}: the classifier can "
+                    "only ever predict it",
+                    stacklevel=2,
+                )
         if self.paths["val"] is None and self.val_fraction > 0:
             train = examples["train"]
             order = list(range(len(train)))

@@ -123,3 +123,12 @@ def test_predict_path_reads_unlabelled_lines_in_file_order(write: Callable[..., 
         LabeledText(train_path=train, predict_path=write("blank.txt", "\n \n")).predict_dataloader()
     with pytest.raises(DataError, match=r"--data\.predict_path"):
         LabeledText(train_path=train, predict_path="nowhere.txt").predict_dataloader()
+
+
+def test_degenerate_training_data_warns(write: Callable[..., str]) -> None:
+    with pytest.warns(UserWarning, match=r"every training example has the label 'pos'"):
+        _ = LabeledText(
+            train_path=write("one.tsv", _tsv([("pos", f"text {i}") for i in range(8)])), batch_size=2
+        ).labels
+    with pytest.warns(UserWarning, match=r"no token besides the special ones .*--data.min_freq 1000"):
+        _ = LabeledText(train_path=write("t.tsv", _tsv(EXAMPLES)), min_freq=1000, batch_size=2).vocab
