@@ -290,7 +290,7 @@ def generate(
     shapes = weight_shapes(checkpoint, ckpt_path)
     try:  # strict=False: a tensor missing or one too many is check_weights_fit's to name, below
         model = LanguageModel.load_from_checkpoint(ckpt_path, map_location="cpu", strict=False)
-    except RuntimeError as error:  # load_state_dict's size mismatch (in the cells' own names)
+    except RuntimeError as error:  # load_state_dict's size mismatch
         detail = " ".join(str(error).split())
         raise ValueError(
             f"--ckpt_path {ckpt_path}: its weights do not fit the LanguageModel its hyperparameters describe "

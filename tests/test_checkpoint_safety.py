@@ -159,7 +159,7 @@ BROKEN: dict[str, tuple[Callable[[Path, Path], object] | None, str]] = {
     "weight_missing": (lambda trained, path: _edited(trained, path, drop="model.rnn.weight_hh_l0"), "weight_hh_l0"),
     "weight_resized": (
         lambda trained, path: _edited(trained, path, resize="model.rnn.weight_hh_l0"),
-        r"weight_hh_l0 of shape \[3, 3\] where the model has \[64, 16\]|weight_hh: copying a param with shape",
+        r"weight_hh_l0 of shape \[3, 3\] where the model has \[64, 16\]|weight_hh_l0: copying a param with shape",
     ),
 }
 

@@ -218,3 +218,21 @@ def test_non_finite_gradient_through_time_is_reported(norm: str) -> None:
         warnings.simplefilter("error")  # a finite gradient: no warning
         layer(x)[0].sum().backward()
     assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_load_state_dict_errors_use_the_state_dict_names(kind: str) -> None:
+    """The cells report problems under their own names (cells.3.weight_hh); the layer's state dict has torch's."""
+    layer = LAYERS[kind](3, 4, num_layers=2, bidirectional=True, norm="layer")
+    state = layer.state_dict()
+    del state["weight_hh_l1_reverse"]
+    state["weight_ih_l0"] = torch.zeros(2, 2)
+    state["weight_ih_l5"] = torch.zeros(1)
+    with pytest.raises(RuntimeError) as error:
+        torch.nn.Sequential(layer).load_state_dict({f"0.{key}": value for key, value in state.items()})
+    message = str(error.value)
+    assert '"0.weight_hh_l1_reverse"' in message and '"0.weight_ih_l5"' in message
+    assert "size mismatch for 0.weight_ih_l0:" in message and "cells." not in message
+    missing = layer.load_state_dict({}, strict=False).missing_keys
+    assert "weight_ih_l0" in missing and "norm_hh_l1_reverse.weight" in missing
+    assert not any("cells." in key for key in missing)

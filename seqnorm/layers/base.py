@@ -31,7 +31,7 @@ from seqnorm.layers.arguments import check_first_step, prepare
 from seqnorm.layers.dropout import draw_sequence_masks
 from seqnorm.layers.fast import IMPLS, Impl, run_fast, run_fused, step_cell
 from seqnorm.layers.finite import watch_input_gradient
-from seqnorm.layers.keys import TORCH_KEY, from_torch_keys, to_torch_keys
+from seqnorm.layers.keys import TORCH_KEY, from_torch_keys, to_torch_keys, torch_keys_in_errors
 from seqnorm.layers.plan import Plan, log, plan_for
 from seqnorm.layers.stack import PaddingLayout, padding_layout, run_stack
 from seqnorm.layers.stepping import forget, lean_layer_step
@@ -179,6 +179,7 @@ class RecurrentLayer(nn.Module):
         )
         self.register_state_dict_post_hook(to_torch_keys)
         self.register_load_state_dict_pre_hook(from_torch_keys)
+        self.register_load_state_dict_post_hook(torch_keys_in_errors)
 
     @property
     def num_directions(self) -> int:

@@ -11,29 +11,52 @@ from torch import nn
 if TYPE_CHECKING:
     from seqnorm.layers.base import RecurrentLayer
 
-__all__ = ["TORCH_KEY", "from_torch", "from_torch_keys", "to_torch_keys"]
+__all__ = ["TORCH_KEY", "from_torch", "from_torch_keys", "to_torch_keys", "torch_keys_in_errors"]
 
 # torch.nn.LSTM's parameter names (`weight_ih_l0`, `bias_hh_l1_reverse`); norms follow suit: `norm_ih_l0.weight`.
 TORCH_KEY = re.compile(r"(?P<name>[A-Za-z_]\w*?)_l(?P<layer>\d+)(?P<reverse>_reverse)?(?P<rest>\..*)?")
 
 
+def _torch_key(module: RecurrentLayer, prefix: str, key: str) -> str:
+    """``{prefix}cells.0.weight_ih`` -> ``{prefix}weight_ih_l0`` (``cells.1`` -> ``_l0_reverse``); others as given."""
+    head = prefix + "cells."
+    if not key.startswith(head):
+        return key
+    index, _, name = key[len(head) :].partition(".")
+    first, dot, rest = name.partition(".")
+    return f"{prefix}{first}{module._cell_suffix(int(index))}{dot}{rest}"
+
+
 def to_torch_keys(module: RecurrentLayer, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     """State-dict post-hook: `cells.0.weight_ih` -> torch's `weight_ih_l0` (`cells.1...` -> `..._l0_reverse`)."""
-    head = prefix + "cells."
-    for key in [key for key in state_dict if key.startswith(head)]:
-        index, _, name = key[len(head) :].partition(".")
-        first, dot, rest = name.partition(".")
-        state_dict[f"{prefix}{first}{module._cell_suffix(int(index))}{dot}{rest}"] = state_dict.pop(key)
+    for key in [key for key in state_dict if key.startswith(prefix + "cells.")]:
+        state_dict[_torch_key(module, prefix, key)] = state_dict.pop(key)
 
 
 def from_torch_keys(module: RecurrentLayer, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-    """Load-state-dict pre-hook: the inverse of :func:`to_torch_keys` (so torch state dicts load as they are)."""
+    """Load-state-dict pre-hook: the inverse of :func:`to_torch_keys` (so torch state dicts load as they are).
+
+    It also notes where this load reports its problems (``args[-1]``, the error messages), so that
+    :func:`torch_keys_in_errors` can name the keys as the state dict does.
+    """
+    module._loading = (prefix, args[-1])
     for key in [key for key in state_dict if key.startswith(prefix)]:
         match = TORCH_KEY.fullmatch(key[len(prefix) :])
         if match is None or "." in match["name"]:
             continue
         index = int(match["layer"]) * module.num_directions + (1 if match["reverse"] else 0)
         state_dict[f"{prefix}cells.{index}.{match['name']}{match['rest'] or ''}"] = state_dict.pop(key)
+
+
+def torch_keys_in_errors(module: RecurrentLayer, incompatible_keys: Any) -> None:
+    """Load-state-dict post-hook: the missing and unexpected keys and the size mismatches of this load, which the
+    cells report under their own names (``cells.0.weight_hh``), under the state dict's (``weight_hh_l0``)."""
+    prefix, error_msgs = getattr(module, "_loading", ("", []))
+    module._loading = None
+    for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
+        keys[:] = [_torch_key(module, prefix, key) for key in keys]
+    internal = re.compile(re.escape(prefix + "cells.") + r"\d+\.[\w.]+")
+    error_msgs[:] = [internal.sub(lambda m: _torch_key(module, prefix, m[0]), message) for message in error_msgs]
 
 
 # torch.nn.LSTM/GRU's structural arguments (from_torch copies them; a keyword may override one).
@@ -61,7 +84,7 @@ def from_torch(
     layer = cls(**options)
     # With a norm, its own parameters keep their initial values; every weight of `module` must still land.
     missing, unexpected = layer.load_state_dict(module.state_dict(), strict=options["norm"] == "none")
-    if unexpected or any(".norm_" not in key for key in missing):
+    if unexpected or any(not key.startswith("norm_") for key in missing):  # torch's names: norm_ih_l0.weight
         raise ValueError(
             f"{cls.__name__}.from_torch: expected a norm under which torch's weights stay parameters as they are "
             f"(any but 'weight', whose W = g v / |v| is a parametrization), got norm={options['norm']!r}; build "
