@@ -70,7 +70,16 @@ class InterruptInside(Callback):
             raise KeyboardInterrupt
 
 
+class LossRecord(Callback):
+    """Notes ``train/loss`` (the mean over the last ``log_every_n_steps`` steps) after every training step."""
+
+    def on_train_batch_end(self, trainer, *args: object) -> None:
+        LOSSES.append(float(trainer.callback_metrics["train/loss"]))
+
+
 RECORDS: list[tuple[Any, ...]] = []
+LOSSES: list[float] = []
+_REFERENCE_LOSSES: list[float] = []
 HERE = __name__
 """This module's name for the CLI's class paths: pytest imports it as ``test_resume``, and a class path naming
 ``tests.test_resume`` would import a second copy, whose callbacks fill another ``RECORDS``."""
@@ -233,6 +242,31 @@ def test_resume_after_interrupt_inside_a_step_with_batch_norm(
     assert _steps_redone(first, resumed, "step") == reference
     different = [name for name, value in parameters.items() if not torch.equal(value, reference_parameters[name])]
     assert not different
+
+
+@pytest.mark.parametrize("where", ["step", "between"])
+def test_the_train_loss_window_resumes_too(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, where: str
+) -> None:
+    """``train/loss`` averages the last ``log_every_n_steps`` (50) steps: after a resume, the window holds the steps
+    before it (it started empty, and the first 50 points differed from the uninterrupted run's)."""
+    record = [f"--trainer.callbacks+={HERE}.LossRecord"]
+    if not _REFERENCE_LOSSES:  # the uninterrupted run is made once (and cached by _uninterrupted)
+        LOSSES.clear()
+        _uninterrupted(True, tmp_path_factory, *record)
+        _REFERENCE_LOSSES.extend(LOSSES)
+    reference = _REFERENCE_LOSSES
+    write_story(tmp_path / "story.txt")
+    LOSSES.clear()
+    if where == "step":
+        stop = _interrupt_inside(6, "step")
+    else:
+        stop = [f"--trainer.callbacks+={HERE}.InterruptAfter", "--trainer.callbacks.step", "6"]
+    _fit(tmp_path / "first", True, "--trainer.max_steps", str(TOTAL), *record, *stop)
+    last = str(tmp_path / "first" / "checkpoints" / "last.ckpt")
+    _fit(tmp_path / "resumed", True, "--trainer.max_steps", str(TOTAL), *record, "--ckpt_path", last)
+    assert len(reference) == TOTAL
+    assert reference == LOSSES
 
 
 def test_resume_twice_after_interrupts_inside_steps(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:

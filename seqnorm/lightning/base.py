@@ -43,6 +43,8 @@ DATA_STATE_KEY = "seqnorm_data"
 
 FALLBACK_TOTAL_KEY = "seqnorm_fallback_total"
 """Checkpoint key of the run's count of BN fallback steps (``norm/fallback_total`` continues after a resume)."""
+RECENT_LOSSES_KEY = "seqnorm_recent_losses"
+"""Checkpoint key of the window ``train/loss`` averages (so the first points after a resume are the same)."""
 EVAL_STAGES = ("val", "test")
 RNN_ARGUMENTS = {
     "norm": "norm",
@@ -233,12 +235,15 @@ class TaskModule(pl.LightningModule):
         call and ``train/loss`` keeps its name.
         """
         window = max(1, self.trainer.log_every_n_steps)
-        if getattr(self, "_recent_losses", None) is None or self._recent_losses.maxlen != window:
-            self._recent_losses: deque[tuple[Tensor, int]] = deque(maxlen=window)
+        recent = getattr(self, "_recent_losses", None)
+        if recent is None or recent.maxlen != window:
+            self._recent_losses: deque[tuple[Tensor | float, int]] = deque(recent or (), maxlen=window)
         self._recent_losses.append((loss.detach().float() * weight, weight))
-        total = torch.stack([weighted for weighted, _ in self._recent_losses]).sum()
-        recent = total / sum(count for _, count in self._recent_losses)
-        self.log("train/loss", recent, on_step=True, on_epoch=False, prog_bar=True, batch_size=weight, sync_dist=True)
+        # A resumed run's window starts with the checkpoint's values, as floats (exact: float32 widened).
+        weighted = [torch.as_tensor(value, dtype=torch.float32, device=loss.device) for value, _ in self._recent_losses]
+        total = torch.stack(weighted).sum()
+        mean = total / sum(count for _, count in self._recent_losses)
+        self.log("train/loss", mean, on_step=True, on_epoch=False, prog_bar=True, batch_size=weight, sync_dist=True)
         self.log("train/loss_epoch", loss, on_step=False, on_epoch=True, batch_size=weight, sync_dist=True)
 
     def _init_metrics(self, *names: str) -> None:
@@ -278,6 +283,7 @@ class TaskModule(pl.LightningModule):
         # must continue in the epoch it stopped in (see seqnorm.lightning.resume).
         checkpoint[RANDOM_STATE_KEY] = random_states()
         checkpoint[FALLBACK_TOTAL_KEY] = getattr(self, "fallback_total", 0)
+        checkpoint[RECENT_LOSSES_KEY] = _as_floats(getattr(self, "_recent_losses", None) or ())
         trainer = self._trainer
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING and "loops" in checkpoint:
             rewind_finished_epoch(checkpoint["loops"])
@@ -308,6 +314,7 @@ class TaskModule(pl.LightningModule):
         if taken == epoch_loop.batch_progress.total.ready:
             checkpoint[RANDOM_STATE_KEY] = random_states(states)
             checkpoint["loops"]["fit_loop"]["epoch_loop.automatic_optimization.optim_progress"] = optimization
+            checkpoint[RECENT_LOSSES_KEY] = _as_floats(self._losses_at_step_start)  # the redone step adds its loss
             # The step's forward has updated BN's running statistics in place; the redone step updates them again.
             keys = {id(value): key for key, value in self.state_dict(keep_vars=True).items()}
             for buffer, before in zip(self.buffers(), self._buffers_at_step_start, strict=True):
@@ -322,6 +329,7 @@ class TaskModule(pl.LightningModule):
         epoch_loop = self.trainer.fit_loop.epoch_loop
         optimization = epoch_loop.automatic_optimization.optim_progress.state_dict()
         self._step_start = (epoch_loop.batch_progress.total.ready, snapshot_random_states(), optimization)
+        self._losses_at_step_start = list(getattr(self, "_recent_losses", None) or ())
         # The buffers too (per-timestep BN's running statistics), copied into the same tensors every step: 0.2 ms
         # for a BN-LSTM language model of hidden size 512 (0.9 M values), whose steps take 100 ms and more.
         buffers = list(self.buffers())
@@ -358,12 +366,18 @@ class TaskModule(pl.LightningModule):
         # optimizer, runs the sanity check and makes the train iterator.
         self._random_states_to_restore = checkpoint.get(RANDOM_STATE_KEY)
         self.fallback_total = checkpoint.get(FALLBACK_TOTAL_KEY, 0)
+        self._recent_losses = deque(checkpoint.get(RECENT_LOSSES_KEY, ()))  # _log_train_loss sets its length
 
     def on_train_start(self) -> None:
         states, self._random_states_to_restore = getattr(self, "_random_states_to_restore", None), None
         if states is not None:
             set_random_states(states)
         settle_restart_totals(self.trainer.fit_loop)
+
+
+def _as_floats(losses: Any) -> list[tuple[float, int]]:
+    """The ``train/loss`` window as plain numbers for a checkpoint (read with ``weights_only=True``)."""
+    return [(float(value), int(count)) for value, count in losses]
 
 
 def _subclasses(cls: type) -> list[type]:
