@@ -156,6 +156,19 @@ def test_renorm_schedule() -> None:
     assert schedule == [(1.0, 0.0), (1.0, 0.0), (2.0, 1.25), (3.0, 2.5), (3.0, 5.0), (3.0, 5.0)]
 
 
+def test_renorm_limits_in_the_statistics_precision_and_counted_in_row_updates() -> None:
+    """float64 models get float64 limits (they were float32: 2e-8 off the exact schedule); the shared last row
+    counts one update per step that reaches it (README: beyond_max_steps)."""
+    renorm = TimestepBatchRenorm(2, max_steps=2, r_max=1.2, d_max=0.1, warmup=0, r_max_steps=3, d_max_steps=7)
+    renorm.double()
+    renorm.num_batches_tracked[1] = 1
+    r_max, d_max = renorm.limits(1)
+    assert r_max.dtype == torch.float64 and float(r_max) == 1.0 + 0.2 * (1 / 3) and float(d_max) == 0.1 * (1 / 7)
+    layer = seqnorm.LSTM(2, 3, norm="batch_renorm", max_steps=2)
+    layer(torch.randn(6, 4, 2))  # one batch of 6 steps: row 0 once, the last row for steps 1..5
+    assert layer.cells[0].norm_hh.num_batches_tracked.tolist() == [1, 5]
+
+
 def test_renorm_correction_matches_the_paper() -> None:
     renorm = TimestepBatchRenorm(4, max_steps=2, r_max=1.5, d_max=0.5, warmup=0, r_max_steps=1, d_max_steps=1)
     renorm.momentum = 0.0  # keep the running moments fixed to check the formula

@@ -374,18 +374,17 @@ class BatchStepNorm final : public StepNorm<T> {
     batch_steps_[t] = use_batch;
     if (a.training && !use_batch) ++this->fallback_steps_;
     if (use_batch) {
-      // Ioffe's limits from the batches this row has seen before this step, in float32 as the module computes them.
-      const float seen = static_cast<float>(std::max<int64_t>(*tracked - a.warmup, 0));
-      const float r_max = 1.0f + static_cast<float>(a.r_max - 1.0) *
-                                     std::min(seen / static_cast<float>(a.r_max_steps), 1.0f);
-      const float d_max = static_cast<float>(a.d_max) * std::min(seen / static_cast<float>(a.d_max_steps), 1.0f);
+      // Ioffe's limits from the updates this row has seen before this step, in T as the module computes them.
+      const T seen = static_cast<T>(std::max<int64_t>(*tracked - a.warmup, 0));
+      const T r_max = T(1) + static_cast<T>(a.r_max - 1.0) * std::min(seen / static_cast<T>(a.r_max_steps), T(1));
+      const T d_max = static_cast<T>(a.d_max) * std::min(seen / static_cast<T>(a.d_max_steps), T(1));
       // The k-th batch of a row weighs 1/k under a cumulative average.
       const T weight = a.momentum < 0 ? T(1) / static_cast<T>(*tracked + 1) : static_cast<T>(a.momentum);
       const T unbias = static_cast<T>(count) / static_cast<T>(count - 1);
       moment_sums(x, mask, count, mean, rstd);
       const Vec<T> one(T(1)), epsilon(eps), unbiased(unbias);
-      const Vec<T> r_high(static_cast<T>(r_max)), r_low(T(1) / static_cast<T>(r_max));
-      const Vec<T> d_high(static_cast<T>(d_max)), d_low(static_cast<T>(-d_max));
+      const Vec<T> r_high(r_max), r_low(T(1) / r_max);
+      const Vec<T> d_high(d_max), d_low(-d_max);
       vec_loop<T>(f, [&](int64_t j, int64_t n) {
         const Vec<T> m = load(mean + j, n);
         Vec<T> var;

@@ -39,9 +39,12 @@ class TimestepBatchRenorm(TimestepBatchNorm):
     backward pass, where :math:`\mu_t, \sigma_t` are the running moments of the step. Evaluation is BN with running
     moments, so training and evaluation agree once ``r`` and ``d`` are unclipped.
 
-    Schedule (per step, counted in training batches ``n`` of that step, as in the paper): plain BN
-    (``r_max = 1``, ``d_max = 0``) for ``n < warmup``; then ``r_max`` grows linearly to its final value over
-    ``r_max_steps`` batches and ``d_max`` over ``d_max_steps`` batches.
+    Schedule (per step, counted in the updates ``n`` of that step's running moments, the paper's training batches):
+    plain BN (``r_max = 1``, ``d_max = 0``) for ``n < warmup``; then ``r_max`` grows linearly to its final value
+    over ``r_max_steps`` updates and ``d_max`` over ``d_max_steps``. A step below ``max_steps`` is updated once per
+    training batch; the last row, which every step at or beyond ``max_steps`` shares (``beyond_max_steps="last"``),
+    once per such step, so its schedule advances ``T - max_steps + 1`` times per batch of length ``T``: the
+    warm-up waits for the running moments the correction uses, and those of that row mature as fast.
 
     Args:
         r_max: final bound of ``r``. Default: 3.0.
@@ -95,7 +98,10 @@ class TimestepBatchRenorm(TimestepBatchNorm):
         A ``slice`` of steps below ``max_steps`` gives one value per step.
         """
         row = t if isinstance(t, slice) else min(t, self.max_steps - 1)
-        seen = (self.num_batches_tracked[row] - self.warmup).clamp(min=0).float()
+        # In the statistics' precision (float64 limits for a float64 model), at least float32 (counts in the
+        # thousands lose their last digits in half precision).
+        dtype = torch.promote_types(self.running_mean.dtype, torch.float32)
+        seen = (self.num_batches_tracked[row] - self.warmup).clamp(min=0).to(dtype)
         r_max = 1.0 + (self.r_max - 1.0) * (seen / self.r_max_steps).clamp(max=1.0)
         d_max = self.d_max * (seen / self.d_max_steps).clamp(max=1.0)
         return r_max, d_max
