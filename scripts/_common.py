@@ -89,6 +89,9 @@ def resolve(args: argparse.Namespace, quick: Mapping[str, Any], full: Mapping[st
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     torch.set_num_threads(args.threads)
+    # The same seed gives the same numbers in every process: the compiled kernels then take one fixed matmul route,
+    # not the one measured fastest under whatever load the machine had (each rounds differently).
+    torch.use_deterministic_algorithms(True)
     return args
 
 

@@ -204,8 +204,9 @@ class Cell:
 class TrialCache:
     """Finished runs kept in a JSON-lines file, keyed by the script's settings, the cell, the rate and the seed.
 
-    A run is deterministic given its settings and seed (one CPU thread), so reading it back gives what training it
-    again would. ``path=None`` keeps nothing. Rows must be JSON-serializable (lists, not tensors).
+    A run is deterministic given its settings and seed (one CPU thread, deterministic algorithms: ``resolve``), so
+    reading it back gives what training it again would. ``path=None`` keeps nothing. Rows must be JSON-serializable
+    (lists, not tensors).
 
     Attributes:
         path: the file, appended to after every run.

@@ -22,7 +22,7 @@ from torch.testing import assert_close
 
 import seqnorm
 from seqnorm import kernels
-from seqnorm.layers import stepping
+from seqnorm.layers import kernel, stepping
 from seqnorm.layers.plan import declared
 from tests.conftest import LAYERS, TORCH_KINDS, perturb_norm_parameters, require_kernels
 
@@ -366,7 +366,6 @@ def test_preparing_the_kernels_draws_nothing_from_the_generator(kind: str) -> No
 @pytest.mark.parametrize("kind", TORCH_KINDS)
 def test_generation_step_with_either_weight_layout(kind: str, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The compiled step times two layouts of ``W^T`` when it is prepared (faster_layout); both give the same steps."""
-    from seqnorm.layers import kernel
 
     weight = torch.randn(12, 5)
     chosen = kernel.faster_layout(weight, 1)
@@ -388,7 +387,6 @@ def test_generation_step_with_either_weight_layout(kind: str, layout: str, monke
 def test_the_weight_layout_is_timed_once_per_shape(monkeypatch: pytest.MonkeyPatch) -> None:
     """A step prepared again (after every training step, say) reuses the layout timed for the shape; another shape
     or row count is timed anew."""
-    from seqnorm.layers import kernel
 
     monkeypatch.setattr(kernel, "_LAYOUTS", {})
     clock = {"reads": 0}
@@ -435,6 +433,32 @@ def test_the_product_route_is_measured_and_can_be_forced(product_route: Any) -> 
     assert native.product_route(weight, 1) in {"blas", "brgemm"}  # one row is never packed
     with pytest.raises(ValueError, match="expected auto, brgemm, packed or blas"):
         native.set_product_route("fast")
+
+
+def test_deterministic_algorithms_fix_the_route_and_the_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The measured choices depend on the machine's load, and each route rounds differently: with deterministic
+    algorithms a seeded run gives the same numbers in every process (the experiment scripts rely on it)."""
+    native = kernels.native("cpu")
+    clock = {"reads": 0}
+    real = kernel.time.perf_counter
+
+    def counted() -> float:
+        clock["reads"] += 1
+        return real()
+
+    monkeypatch.setattr(kernel.time, "perf_counter", counted)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for rows in (1, 16, 64):
+            route = native.product_route(torch.randn(256, 1024), rows)
+            expected = {"brgemm"} if native.brgemm_available() else ({"packed", "blas"} if rows >= 8 else {"blas"})
+            assert route in expected and native.product_route(torch.randn(256, 1024), rows) == route
+        weight = torch.randn(20, 7)
+        layout = kernel.faster_layout(weight, 5)
+        assert torch.equal(layout, weight.t()) and not layout.is_contiguous() and clock["reads"] == 0
+    finally:
+        torch.use_deterministic_algorithms(before)
 
 
 @pytest.mark.parametrize("route", ["brgemm", "packed", "blas"])

@@ -145,6 +145,10 @@ class StepProduct {
     if (rows >= kPackedRows && packed_linear() != nullptr) candidates.push_back(Route::kPacked);
     candidates.push_back(Route::kBlas);
     const std::string& setting = route_setting();
+    // Deterministic algorithms (torch.use_deterministic_algorithms, Lightning's deterministic=True): one fixed route,
+    // the first available of brgemm, packed, at::mm. The measured choice depends on the machine's load when it is
+    // timed, and each route rounds differently, so the same seed gave other numbers from one process to the next.
+    if (setting == "auto" && at::globalContext().deterministicAlgorithms()) return {candidates.front()};
     if (setting == "auto") return candidates;
     const auto forced = std::find_if(candidates.begin(), candidates.end(),
                                      [&](Route route) { return setting == route_name(route); });

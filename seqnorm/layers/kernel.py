@@ -213,9 +213,14 @@ def faster_layout(weight: Tensor, rows: int, rounds: int = 5, calls: int = 2) ->
     ``W_hh`` went to the copy in 2 processes of 6, whose steps then ran 1.16-1.27x torch's cell against
     0.93-0.97x with the view (BENCHMARKS.md, issue 14).
 
+    With deterministic algorithms (``torch.use_deterministic_algorithms``) it is always the view: the two layouts
+    round differently, and a timed choice depends on the machine's load.
+
     The choice is kept per shape, dtype, device, rows and thread count for the process: a step is prepared again
     after every training step and ``train()``/``eval()`` (:func:`seqnorm.layers.stepping.forget`), and a loop that
     alternates training and generation would otherwise time the products each time."""
+    if torch.are_deterministic_algorithms_enabled():  # one layout: each rounds differently (see product.h)
+        return weight.t()
     key = (tuple(weight.shape), weight.dtype, weight.device.type, rows, torch.get_num_threads())
     known = _LAYOUTS.get(key)
     if known is not None:
