@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.loggers import TensorBoardLogger
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -265,6 +266,9 @@ class HiddenStateStats(Callback):
         experiment = self._tensorboard.experiment
         for name, summary in summaries.items():
             for (group, value_name), values in summary.values.items():
+                # A diverged run's NaN/inf: TensorBoard's histogram of them raises ("The histogram is empty") and
+                # stopped training at its next validation; the scalars (NaN) show the divergence.
+                values = values[torch.isfinite(values)]
                 if values.numel():
                     experiment.add_histogram(f"{group}/{name}/{prefix}{value_name}", values, self._step)
             if summary.active_rows is not None and ("norm", "active_rows") in summary.profiles:

@@ -128,3 +128,14 @@ def test_validation_statistics_share_the_step_of_the_validation_loss(tmp_path: P
     validations = [event.step for event in run.Scalars("val/loss")]
     observed = sorted({event.step for tag in run.Tags()["scalars"] if "val_" in tag for event in run.Scalars(tag)})
     assert len(validations) == 2 and observed == validations
+
+
+def test_a_diverged_run_is_observed_not_stopped(tmp_path: Path) -> None:
+    """NaN weights: the histograms skip the non-finite values (TensorBoard raised on them), the scalars show NaN."""
+    model = TinySequenceModel(norm="layer")
+    with torch.no_grad():
+        model.body["encoder"].cells[0].weight_hh.fill_(float("nan"))
+    callback = HiddenStateStats(every_n_steps=1, media_every_n_steps=1)
+    make_trainer(tmp_path, callback, max_steps=2).fit(model, loader(), loader())
+    run = events(tmp_path / "version_0")
+    assert math.isnan(scalar(run, "hidden/l0/h_std", 0))
