@@ -85,15 +85,17 @@ def test_masked_rows_do_not_change_batch_statistics(norm: str) -> None:
     assert torch.isfinite(output[mask]).all()  # the padded rows hold inf: none of it leaked
 
 
+@pytest.mark.parametrize("value", [1e4, float("nan"), float("inf")])
 @pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_padding_values_never_matter(kind: str, norm: str) -> None:
-    """Garbage at padded positions changes neither outputs, final states, running statistics nor gradients."""
+def test_padding_values_never_matter(kind: str, norm: str, value: float) -> None:
+    """Garbage at padded positions (NaN and inf included) changes neither outputs, final states, running statistics
+    nor gradients, the parameters' included (NaN padding reached W_ih's gradient as 0 * NaN)."""
     lengths = torch.tensor([6, 3, 6, 4])  # >= 2 active rows at every step
     x = torch.randn(6, 4, 3, requires_grad=True)
     garbage = x.detach().clone()
     for b, length in enumerate(lengths.tolist()):
-        garbage[length:, b] = 1e4
+        garbage[length:, b] = value
     garbage.requires_grad_()
     weights = LAYERS[kind](3, 4, num_layers=2, bidirectional=True, norm=norm).state_dict()
     results = []
@@ -102,12 +104,13 @@ def test_padding_values_never_matter(kind: str, norm: str) -> None:
         layer.load_state_dict(weights)
         torch.manual_seed(1)
         output, state = layer(inputs, lengths=lengths)
-        (grad,) = torch.autograd.grad(output.square().sum(), inputs)
-        results.append((output, state, layer.state_dict(), grad))
-    (output, state, buffers, grad), (output_g, state_g, buffers_g, grad_g) = results
+        grad, *parameter_grads = torch.autograd.grad(output.square().sum(), [inputs, *layer.parameters()])
+        results.append((output, state, layer.state_dict(), grad, parameter_grads))
+    (output, state, buffers, grad, parameter_grads), (output_g, state_g, buffers_g, grad_g, parameter_grads_g) = results
     assert_close(output_g, output)
     assert_close(state_g, state)
     assert_close(buffers_g, buffers)
+    assert_close(parameter_grads_g, parameter_grads)
     for b, length in enumerate(lengths.tolist()):
         assert_close(grad_g[:length, b], grad[:length, b])
         assert torch.equal(grad_g[length:, b], torch.zeros_like(grad_g[length:, b]))

@@ -46,6 +46,11 @@ def prepare(
     if steps == 0:
         raise ValueError(f"{owner}: expected at least one time step, got an input of length 0")
     lengths = _check_lengths(owner, lengths, steps, batch)
+    if lengths is not None and torch.is_grad_enabled() and int(lengths.min()) < steps:
+        # Padding enters nothing, not even W_ih's gradient as 0 * NaN: a padded row's gradient is 0, but its input
+        # (NaN or inf padding, which the outputs never show) multiplies it there. 0.1 ms at 100 x 32 x 128.
+        padded = torch.arange(steps).unsqueeze(1) >= lengths.unsqueeze(0)  # (T, B)
+        x = x.masked_fill(padded.to(x.device).unsqueeze(-1), 0)
     h0, c0 = _initial_state(layer, hx, batch, x, unbatched)
     return x, lengths, h0, c0, unbatched
 
