@@ -61,6 +61,28 @@ Row = Mapping[str, Any]
 # --- arguments -------------------------------------------------------------------------------------------------------
 
 
+def _number(kind: type, low: float, strict: bool, what: str) -> Callable[[str], Any]:
+    """An argparse ``type``: ``kind(text)`` above ``low`` (or at it, unless ``strict``); else argparse's own error,
+    which names the flag (``--batch-sizes 0`` divided by zero, ``--lrs -0.01`` reached Adam's ValueError)."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < low or (strict and value == low) or not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    parse.__name__ = what  # argparse names the type in some messages
+    return parse
+
+
+positive_int = _number(int, 0, True, "an int >= 1")
+non_negative_int = _number(int, 0, False, "an int >= 0")
+positive_float = _number(float, 0.0, True, "a number > 0")
+
+
 def make_parser(description: str, name: str) -> argparse.ArgumentParser:
     """A parser with the options every experiment script shares; ``name`` sets the default ``--out``."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -72,10 +94,10 @@ def make_parser(description: str, name: str) -> argparse.ArgumentParser:
     )
     parser.add_argument("--cache-dir", help="where --dataset downloads go (default $SEQNORM_CACHE or ~/.cache)")
     parser.add_argument("--out", type=Path, default=Path("results") / name, help="output directory")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument(
         "--threads",
-        type=int,
+        type=positive_int,
         default=1,
         help="torch CPU threads (default 1: these models are small, per-step overhead dominates, and on a shared "
         "2-core machine one thread measured 2-5x faster than two)",
@@ -88,6 +110,9 @@ def resolve(args: argparse.Namespace, quick: Mapping[str, Any], full: Mapping[st
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
+    text = getattr(args, "text", None)
+    if text is not None and not Path(text).is_file():  # else the library's message names its own --data.path
+        raise SystemExit(f"error: --text {text}: no such file")
     torch.set_num_threads(args.threads)
     # The same seed gives the same numbers in every process: the compiled kernels then take one fixed matmul route,
     # not the one measured fastest under whatever load the machine had (each rounds differently).

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import _common
 import torch
 from _common import Sequences, TrainResult, model_outputs, train_language_model
 from torch import Tensor, nn
@@ -72,8 +73,12 @@ Trial = dict[str, Any]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``--lrs``, ``--seeds``, ``--select``, ``--bn-stats-tokens`` (defaults from :data:`QUICK` / :data:`FULL`)."""
     group = parser.add_argument_group("fair protocol")
-    group.add_argument("--lrs", nargs="+", type=float, help="the Adam learning-rate grid each cell chooses from")
-    group.add_argument("--seeds", type=int, help="seeds per cell (0..N-1): results are mean and std over them")
+    group.add_argument(
+        "--lrs", nargs="+", type=_common.positive_float, help="the Adam learning-rate grid each cell chooses from"
+    )
+    group.add_argument(
+        "--seeds", type=_common.positive_int, help="seeds per cell (0..N-1): results are mean and std over them"
+    )
     group.add_argument(
         "--select",
         choices=SELECTIONS,
@@ -81,7 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "other seeds at that lr only (cheaper)",
     )
     group.add_argument(
-        "--bn-stats-tokens", type=int, help="training tokens seqnorm.update_bn averages BN's exact statistics over"
+        "--bn-stats-tokens",
+        type=_common.positive_int,
+        help="training tokens seqnorm.update_bn averages BN's exact statistics over",
     )
     group.add_argument(
         "--trials-cache",

@@ -61,20 +61,28 @@ FULL = {
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = _common.make_parser(__doc__, NAME)
     parser.add_argument("--norms", nargs="+", choices=list(seqnorm.NORMS), help="norms to compare")
-    parser.add_argument("--batch-sizes", nargs="+", type=int, help="batch sizes to compare")
+    parser.add_argument("--batch-sizes", nargs="+", type=_common.positive_int, help="batch sizes to compare")
     parser.add_argument(
         "--unit",
         choices=_data.UNITS,
         default="window",
         help="fixed windows, variable lines, or the windows as stateful streams (state carried across windows)",
     )
-    parser.add_argument("--tokens", type=int, help="training tokens per run (the equal budget)")
-    parser.add_argument("--updates", type=int, help="train every run for this many updates instead (equal updates)")
-    parser.add_argument("--steps", type=int, help="time steps per window (with --unit line: the longest piece)")
-    parser.add_argument("--hidden", type=int, help="LSTM hidden size")
-    parser.add_argument("--embedding", type=int, help="embedding size")
-    parser.add_argument("--val-tokens", type=int, help="validation tokens (default: the whole validation split)")
-    parser.add_argument("--evaluations", type=int, default=0, help="validation points along each run (curves.csv)")
+    parser.add_argument("--tokens", type=_common.positive_int, help="training tokens per run (the equal budget)")
+    parser.add_argument(
+        "--updates", type=_common.positive_int, help="train every run for this many updates instead (equal updates)"
+    )
+    parser.add_argument(
+        "--steps", type=_common.positive_int, help="time steps per window (with --unit line: the longest piece)"
+    )
+    parser.add_argument("--hidden", type=_common.positive_int, help="LSTM hidden size")
+    parser.add_argument("--embedding", type=_common.positive_int, help="embedding size")
+    parser.add_argument(
+        "--val-tokens", type=_common.positive_int, help="validation tokens (default: the whole validation split)"
+    )
+    parser.add_argument(
+        "--evaluations", type=_common.non_negative_int, default=0, help="validation points along each run (curves.csv)"
+    )
     _protocol.add_arguments(parser)
     return _common.resolve(parser.parse_args(argv), QUICK, FULL)
 

@@ -39,11 +39,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--norms", nargs="+", choices=list(seqnorm.NORMS), default=list(seqnorm.NORMS))
     parser.add_argument("--inits", nargs="+", choices=list(seqnorm.INITS), default=list(seqnorm.INITS))
     parser.add_argument("--cell", choices=["lstm", "gru"], default="lstm")
-    parser.add_argument("--steps", type=int, help="T: time steps")
-    parser.add_argument("--batch-size", type=int)
-    parser.add_argument("--hidden", type=int)
-    parser.add_argument("--input-size", type=int)
-    parser.add_argument("--seeds", type=int, help="independent initializations averaged per cell")
+    parser.add_argument("--steps", type=_common.positive_int, help="T: time steps")
+    parser.add_argument("--batch-size", type=_common.positive_int)
+    parser.add_argument("--hidden", type=_common.positive_int)
+    parser.add_argument("--input-size", type=_common.positive_int)
+    parser.add_argument("--seeds", type=_common.positive_int, help="independent initializations averaged per cell")
     return _common.resolve(parser.parse_args(argv), QUICK, FULL)
 
 

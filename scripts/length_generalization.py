@@ -57,13 +57,15 @@ MEASURED = ["loss_within_T", "loss_beyond_T", "loss_last_quarter", "beyond_minus
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = _common.make_parser(__doc__, NAME)
     parser.add_argument("--norms", nargs="+", choices=list(seqnorm.NORMS))
-    parser.add_argument("--steps", type=int, help="T: time steps of the training windows")
-    parser.add_argument("--eval-steps", type=int, help="L: time steps of the validation windows (more than T)")
-    parser.add_argument("--batch-size", type=int)
-    parser.add_argument("--tokens", type=int, help="training tokens per model")
-    parser.add_argument("--hidden", type=int)
-    parser.add_argument("--embedding", type=int)
-    parser.add_argument("--val-tokens", type=int, help="validation tokens (default: the whole split)")
+    parser.add_argument("--steps", type=_common.positive_int, help="T: time steps of the training windows")
+    parser.add_argument(
+        "--eval-steps", type=_common.positive_int, help="L: time steps of the validation windows (more than T)"
+    )
+    parser.add_argument("--batch-size", type=_common.positive_int)
+    parser.add_argument("--tokens", type=_common.positive_int, help="training tokens per model")
+    parser.add_argument("--hidden", type=_common.positive_int)
+    parser.add_argument("--embedding", type=_common.positive_int)
+    parser.add_argument("--val-tokens", type=_common.positive_int, help="validation tokens (default: the whole split)")
     parser.add_argument(
         "--no-untrained-stats", action="store_true", help="skip the BN row with statistics rows up to L"
     )

@@ -63,14 +63,16 @@ DRAWS = 200  # random batches per (batch size, step) for the noise estimates
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = _common.make_parser(__doc__, NAME)
-    parser.add_argument("--batch-sizes", nargs="+", type=int)
-    parser.add_argument("--steps", type=int, help="time steps of the BN model's training windows")
-    parser.add_argument("--train-batch-size", type=int)
-    parser.add_argument("--tokens", type=int, help="training tokens of the BN model")
-    parser.add_argument("--hidden", type=int)
-    parser.add_argument("--embedding", type=int)
-    parser.add_argument("--val-tokens", type=int)
-    parser.add_argument("--max-length", type=int, default=128, help="lines are cut into pieces of this many ids")
+    parser.add_argument("--batch-sizes", nargs="+", type=_common.positive_int)
+    parser.add_argument("--steps", type=_common.positive_int, help="time steps of the BN model's training windows")
+    parser.add_argument("--train-batch-size", type=_common.positive_int)
+    parser.add_argument("--tokens", type=_common.positive_int, help="training tokens of the BN model")
+    parser.add_argument("--hidden", type=_common.positive_int)
+    parser.add_argument("--embedding", type=_common.positive_int)
+    parser.add_argument("--val-tokens", type=_common.positive_int)
+    parser.add_argument(
+        "--max-length", type=_common.positive_int, default=128, help="lines are cut into pieces of this many ids"
+    )
     _protocol.add_arguments(parser)
     return _common.resolve(parser.parse_args(argv), QUICK, FULL)
 

@@ -19,10 +19,12 @@ if str(SCRIPTS) not in sys.path:
 
 @pytest.fixture(autouse=True)
 def _restore_threads() -> Iterator[None]:
-    # The scripts set torch's thread count (--threads); the rest of the suite should not inherit it.
-    threads = torch.get_num_threads()
+    # The scripts set torch's thread count (--threads) and turn on deterministic algorithms; the rest of the suite
+    # should inherit neither.
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     yield
     torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(deterministic)
 
 
 def _read_csv(path: Path) -> list[dict[str, str]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+from pathlib import Path
 
 import _common
 import _data
@@ -216,3 +217,31 @@ def test_stream_training_runs_in_order_and_detaches(tmp_path) -> None:  # type: 
     model = _common.build_model(corpus.vocab_size, argparse.Namespace(embedding=8, hidden=8, seed=0), "layer", 12)
     result = _common.train_language_model(model, splits["train"], batch_size=4, tokens=400, lr=1e-2)
     assert result.status == "ok" and result.updates == -(-400 // (4 * 12))
+
+
+@pytest.mark.parametrize(
+    ("script", "flags", "message"),
+    [
+        ("batch_size_sweep", ["--batch-sizes", "0"], "argument --batch-sizes: expected an int >= 1, got '0'"),
+        ("batch_size_sweep", ["--lrs", "-0.01"], "argument --lrs: expected a number > 0, got '-0.01'"),
+        ("batch_size_sweep", ["--seeds", "0"], "argument --seeds: expected an int >= 1, got '0'"),
+        ("online_training", ["--evaluations", "0"], "argument --evaluations: expected an int >= 1, got '0'"),
+        ("length_generalization", ["--steps", "x"], "argument --steps: expected an int >= 1, got 'x'"),
+        ("init_study", ["--seed", "-1"], "argument --seed: expected an int >= 0, got '-1'"),
+    ],
+)
+def test_bad_flags_are_refused_by_name(
+    script: str, flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Flags the scripts used unchecked (ZeroDivisionError at --batch-sizes 0, an untrained model reported ok at
+    --tokens 0, Adam's error at --lrs -0.01) stop at parsing, argparse's error naming the flag."""
+    module = __import__(script)
+    with pytest.raises(SystemExit) as exit_info:
+        module.parse_args(["--quick", *flags])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_missing_text_file_is_named_by_the_scripts_flag(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match=r"^error: --text .*nowhere.txt: no such file$"):
+        __import__("batch_size_sweep").parse_args(["--quick", "--text", str(tmp_path / "nowhere.txt")])
