@@ -51,7 +51,7 @@ def from_torch_keys(module: RecurrentLayer, state_dict: dict[str, Any], prefix: 
 def torch_keys_in_errors(module: RecurrentLayer, incompatible_keys: Any) -> None:
     """Load-state-dict post-hook: the missing and unexpected keys and the size mismatches of this load, which the
     cells report under their own names (``cells.0.weight_hh``), under the state dict's (``weight_hh_l0``)."""
-    prefix, error_msgs = getattr(module, "_loading", ("", []))
+    prefix, error_msgs = getattr(module, "_loading", None) or ("", [])
     module._loading = None
     for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
         keys[:] = [_torch_key(module, prefix, key) for key in keys]
