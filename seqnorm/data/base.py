@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 from seqnorm.data.errors import DataError
 from seqnorm.data.files import check_encoding
 from seqnorm.data.loader import ResumableDataLoader
-from seqnorm.data.sampler import BucketBatchSampler, EpochBatchSampler, RandomBatchSampler
+from seqnorm.data.sampler import BucketBatchSampler, EpochBatchSampler, InOrderBatchSampler, RandomBatchSampler
 from seqnorm.data.vocab import Vocabulary
 
 __all__ = ["SequenceDataModule", "check_at_least", "check_fraction"]
@@ -106,7 +106,10 @@ class SequenceDataModule(pl.LightningDataModule):
         self._vocab = Vocabulary.from_dict(vocab_state)
         self._datasets = None  # re-encode with the restored mapping on next use
 
-    def _loader(self, split: str, *, shuffle: bool, bucket: bool) -> DataLoader:
+    def _loader(self, split: str, *, shuffle: bool, bucket: bool | None) -> DataLoader:
+        """``split``'s loader: seeded shuffled batches (training), every batch in length (``bucket``) or file order
+        (evaluation), each sharded across processes by seqnorm's samplers; ``bucket=None``: a plain in-order
+        DataLoader, which Lightning may rebuild (predict wraps it in its own index-tracking sampler)."""
         dataset = self.datasets[split]
         common: dict[str, Any] = {
             "collate_fn": partial(type(self)._collate, pad_index=self.pad_index),
@@ -125,10 +128,14 @@ class SequenceDataModule(pl.LightningDataModule):
             else:
                 sampler = RandomBatchSampler(len(dataset), self.batch_size, seed=self.seed)
             return ResumableDataLoader(dataset, batch_sampler=sampler, **common)
+        if bucket is None:
+            return DataLoader(dataset, batch_size=self.batch_size, shuffle=False, **common)
+        # Evaluation: every batch, each process its share (unbucketed, every process evaluated the whole split).
         if bucket:
             sampler = BucketBatchSampler(dataset.lengths, self.batch_size, shuffle=False, seed=self.seed)
-            return DataLoader(dataset, batch_sampler=sampler, **common)
-        return DataLoader(dataset, batch_size=self.batch_size, shuffle=False, **common)
+        else:
+            sampler = InOrderBatchSampler(len(dataset), self.batch_size, seed=self.seed)
+        return DataLoader(dataset, batch_sampler=sampler, **common)
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled each epoch (length-bucketed when ``bucket``); resumable mid-epoch from a checkpoint."""
@@ -149,4 +156,4 @@ class SequenceDataModule(pl.LightningDataModule):
                 "--data.test_path: predict reads the test split, and this data has none: pass --data.test_path "
                 "with the texts to predict"
             )
-        return self._loader("test", shuffle=False, bucket=False)
+        return self._loader("test", shuffle=False, bucket=None)

@@ -77,6 +77,18 @@ class _EpochPass(Iterator[list[int]]):
         return self.batches[self.start + self.yielded - 1]
 
 
+def _refuse_a_sampler(owner: str, value: object) -> None:
+    """Lightning's ``use_distributed_sampler`` (its default, under DDP) rebuilds a loader's batch sampler with its
+    own ``DistributedSampler`` as the first argument, where these take the data's size or lengths: the batches then
+    came from the sampler's index list (a third of the examples, silently), or the build failed obscurely."""
+    if isinstance(value, Sampler):
+        raise DataError(
+            f"{owner}: expected the data's size or lengths, got a {type(value).__name__}: Lightning rebuilt this "
+            "loader around its own sampler (Trainer(use_distributed_sampler=True), its default); seqnorm's samplers "
+            "shard themselves across processes: pass Trainer(use_distributed_sampler=False) (`seqnorm fit` does)"
+        )
+
+
 class EpochBatchSampler(Sampler[list[int]]):
     """Base of the seeded batch samplers: epoch selection, mid-epoch start, and the state that resumes them.
 
@@ -101,6 +113,7 @@ class EpochBatchSampler(Sampler[list[int]]):
         num_replicas: int | None = None,
         rank: int | None = None,
     ) -> None:
+        _refuse_a_sampler(type(self).__name__, num_examples)
         if batch_size < 1:
             raise DataError(f"--data.batch_size must be at least 1, got {batch_size}")
         distributed = dist.is_available() and dist.is_initialized()
@@ -228,25 +241,31 @@ class RandomBatchSampler(EpochBatchSampler):
 
 
 class InOrderBatchSampler(EpochBatchSampler):
-    """Yield ``range(num_examples)`` in order, cut into batches, the same every epoch: for stream windows, whose
-    order carries the recurrent state from one batch to the next (:mod:`seqnorm.data.streams`).
+    """Yield ``range(num_examples)`` in order, cut into batches, the same every epoch: evaluation in file order, and
+    stream windows, whose order carries the recurrent state from one batch to the next (:mod:`seqnorm.data.streams`;
+    :class:`~seqnorm.data.TextCorpus` refuses those under DDP).
 
-    An :class:`EpochBatchSampler` only so that :class:`~seqnorm.data.ResumableDataLoader` resumes it mid-epoch.
+    Sharded like the others, every batch kept (evaluation); an :class:`EpochBatchSampler` so that
+    :class:`~seqnorm.data.ResumableDataLoader` resumes it mid-epoch.
 
     Example:
         >>> list(InOrderBatchSampler(3, 1))
         [[0], [1], [2]]
     """
 
-    def __init__(self, num_examples: int, batch_size: int = 1, *, drop_last: bool = False, seed: int = 0) -> None:
-        super().__init__(num_examples, batch_size, drop_last=drop_last, seed=seed)
-        if self.num_replicas > 1:
-            # Sharding the windows would hand a stream's consecutive windows to different processes, whose carried
-            # states could not follow them; each process would need streams of its own.
-            raise DataError(
-                f"--data.unit stream: expected one process, got {self.num_replicas} (torch.distributed): stateful "
-                "stream windows cannot be sharded across processes yet; use --data.unit window or line with DDP"
-            )
+    even_shares = False
+
+    def __init__(
+        self,
+        num_examples: int,
+        batch_size: int = 1,
+        *,
+        drop_last: bool = False,
+        seed: int = 0,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+    ) -> None:
+        super().__init__(num_examples, batch_size, drop_last=drop_last, seed=seed, num_replicas=num_replicas, rank=rank)
 
     def _epoch_batches(self) -> list[list[int]]:
         return self._cut(list(range(self.num_examples)))
@@ -284,6 +303,7 @@ class BucketBatchSampler(EpochBatchSampler):
         num_replicas: int | None = None,
         rank: int | None = None,
     ) -> None:
+        _refuse_a_sampler("BucketBatchSampler", lengths)
         if pool_size < 1:
             raise DataError(f"BucketBatchSampler: pool_size must be at least 1, got {pool_size}")
         super().__init__(len(lengths), batch_size, drop_last=drop_last, seed=seed, num_replicas=num_replicas, rank=rank)

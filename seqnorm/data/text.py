@@ -262,19 +262,29 @@ class TextCorpus(SequenceDataModule):
             datasets[split] = StreamWindows(streams, self.window_length)
         return datasets
 
-    def _loader(self, split: str, *, shuffle: bool, bucket: bool) -> DataLoader:
+    def _loader(self, split: str, *, shuffle: bool, bucket: bool | None) -> DataLoader:
         if self.unit != "stream":
             return super()._loader(split, shuffle=shuffle, bucket=bucket)
         if split not in self.datasets:
+            if split == "val":  # --data.val_fraction 0 asked for no validation, as line units read it
+                return DataLoader([], batch_size=1, collate_fn=collate_stream)
             raise DataError(
                 f"{self.source}: no {split} text: raise --data.{split}_fraction or pass --data.{split}_path"
             )
         dataset = self.datasets[split]
         # One item is a whole batch, in order: the state carried from batch k into batch k+1 continues each stream.
         # Resumable in every split (only training is ever resumed; the others merely share the loader).
+        sampler = InOrderBatchSampler(len(dataset), 1, seed=self.seed)
+        if sampler.num_replicas > 1:
+            # Sharding the windows would hand a stream's consecutive windows to different processes, whose carried
+            # states could not follow them; each process would need streams of its own.
+            raise DataError(
+                f"--data.unit stream: expected one process, got {sampler.num_replicas} (torch.distributed): stateful "
+                "stream windows cannot be sharded across processes yet; use --data.unit window or line with DDP"
+            )
         return ResumableDataLoader(
             dataset,
-            batch_sampler=InOrderBatchSampler(len(dataset), 1, seed=self.seed),
+            batch_sampler=sampler,
             collate_fn=collate_stream,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,

@@ -77,3 +77,44 @@ def test_bucketing_reduces_padding() -> None:
 def test_rejects_batch_size_below_one() -> None:
     with pytest.raises(DataError, match=r"--data\.batch_size"):
         BucketBatchSampler([1, 2], 0)
+
+
+@pytest.mark.parametrize("bucket", [True, False])
+def test_lightning_rebuilding_the_sampler_is_refused_by_name(tmp_path, bucket: bool) -> None:
+    """Under DDP, Lightning's default use_distributed_sampler=True rebuilds the batch sampler with its
+    DistributedSampler as the first argument: bucketed batches then came from that sampler's index list (a third of
+    the examples, silently), unbucketed ones failed with a TypeError that named nothing."""
+    from lightning.fabric.utilities.data import _replace_dunder_methods
+    from lightning.pytorch.trainer.states import RunningStage
+    from lightning.pytorch.utilities.data import _update_dataloader
+    from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+
+    from seqnorm.data import TextCorpus
+
+    (tmp_path / "text.txt").write_text("".join(f"line {i} {'x' * (i % 7)}\n" for i in range(60)), encoding="utf-8")
+    with _replace_dunder_methods(DataLoader, "dataset"), _replace_dunder_methods(BatchSampler):  # as Lightning does
+        loader = TextCorpus(
+            path=str(tmp_path / "text.txt"), unit="line", batch_size=3, bucket=bucket
+        ).train_dataloader()
+    sampler = DistributedSampler(loader.dataset, num_replicas=2, rank=0)
+    with pytest.raises(DataError, match=r"pass Trainer\(use_distributed_sampler=False\)"):
+        _update_dataloader(loader, sampler, RunningStage.TRAINING)
+
+
+def test_in_order_batches_shard_for_evaluation_and_keep_every_batch() -> None:
+    """Unbucketed evaluation is sharded like the rest (every process evaluated the whole split under DDP)."""
+    from seqnorm.data import InOrderBatchSampler
+
+    shards = [list(InOrderBatchSampler(10, 3, num_replicas=3, rank=rank)) for rank in range(3)]
+    assert shards == [[[0, 1, 2], [9]], [[3, 4, 5]], [[6, 7, 8]]]
+
+
+def test_unbucketed_evaluation_loaders_use_the_sharding_sampler(tmp_path) -> None:
+    from seqnorm.data import InOrderBatchSampler, TextCorpus
+
+    (tmp_path / "text.txt").write_text("".join(f"line {i} {'x' * (i % 7)}\n" for i in range(60)), encoding="utf-8")
+    corpus = TextCorpus(path=str(tmp_path / "text.txt"), unit="line", batch_size=4, bucket=False)
+    for loader in (corpus.val_dataloader(), corpus.test_dataloader()):
+        assert isinstance(loader.batch_sampler, InOrderBatchSampler)
+        assert [i for batch in loader.batch_sampler for i in batch] == list(range(len(loader.dataset)))
+    assert not isinstance(corpus.predict_dataloader().batch_sampler, InOrderBatchSampler)  # Lightning rebuilds it

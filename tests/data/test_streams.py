@@ -99,3 +99,21 @@ def test_a_split_too_short_for_the_streams_names_the_flag(write: Callable[..., s
     corpus = TextCorpus(path=write("s.txt", _text(1000)), unit="stream", batch_size=8, val_fraction=0.01)
     with pytest.raises(DataError, match=r"the val split: .*--data\.batch_size 8"):
         corpus.setup()
+
+
+def test_streams_without_validation_text_train_without_validation(tmp_path) -> None:
+    """--data.val_fraction 0 with streams: no validation, as with line units (it stopped fit with "no val text")."""
+    from seqnorm.data import TextCorpus
+
+    (tmp_path / "text.txt").write_text("the cat sat on the mat. " * 200, encoding="utf-8")
+    corpus = TextCorpus(
+        path=str(tmp_path / "text.txt"),
+        unit="stream",
+        batch_size=2,
+        window_length=9,
+        val_fraction=0.0,
+        test_fraction=0.0,
+    )
+    assert len(corpus.val_dataloader()) == 0 and len(corpus.train_dataloader()) > 0
+    with pytest.raises(DataError, match="no test text"):
+        corpus.test_dataloader()
