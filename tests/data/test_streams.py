@@ -117,3 +117,15 @@ def test_streams_without_validation_text_train_without_validation(tmp_path) -> N
     assert len(corpus.val_dataloader()) == 0 and len(corpus.train_dataloader()) > 0
     with pytest.raises(DataError, match="no test text"):
         corpus.test_dataloader()
+
+
+def test_streams_are_refused_under_ddp(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from seqnorm.data import sampler
+
+    (tmp_path / "text.txt").write_text("the cat sat on the mat. " * 200, encoding="utf-8")
+    corpus = TextCorpus(path=str(tmp_path / "text.txt"), unit="stream", batch_size=2, window_length=9)
+    monkeypatch.setattr(sampler.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(sampler.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(sampler.dist, "get_rank", lambda: 0)
+    with pytest.raises(DataError, match=r"--data.unit stream: expected one process, got 2"):
+        corpus.train_dataloader()
