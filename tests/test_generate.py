@@ -56,3 +56,18 @@ def test_word_streams_feed_eos_as_their_line_break(unit: str) -> None:
     vocab = Vocabulary(["the", "cat"])
     assert _run(vocab, EOS, level="word", unit=unit) == ("\n\n\n", [EOS, EOS, EOS, EOS])
     assert _run(vocab, "cat", level="word", unit=unit, prompt="the") == ("cat cat cat", ["the", "cat", "cat", "cat"])
+
+
+def test_words_are_joined_by_spaces_within_lines_only() -> None:
+    vocab = Vocabulary(["the", "cat"])
+    model = Scripted(len(vocab), 0)
+    script = iter(["the", EOS, EOS, "cat", "the"])
+
+    def step(token: torch.Tensor, state: object) -> tuple[torch.Tensor, object]:
+        logits = torch.full((1, len(vocab)), -10.0)
+        logits[0, vocab.encode([next(script, "the")])[0]] = 10.0
+        return logits, state
+
+    model.step = step  # type: ignore[method-assign]
+    text = generate_text(model, vocab, level="word", unit="stream", prompt="cat", length=5, temperature=0)  # type: ignore[arg-type]
+    assert text == "the\n\ncat the"  # was "the\n\n cat the"

@@ -222,10 +222,13 @@ class Vocabulary:
         """Rebuild a vocabulary saved by :meth:`to_dict`; the ids come out identical."""
         try:
             tokens: Sequence[str] = state["tokens"]
-            bos_eos = bool(state["bos_eos"])
+            bos_eos = state["bos_eos"]
         except (KeyError, TypeError) as error:
             raise DataError(f"not a saved Vocabulary (expected keys 'tokens' and 'bos_eos'): {error!r}") from error
+        if not isinstance(bos_eos, bool):  # bool("false") is True
+            raise DataError(f"saved Vocabulary is corrupt: expected bos_eos to be true or false, got {bos_eos!r}")
         vocab = cls(tokens, bos_eos=bos_eos)
-        if vocab._itos != list(tokens):
+        specials = {BOS, EOS} if not bos_eos else set()  # a vocabulary without them never holds them as tokens
+        if vocab._itos != list(tokens) or specials & set(tokens):
             raise DataError("saved Vocabulary is corrupt: its specials are not first or its tokens repeat")
         return vocab

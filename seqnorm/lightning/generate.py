@@ -92,4 +92,8 @@ def generate_text(
         logits, state = feed(token, state)
     if level == "char":
         return "".join(pieces)
-    return " ".join(pieces).replace(" \n ", "\n").replace(" \n", "\n")
+    # Words joined by spaces within a line, none around a line break (two breaks in a row: an empty line).
+    text = ""
+    for piece in pieces:
+        text += piece if piece == "\n" or not text or text.endswith("\n") else " " + piece
+    return text

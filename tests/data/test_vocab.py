@@ -77,7 +77,16 @@ def test_to_dict_from_dict_round_trip_through_json() -> None:
     assert restored.bos_eos is False
 
 
-@pytest.mark.parametrize("state", [{}, {"tokens": ["a", "<pad>"], "bos_eos": True}, "nonsense"])
+@pytest.mark.parametrize(
+    "state",
+    [
+        {},
+        {"tokens": ["a", "<pad>"], "bos_eos": True},
+        "nonsense",
+        {"tokens": ["<pad>", "<unk>", "<bos>", "<eos>"], "bos_eos": False},  # the specials as ordinary tokens
+        {"tokens": ["<pad>", "<unk>", "<bos>", "<eos>"], "bos_eos": "false"},  # bool("false") is True
+    ],
+)
 def test_from_dict_rejects_bad_state(state: object) -> None:
     with pytest.raises(DataError):
         Vocabulary.from_dict(state)  # type: ignore[arg-type]
