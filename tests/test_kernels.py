@@ -300,6 +300,54 @@ def test_unbuilt_kernels_warn_once_and_the_plain_path_runs(tmp_path: Path, monke
     assert kernels.status().startswith("off: the C++ kernels are not built")
 
 
+def test_status_before_any_layer_keeps_the_layers_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SEQNORM_KERNELS_DIR", str(tmp_path))
+    monkeypatch.setattr(kernels, "_LOADED", {})
+    assert kernels.status().startswith("off: the C++ kernels are not built")  # `seqnorm --version` asks first
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        seqnorm.LSTM(3, 4, norm="layer")(torch.randn(2, 1, 3))
+    assert [w for w in caught if issubclass(w.category, RuntimeWarning) and "not built" in str(w.message)]
+
+
+def test_a_failed_build_is_recorded_and_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The warning and status say why (it told users to run the command that had just failed); the build ran with
+    the interpreter's scripts folder (where pip puts ninja) on PATH; nothing partial is left."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("SEQNORM_KERNELS_DIR", str(tmp_path))
+    monkeypatch.setattr(kernels, "_LOADED", {})
+    seen: list[str] = []
+
+    def no_ninja(*args: Any, **kwargs: Any) -> None:
+        seen.append(os.environ["PATH"])
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(cpp_extension, "load", no_ninja)
+    with pytest.raises(RuntimeError, match="Ninja is required"):
+        kernels.build()
+    assert seen[0].split(os.pathsep)[0] == str(Path(sys.executable).parent)
+    assert os.environ["PATH"] == seen[0].split(os.pathsep, 1)[1]  # restored
+    assert [path.name.endswith(".failed") for path in tmp_path.iterdir()] == [True]
+    assert "their last build failed: RuntimeError: Ninja is required" in kernels.status()
+
+
+def test_a_build_another_process_finished_first_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("SEQNORM_KERNELS_DIR", str(tmp_path))
+    final = kernels.cache_dir() / kernels._build_key(kernels._capability())
+
+    def racing(name: str, sources: list[str], build_directory: str, **kwargs: Any) -> None:
+        Path(build_directory, "seqnorm_kernels.so").write_text("ours")
+        final.mkdir(parents=True)  # the other process renamed its build into place meanwhile
+        (final / "seqnorm_kernels.so").write_text("theirs")
+
+    monkeypatch.setattr(cpp_extension, "load", racing)
+    assert kernels.build().read_text() == "theirs"
+    assert sorted(path.name for path in tmp_path.iterdir()) == [final.name]  # our work directory is gone
+
+
 def test_the_switch_turns_the_kernels_off_for_a_process() -> None:
     code = "import seqnorm, torch; print(seqnorm.LSTM(3, 4, norm='layer').plan(torch.randn(2, 1, 3)).path)"
     env = {**os.environ, "SEQNORM_KERNELS": "0"}

@@ -160,7 +160,8 @@ def _library(directory: Path) -> Path:
 def build(verbose: bool = False) -> Path:
     """Compile the kernels for this machine into :func:`cache_dir` (a no-op when that build exists); its path.
 
-    Raises whatever torch's ``cpp_extension`` raises when there is no compiler or the build fails.
+    Raises whatever torch's ``cpp_extension`` raises when there is no compiler or the build fails, after noting the
+    failure beside the build (:func:`status` and the layers' warning then say why, not only "not built").
     """
     from torch.utils import cpp_extension
 
@@ -168,21 +169,47 @@ def build(verbose: bool = False) -> Path:
     directory = cache_dir() / _build_key(capability)
     if _library(directory).exists():
         return _library(directory)
-    work = directory.with_name(directory.name + ".partial")
+    failed = directory.with_name(directory.name + ".failed")
+    # A directory of this process's own: two first builds sharing a cache (two clones, two CI jobs) deleted each
+    # other's files in one shared .partial directory, and both failed.
+    work = directory.with_name(f"{directory.name}.partial-{os.getpid()}")
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    cpp_extension.load(
-        NAME,
-        [str(path) for path in sorted(SOURCES.glob("*.cpp"))],
-        extra_cflags=_flags(capability),
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(work),
-        verbose=verbose,
-    )
-    # Renamed into place whole, so a build interrupted halfway is never loaded.
-    shutil.rmtree(directory, ignore_errors=True)
-    work.rename(directory)
+    try:
+        with _interpreter_tools_on_path():
+            cpp_extension.load(
+                NAME,
+                [str(path) for path in sorted(SOURCES.glob("*.cpp"))],
+                extra_cflags=_flags(capability),
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(work),
+                verbose=verbose,
+            )
+    except Exception as error:
+        shutil.rmtree(work, ignore_errors=True)
+        failed.write_text(f"{type(error).__name__}: {error}".splitlines()[0][:500], encoding="utf-8")
+        raise
+    failed.unlink(missing_ok=True)
+    # Renamed into place whole, so a build interrupted halfway is never loaded; a build another process finished
+    # first is kept (it is the same source and flags).
+    try:
+        work.rename(directory)
+    except OSError:
+        shutil.rmtree(work, ignore_errors=True)
     return _library(directory)
+
+
+@contextlib.contextmanager
+def _interpreter_tools_on_path() -> Iterator[None]:
+    """The running interpreter's scripts folder on ``PATH`` while torch builds: ``ninja`` (a dependency) is
+    installed there, and torch looks for it on ``PATH``, which a venv's python run by its path does not change."""
+    scripts = str(Path(sys.executable).parent)
+    previous = os.environ.get("PATH", "")
+    os.environ["PATH"] = scripts + os.pathsep + previous
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = previous
 
 
 _LOADED: dict[str, ModuleType | None] = {}
@@ -191,10 +218,17 @@ _ENABLED: list[bool] = [os.environ.get(ENV_SWITCH, "1").strip().lower() not in (
 
 
 def _load_cpu() -> ModuleType | None:
-    path = _library(cache_dir() / _build_key(_capability()))
+    directory = cache_dir() / _build_key(_capability())
+    path = _library(directory)
     if not path.exists():
-        compiler = shutil.which(os.environ.get("CXX", "c++"))
-        how = "run `python -m seqnorm.kernels` (or `make venv`) once" if compiler else "no C++ compiler was found"
+        failed = directory.with_name(directory.name + ".failed")
+        if failed.exists():
+            reason = failed.read_text(encoding="utf-8")
+            how = f"their last build failed: {reason}; fix that, then `python -m seqnorm.kernels`"
+        elif not shutil.which(os.environ.get("CXX", "c++")):
+            how = "no C++ compiler was found"
+        else:
+            how = "run `python -m seqnorm.kernels` (or `make venv`) once"
         _WHY_NOT["cpu"] = f"the C++ kernels are not built for this machine and source version ({how})"
         return None
     try:
@@ -238,9 +272,12 @@ def status(device_type: str = "cpu") -> str:
     """One line: whether the kernels run on ``device_type``, and if not, why."""
     if not _ENABLED[0]:
         return f"off ({ENV_SWITCH}=0 or seqnorm.kernels.set_enabled(False))"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        module = native(device_type)
+    module = _LOADED.get(device_type)
+    if device_type not in _LOADED:  # asked without caching a miss, so that the layers' first miss still warns
+        loader = BACKENDS.get(device_type)
+        module = None if loader is None else loader()
+        if module is not None:
+            _LOADED[device_type] = module
     if module is not None:
         return f"on ({module.__file__})"
     return f"off: {_WHY_NOT.get(device_type, f'no kernels for {device_type!r}')}"
