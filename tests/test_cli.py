@@ -284,3 +284,21 @@ def test_the_console_help_has_no_lightning_warning() -> None:
         timeout=300,
     )
     assert "fit" in result.stdout and "args parameter" not in result.stderr, result.stderr
+
+
+def test_the_command_without_the_training_extra_says_what_to_install() -> None:
+    """A base install has the `seqnorm` command; without Lightning it was a traceback from seqnorm.cli's imports."""
+    code = (
+        "import sys; sys.modules['lightning'] = None; sys.argv = ['seqnorm', '--version']\n"
+        "from seqnorm.__main__ import main; main()"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (
+        "seqnorm: error: the command needs the training extra (lightning is not installed): "
+        "pip install 'seqnorm[train]'"
+    )
+    working = subprocess.run(
+        [sys.executable, "-m", "seqnorm", "--version"], capture_output=True, text=True, timeout=300
+    )
+    assert working.returncode == 0 and working.stdout.startswith("seqnorm ")
