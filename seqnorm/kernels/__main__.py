@@ -14,7 +14,9 @@ from seqnorm import kernels
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m seqnorm.kernels", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m seqnorm.kernels", description=__doc__.splitlines()[0].replace("``", "")
+    )
     parser.add_argument("--strict", action="store_true", help="exit 1 when the kernels cannot be built")
     parser.add_argument("--verbose", action="store_true", help="show the compiler's commands and output")
     args = parser.parse_args(argv)
