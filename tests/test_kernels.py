@@ -437,14 +437,7 @@ def test_the_weight_layout_is_timed_once_per_shape(monkeypatch: pytest.MonkeyPat
     or row count is timed anew."""
 
     monkeypatch.setattr(kernel, "_LAYOUTS", {})
-    clock = {"reads": 0}
-    real = kernel.time.perf_counter
-
-    def counted() -> float:
-        clock["reads"] += 1
-        return real()
-
-    monkeypatch.setattr(kernel.time, "perf_counter", counted)
+    clock = _count_clock_reads(monkeypatch)
     weight = torch.randn(12, 5)
     first = kernel.faster_layout(weight, 1)
     timed = clock["reads"]
@@ -454,6 +447,19 @@ def test_the_weight_layout_is_timed_once_per_shape(monkeypatch: pytest.MonkeyPat
     assert again.is_contiguous() == first.is_contiguous() and torch.equal(again, (weight * 2).t())
     kernel.faster_layout(weight, 3)  # other rows: timed
     assert clock["reads"] > timed
+
+
+def _count_clock_reads(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts faster_layout's clock reads (each timed product reads it): ``{"reads": n}``, updated live."""
+    clock = {"reads": 0}
+    real = kernel.time.perf_counter
+
+    def counted() -> float:
+        clock["reads"] += 1
+        return real()
+
+    monkeypatch.setattr(kernel.time, "perf_counter", counted)
+    return clock
 
 
 @pytest.fixture
@@ -487,14 +493,7 @@ def test_deterministic_algorithms_fix_the_route_and_the_layout(monkeypatch: pyte
     """The measured choices depend on the machine's load, and each route rounds differently: with deterministic
     algorithms a seeded run gives the same numbers in every process (the experiment scripts rely on it)."""
     native = kernels.native("cpu")
-    clock = {"reads": 0}
-    real = kernel.time.perf_counter
-
-    def counted() -> float:
-        clock["reads"] += 1
-        return real()
-
-    monkeypatch.setattr(kernel.time, "perf_counter", counted)
+    clock = _count_clock_reads(monkeypatch)
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:

@@ -108,8 +108,8 @@ class EpochBatchSampler(Sampler[list[int]]):
         num_examples: int,
         batch_size: int,
         *,
-        drop_last: bool,
-        seed: int,
+        drop_last: bool = False,
+        seed: int = 0,
         num_replicas: int | None = None,
         rank: int | None = None,
     ) -> None:
@@ -222,18 +222,6 @@ class RandomBatchSampler(EpochBatchSampler):
         ([0, 1, 2, 3, 4], [2, 2, 1])
     """
 
-    def __init__(
-        self,
-        num_examples: int,
-        batch_size: int,
-        *,
-        drop_last: bool = False,
-        seed: int = 0,
-        num_replicas: int | None = None,
-        rank: int | None = None,
-    ) -> None:
-        super().__init__(num_examples, batch_size, drop_last=drop_last, seed=seed, num_replicas=num_replicas, rank=rank)
-
     def _epoch_batches(self) -> list[list[int]]:
         indices = list(range(self.num_examples))
         self._rng().shuffle(indices)
@@ -254,18 +242,6 @@ class InOrderBatchSampler(EpochBatchSampler):
     """
 
     even_shares = False
-
-    def __init__(
-        self,
-        num_examples: int,
-        batch_size: int = 1,
-        *,
-        drop_last: bool = False,
-        seed: int = 0,
-        num_replicas: int | None = None,
-        rank: int | None = None,
-    ) -> None:
-        super().__init__(num_examples, batch_size, drop_last=drop_last, seed=seed, num_replicas=num_replicas, rank=rank)
 
     def _epoch_batches(self) -> list[list[int]]:
         return self._cut(list(range(self.num_examples)))
