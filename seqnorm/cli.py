@@ -194,6 +194,12 @@ class SeqnormCLI(LightningCLI):
         check_writable_dir(trainer.get("default_root_dir") if trainer is not None else None)
         configure_threads(self._get(self.config, "threads"))  # before the data and the model touch torch
         fold_renamed_flags(self._get(self.config, "model"), MODELS)  # so config.yaml records today's names
+        if self._get(self.config, "lr_scheduler") and not self._get(self.config, "optimizer"):
+            # LightningCLI attaches a scheduler only to an optimizer it builds; the modules' own Adam ran without it.
+            raise ValueError(
+                "--lr_scheduler: needs --optimizer too (a scheduler alone was silently ignored): pass e.g. "
+                "--optimizer Adam --optimizer.lr 0.002 (then --model.lr and --model.weight_decay are not used)"
+            )
 
     def after_instantiate_classes(self) -> None:
         if self._resumed is not None:  # before Lightning loads the weights into a model built for other data

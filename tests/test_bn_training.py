@@ -122,6 +122,35 @@ def test_precise_bn_does_not_change_the_training_run(tmp_path: Path) -> None:
     assert plain_loss != precise_loss
 
 
+def test_precise_bn_runs_under_the_trainers_precision(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16-mixed: the population pass runs under autocast, as training and validation do (it ran in float32)."""
+    from seqnorm.lightning import precise_bn
+
+    autocast: list[bool] = []
+    real = precise_bn.update_bn
+
+    def recording(*args: object, **kwargs: object) -> None:
+        autocast.append(torch.is_autocast_enabled("cpu"))
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(precise_bn, "update_bn", recording)
+    corpus = TextCorpus(batch_size=8, seed=0)
+    model = LanguageModel(corpus.vocab_size, corpus.pad_index, hidden_size=16, embedding_dim=8, norm="batch")
+    trainer = pl.Trainer(
+        max_steps=2,
+        limit_val_batches=1,
+        precision="bf16-mixed",
+        callbacks=[PreciseBN(2)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, corpus)
+    assert autocast and all(autocast)
+
+
 def test_precise_bn_checks_its_argument() -> None:
     with pytest.raises(ValueError, match=r"^PreciseBN: expected num_batches >= 1 or None, got 0"):
         PreciseBN(num_batches=0)

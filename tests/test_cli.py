@@ -302,3 +302,26 @@ def test_the_command_without_the_training_extra_says_what_to_install() -> None:
         [sys.executable, "-m", "seqnorm", "--version"], capture_output=True, text=True, timeout=300
     )
     assert working.returncode == 0 and working.stdout.startswith("seqnorm ")
+
+
+def test_a_scheduler_without_an_optimizer_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """LightningCLI attaches a scheduler only to an optimizer it builds: alone, it was silently ignored."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            [
+                "fit",
+                "--model",
+                "LanguageModel",
+                "--data",
+                "TextCorpus",
+                "--lr_scheduler",
+                "ExponentialLR",
+                "--lr_scheduler.gamma",
+                "0.5",
+                *QUIET,
+                "--trainer.max_steps",
+                "1",
+            ]
+        )
+    assert exit_info.value.code == 2
+    assert "error: --lr_scheduler: needs --optimizer too" in capsys.readouterr().err

@@ -35,3 +35,37 @@ def test_validate_before_fit_then_test_on_one_model(tmp_path: Path) -> None:
     tested = _trainer(tmp_path / "c").test(model, data)[0]["test/loss"]
     assert math.isfinite(before) and math.isfinite(after) and math.isfinite(tested)
     assert fit.global_step == 3 and after < before
+
+
+class _BatchLosses(pl.Callback):
+    """Each training batch's loss and real target tokens (what train/loss weighs it by)."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[float, int]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs, batch, batch_idx) -> None:
+        tokens = int((batch["targets"] != module.hparams.pad_index).sum())
+        self.rows.append((float(outputs["loss"]) * trainer.accumulate_grad_batches, tokens))
+
+
+def test_train_loss_covers_every_batch_since_the_last_point_with_gradient_accumulation(tmp_path: Path) -> None:
+    """log_every_n_steps counts optimizer steps: with 2 batches per step the window is 2 x 3 batches (it was 3)."""
+    corpus = TextCorpus(batch_size=4)
+    model = LanguageModel(corpus.vocab_size, corpus.pad_index, hidden_size=16, embedding_dim=8)
+    record = _BatchLosses()
+    trainer = pl.Trainer(
+        max_steps=4,
+        accumulate_grad_batches=2,
+        log_every_n_steps=3,
+        callbacks=[record],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, corpus)
+    last = record.rows[-6:]
+    expected = sum(loss * tokens for loss, tokens in last) / sum(tokens for _, tokens in last)
+    assert math.isclose(float(trainer.callback_metrics["train/loss"]), expected, rel_tol=1e-5)

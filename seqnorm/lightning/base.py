@@ -234,7 +234,8 @@ class TaskModule(pl.LightningModule):
         ``on_step``/``on_epoch`` pair would rename the step value ``train/loss_step``, so each has its own ``log``
         call and ``train/loss`` keeps its name.
         """
-        window = max(1, self.trainer.log_every_n_steps)
+        # log_every_n_steps counts optimizer steps; with gradient accumulation each takes several batches.
+        window = max(1, self.trainer.log_every_n_steps) * max(1, self.trainer.accumulate_grad_batches)
         recent = getattr(self, "_recent_losses", None)
         if recent is None or recent.maxlen != window:
             self._recent_losses: deque[tuple[Tensor | float, int]] = deque(recent or (), maxlen=window)

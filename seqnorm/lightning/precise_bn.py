@@ -61,7 +61,8 @@ class PreciseBN(pl.Callback):
         batches = itertools.islice(datamodule.train_dataloader(), self.num_batches)
         device = pl_module.device
         forked = [device.index or 0] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=forked):
+        # Under the trainer's precision (bf16-mixed: autocast), as the training and validation forwards run.
+        with torch.random.fork_rng(devices=forked), trainer.precision_plugin.forward_context():
             update_bn(batches, pl_module, device, forward=_task_forward)
         self._updated_at = trainer.global_step
 

@@ -58,7 +58,7 @@ class RNNClassifier(nn.Module):
             **rnn_kwargs,
         )
         self.dropout = nn.Dropout(dropout)
-        self.head = nn.Linear(hidden_size * (2 if bidirectional else 1), num_classes)
+        self.head = nn.Linear(self.rnn.state_size * (2 if bidirectional else 1), num_classes)  # proj_size if set
 
     def forward(self, inputs: Tensor, lengths: Tensor) -> Tensor:
         """Class logits ``(B, num_classes)`` of token ids ``inputs`` ``(B, T)`` with real lengths ``lengths`` ``(B,)``:

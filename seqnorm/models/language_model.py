@@ -24,7 +24,8 @@ class RNNLanguageModel(nn.Module):
         num_layers: stacked recurrent layers.
         dropout: dropout on the embedding, between layers and before the projection.
         pad_index: the padding id (its embedding is kept at zero).
-        tie_weights: share the embedding with the output projection (needs ``embedding_dim == hidden_size``).
+        tie_weights: share the embedding with the output projection (needs ``embedding_dim`` equal to the RNN's
+            output size: ``hidden_size``, or ``proj_size`` when ``rnn_kwargs`` set it).
         **rnn_kwargs: ``norm``, ``init``, ``max_steps``, ``recurrent_dropout``, ... of :class:`~seqnorm.LSTM`.
 
     Inputs: ``inputs`` ``(B, T)`` token ids and ``lengths`` ``(B,)``. Output: logits ``(B, T, vocab_size)``.
@@ -44,11 +45,6 @@ class RNNLanguageModel(nn.Module):
         **rnn_kwargs: Any,
     ) -> None:
         super().__init__()
-        if tie_weights and embedding_dim != hidden_size:
-            raise ValueError(
-                f"RNNLanguageModel: expected embedding_dim == hidden_size with tie_weights, "
-                f"got {embedding_dim} and {hidden_size}"
-            )
         self.embedding = nn.Embedding(vocab_size, embedding_dim, padding_idx=pad_index)
         self.rnn = build_rnn(
             cell,
@@ -58,8 +54,15 @@ class RNNLanguageModel(nn.Module):
             dropout=dropout if num_layers > 1 else 0.0,
             **rnn_kwargs,
         )
+        output_size = self.rnn.state_size  # proj_size (in rnn_kwargs) when set, else hidden_size
+        if tie_weights and embedding_dim != output_size:
+            what = "proj_size" if output_size != hidden_size else "hidden_size"
+            raise ValueError(
+                f"RNNLanguageModel: expected embedding_dim == {what} with tie_weights, got {embedding_dim} and "
+                f"{output_size}"
+            )
         self.dropout = nn.Dropout(dropout)
-        self.projection = nn.Linear(hidden_size, vocab_size)
+        self.projection = nn.Linear(output_size, vocab_size)
         if tie_weights:
             self.projection.weight = self.embedding.weight
 
