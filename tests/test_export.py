@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from seqnorm import RecurrentState
 from tests.conftest import BATCH_NORMS, CELLS, KINDS, LAYERS, NORMS
 
 onnx = pytest.importorskip("onnx")
@@ -56,6 +57,32 @@ def test_torch_export_matches_eager_and_guards_the_length(kind: str, norm: str) 
     assert_close(program.module()(other), layer(other), rtol=0, atol=1e-5)  # reference loop vs fast path
     with pytest.raises(Exception, match=r"(?i)shape|guard|size|dimension"):  # specialized to T=5, and says so
         program.module()(torch.randn(7, 3, 4))
+
+
+class _GenerationStep(torch.nn.Module):
+    """One decoding step, the usual way to deploy a recurrent language model: ``layer.step()`` without gradients."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor, *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h, c = state if len(state) == 2 else (state[0], None)
+        with torch.no_grad():
+            y, after = self.layer.step(x, RecurrentState(h, c, 2))
+        return (y, after.h) if after.c is None else (y, after.h, after.c)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("kind", list(LAYERS))
+def test_a_generation_step_exports(kind: str, norm: str) -> None:
+    """The cached and compiled steps read storage addresses, which export's stand-in tensors lack ("Cannot access
+    data pointer of Tensor"): under export the cells' own steps run."""
+    step = _GenerationStep(_layer(kind, norm, num_layers=2))
+    state = [torch.randn(2, 3, 6) for _ in range(2 if kind == "lstm" else 1)]
+    program = torch.export.export(step, (torch.randn(3, 4), *state))
+    x = torch.randn(3, 4)
+    assert_close(program.module()(x, *state), step(x, *state), rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("norm", BATCH_NORMS)

@@ -406,7 +406,10 @@ class RecurrentLayer(nn.Module):
                 check_state_shape(owner, "state.c", state.c, (self.num_layers, batch, self.hidden_size), x)
             if type(state.step) is not int or state.step < 0:  # the C++ step indexes BN's statistics with it
                 state = state._replace(step=check_step(owner, state.step, "state.step"))
-        lean = lean_layer_step(self, x)  # without gradients: every cell's step prepared once (cached)
+        # Under torch.export the cells' own steps (the cached step reads storage addresses, which export's stand-in
+        # tensors do not have); captured_by_export also refuses what it refuses for forward.
+        exporting = captured_by_export(self)
+        lean = None if exporting else lean_layer_step(self, x)  # without gradients: each cell's step prepared once
         if lean is not None:
             output, h, c = lean(x, state.h, state.c, state.step)
             return output, RecurrentState(h, c, state.step + 1)

@@ -167,8 +167,8 @@ def kernel_blocker(layer: RecurrentLayer | None, cell: RecurrentCell, dtype: tor
 
 
 def _compiled_blocker(device: str) -> str | None:
-    if torch.compiler.is_compiling():  # the extension is opaque to torch.compile; the plain path traces
-        return "torch.compile is tracing"
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():  # opaque to both; the plain path traces
+        return "torch.compile or torch.export is tracing"
     if kernels.native(device) is None:  # asked last: the first miss warns why
         return f"no compiled kernels for {device!r} ({kernels.status(device)})"
     return None
@@ -280,6 +280,8 @@ def _step_plan(layer: RecurrentLayer, x: Tensor) -> Plan:
     cells: list[RecurrentCell] = list(layer.cells)
     if layer.impl == "reference":
         return Plan("reference", "impl='reference'", ("reference",) * len(cells))
+    if torch.compiler.is_exporting():
+        return Plan("reference", "torch.export is capturing: the cells' own steps", ("reference",) * len(cells))
     autocast = torch.is_autocast_enabled(x.device.type)
     if not torch.is_grad_enabled() and not autocast:
         blocker = _lean_blocker(layer, cells, x)
