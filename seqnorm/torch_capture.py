@@ -40,8 +40,10 @@ def captured_by_export(module: nn.Module) -> bool:
         )
     if not torch.compiler.is_exporting():
         return False
+    # Batch statistics, or per-step running ones a training forward updates (weight norm's mean-only BN).
     batch_statistics = any(
-        getattr(getattr(cell, "scheme", None), "batch_statistics", False) for cell in module.modules()
+        getattr(getattr(cell, "scheme", None), "batch_statistics", False) or getattr(cell, "indexed_by_step", False)
+        for cell in module.modules()
     )
     if module.training and batch_statistics:
         raise ValueError(

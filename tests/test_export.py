@@ -92,6 +92,13 @@ def test_export_of_a_training_batch_norm_model_is_refused(norm: str) -> None:
         torch.export.export(layer, (torch.randn(5, 3, 4),))
 
 
+def test_export_of_a_training_mean_only_bn_model_is_refused() -> None:
+    """Weight norm's mean-only BN updates per-step running means in training, too (it exported without a word)."""
+    layer = LAYERS["lstm"](4, 6, norm="weight", norm_options={"mean_only_bn": True}).train()
+    with pytest.raises(ValueError, match=r"^LSTM: expected model.eval\(\) before export"):
+        torch.export.export(layer, (torch.randn(5, 3, 4),))
+
+
 @pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("kind", list(LAYERS))
 def test_jit_trace_is_refused_naming_the_alternatives(kind: str, norm: str) -> None:
