@@ -88,16 +88,14 @@ def test_precise_bn_from_the_cli_leaves_exact_statistics_in_the_checkpoint(story
         assert_close(saved[name], value, msg=name)
 
 
-def _fit(tmp_path: Path, callbacks: list[pl.Callback]) -> tuple[LanguageModel, float]:
+def _fit(tmp_path: Path, callbacks: list[pl.Callback], **options: object) -> tuple[LanguageModel, float]:
     corpus = TextCorpus(unit="window", window_length=17, batch_size=8)  # the embedded task: no padded tails
     pl.seed_everything(0)
     model = LanguageModel(
         corpus.vocab_size, corpus.pad_index, hidden_size=16, embedding_dim=8, norm="batch", dropout=0.3
     )
     trainer = pl.Trainer(
-        max_steps=12,
-        val_check_interval=6,
-        limit_val_batches=3,
+        **{"max_steps": 12, "val_check_interval": 6, "limit_val_batches": 3, **options},  # type: ignore[arg-type]
         callbacks=callbacks,
         logger=False,
         enable_checkpointing=False,
@@ -134,20 +132,7 @@ def test_precise_bn_runs_under_the_trainers_precision(tmp_path: Path, monkeypatc
         real(*args, **kwargs)
 
     monkeypatch.setattr(precise_bn, "update_bn", recording)
-    corpus = TextCorpus(batch_size=8, seed=0)
-    model = LanguageModel(corpus.vocab_size, corpus.pad_index, hidden_size=16, embedding_dim=8, norm="batch")
-    trainer = pl.Trainer(
-        max_steps=2,
-        limit_val_batches=1,
-        precision="bf16-mixed",
-        callbacks=[PreciseBN(2)],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
-    trainer.fit(model, corpus)
+    _fit(tmp_path, [PreciseBN(2)], precision="bf16-mixed", max_steps=4, val_check_interval=2)
     assert autocast and all(autocast)
 
 

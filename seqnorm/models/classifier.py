@@ -7,7 +7,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from seqnorm.models.rnn import build_rnn
+from seqnorm.models.rnn import embedded_rnn
 
 __all__ = ["Pooling", "RNNClassifier"]
 
@@ -47,13 +47,14 @@ class RNNClassifier(nn.Module):
         if pooling not in ("last", "mean", "max"):
             raise ValueError(f"RNNClassifier: expected pooling to be 'last', 'mean' or 'max', got {pooling!r}")
         self.pooling = pooling
-        self.embedding = nn.Embedding(vocab_size, embedding_dim, padding_idx=pad_index)
-        self.rnn = build_rnn(
-            cell,
+        self.embedding, self.rnn = embedded_rnn(
+            vocab_size,
             embedding_dim,
+            pad_index,
+            cell,
             hidden_size,
             num_layers=num_layers,
-            dropout=dropout if num_layers > 1 else 0.0,  # between layers; the model's own dropout is below
+            dropout=dropout,
             bidirectional=bidirectional,
             **rnn_kwargs,
         )

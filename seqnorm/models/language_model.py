@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from seqnorm.layers import RecurrentState
-from seqnorm.models.rnn import build_rnn
+from seqnorm.models.rnn import embedded_rnn
 
 __all__ = ["RNNLanguageModel"]
 
@@ -45,13 +45,14 @@ class RNNLanguageModel(nn.Module):
         **rnn_kwargs: Any,
     ) -> None:
         super().__init__()
-        self.embedding = nn.Embedding(vocab_size, embedding_dim, padding_idx=pad_index)
-        self.rnn = build_rnn(
-            cell,
+        self.embedding, self.rnn = embedded_rnn(
+            vocab_size,
             embedding_dim,
+            pad_index,
+            cell,
             hidden_size,
             num_layers=num_layers,
-            dropout=dropout if num_layers > 1 else 0.0,
+            dropout=dropout,
             **rnn_kwargs,
         )
         output_size = self.rnn.state_size  # proj_size (in rnn_kwargs) when set, else hidden_size
