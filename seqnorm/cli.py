@@ -58,7 +58,7 @@ from seqnorm.data import LabeledText, TextCorpus, Vocabulary
 from seqnorm.lightning import LanguageModel, SequenceClassifier, SyncBatchNorm
 from seqnorm.lightning.base import DATA_STATE_KEY
 from seqnorm.lightning.checkpoint_io import ALLOWED_GLOBALS, names_class, read_checkpoint, task_class
-from seqnorm.lightning.generate import generate_text
+from seqnorm.lightning.generate import SAMPLING_MINIMUMS, generate_text, sampling_out_of_range
 from seqnorm.lightning.prediction_writer import PredictionWriter
 from seqnorm.shipped_configs import describe_configs, resolve_config_names
 
@@ -271,14 +271,12 @@ def generate(
         top_k: sample only among the k most likely tokens.
         seed: random seed for reproducible samples.
     """
-    # Named by flag here (generate_text checks the same, by its argument names, for library callers).
-    for flag, value, expected in (
-        ("--length", length, "an int >= 0" if length < 0 else None),
-        ("--temperature", temperature, "a value >= 0 (0: greedy)" if temperature < 0 else None),
-        ("--top_k", top_k, "an int >= 1" if top_k is not None and top_k < 1 else None),
-    ):
-        if expected is not None:
-            raise ValueError(f"{flag} {value}: expected {expected}")
+    wrong = sampling_out_of_range(length, temperature, top_k)  # named by flag here, before reading the checkpoint
+    if wrong is not None:
+        name, value = wrong
+        kind = "a value" if name == "temperature" else "an int"
+        greedy = " (0: greedy)" if name == "temperature" else ""
+        raise ValueError(f"--{name} {value}: expected {kind} >= {SAMPLING_MINIMUMS[name]}{greedy}")
     checkpoint = read_checkpoint(ckpt_path)
     saved_class = task_class(checkpoint, MODELS, ckpt_path)
     data_state = checkpoint.get(DATA_STATE_KEY)

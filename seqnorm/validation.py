@@ -11,6 +11,7 @@ from torch import Tensor
 __all__ = [
     "check_like_input",
     "check_like_parameters",
+    "check_non_negative",
     "check_positive_int",
     "check_proj_size",
     "check_rate",
@@ -91,4 +92,11 @@ def check_rate(owner: str, name: str, value: object) -> float:
 def check_positive_int(owner: str, name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{owner}: expected {name} to be a positive int, got {value!r}")
+    return value
+
+
+def check_non_negative(owner: str, name: str, value: object) -> float:
+    """A number ``>= 0`` (a learning rate, a weight decay); a ``ValueError`` naming ``owner`` and ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise ValueError(f"{owner}: expected {name} >= 0, got {value!r}")
     return value

@@ -31,7 +31,7 @@ from seqnorm.lightning.resume import (
 )
 from seqnorm.norms import DEFAULT_SMALL_BATCH, BeyondMaxSteps, NormSpec, TimestepBatchNorm, resolve_norm, spec_from_dict
 from seqnorm.norms.specs import InputStats, field_names
-from seqnorm.validation import check_positive_int
+from seqnorm.validation import check_non_negative, check_positive_int
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -191,11 +191,8 @@ class TaskModule(pl.LightningModule):
         # Checked here under the module's own names (the norm and the optimizer would name max_steps, or nothing).
         if self.hparams.norm_max_steps is not None:
             check_positive_int(owner, "norm_max_steps", self.hparams.norm_max_steps)
-        lr, weight_decay = self.hparams.lr, self.hparams.weight_decay
-        if isinstance(lr, bool) or not isinstance(lr, int | float) or not lr >= 0:  # 0: frozen, as torch allows
-            raise ValueError(f"{owner}: expected lr >= 0, got {lr!r}")
-        if isinstance(weight_decay, bool) or not isinstance(weight_decay, int | float) or not weight_decay >= 0:
-            raise ValueError(f"{owner}: expected weight_decay >= 0, got {weight_decay!r}")
+        check_non_negative(owner, "lr", self.hparams.lr)  # 0: a frozen run, as torch allows
+        check_non_negative(owner, "weight_decay", self.hparams.weight_decay)
         if isinstance(norm, Mapping):  # what a checkpoint holds
             norm = spec_from_dict(norm, owner)
         plain = norm.to_dict() if isinstance(norm, NormSpec) else norm

@@ -11,7 +11,20 @@ from seqnorm.data.units import STREAM_UNITS
 from seqnorm.data.vocab import Vocabulary, tokenize
 from seqnorm.models import RNNLanguageModel
 
-__all__ = ["generate_text"]
+__all__ = ["SAMPLING_MINIMUMS", "generate_text", "sampling_out_of_range"]
+
+
+SAMPLING_MINIMUMS = {"length": 0, "temperature": 0, "top_k": 1}
+"""The smallest value of each sampling argument (``top_k`` may also be ``None``: no limit)."""
+
+
+def sampling_out_of_range(length: int, temperature: float, top_k: int | None) -> tuple[str, object] | None:
+    """The first sampling argument below its :data:`SAMPLING_MINIMUMS`, with its value, or ``None``; both
+    :func:`generate_text` and ``seqnorm generate`` (which names flags, before reading the checkpoint) ask."""
+    for name, value in (("length", length), ("temperature", temperature), ("top_k", top_k)):
+        if value is not None and value < SAMPLING_MINIMUMS[name]:
+            return name, value
+    return None
 
 
 @torch.no_grad()
@@ -41,12 +54,10 @@ def generate_text(
     ``temperature=0`` is greedy decoding; ``top_k`` keeps only the ``k`` most likely tokens. Returns the generated
     continuation only.
     """
-    if length < 0:
-        raise ValueError(f"generate_text: expected length >= 0, got {length}")
-    if temperature < 0:
-        raise ValueError(f"generate_text: expected temperature >= 0, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"generate_text: expected top_k >= 1, got {top_k}")
+    wrong = sampling_out_of_range(length, temperature, top_k)
+    if wrong is not None:
+        name, value = wrong
+        raise ValueError(f"generate_text: expected {name} >= {SAMPLING_MINIMUMS[name]}, got {value}")
     model.eval()
     device = model.projection.weight.device
     natural_units = unit not in STREAM_UNITS
