@@ -142,6 +142,99 @@ def test_foreign_class_path_is_refused_without_importing_it(
     assert not marker.exists() and "foreign_model_module" not in sys.modules
 
 
+def _string_spec_checkpoint(story: Path, trained: Path, monkeypatch: pytest.MonkeyPatch, form: str) -> tuple[Path, Path]:
+    """``(checkpoint, marker)``: a class spec hidden in a string hyperparameter (JSON in ``rnn_options.norm_options``,
+    or YAML in ``norm``), naming a module whose import creates ``marker``."""
+    marker = story.parent / "imported"
+    (story.parent / "string_spec_module.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).touch()\nclass Spec:\n    def __init__(self): ...\n",
+        encoding="utf-8",
+    )
+    monkeypatch.syspath_prepend(str(story.parent))
+    monkeypatch.delitem(sys.modules, "string_spec_module", raising=False)
+    checkpoint = torch.load(trained, weights_only=True)
+    hparams = checkpoint["hyper_parameters"]
+    if form == "json":
+        hparams["rnn_options"] = {"norm_options": {"x": '{"class_path": "string_spec_module.Spec"}'}}
+    else:
+        hparams["norm"] = "class_path: string_spec_module.Spec\n"
+    path = story.parent / f"string_spec_{form}.ckpt"
+    torch.save(checkpoint, path)
+    return path, marker
+
+
+def test_a_class_spec_in_a_string_would_be_imported_without_the_check(
+    story: Path, trained: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # jsonargparse parses a string for an Any-typed field as YAML and resolves the class_path it finds there
+    path, marker = _string_spec_checkpoint(story, trained, monkeypatch, "json")
+    monkeypatch.setattr("seqnorm.lightning.checkpoint_io._structure_in_string", lambda value: None)
+    with pytest.raises(ValueError):  # the model refuses the option, but only after the class was imported
+        LanguageModel.load_from_checkpoint(path)
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("command", ["generate", "fit", "test"])
+@pytest.mark.parametrize("form", ["json", "yaml"])
+def test_a_class_spec_in_a_string_is_refused_without_importing_it(
+    story: Path,
+    trained: Path,
+    capsys: pytest.CaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    command: str,
+    form: str,
+) -> None:
+    path, marker = _string_spec_checkpoint(story, trained, monkeypatch, form)
+    key = "rnn_options.norm_options.x" if form == "json" else "norm"
+    error = _fails(capsys, _commands(path, story)[command])
+    assert f"--ckpt_path {path}: refused: its hyper_parameters.{key} is a string holding YAML/JSON" in error
+    with pytest.raises(CheckpointError, match="nothing in it was parsed or imported"):
+        LanguageModel.load_from_checkpoint(path)
+    assert not marker.exists() and "string_spec_module" not in sys.modules
+
+
+def _received_run(story: Path, trained: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+    """``(checkpoint, victim)``: a copy of the trained run, entered, whose checkpoint state records a "previous
+    last.ckpt" that leads out of its folder to ``victim``, a directory with a file in it."""
+    run = story.parent / "received"
+    shutil.copytree(trained.parents[2], run / "lightning_logs")
+    monkeypatch.chdir(run)  # as one resumes a run folder one was sent
+    victim = story.parent / "victim"
+    victim.mkdir()
+    (victim / "precious.txt").write_text("keep\n", encoding="utf-8")
+    checkpoint_path = run / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(checkpoint_path, weights_only=True)
+    (key,) = [key for key in checkpoint["callbacks"] if key.startswith("ResumableCheckpoint")]
+    state = checkpoint["callbacks"][key]
+    state["last_model_path"] = state["dirpath"] + "/.." * 40 + str(victim)
+    torch.save(checkpoint, checkpoint_path)
+    return checkpoint_path, victim
+
+
+def _resume(story: Path, checkpoint: Path) -> None:
+    main(["fit", *LM, "--data.path", str(story), *TINY, "--trainer.max_steps", "8", "--ckpt_path", str(checkpoint)])
+
+
+def test_a_received_run_would_delete_outside_its_folder_without_the_check(
+    story: Path, trained: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Lightning removes the previous last.ckpt recursively, and tests "inside dirpath" without resolving ".."
+    checkpoint, victim = _received_run(story, trained, monkeypatch)
+    monkeypatch.setattr("seqnorm.lightning.checkpoint.ResumableCheckpoint._owns", lambda self, path: True)
+    _resume(story, checkpoint)
+    assert not victim.exists()
+
+
+def test_a_received_run_cannot_make_resuming_delete_outside_its_folder(
+    story: Path, trained: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checkpoint, victim = _received_run(story, trained, monkeypatch)
+    with pytest.warns(UserWarning, match="names files outside .* they are forgotten"):
+        _resume(story, checkpoint)
+    assert (victim / "precious.txt").read_text(encoding="utf-8") == "keep\n"
+    assert torch.load(checkpoint, weights_only=True)["global_step"] == 8  # the run went on and saved last.ckpt
+
+
 def _truncated(trained: Path, path: Path) -> None:
     data = trained.read_bytes()
     path.write_bytes(data[: len(data) // 2])

@@ -325,11 +325,15 @@ def _download(spec: DatasetSpec, download: Download, folder: Path, known_hash: s
 
 
 def _extract(archive: Path, member_suffix: str, destination: Path) -> None:
-    """Copy one archive member to ``destination`` via a temporary file, so a failure leaves nothing behind."""
-    temporary = destination.with_name(destination.name + ".part")
+    """Copy one archive member to ``destination`` via a temporary file, so a failure leaves nothing behind.
+
+    The temporary file is created new (``mkstemp``: never through a link planted in a cache one was given), and
+    renaming it over ``destination`` replaces a link there rather than writing where it points."""
+    handle, name = tempfile.mkstemp(dir=destination.parent, prefix=f".{destination.name}.", suffix=".part")
+    temporary = Path(name)
     missing = DataError(f"{archive}: has no member {member_suffix!r}: delete it and run again")
     try:
-        with open(temporary, "wb") as out:
+        with os.fdopen(handle, "wb") as out:
             if zipfile.is_zipfile(archive):
                 with zipfile.ZipFile(archive) as zipped:
                     name = next((n for n in zipped.namelist() if n.endswith(member_suffix)), None)

@@ -82,6 +82,39 @@ class ResumableCheckpoint(ModelCheckpoint):
         if saved and here and source and saved != self.dirpath and os.path.dirname(os.path.abspath(source)) == here:
             state_dict = {key: _rebased(value, str(saved), here) for key, value in state_dict.items()}
         super().load_state_dict(state_dict)
+        self._forget_foreign_files()
+
+    def _owns(self, filepath: str) -> bool:
+        """Whether ``filepath`` is a file of this callback's own: directly in ``dirpath`` once links and ``..`` are
+        resolved (a remote path is left to Lightning's own test)."""
+        local, folder = local_path(filepath), local_path(self.dirpath) if self.dirpath is not None else None
+        if local is None or folder is None:
+            return True
+        return os.path.dirname(os.path.realpath(local)) == os.path.realpath(folder) and not os.path.isdir(local)
+
+    def _forget_foreign_files(self) -> None:
+        # A checkpoint is a file one may receive from someone else, and its state names the files Lightning will
+        # later delete (the previous last.ckpt, top-k files that drop out), recursively: a path that leads out of
+        # dirpath ("<dirpath>/../../elsewhere") would delete there. Such entries are dropped, never acted on.
+        foreign = [
+            path
+            for path in (self.best_model_path, self.kth_best_model_path, self.last_model_path, *self.best_k_models)
+            if path and not self._owns(path)
+        ]
+        if not foreign:
+            return
+        for name in ("best_model_path", "kth_best_model_path"):
+            if getattr(self, name) in foreign:
+                setattr(self, name, "")
+        if self.last_model_path in foreign:
+            # the run's own last file, which the next save replaces (an empty record would make it last-v1.ckpt)
+            own_last = os.path.join(str(self.dirpath), self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
+            self.last_model_path = own_last if "{" not in self.CHECKPOINT_NAME_LAST else ""
+        self.best_k_models = {path: score for path, score in self.best_k_models.items() if path not in foreign}
+        rank_zero_warn(
+            f"ResumableCheckpoint: the checkpoint's record names files outside {self.dirpath}: {sorted(set(foreign))}; "
+            "they are forgotten (never replaced or deleted)"
+        )
 
     # ---- last before best -------------------------------------------------------------------------------------
 
@@ -107,7 +140,7 @@ class ResumableCheckpoint(ModelCheckpoint):
                 self._copy_last_to(trainer, path)
         for action, path in held_back:
             if action == "remove":
-                super()._remove_checkpoint(trainer, path)
+                self._remove_own(trainer, path)
 
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
         if self._held_back is not None:
@@ -118,6 +151,13 @@ class ResumableCheckpoint(ModelCheckpoint):
     def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
         if self._held_back is not None:
             self._held_back.append(("remove", filepath))
+            return
+        self._remove_own(trainer, filepath)
+
+    def _remove_own(self, trainer: pl.Trainer, filepath: str) -> None:
+        """Lightning's removal (recursive), only of a file of this callback's own (:meth:`_owns`)."""
+        if not self._owns(filepath):
+            rank_zero_warn(f"ResumableCheckpoint: not removing {filepath}: not a checkpoint file in {self.dirpath}")
             return
         super()._remove_checkpoint(trainer, filepath)
 

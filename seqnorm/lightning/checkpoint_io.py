@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 __all__ = ["ALLOWED_GLOBALS", "CHECKPOINT_KEYS", "CheckpointError", "names_class", "read_checkpoint", "task_class"]
 
@@ -66,7 +67,8 @@ def read_checkpoint(path: str | os.PathLike[str], flag: str = "--ckpt_path") -> 
         CheckpointError: the file is missing, a directory, empty, truncated or corrupt, not a torch file, a pickle
             that asks for anything outside the allow-list (refused before anything in it runs), not a dict with
             :data:`CHECKPOINT_KEYS`, names an ``_instantiator`` other than LightningCLI's, or nests a
-            ``class_path`` in its hyperparameters (jsonargparse would import it when the model is built).
+            ``class_path`` in its hyperparameters, as a dict or inside a string that YAML reads as a mapping or a
+            list (jsonargparse would import and build it when the model is built).
     """
     where = f"{flag} {path}"
     file = Path(path)
@@ -120,6 +122,13 @@ def read_checkpoint(path: str | os.PathLike[str], flag: str = "--ckpt_path") -> 
             f"{where}: refused: its hyper_parameters.{nested[0]} names the class {nested[1]!r}; seqnorm's "
             "hyperparameters are plain values, and the named module was not imported"
         )
+    encoded = _structure_in_string(hparams)
+    if encoded is not None:
+        raise CheckpointError(
+            f"{where}: refused: its hyper_parameters.{encoded} is a string holding YAML/JSON structure (jsonargparse "
+            "would parse it, and could import and build a class it names); seqnorm's hyperparameters are plain "
+            "values, and nothing in it was parsed or imported"
+        )
     instantiator = hparams.get("_instantiator")
     if instantiator is not None and instantiator != INSTANTIATOR:
         raise CheckpointError(
@@ -141,6 +150,36 @@ def _class_path_inside(value: object, where: str = "") -> tuple[str, object] | N
         return None
     for key, item in items:
         found = _class_path_inside(item, key)
+        if found is not None:
+            return found
+    return None
+
+
+def _structure_in_string(value: object, where: str = "") -> str | None:
+    """The key path of a string that YAML reads as a mapping or a list, or that mentions ``class_path``.
+
+    jsonargparse parses a string given for a loosely typed field (``Any``, ``dict[str, Any]``) as YAML, and builds
+    any ``{"class_path": ...}`` it finds there: a dict hidden in a string is how a checkpoint would smuggle one past
+    :func:`_class_path_inside`. seqnorm writes only names, numbers and paths as strings.
+    """
+    if isinstance(value, str):
+        if "class_path" in value:
+            return where or "(top level)"
+        if not value.lstrip().startswith(("{", "[", "-")) and ":" not in value:
+            return None  # a plain scalar: no YAML structure possible (the fast, usual case)
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError:
+            return None  # not YAML: jsonargparse keeps it a string
+        return where or "(top level)" if isinstance(parsed, dict | list) else None
+    if isinstance(value, dict):
+        items: Any = ((f"{where}.{key}" if where else str(key), item) for key, item in value.items())
+    elif isinstance(value, list | tuple):
+        items = ((f"{where}[{index}]", item) for index, item in enumerate(value))
+    else:
+        return None
+    for key, item in items:
+        found = _structure_in_string(item, key)
         if found is not None:
             return found
     return None

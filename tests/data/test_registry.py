@@ -250,6 +250,21 @@ def test_cached_files_are_recorded_and_a_changed_member_is_extracted_again(
     assert fetch_dataset("zipped", cache)["val"].read_text() == texts["val"]
 
 
+def test_links_planted_in_a_cache_are_replaced_not_written_through(
+    server: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = tmp_path / "cache"
+    _, _, paths = _fetch_served_zip(server, cache, monkeypatch)
+    outside = tmp_path / "outside.txt"
+    outside.write_text("mine\n")
+    # a cache one was given: the member and the old temporary name both link to a file outside it
+    paths["train"].unlink()
+    paths["train"].symlink_to(outside)
+    paths["train"].with_name("train.txt.part").symlink_to(outside)
+    assert fetch_dataset("zipped", cache)["train"].read_text() == TEXTS["train"]
+    assert outside.read_text() == "mine\n" and not paths["train"].is_symlink()
+
+
 def test_changed_cached_archive_is_fetched_again(
     server: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
