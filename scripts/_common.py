@@ -267,7 +267,7 @@ def train_language_model(
             positions, state = _losses(model, batch, state)
             loss = positions.sum() / real
             if not torch.isfinite(loss):
-                result.status = f"diverged: loss {float(loss)} at update {result.updates}"
+                result.status = f"diverged: loss {float(loss.detach())} at update {result.updates}"
                 break
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

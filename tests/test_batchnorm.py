@@ -156,6 +156,16 @@ def test_renorm_schedule() -> None:
     assert schedule == [(1.0, 0.0), (1.0, 0.0), (2.0, 1.25), (3.0, 2.5), (3.0, 5.0), (3.0, 5.0)]
 
 
+def test_default_renorm_schedule_is_the_papers() -> None:
+    """Ioffe 2017: plain BN for 5000 steps, then relaxed to reach r_max = 3 at 40k steps and d_max = 5 at 25k."""
+    renorm = TimestepBatchRenorm(2, max_steps=1, dtype=torch.float64)
+    schedule = {}
+    for tracked in (5000, 25000, 40000):
+        renorm.num_batches_tracked[0] = tracked
+        schedule[tracked] = tuple(round(float(limit), 9) for limit in renorm.limits(0))
+    assert schedule == {5000: (1.0, 0.0), 25000: (round(1 + 2 * 20 / 35, 9), 5.0), 40000: (3.0, 5.0)}
+
+
 def test_renorm_limits_in_the_statistics_precision_and_counted_in_row_updates() -> None:
     """float64 models get float64 limits (they were float32: 2e-8 off the exact schedule); the shared last row
     counts one update per step that reaches it (README: beyond_max_steps)."""
@@ -201,3 +211,26 @@ def test_cooijmans_initialization() -> None:
     assert torch.equal(cell.norm_c.bias, torch.zeros(4))
     assert cell.norm_ih.running_mean.shape == (100, 16)
     assert torch.equal(cell.bias_ih[4:8] + cell.bias_hh[4:8], torch.ones(4))  # forget bias 1.0
+
+
+def test_pooled_moments_keep_their_variance_in_float32_when_the_means_are_large() -> None:
+    """``beyond_max_steps="pooled"`` in float32: running means near 300 with a spread of 0.1 (E[var + mean²] -
+    E[mean]² cancelled the variance to 0 or 0.016 where it is 0.02)."""
+    generator = torch.Generator().manual_seed(0)
+    means = 300 + 0.1 * torch.randn(4, 3, generator=generator, dtype=torch.float64)
+    variances = 0.01 + 0.01 * torch.rand(4, 3, generator=generator, dtype=torch.float64)
+    pooled = {}
+    for dtype in (torch.float32, torch.float64):
+        norm = TimestepBatchNorm(3, max_steps=4, beyond_max_steps="pooled", dtype=dtype)
+        norm.running_mean.copy_(means)
+        norm.running_var.copy_(variances)
+        norm.num_batches_tracked.copy_(torch.tensor([4, 3, 2, 1]))
+        pooled[dtype] = norm.pooled_moments()
+    exact_mean, exact_var = pooled[torch.float64]
+    mean, var = pooled[torch.float32]
+    assert_close(mean.double(), exact_mean, rtol=1e-6, atol=0)
+    assert_close(var.double(), exact_var, rtol=1e-4, atol=0)
+    # the mixture's variance: within-step variance plus the spread of the step means
+    weights = torch.tensor([4.0, 3.0, 2.0, 1.0], dtype=torch.float64).unsqueeze(1) / 10
+    expected = (weights * (variances + (means - exact_mean).square())).sum(0)
+    assert_close(exact_var, expected)

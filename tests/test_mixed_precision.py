@@ -77,6 +77,20 @@ def test_layer_under_autocast_is_close_to_float32(kind: str, norm: str, training
         assert all(grad is None or torch.isfinite(grad).all() for grad in grads)
 
 
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("kind", TORCH_KINDS)
+def test_float64_layer_is_untouched_by_autocast(kind: str, norm: str) -> None:
+    # autocast leaves float64 alone, as for torch.nn.LSTM: same numbers, float64 out (layer and batch norms raised
+    # a mixed-dtype error, rms and renorm computed in float32)
+    layer = LAYERS[kind](3, 8, norm=norm, dtype=torch.float64)
+    x = torch.randn(5, 4, 3, dtype=torch.float64)
+    expected, _ = copy.deepcopy(layer)(x)
+    with _bf16():
+        output, _ = layer(x)
+    assert output.dtype == torch.float64
+    assert_close(output, expected, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("cls", [LayerNorm, RMSNorm])
 def test_row_norm_statistics_are_float32(cls: type) -> None:
     norm = cls(32)

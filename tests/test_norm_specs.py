@@ -161,7 +161,10 @@ BAD_SPECS: list[tuple[type[NormSpec], dict[str, Any], str]] = [
     (norms.BatchRenormSpec, {"r_max": 0.5}, r"expected r_max to be a finite number >= 1, got 0.5"),
     (norms.BatchRenormSpec, {"warmup": 1.5}, r"expected warmup to be an int >= 0, got 1.5"),
     (norms.LayerNormSpec, {"affine": "yes"}, r"expected affine to be one of True, False, got 'yes'"),
-    (norms.RMSNormSpec, {"eps": -1.0}, r"expected eps to be a non-negative finite number, got -1.0"),
+    (norms.RMSNormSpec, {"eps": -1.0}, r"expected eps to be a positive finite number, got -1.0"),
+    # 0 would divide the zero recurrent term of a zero initial state by sqrt(0): NaN at the first step
+    (norms.LayerNormSpec, {"eps": 0.0}, r"expected eps to be a positive finite number, got 0.0"),
+    (norms.BatchNormSpec, {"eps": 0}, r"expected eps to be a positive finite number, got 0"),
     (norms.RMSNormSpec, {"affine": False, "gamma_init": 2.0}, r"expected gamma_init=None and beta_init=0 with affine"),
     (norms.LayerNormSpec, {"gamma_init": float("nan")}, r"expected gamma_init to be a finite number, got nan"),
     (norms.WeightNormSpec, {"momentum": 0.5}, r"expected mean_only_bn=True for momentum=0.5 with norm='weight'"),

@@ -315,9 +315,11 @@ def _keep_h(
 
 @contextmanager
 def _preserved(layer: RecurrentLayer) -> Iterator[None]:
-    """Run something on ``layer`` and leave its buffers, module modes and the RNG exactly as they were."""
+    """Run something on ``layer`` and leave its buffers, module modes, batch norms' fallback counts and the RNG
+    exactly as they were."""
     buffers = [(buffer, buffer.detach().clone()) for buffer in layer.buffers()]
     modes = [(module, module.training) for module in layer.modules()]
+    fallbacks = [(norm, norm.fallback_steps) for norm in layer.modules() if isinstance(norm, TimestepBatchNorm)]
     devices = sorted({b.device.index for b, _ in buffers if b.device.type == "cuda" and b.device.index is not None})
     try:
         with torch.random.fork_rng(devices=devices), torch.no_grad():
@@ -328,6 +330,8 @@ def _preserved(layer: RecurrentLayer) -> Iterator[None]:
                 buffer.copy_(saved)
         for module, training in modes:
             module.training = training
+        for norm, count in fallbacks:
+            norm.fallback_steps = count
 
 
 def train_eval_gap(

@@ -213,6 +213,15 @@ class RecurrentCell(PicklableParametrizations):
         with torch.no_grad():
             # Assigning through a weight-norm parametrization sets g = ||w|| and v = w (its right inverse).
             if parametrize.is_parametrized(self):
+                for name, weight in (("weight_ih", weight_ih), ("weight_hh", weight_hh)):
+                    zero_rows = int((weight == 0).all(dim=1).sum())
+                    if zero_rows:  # its direction w / ||w|| would be 0/0: NaN weights from the start
+                        raise ValueError(
+                            f"{self._owner}: expected init={self.init!r} to leave no zero row in {name} under "
+                            f"norm='weight' (a zero row has no direction to normalize), got {zero_rows} zero rows "
+                            f"of {weight.shape[0]}; use another init"
+                            + (" or no projection" if self.proj_size else "")
+                        )
                 self.weight_ih = weight_ih
                 self.weight_hh = weight_hh
             else:
@@ -388,10 +397,16 @@ class RecurrentCell(PicklableParametrizations):
 
     # --- input checks --------------------------------------------------------------------------------------------
 
+    @property
+    def _owner(self) -> str:
+        """The name errors start with: the cell's class, also under weight norm (whose parametrization makes the
+        module an instance of a generated ``Parametrized<Class>``)."""
+        return parametrize.type_before_parametrizations(self).__name__
+
     def unbatched(self, x: Tensor, state: Any, step: int | None, mask: Tensor | None) -> Any:
         """torch's unbatched cell call: ``x`` ``(input_size,)`` and states ``(H,)``, run as a batch of one (a batch
         norm in training refuses it as it refuses batch size 1). The outputs are ``(H,)``."""
-        owner = type(self).__name__
+        owner = self._owner
         if mask is not None:
             raise ValueError(f"{owner}: expected mask=None with an unbatched input (a mask marks rows), got a mask")
         states = state if isinstance(state, (tuple, list)) else (state,)
@@ -407,7 +422,7 @@ class RecurrentCell(PicklableParametrizations):
     def check_input(self, x: Tensor, mask: Tensor | None, owner: str | None = None) -> None:
         """``x`` ``(B, input_size)`` like the parameters, ``mask`` ``(B,)`` bool or ``None``; errors name ``owner``
         (default: this cell's class; a layer's ``step()`` names itself)."""
-        owner = owner or type(self).__name__
+        owner = owner or self._owner
         if not isinstance(x, Tensor) or x.dim() != 2 or x.shape[1] != self.input_size:
             got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(f"{owner}: expected input of shape (batch, {self.input_size}), got {got}")
@@ -420,7 +435,7 @@ class RecurrentCell(PicklableParametrizations):
 
     def check_state_tensor(self, name: str, tensor: object, batch_size: int, like: Tensor) -> Tensor:
         expected = (batch_size, self.state_size if name == "h" else self.hidden_size)
-        return check_state_shape(type(self).__name__, name, tensor, expected, like)
+        return check_state_shape(self._owner, name, tensor, expected, like)
 
     def check_step(self, step: object) -> int:
         """The time index of a call: ``step`` as an int ``>= 0``; ``None`` (not given) is a ``ValueError`` for a
@@ -429,11 +444,11 @@ class RecurrentCell(PicklableParametrizations):
         if step is None:
             if self.indexed_by_step:
                 raise ValueError(
-                    f"{type(self).__name__}: expected step=<time index> (norm={self.norm!r} keeps statistics per "
+                    f"{self._owner}: expected step=<time index> (norm={self.norm!r} keeps statistics per "
                     "time step: call cell(x_t, state, step=t) in a loop over t), got none"
                 )
             return 0
-        return check_step(type(self).__name__, step)
+        return check_step(self._owner, step)
 
     @property
     def indexed_by_step(self) -> bool:

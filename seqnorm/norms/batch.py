@@ -206,8 +206,10 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
         weights = torch.where(seen.sum() > 0, seen, torch.ones_like(seen))
         weights = (weights / weights.sum()).unsqueeze(1)
         mean = (weights * self.running_mean).sum(0)
-        second = (weights * (self.running_var + self.running_mean.square())).sum(0)
-        return mean, (second - mean.square()).clamp(min=0.0)
+        # Within-step variance plus the spread of the step means around the mixture's mean, written as deviations
+        # (E[var + mean²] - E[mean]² cancels to nothing in float32 when the means are large next to their spread).
+        spread = (weights * (self.running_mean - mean).square()).sum(0)
+        return mean, (weights * self.running_var).sum(0) + spread
 
     @property
     def fused_update(self) -> bool:
@@ -331,7 +333,7 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
             running_var = self.running_var[rows].unsqueeze(1)
         if not self.training:
             return self._affine(self._normalize_running_steps(x, running_mean, running_var))
-        mean, var, counts, active, batch = self._batch_moments(x, mask, counts, running_mean)  # (T, 1, F)
+        mean, var, counts, active, batch = self._batch_moments(x, mask, counts)  # (T, 1, F)
         use_batch = [count >= 2 for count in counts]
         if not all(use_batch) and self.raises_small_batch(batch, min(counts)):
             index = use_batch.index(False)
@@ -351,12 +353,11 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
         return self._affine(x_hat)
 
     def _batch_moments(
-        self, x: Tensor, mask: Tensor | None, counts: list[int], running_mean: Tensor
+        self, x: Tensor, mask: Tensor | None, counts: list[int]
     ) -> tuple[Tensor, Tensor, list[int], Tensor, int]:
         """Each step's mean and biased variance ``(T, 1, F)`` over the active rows of ``x`` ``(T, B, F)``, the active
         rows per step (a list, and as a ``(T, 1, 1)`` divisor, at least 1) and the batch size they come from (here
-        the local ones; across processes in :mod:`seqnorm.norms.sync`, which uses ``running_mean`` as the shift of
-        its sums)."""
+        the local ones; across processes in :mod:`seqnorm.norms.sync`)."""
         active = self._divisors(counts, x)
         mean, var = masked_moments(x, mask, active, dim=1)
         return mean, var, counts, active, x.shape[1]

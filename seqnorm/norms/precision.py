@@ -58,7 +58,8 @@ def float32_statistics(method: Method) -> Method:
     def wrapper(self: Any, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         device_type = x.device.type
         autocast = torch.is_autocast_enabled(device_type)
-        if x.dtype not in _LOW_PRECISION and not autocast:
+        # Autocast leaves float64 alone (as it does torch's own ops): a float64 model computes in float64.
+        if x.dtype not in _LOW_PRECISION and (not autocast or x.dtype == torch.float64):
             return method(self, x, *args, **kwargs)
         with torch.autocast(device_type, enabled=False), _own_tensors_in_float32(self):
             y = method(self, x.float(), *args, **kwargs)

@@ -50,8 +50,10 @@ class TimestepBatchRenorm(TimestepBatchNorm):
         r_max: final bound of ``r``. Default: 3.0.
         d_max: final bound of ``d``. Default: 5.0.
         warmup: batches of plain BN before the correction starts. Default: 5000 (the paper's value).
-        r_max_steps: batches over which ``r_max`` ramps from 1. Default: 40000.
-        d_max_steps: batches over which ``d_max`` ramps from 0. Default: 25000.
+        r_max_steps: batches after ``warmup`` over which ``r_max`` ramps from 1. Default: 35000 (so it reaches
+            its final value at batch 40000, as in the paper).
+        d_max_steps: batches after ``warmup`` over which ``d_max`` ramps from 0. Default: 20000 (final at batch
+            25000, as in the paper).
         **kwargs: as for :class:`TimestepBatchNorm`.
     """
 
@@ -65,8 +67,8 @@ class TimestepBatchRenorm(TimestepBatchNorm):
         r_max: float = 3.0,
         d_max: float = 5.0,
         warmup: int = 5000,
-        r_max_steps: int = 40000,
-        d_max_steps: int = 25000,
+        r_max_steps: int = 35000,
+        d_max_steps: int = 20000,
         **kwargs: object,
     ) -> None:
         super().__init__(num_features, max_steps, **kwargs)  # type: ignore[arg-type]

@@ -71,6 +71,13 @@ def _check_number(owner: str, name: str, value: object, low: float, what: str) -
         raise _fail(owner, f"{name} to be {what}", repr(value))
 
 
+def _check_eps(owner: str, value: object) -> None:
+    # 0 is refused: a cell's recurrent term W_hh h_0 is exactly 0 for the default zero state, so its normalization
+    # would divide 0 by sqrt(0) at the first step (as would any constant feature).
+    if not _is_number(value) or value <= 0:  # type: ignore[operator]
+        raise _fail(owner, "eps to be a positive finite number", repr(value))
+
+
 def _check_int(owner: str, name: str, value: object, low: int, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise _fail(owner, f"{name} to be {what}", repr(value))
@@ -160,7 +167,7 @@ class _Row(_Affine):
     eps: float = 1e-5
 
     def check(self, owner: str) -> None:
-        _check_number(owner, "eps", self.eps, 0.0, "a non-negative finite number")
+        _check_eps(owner, self.eps)
         super().check(owner)
 
 
@@ -169,7 +176,7 @@ class LayerNormSpec(_Row):
     r"""``norm="layer"`` (Ba et al. 2016): each row normalized over its features, in training and evaluation alike.
 
     Args:
-        eps: added to the variance. Default: 1e-5.
+        eps: added to the variance (> 0). Default: 1e-5.
         affine: learn the gains γ (and the cell-state norm's shift β); ``False``: bare normalizations.
         gamma_init: initial γ; ``None``: 1.0.
         beta_init: initial β of the LSTM cell-state norm (gate terms have no β: the cell bias follows them).
@@ -196,7 +203,7 @@ class _Statistics(NormSpec):
     beyond_max_steps: BeyondMaxSteps = "last"
 
     def check(self, owner: str) -> None:
-        _check_number(owner, "eps", self.eps, 0.0, "a non-negative finite number")
+        _check_eps(owner, self.eps)
         if self.momentum is not None and (not _is_number(self.momentum) or not 0.0 <= self.momentum <= 1.0):
             raise _fail(owner, "momentum in [0, 1] or None", repr(self.momentum))
         _check_int(owner, "max_steps", self.max_steps, 1, "a positive int")
@@ -250,7 +257,7 @@ class BatchNormSpec(_Batch):
     terms fixed at 0.
 
     Args:
-        eps: added to the variance. Default: 1e-5.
+        eps: added to the variance (> 0). Default: 1e-5.
         momentum: weight of the new batch in the running moments; ``None``: their cumulative average (as
             ``torch.nn.BatchNorm1d``). Default: 0.1.
         max_steps: time steps with their own statistics; later steps follow ``beyond_max_steps``. Default: 100.
@@ -276,8 +283,10 @@ class BatchRenormSpec(_Batch):
         r_max: final bound of ``r``. Default: 3.0.
         d_max: final bound of ``d``. Default: 5.0.
         warmup: training batches (per step) of plain BN before the correction starts. Default: 5000.
-        r_max_steps: batches over which ``r_max`` ramps from 1. Default: 40000.
-        d_max_steps: batches over which ``d_max`` ramps from 0. Default: 25000.
+        r_max_steps: batches after ``warmup`` over which ``r_max`` ramps from 1. Default: 35000 (so it reaches
+            its final value at batch 40000, as in the paper).
+        d_max_steps: batches after ``warmup`` over which ``d_max`` ramps from 0. Default: 20000 (final at batch
+            25000, as in the paper).
         the rest: as :class:`BatchNormSpec`.
     """
 
@@ -285,8 +294,8 @@ class BatchRenormSpec(_Batch):
     r_max: float = 3.0
     d_max: float = 5.0
     warmup: int = 5000
-    r_max_steps: int = 40000
-    d_max_steps: int = 25000
+    r_max_steps: int = 35000
+    d_max_steps: int = 20000
 
     def check(self, owner: str) -> None:
         super().check(owner)

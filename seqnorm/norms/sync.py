@@ -2,10 +2,11 @@
 
 Under data parallelism (DDP) each process holds a share of the batch. Normalizing with the statistics of that share
 alone is BatchNorm at a smaller batch — the regime where it suffers — and lets the running statistics drift apart
-across processes. A synchronized norm all-reduces the sums and squared sums of its active rows (shifted by the step's
-running mean, the same on every process, for accuracy) together with the active-row counts and the batch size: one
-collective per call (the input term's: one for all steps at once), whose autograd backward all-reduces the gradients
-of those sums, so the backward is exact, as :class:`torch.nn.SyncBatchNorm`'s. Statistics, the small-batch rule
+across processes. A synchronized norm gathers every process's active-row counts, batch size and per-step means and
+variances over its active rows, and merges them as Chan et al.'s parallel variance (no sum of squares is differenced,
+so float32 keeps the variance of inputs whose mean is large next to their spread): one collective per call (the input
+term's: one for all steps at once), whose autograd backward all-reduces the gradients of the gathered moments, so the
+backward is exact, as :class:`torch.nn.SyncBatchNorm`'s. Statistics, the small-batch rule
 (global rows), running statistics and :func:`~seqnorm.update_bn`'s population moments are then those of the global
 batch, identical on every process.
 
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from seqnorm.norms.batch import TimestepBatchNorm
+from seqnorm.norms.batch_pieces import masked_moments
 from seqnorm.norms.renorm import TimestepBatchRenorm
 from seqnorm.norms.sequence import SequenceBatchNorm, SequenceBatchRenorm
 
@@ -96,25 +98,34 @@ class _Synchronized:
         return not self.synchronizing and super().fused_update  # type: ignore[misc]
 
     def _batch_moments(
-        self, x: Tensor, mask: Tensor | None, counts: list[int], running_mean: Tensor
+        self, x: Tensor, mask: Tensor | None, counts: list[int]
     ) -> tuple[Tensor, Tensor, list[int], Tensor, int]:
         if not self.synchronizing:
-            return super()._batch_moments(x, mask, counts, running_mean)  # type: ignore[misc]
+            return super()._batch_moments(x, mask, counts)  # type: ignore[misc]
         steps, batch, features = x.shape
-        shift = running_mean.detach().to(x.dtype)  # the same on every process: sums of small numbers, no cancellation
-        centered = x - shift
-        if mask is not None:  # where, not a product: an inf or NaN in a padded row must not reach the sums
-            centered = torch.where(mask.unsqueeze(-1), centered, 0.0)
-        local = torch.tensor([*counts, batch], dtype=x.dtype, device=x.device)
-        packed = torch.cat([centered.sum(1).flatten(), centered.square().sum(1).flatten(), local])
-        total = _all_reduce(packed, self.process_group)
+        # Each process's own moments, gathered: a process fills its row of a zero (world, ...) block and one
+        # differentiable all-reduce sums the blocks. They are then merged as Chan et al.'s parallel variance
+        # (within-process squared deviations plus those of the process means from the global mean), so no sum of
+        # squares is ever differenced: float32 keeps the variance of inputs whose mean is large next to their spread.
+        local_mean, local_var = masked_moments(x, mask, self._divisors(counts, x), dim=1)
+        local_counts = torch.tensor([*counts, batch], dtype=x.dtype, device=x.device)
+        row = torch.cat([local_mean.flatten(), local_var.flatten(), local_counts])
+        world = dist.get_world_size(self.process_group)
+        block = row.new_zeros(world, row.numel()).index_copy(0, self._rank_index(row.device), row.unsqueeze(0))
+        gathered = _all_reduce(block, self.process_group)
         size = steps * features
-        sums, squares = total[:size].view(steps, 1, features), total[size : 2 * size].view(steps, 1, features)
-        *global_counts, global_batch = (round(value) for value in total[2 * size :].tolist())
-        active = self._divisors(global_counts, x)  # type: ignore[attr-defined]
-        first = sums / active
-        var = (squares / active - first.square()).clamp(min=0.0)
-        return shift + first, var, global_counts, active, global_batch
+        means = gathered[:, :size].view(world, steps, 1, features)
+        variances = gathered[:, size : 2 * size].view(world, steps, 1, features)
+        process_counts = gathered[:, 2 * size : 2 * size + steps].view(world, steps, 1, 1)
+        totals = gathered[:, 2 * size :].sum(0).tolist()
+        *global_counts, global_batch = (round(value) for value in totals)
+        active = self._divisors(global_counts, x)
+        mean = (process_counts * means).sum(0) / active
+        var = (process_counts * (variances + (means - mean).square())).sum(0) / active
+        return mean, var, global_counts, active, global_batch
+
+    def _rank_index(self, device: torch.device) -> Tensor:
+        return torch.tensor([dist.get_rank(self.process_group)], device=device)
 
 
 class SyncTimestepBatchNorm(_Synchronized, TimestepBatchNorm):

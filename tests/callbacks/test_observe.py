@@ -96,6 +96,16 @@ def test_train_eval_gap_leaves_running_statistics_and_rng_untouched(norm: str) -
         assert profile.shape == (5,)
 
 
+def test_train_eval_gap_leaves_the_fallback_counts_untouched() -> None:
+    # steps 3 and 4 have one real row: in training they fall back to running statistics and count themselves
+    layer = LAYERS["lstm"](3, 4, num_layers=2, norm="batch").eval()
+    lengths = torch.tensor([5, 3, 2, 2])
+    train_eval_gap(layer, find_cells(layer), (_padded_input(0.0),), {"lengths": lengths})
+    assert [norm.fallback_steps for norm in layer.modules() if hasattr(norm, "fallback_steps")] == [0] * 6
+    layer.train()(_padded_input(0.0), lengths=lengths)  # what the diagnostic must not pass for: a training step
+    assert sum(norm.fallback_steps for norm in layer.modules() if hasattr(norm, "fallback_steps")) > 0
+
+
 def test_projected_lstm_counts_units_of_the_projected_state() -> None:
     layer = LAYERS["lstm"](3, 6, num_layers=2, bidirectional=True, norm="layer", proj_size=2)
     summary = _observe(layer, _padded_input(0.0), gradients=True)["l1_reverse"]
