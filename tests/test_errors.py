@@ -12,10 +12,11 @@ import seqnorm
 from tests.conftest import CELLS, KINDS, LAYERS
 
 
+@pytest.mark.parametrize("norm", ["none", "weight"])  # weight norm makes the cell a torch Parametrized<Class>
 @pytest.mark.parametrize("kind", KINDS)
-def test_cell_bad_input(kind: str) -> None:
-    cell = CELLS[kind](3, 4)
-    name = type(cell).__name__
+def test_cell_bad_input(kind: str, norm: str) -> None:
+    cell = CELLS[kind](3, 4, norm=norm)
+    name = CELLS[kind].__name__
     with pytest.raises(ValueError, match=rf"^{name}: expected input of shape \(batch, 3\), got \(2, 3, 3\)$"):
         cell(torch.randn(2, 3, 3))
     with pytest.raises(ValueError, match=rf"^{name}: expected input of shape \(batch, 3\), got \(2, 5\)$"):
@@ -26,6 +27,14 @@ def test_cell_bad_input(kind: str) -> None:
         cell(torch.randn(2, 3), mask=torch.ones(3, dtype=torch.bool))
     with pytest.raises(ValueError, match=rf"^{name}: expected mask .* got \(2,\) torch.int64$"):
         cell(torch.randn(2, 3), mask=torch.ones(2, dtype=torch.long))
+
+
+def test_weight_norm_refuses_an_init_with_zero_rows() -> None:
+    # eye(H, P) of the identity init has H - P zero rows: 0/0 directions, NaN weights from the start
+    with pytest.raises(ValueError, match=r"^LSTMCell: expected init='identity' to leave no zero row in weight_hh"):
+        seqnorm.LSTM(3, 4, proj_size=2, norm="weight", init="identity")
+    layer = seqnorm.LSTM(3, 4, norm="weight", init="identity")  # square blocks: no zero row
+    assert torch.isfinite(layer(torch.randn(5, 2, 3))[0]).all()
 
 
 def test_lstm_cell_state_must_be_a_pair() -> None:
