@@ -142,7 +142,9 @@ def test_foreign_class_path_is_refused_without_importing_it(
     assert not marker.exists() and "foreign_model_module" not in sys.modules
 
 
-def _string_spec_checkpoint(story: Path, trained: Path, monkeypatch: pytest.MonkeyPatch, form: str) -> tuple[Path, Path]:
+def _string_spec_checkpoint(
+    story: Path, trained: Path, monkeypatch: pytest.MonkeyPatch, form: str
+) -> tuple[Path, Path]:
     """``(checkpoint, marker)``: a class spec hidden in a string hyperparameter (JSON in ``rnn_options.norm_options``,
     or YAML in ``norm``), naming a module whose import creates ``marker``."""
     marker = story.parent / "imported"

@@ -528,3 +528,41 @@ def test_every_product_route_equals_the_reference(kind: str, norm: str, route: s
         output, _ = layer(leaf, lengths=lengths)
         results.append((output, torch.autograd.grad(output.square().sum(), [leaf, *layer.parameters()])))
     assert_close(results[1], results[0], rtol=1e-4, atol=1e-4)
+
+
+def _strided(tensor: torch.Tensor) -> torch.Tensor:
+    """The same values as a non-contiguous tensor: every other element of a wider buffer, or column-major."""
+    if tensor.dim() == 1:
+        wide = torch.full((tensor.shape[0], 2), 1e6, dtype=tensor.dtype)
+        wide[:, 0] = tensor
+        return wide[:, 0]
+    return tensor.t().contiguous().t()
+
+
+@pytest.mark.parametrize("norm", NORMALIZED)
+@pytest.mark.parametrize("kind", TORCH_KINDS)
+def test_strided_parameters_and_buffers_give_the_reference_numbers(kind: str, norm: str) -> None:
+    # load_state_dict(assign=True) keeps the state dict's own tensors: strided gains, biases and running statistics
+    # were read as dense rows (outputs 1.6 off; BN training wrote its running statistics into the wrong elements)
+    reference, compiled = _pair(kind, norm)
+    state = {
+        # (clones: with assign=True the layer would otherwise share the reference's other tensors)
+        name: _strided(tensor) if tensor.is_floating_point() and ("norm_" in name or "bias" in name) else tensor.clone()
+        for name, tensor in reference.state_dict().items()
+    }
+    assert any(not tensor.is_contiguous() for tensor in state.values())
+    compiled.load_state_dict(state, assign=True)
+    x = torch.randn(4, 3, 3, dtype=torch.float64)
+    for training in (True, False):
+        reference.train(training), compiled.train(training)
+        assert_close(compiled(x)[0], reference(x)[0])
+        for name, buffer in reference.named_buffers():
+            assert_close(dict(compiled.named_buffers())[name], buffer, msg=name)
+    expanded = LAYERS[kind](3, 33, norm=norm, dtype=torch.float64)  # a gain of one stored element, stride 0
+    gain = torch.full((1,), 0.7, dtype=torch.float64).expand(expanded.cells[0].norm_hh.weight.shape[0])
+    expanded.load_state_dict({"norm_hh_l0.weight": gain}, strict=False, assign=True)
+    plain = LAYERS[kind](3, 33, norm=norm, impl="reference", dtype=torch.float64)
+    plain.load_state_dict(expanded.state_dict())
+    x = torch.randn(4, 3, 3, dtype=torch.float64)
+    assert expanded.plan(x).path == "kernel"
+    assert_close(expanded(x)[0], plain(x)[0])

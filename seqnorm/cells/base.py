@@ -219,8 +219,7 @@ class RecurrentCell(PicklableParametrizations):
                         raise ValueError(
                             f"{self._owner}: expected init={self.init!r} to leave no zero row in {name} under "
                             f"norm='weight' (a zero row has no direction to normalize), got {zero_rows} zero rows "
-                            f"of {weight.shape[0]}; use another init"
-                            + (" or no projection" if self.proj_size else "")
+                            f"of {weight.shape[0]}; use another init" + (" or no projection" if self.proj_size else "")
                         )
                 self.weight_ih = weight_ih
                 self.weight_hh = weight_hh

@@ -85,12 +85,23 @@ class KernelNorm:
     """The module (the layers add the kernel's fallback-step count to its ``fallback_steps``)."""
 
     def native(self, kernels: ModuleType) -> Any:
-        """The C++ ``NormArgs`` of ``kernels``."""
+        """The C++ ``NormArgs`` of ``kernels``.
+
+        The kernels index every tensor as dense rows: the read-only ones are made contiguous here (a parameter
+        loaded with ``load_state_dict(assign=True)`` may be strided, or expanded); the running statistics, updated
+        in place, must already be (:meth:`TimestepBatchNorm.fast_form_blocker` routes other buffers elsewhere).
+        """
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            buffer = getattr(self, name)
+            if buffer is not None and not buffer.is_contiguous():
+                raise ValueError(
+                    f"KernelNorm: expected {name} to be contiguous (updated in place), got strides {buffer.stride()}"
+                )
         return kernels.NormArgs(
             kind=self.kind,
             eps=self.eps,
-            weight=self.weight,
-            shift=self.shift,
+            weight=_dense(self.weight),
+            shift=_dense(self.shift),
             running_mean=self.running_mean,
             running_var=self.running_var,
             num_batches_tracked=self.num_batches_tracked,
@@ -102,9 +113,13 @@ class KernelNorm:
             warmup=self.warmup,
             r_max_steps=self.r_max_steps,
             d_max_steps=self.d_max_steps,
-            folded_scale=self.folded_scale,
-            folded_offset=self.folded_offset,
+            folded_scale=_dense(self.folded_scale),
+            folded_offset=_dense(self.folded_offset),
         )
+
+
+def _dense(tensor: Tensor | None) -> Tensor | None:
+    return None if tensor is None else tensor.contiguous()
 
 
 NO_NORM = KernelNorm("none")

@@ -105,7 +105,20 @@ class BatchNormPieces:
             return "pooled statistics beyond max_steps"
         if form == "generation" and self.training:
             return "batch statistics in training"  # generation folds the running statistics
+        if form == "kernel" and not self._dense_buffers():
+            return "running statistics not dense or not in the parameters' dtype (the kernels update them in place)"
         return None
+
+    def _dense_buffers(self) -> bool:
+        # what the compiled kernels index as dense rows of the model's dtype (a state dict loaded with assign=True
+        # can leave strided or other-dtype buffers, which the plain paths handle)
+        dtype = self.weight.dtype if self.weight is not None else self.running_mean.dtype
+        moments = (self.running_mean, self.running_var)
+        return (
+            all(moment.is_contiguous() and moment.dtype == dtype for moment in moments)
+            and self.num_batches_tracked.is_contiguous()
+            and self.num_batches_tracked.dtype == torch.long
+        )
 
     def bptt_step(
         self,
