@@ -18,6 +18,7 @@ Checkpoints are untrusted input: every one is read with ``torch.load(weights_onl
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import sys
@@ -55,6 +56,7 @@ from seqnorm.cli_runs import (
 from seqnorm.cli_threads import THREADS_HELP, configure_threads
 from seqnorm.cli_trainer import adjust_trainer_config
 from seqnorm.data import LabeledText, TextCorpus, Vocabulary
+from seqnorm.data.units import UNITS
 from seqnorm.lightning import LanguageModel, SequenceClassifier, SyncBatchNorm
 from seqnorm.lightning.base import DATA_STATE_KEY
 from seqnorm.lightning.checkpoint_io import ALLOWED_GLOBALS, names_class, read_checkpoint, task_class
@@ -158,6 +160,15 @@ class SeqnormCLI(LightningCLI):
         hparams = checkpoint["hyper_parameters"]
         explicit = self._explicit_config()[subcommand]
         apply_checkpoint_hparams(model, explicit.get("model"), hparams, subcommand, ckpt_path)
+        try:  # the values just taken from the checkpoint (the user's were checked when parsed)
+            self.parser.validate(self.config)
+        except (TypeError, KeyError, argparse.ArgumentError) as error:
+            detail = " ".join(str(error).split())
+            described = model.class_path.rpartition(".")[2]
+            raise ValueError(
+                f"--ckpt_path {ckpt_path}: its hyper_parameters do not describe a {described} ({detail}): a corrupt "
+                "checkpoint; use one written by `seqnorm fit` as it was"
+            ) from None
         data_state = checkpoint.get(DATA_STATE_KEY)
         apply_checkpoint_text_format(config.get("data"), explicit.get("data"), data_state)
         shapes = weight_shapes(checkpoint, ckpt_path)
@@ -293,7 +304,7 @@ def generate(
         )
     shapes = weight_shapes(checkpoint, ckpt_path)
     try:  # strict=False: a tensor missing or one too many is check_weights_fit's to name, below
-        model = LanguageModel.load_from_checkpoint(ckpt_path, map_location="cpu", strict=False)
+        model = LanguageModel._load_checked(ckpt_path, "--ckpt_path", map_location="cpu", strict=False)
     except RuntimeError as error:  # load_state_dict's size mismatch
         detail = " ".join(str(error).split())
         raise ValueError(
@@ -305,6 +316,12 @@ def generate(
         vocab = Vocabulary.from_dict(data_state["vocab"])
     except (ValueError, TypeError, KeyError) as error:
         raise ValueError(f"--ckpt_path {ckpt_path}: {error}") from None
+    corrupt = f"--ckpt_path {ckpt_path}: a corrupt checkpoint (not as `seqnorm fit` writes it): "
+    if len(vocab) != model.hparams.vocab_size:
+        raise ValueError(f"{corrupt}its vocabulary has {len(vocab)} tokens and its model {model.hparams.vocab_size}")
+    if data_state.get("level") not in ("char", "word") or data_state["unit"] not in UNITS:
+        got = f"level={data_state.get('level')!r}, unit={data_state['unit']!r}"
+        raise ValueError(f"{corrupt}expected its data level 'char' or 'word' and a unit of {UNITS}, got {got}")
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     return generate_text(
         model.model,

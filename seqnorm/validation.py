@@ -3,6 +3,7 @@ what a call brings against what the module holds (shapes, dtype and device of in
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -96,7 +97,8 @@ def check_positive_int(owner: str, name: str, value: object) -> int:
 
 
 def check_non_negative(owner: str, name: str, value: object) -> float:
-    """A number ``>= 0`` (a learning rate, a weight decay); a ``ValueError`` naming ``owner`` and ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-        raise ValueError(f"{owner}: expected {name} >= 0, got {value!r}")
+    """A finite number ``>= 0`` (a learning rate, a weight decay); a ``ValueError`` naming ``owner`` and ``name``
+    (inf would train to NaN weights, saved as if nothing went wrong)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+        raise ValueError(f"{owner}: expected {name} to be finite and >= 0, got {value!r}")
     return value

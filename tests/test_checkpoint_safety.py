@@ -256,11 +256,25 @@ BROKEN: dict[str, tuple[Callable[[Path, Path], object] | None, str]] = {
         lambda trained, path: _edited(trained, path, resize="model.rnn.weight_hh_l0"),
         r"weight_hh_l0 of shape \[3, 3\] where the model has \[64, 16\]|weight_hh_l0: copying a param with shape",
     ),
+    # A hyperparameter its model class does not accept (jsonargparse's refusal, attributed to the file).
+    "hparam_corrupt": (
+        lambda trained, path: _edited(trained, path, hparams={"cell": "transformer"}),
+        r"its hyper_parameters do not describe a LanguageModel \(.*cell.*transformer",
+    ),
 }
 
 
-def _edited(trained: Path, path: Path, drop: str | None = None, resize: str | None = None) -> None:
+def _edited(
+    trained: Path,
+    path: Path,
+    drop: str | None = None,
+    resize: str | None = None,
+    hparams: dict | None = None,
+    entries: dict | None = None,
+) -> None:
     checkpoint = torch.load(trained, weights_only=True)
+    checkpoint["hyper_parameters"].update(hparams or {})
+    checkpoint.update(entries or {})
     if drop is not None:
         del checkpoint["state_dict"][drop]
     if resize is not None:
@@ -279,6 +293,40 @@ def test_unusable_ckpt_path_is_one_message(
         make(trained, path)
     error = _fails(capsys, _commands(path, story)[command])
     assert f"--ckpt_path {path}: " in error and (expected in error or re.search(expected, error)), error
+
+
+@pytest.mark.parametrize(
+    ("entries", "expected"),
+    [
+        ({"seqnorm_random_states": {"torch": torch.zeros(3)}}, "expected its seqnorm_random_states to be states"),
+        ({"seqnorm_recent_losses": [("x", 1)]}, "expected its seqnorm_recent_losses to be a list of (loss, token"),
+        ({"seqnorm_fallback_total": -3}, "expected its seqnorm_fallback_total to be a count, got -3"),
+    ],
+)
+def test_corrupt_resume_state_is_one_message(
+    story: Path, trained: Path, capsys: pytest.CaptureFixture, entries: dict, expected: str
+) -> None:
+    path = story.parent / "corrupt_state.ckpt"
+    _edited(trained, path, entries=entries)
+    args = _commands(path, story)["fit"]
+    args[args.index("--trainer.max_steps") + 1] = "8"  # past the checkpoint's 4 steps: training resumes
+    error = _fails(capsys, args)
+    assert f"--ckpt_path {path}: a corrupt checkpoint: {expected}" in error
+
+
+def test_generate_refuses_a_vocabulary_that_does_not_fit_the_model(
+    story: Path, trained: Path, capsys: pytest.CaptureFixture
+) -> None:
+    path = story.parent / "short_vocab.ckpt"
+    checkpoint = torch.load(trained, weights_only=True)
+    vocab = checkpoint["seqnorm_data"]["vocab"]
+    vocab["tokens"] = vocab["tokens"][:-3]
+    torch.save(checkpoint, path)
+    error = _fails(capsys, ["generate", "--ckpt_path", str(path)])
+    size = checkpoint["hyper_parameters"]["vocab_size"]
+    assert error.endswith(
+        f"(not as `seqnorm fit` writes it): its vocabulary has {size - 3} tokens and its model {size}"
+    )
 
 
 def test_unwritable_default_root_dir_is_one_message(story: Path, capsys: pytest.CaptureFixture) -> None:

@@ -228,8 +228,9 @@ def test_generate_names_the_flag_at_fault(capsys: pytest.CaptureFixture, flag: s
     ("flags", "expected"),
     [
         (["--model.norm_max_steps", "0"], "LanguageModel: expected norm_max_steps to be a positive int, got 0"),
-        (["--model.lr", "-1"], "LanguageModel: expected lr >= 0, got -1.0"),
-        (["--model.weight_decay", "-0.1"], "LanguageModel: expected weight_decay >= 0, got -0.1"),
+        (["--model.lr", "-1"], "LanguageModel: expected lr to be finite and >= 0, got -1.0"),
+        (["--model.weight_decay", "-0.1"], "LanguageModel: expected weight_decay to be finite and >= 0, got -0.1"),
+        (["--model.dropout", "2.0"], "LanguageModel: expected dropout in [0, 1), got 2.0"),
     ],
 )
 def test_model_numbers_are_refused_under_their_own_flag_names(

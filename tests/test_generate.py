@@ -71,3 +71,12 @@ def test_words_are_joined_by_spaces_within_lines_only() -> None:
     model.step = step  # type: ignore[method-assign]
     text = generate_text(model, vocab, level="word", unit="stream", prompt="cat", length=5, temperature=0)  # type: ignore[arg-type]
     assert text == "the\n\ncat the"  # was "the\n\n cat the"
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 1e-45])
+def test_a_tiny_temperature_samples_like_greedy_decoding(temperature: float) -> None:
+    # scores / 1e-39 overflowed to inf, and softmax of inf - inf is NaN: multinomial raised
+    vocab = Vocabulary(["a", "b", "\n"])
+    model = Scripted(len(vocab), vocab.encode(["b"])[0])
+    text = generate_text(model, vocab, level="char", unit="line", length=4, temperature=temperature, top_k=2)  # type: ignore[arg-type]
+    assert text == "bbbb"

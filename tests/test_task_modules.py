@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 import lightning.pytorch as pl
+import pytest
 
 from seqnorm.data import TextCorpus
 from seqnorm.lightning import LanguageModel
@@ -69,3 +70,10 @@ def test_train_loss_covers_every_batch_since_the_last_point_with_gradient_accumu
     last = record.rows[-6:]
     expected = sum(loss * tokens for loss, tokens in last) / sum(tokens for _, tokens in last)
     assert math.isclose(float(trainer.callback_metrics["train/loss"]), expected, rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["lr", "weight_decay"])
+def test_an_infinite_rate_is_refused(name: str) -> None:
+    # inf trained to NaN weights and saved them as if nothing went wrong (exit code 0)
+    with pytest.raises(ValueError, match=rf"^LanguageModel: expected {name} to be finite and >= 0, got inf$"):
+        LanguageModel(10, **{name: math.inf})

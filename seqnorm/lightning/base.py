@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import os
 import warnings
@@ -18,7 +19,7 @@ from torchmetrics import MeanMetric
 
 from seqnorm.data.loader import ResumableDataLoader
 from seqnorm.layers.fast import Impl
-from seqnorm.lightning.checkpoint_io import read_checkpoint, task_class
+from seqnorm.lightning.checkpoint_io import CheckpointError, read_checkpoint, task_class
 from seqnorm.lightning.resume import (
     RANDOM_STATE_KEY,
     random_states,
@@ -31,7 +32,7 @@ from seqnorm.lightning.resume import (
 )
 from seqnorm.norms import DEFAULT_SMALL_BATCH, BeyondMaxSteps, NormSpec, TimestepBatchNorm, resolve_norm, spec_from_dict
 from seqnorm.norms.specs import InputStats, field_names
-from seqnorm.validation import check_non_negative, check_positive_int
+from seqnorm.validation import check_non_negative, check_positive_int, check_rate
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -134,7 +135,21 @@ class TaskModule(pl.LightningModule):
         :class:`~seqnorm.lightning.checkpoint_io.CheckpointError` and nothing in it runs. ``kwargs`` replace saved
         hyperparameters, as in Lightning.
         """
-        flag = f"{cls.__name__}.load_from_checkpoint"
+        return cls._load_checked(
+            checkpoint_path, f"{cls.__name__}.load_from_checkpoint", map_location, hparams_file, strict, **kwargs
+        )
+
+    @classmethod
+    def _load_checked(
+        cls,
+        checkpoint_path: str | os.PathLike[str],
+        flag: str,
+        map_location: Any = None,
+        hparams_file: str | os.PathLike[str] | None = None,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Self:
+        """:meth:`load_from_checkpoint`, its errors naming the file as ``flag`` (``--ckpt_path`` for the CLI)."""
         checkpoint = read_checkpoint(checkpoint_path, flag)
         task_class(checkpoint, _subclasses(cls), checkpoint_path, flag)
         saved = checkpoint["hyper_parameters"]
@@ -148,9 +163,16 @@ class TaskModule(pl.LightningModule):
             # Lightning builds CLI checkpoints with, checks `norm` against its type and would refuse the dict).
             kwargs["norm"] = spec_from_dict(norm, f"{flag}: {checkpoint_path}: hyper_parameters.norm")
         del checkpoint  # Lightning reads the file again; only the checks needed it
-        return super().load_from_checkpoint(
-            checkpoint_path, map_location, hparams_file, strict, weights_only=True, **kwargs
-        )
+        try:
+            return super().load_from_checkpoint(
+                checkpoint_path, map_location, hparams_file, strict, weights_only=True, **kwargs
+            )
+        except argparse.ArgumentError as error:  # jsonargparse refused a saved hyperparameter's value
+            detail = " ".join(str(error).split())
+            raise CheckpointError(
+                f"{flag} {checkpoint_path}: its hyper_parameters do not describe a {cls.__name__} ({detail}): a "
+                "corrupt checkpoint; use one written by `seqnorm fit` as it was"
+            ) from None
 
     def _take_renamed(self) -> None:
         """Fold a deprecated argument given under its old name (:data:`RENAMED_HPARAMS`) into the new one, in the
@@ -193,6 +215,7 @@ class TaskModule(pl.LightningModule):
             check_positive_int(owner, "norm_max_steps", self.hparams.norm_max_steps)
         check_non_negative(owner, "lr", self.hparams.lr)  # 0: a frozen run, as torch allows
         check_non_negative(owner, "weight_decay", self.hparams.weight_decay)
+        check_rate(owner, "dropout", self.hparams.dropout)  # torch.nn.Dropout's own error names no flag
         if isinstance(norm, Mapping):  # what a checkpoint holds
             norm = spec_from_dict(norm, owner)
         plain = norm.to_dict() if isinstance(norm, NormSpec) else norm
@@ -363,14 +386,47 @@ class TaskModule(pl.LightningModule):
         # Restored in on_train_start, not now: between here and the first training step Lightning builds the
         # optimizer, runs the sanity check and makes the train iterator.
         self._random_states_to_restore = checkpoint.get(RANDOM_STATE_KEY)
-        self.fallback_total = checkpoint.get(FALLBACK_TOTAL_KEY, 0)
-        self._recent_losses = deque(checkpoint.get(RECENT_LOSSES_KEY, ()))  # _log_train_loss sets its length
+        fallback_total = checkpoint.get(FALLBACK_TOTAL_KEY, 0)
+        recent = checkpoint.get(RECENT_LOSSES_KEY, ())
+        if not _is_count(fallback_total):
+            raise self._corrupt(FALLBACK_TOTAL_KEY, "a count", fallback_total)
+        if not isinstance(recent, list | tuple) or not all(_is_loss_entry(entry) for entry in recent):
+            raise self._corrupt(RECENT_LOSSES_KEY, "a list of (loss, token count) pairs", recent)
+        self.fallback_total = fallback_total
+        self._recent_losses = deque(recent)  # _log_train_loss sets its length
 
     def on_train_start(self) -> None:
         states, self._random_states_to_restore = getattr(self, "_random_states_to_restore", None), None
         if states is not None:
-            set_random_states(states)
+            try:
+                set_random_states(states)
+            except (TypeError, ValueError, KeyError, IndexError, RuntimeError) as error:
+                raise self._corrupt(
+                    RANDOM_STATE_KEY, f"states torch, Python and numpy restore ({error})", states
+                ) from None
         settle_restart_totals(self.trainer.fit_loop)
+
+    def _corrupt(self, key: str, expected: str, got: object) -> CheckpointError:
+        """The error for a resume state this module wrote, found unusable in the checkpoint being loaded."""
+        trainer = self._trainer
+        where = f"--ckpt_path {trainer.ckpt_path}" if trainer is not None and trainer.ckpt_path else "the checkpoint"
+        shown = repr(got) if len(repr(got)) <= 80 else f"a {type(got).__name__}"
+        return CheckpointError(
+            f"{where}: a corrupt checkpoint: expected its {key} to be {expected}, got {shown}; use one written by "
+            "`seqnorm fit` as it was"
+        )
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_loss_entry(entry: object) -> bool:
+    """A ``(loss, weight)`` pair of the ``train/loss`` window as :func:`_as_floats` writes it."""
+    if not isinstance(entry, list | tuple) or len(entry) != 2:
+        return False
+    loss, weight = entry
+    return isinstance(loss, float | int) and not isinstance(loss, bool) and _is_count(weight)
 
 
 def _as_floats(losses: Any) -> list[tuple[float, int]]:

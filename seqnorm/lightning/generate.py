@@ -90,7 +90,8 @@ def generate_text(
         if temperature == 0:
             token = int(scores.argmax())
         else:
-            scores = scores / temperature
+            # shifted by the best score first: a tiny temperature (1e-39) would make it inf, and inf - inf NaN
+            scores = (scores - scores.max()) / temperature
             if top_k is not None and top_k < scores.numel():
                 threshold = scores.topk(top_k).values[-1]
                 scores = scores.masked_fill(scores < threshold, float("-inf"))
