@@ -53,6 +53,10 @@ def run_dir_without_logger(root: str | None = None) -> str:
 
 def adjust_trainer_config(config: dict[str, Any]) -> None:
     """Edit the Trainer's keyword arguments (callbacks already instantiated) as the module docstring says."""
+    accumulate = config.get("accumulate_grad_batches", 1)
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        # Lightning divides by it in its loop: a ZeroDivisionError traceback mid-run
+        raise ValueError(f"--trainer.accumulate_grad_batches {accumulate}: expected an int >= 1")
     callbacks = _as_list(config.get("callbacks"))
     if config.get("enable_checkpointing") is False:
         callbacks = [callback for callback in callbacks if not isinstance(callback, ResumableCheckpoint)]

@@ -231,6 +231,7 @@ def test_generate_names_the_flag_at_fault(capsys: pytest.CaptureFixture, flag: s
         (["--model.lr", "-1"], "LanguageModel: expected lr to be finite and >= 0, got -1.0"),
         (["--model.weight_decay", "-0.1"], "LanguageModel: expected weight_decay to be finite and >= 0, got -0.1"),
         (["--model.dropout", "2.0"], "LanguageModel: expected dropout in [0, 1), got 2.0"),
+        (["--trainer.accumulate_grad_batches", "0"], "--trainer.accumulate_grad_batches 0: expected an int >= 1"),
     ],
 )
 def test_model_numbers_are_refused_under_their_own_flag_names(
