@@ -92,7 +92,7 @@ def make_parser(description: str, name: str) -> argparse.ArgumentParser:
     source.add_argument(
         "--dataset", metavar="NAME", choices=sorted(DATASETS), help=f"a registered corpus: {', '.join(DATASETS)}"
     )
-    parser.add_argument("--cache-dir", help="where --dataset downloads go (default $SEQNORM_CACHE or ~/.cache)")
+    parser.add_argument("--cache-dir", help="where --dataset downloads go (default $SEQNORM_CACHE or ~/.cache/seqnorm)")
     parser.add_argument("--out", type=Path, default=Path("results") / name, help="output directory")
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument(

@@ -1,4 +1,5 @@
-"""The ``seqnorm`` command: LightningCLI's ``fit``, ``validate``, ``test``, ``predict``, plus ``generate``.
+"""The ``seqnorm`` command: LightningCLI's ``fit``, ``validate``, ``test``, ``predict``, plus ``generate`` and
+``configs`` (the shipped config files).
 
 Examples::
 
@@ -337,7 +338,8 @@ def generate(
 
 
 def _generate_command(args: list[str]) -> None:
-    configure_threads(None)  # one token at a time at batch size 1: the smallest steps there are
+    # one token at a time at batch size 1: the smallest steps there are (no --threads flag: SEQNORM_THREADS)
+    configure_threads(None, has_flag=False)
     text = auto_cli(generate, args=args, prog="seqnorm generate")
     print(text)
 
@@ -379,8 +381,16 @@ def main(args: list[str] | None = None) -> None:
         finally:
             print(f"\nseqnorm's own commands:\n{OWN_COMMANDS_HELP}\n\n{_version()}")
     if command == "configs":
-        print(describe_configs())
+        print(describe_configs())  # the list is all there is to say, also for --help
         return
+    if not command.startswith("-") and command not in COMMANDS:  # LightningCLI's own error omits ours
+        choices = ", ".join(repr(name) for name in COMMANDS)
+        print(
+            f"usage: seqnorm {{{','.join(COMMANDS)}}} ...\n"
+            f"seqnorm: error: invalid choice: {command!r} (choose from {choices})",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
     try:
         argv = resolve_config_names(argv)  # `--config seqnorm:NAME`: a config shipped with the package
         argv = with_checkpoint_model(argv, MODELS)  # `test --ckpt_path X` without --model: the checkpoint's class

@@ -42,8 +42,11 @@ THREADS_HELP = (
 )
 
 
-def choose_threads(flag: int | None, environ: Mapping[str, str] = os.environ) -> tuple[int | None, str]:
-    """The thread count to set (``None``: leave torch's) and where it comes from, by the module's precedence."""
+def choose_threads(
+    flag: int | None, environ: Mapping[str, str] = os.environ, *, has_flag: bool = True
+) -> tuple[int | None, str]:
+    """The thread count to set (``None``: leave torch's) and where it comes from, by the module's precedence
+    (``has_flag=False``: the command has no ``--threads``, so the message offers only the variable)."""
     if flag is not None:
         return (flag or None), f"--threads {flag}"
     if environ.get(THREADS_ENV, "").strip():
@@ -57,15 +60,15 @@ def choose_threads(flag: int | None, environ: Mapping[str, str] = os.environ) ->
     for name in _TORCH_ENV:
         if environ.get(name, "").strip():
             return None, f"{name}={environ[name].strip()}"
+    change = f"--threads N or {THREADS_ENV}=N" if has_flag else f"{THREADS_ENV}=N"
     return DEFAULT_THREADS, (
-        f"the default, steady on shared cores; --threads N or {THREADS_ENV}=N to change "
-        "(2 or more is faster on an idle machine)"
+        f"the default, steady on shared cores; {change} to change (2 or more is faster on an idle machine)"
     )
 
 
-def configure_threads(flag: int | None, environ: Mapping[str, str] = os.environ) -> int:
+def configure_threads(flag: int | None, environ: Mapping[str, str] = os.environ, *, has_flag: bool = True) -> int:
     """Set torch's intra-op thread count as :func:`choose_threads` says, log it once, return the count in use."""
-    threads, reason = choose_threads(flag, environ)
+    threads, reason = choose_threads(flag, environ, has_flag=has_flag)
     if threads is not None and threads != torch.get_num_threads():
         torch.set_num_threads(threads)
     count = torch.get_num_threads()

@@ -276,6 +276,12 @@ def test_no_command_and_generate_help_name_the_commands(capsys: pytest.CaptureFi
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     assert capsys.readouterr().out.startswith("usage: seqnorm generate ")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["gnerate"])  # LightningCLI's own error listed fit..predict only
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'gnerate' (choose from 'fit', 'validate', 'test', 'predict', 'generate', 'configs')" in (
+        capsys.readouterr().err
+    )
 
 
 def test_the_console_help_has_no_lightning_warning() -> None:

@@ -57,6 +57,13 @@ def test_thread_count_precedence(flag: int | None, environ: dict[str, str], expe
     assert threads == expected[0] and reason.startswith(expected[1])
 
 
+def test_the_thread_message_offers_only_what_the_command_takes() -> None:
+    # seqnorm generate has no --threads flag: its message names only the variable
+    assert "--threads N or" in choose_threads(None, {})[1]
+    reason = choose_threads(None, {}, has_flag=False)[1]
+    assert f"; {THREADS_ENV}=N to change" in reason and "--threads" not in reason
+
+
 def test_a_bad_thread_variable_is_one_message(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
     monkeypatch.setenv(THREADS_ENV, "two")
     error = _fails(capsys, ["fit", *LM, *QUIET, *SHORT])

@@ -84,7 +84,7 @@ class LabeledText(SequenceDataModule):
         predict_path: texts to label, one per non-blank line and without labels: what ``predict`` reads when
             given (the model's vocabulary applies; tokens outside it become ``<unk>``).
         val_fraction: share of the training examples held out when there is no ``val_path``.
-        format: ``"tsv"`` or ``"first_token"``, as above.
+        format: ``"tsv"`` (``label<TAB>text``) or ``"first_token"`` (``label text...``): how a line splits.
         level: ``"word"`` or ``"char"`` tokens.
         encoding: the text encoding of the files.
         batch_size: sequences per batch (1 or more).

@@ -11,7 +11,7 @@ kernels with, and one warning says why.
 Devices: :func:`native` returns the kernels for a device type (``"cpu"`` here). A CUDA or Triton implementation
 would register itself in :data:`BACKENDS` under ``"cuda"`` with the same five entry points (``lstm_forward``,
 ``lstm_backward``, ``gru_forward``, ``gru_backward``, ``generation_step``) and the same ``NormArgs``; the autograd
-Function in :mod:`seqnorm.layers.kernel` and the plan stay as they are (README: "Kernels").
+Function in :mod:`seqnorm.layers.kernel` and the plan stay as they are (README: "The compiled kernels").
 """
 
 from __future__ import annotations
