@@ -116,6 +116,19 @@ def test_console_script_refuses_a_crafted_checkpoint(story: Path, crafted: tuple
     assert not marker.exists()
 
 
+def _marker_module(folder: Path, name: str, class_name: str, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The marker file that importing module ``name`` (written to ``folder``, put on ``sys.path``) creates; the
+    module defines ``class_name``."""
+    marker = folder / "imported"
+    (folder / f"{name}.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).touch()\nclass {class_name}:\n    def __init__(self): ...\n",
+        encoding="utf-8",
+    )
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    return marker
+
+
 @pytest.mark.parametrize("command", ["generate", "fit", "test"])
 @pytest.mark.parametrize("key", ["_class_path", "rnn_options"])
 def test_foreign_class_path_is_refused_without_importing_it(
@@ -126,11 +139,7 @@ def test_foreign_class_path_is_refused_without_importing_it(
     command: str,
     key: str,
 ) -> None:
-    marker = story.parent / "imported"
-    (story.parent / "foreign_model_module.py").write_text(
-        f"import pathlib\npathlib.Path({str(marker)!r}).touch()\nclass Model: ...\n", encoding="utf-8"
-    )
-    monkeypatch.syspath_prepend(str(story.parent))
+    marker = _marker_module(story.parent, "foreign_model_module", "Model", monkeypatch)
     checkpoint = torch.load(trained, weights_only=True)
     # at the top, or nested where jsonargparse would resolve it while building the model
     foreign = "foreign_model_module.Model"
@@ -147,13 +156,7 @@ def _string_spec_checkpoint(
 ) -> tuple[Path, Path]:
     """``(checkpoint, marker)``: a class spec hidden in a string hyperparameter (JSON in ``rnn_options.norm_options``,
     or YAML in ``norm``), naming a module whose import creates ``marker``."""
-    marker = story.parent / "imported"
-    (story.parent / "string_spec_module.py").write_text(
-        f"import pathlib\npathlib.Path({str(marker)!r}).touch()\nclass Spec:\n    def __init__(self): ...\n",
-        encoding="utf-8",
-    )
-    monkeypatch.syspath_prepend(str(story.parent))
-    monkeypatch.delitem(sys.modules, "string_spec_module", raising=False)
+    marker = _marker_module(story.parent, "string_spec_module", "Spec", monkeypatch)
     checkpoint = torch.load(trained, weights_only=True)
     hparams = checkpoint["hyper_parameters"]
     if form == "json":

@@ -17,7 +17,7 @@ import pickle
 import re
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -138,51 +138,44 @@ def read_checkpoint(path: str | os.PathLike[str], flag: str = "--ckpt_path") -> 
     return checkpoint
 
 
-def _class_path_inside(value: object, where: str = "") -> tuple[str, object] | None:
-    """``(key path, class path)`` of a nested ``{"class_path": ...}`` dict, which jsonargparse would import."""
+def _walk(value: object, where: str = "") -> Iterator[tuple[str, object]]:
+    """Every value nested in ``value``'s dicts, lists and tuples (``value`` first), each with its key path."""
+    yield where or "(top level)", value
     if isinstance(value, dict):
-        if "class_path" in value:
-            return where or "(top level)", value["class_path"]
-        items = ((f"{where}.{key}" if where else str(key), item) for key, item in value.items())
+        for key, item in value.items():
+            yield from _walk(item, f"{where}.{key}" if where else str(key))
     elif isinstance(value, list | tuple):
-        items = ((f"{where}[{index}]", item) for index, item in enumerate(value))
-    else:
-        return None
-    for key, item in items:
-        found = _class_path_inside(item, key)
-        if found is not None:
-            return found
-    return None
+        for index, item in enumerate(value):
+            yield from _walk(item, f"{where}[{index}]")
 
 
-def _structure_in_string(value: object, where: str = "") -> str | None:
+def _class_path_inside(value: object) -> tuple[str, object] | None:
+    """``(key path, class path)`` of a nested ``{"class_path": ...}`` dict, which jsonargparse would import."""
+    return next(
+        ((path, node["class_path"]) for path, node in _walk(value) if isinstance(node, dict) and "class_path" in node),
+        None,
+    )
+
+
+def _structure_in_string(value: object) -> str | None:
     """The key path of a string that YAML reads as a mapping or a list, or that mentions ``class_path``.
 
     jsonargparse parses a string given for a loosely typed field (``Any``, ``dict[str, Any]``) as YAML, and builds
     any ``{"class_path": ...}`` it finds there: a dict hidden in a string is how a checkpoint would smuggle one past
     :func:`_class_path_inside`. seqnorm writes only names, numbers and paths as strings.
     """
-    if isinstance(value, str):
-        if "class_path" in value:
-            return where or "(top level)"
-        if not value.lstrip().startswith(("{", "[", "-")) and ":" not in value:
-            return None  # a plain scalar: no YAML structure possible (the fast, usual case)
-        try:
-            parsed = yaml.safe_load(value)
-        except yaml.YAMLError:
-            return None  # not YAML: jsonargparse keeps it a string
-        return where or "(top level)" if isinstance(parsed, dict | list) else None
-    if isinstance(value, dict):
-        items: Any = ((f"{where}.{key}" if where else str(key), item) for key, item in value.items())
-    elif isinstance(value, list | tuple):
-        items = ((f"{where}[{index}]", item) for index, item in enumerate(value))
-    else:
-        return None
-    for key, item in items:
-        found = _structure_in_string(item, key)
-        if found is not None:
-            return found
-    return None
+    return next((path for path, node in _walk(value) if isinstance(node, str) and _encodes_structure(node)), None)
+
+
+def _encodes_structure(text: str) -> bool:
+    if "class_path" in text:
+        return True
+    if not text.lstrip().startswith(("{", "[", "-")) and ":" not in text:
+        return False  # a plain scalar: no YAML structure possible (the fast, usual case)
+    try:
+        return isinstance(yaml.safe_load(text), dict | list)
+    except yaml.YAMLError:
+        return False  # not YAML: jsonargparse keeps it a string
 
 
 def names_class(class_path: object, cls: type) -> bool:
