@@ -44,6 +44,7 @@ class SequenceDataModule(pl.LightningDataModule):
     """
 
     _collate: Callable[..., dict[str, torch.Tensor]]
+    level: str  # "char" or "word": set by each subclass
 
     def __init__(self, batch_size: int, bucket: bool, encoding: str, seed: int, num_workers: int) -> None:
         super().__init__()
@@ -97,6 +98,16 @@ class SequenceDataModule(pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         """Build the datasets now if nothing asked for them yet."""
         self.datasets  # noqa: B018
+
+    def _check_level(self, state: dict[str, Any]) -> None:
+        """A saved state of another tokenization level is a :class:`DataError` naming ``--data.level``: its
+        vocabulary would turn every token of this level into ``<unk>``."""
+        saved = state.get("level", self.level)
+        if saved != self.level:
+            raise DataError(
+                f"the checkpoint was trained with --data.level {saved} but this run has --data.level "
+                f"{self.level}: pass --data.level {saved}"
+            )
 
     def _set_vocab(self, state: dict[str, Any]) -> None:
         try:

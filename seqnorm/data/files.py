@@ -11,12 +11,16 @@ __all__ = ["check_encoding", "read_text"]
 
 
 def check_encoding(encoding: str) -> None:
-    """Raise a :class:`DataError` naming ``--data.encoding`` unless Python knows ``encoding``."""
+    """Raise a :class:`DataError` naming ``--data.encoding`` unless Python knows ``encoding`` as a text encoding
+    (``rot13``, ``base64``, ``hex`` are codecs too, but do not decode bytes to text)."""
     try:
-        codecs.lookup(encoding)
+        info = codecs.lookup(encoding)
     except LookupError:
+        info = None
+    if info is None or not info._is_text_encoding:
         raise DataError(
-            f"--data.encoding {encoding!r} is not an encoding Python knows: pass one such as utf-8, latin-1 or cp1252"
+            f"--data.encoding {encoding!r} is not a text encoding Python knows: pass one such as utf-8, latin-1 or "
+            "cp1252"
         ) from None
 
 

@@ -52,7 +52,8 @@ def parse_labeled(text: str, path: str, fmt: Literal["tsv", "first_token"], flag
                 )
             label, body = line.split("\t", 1)
         else:
-            label, _, body = line.strip().partition(" ")
+            parts = line.split(None, 1)  # the first whitespace-separated token (a tab too), as words split
+            label, body = parts[0], parts[1] if len(parts) > 1 else ""
         label, body = label.strip(), body.strip()
         if not label:
             raise DataError(f"{where}: no label before the text (given as {flag}): every line needs one")
@@ -269,5 +270,6 @@ class LabeledText(SequenceDataModule):
         labels = state_dict.get("labels") if isinstance(state_dict, dict) else None
         if not isinstance(labels, list) or not labels:
             raise DataError("LabeledText: the checkpoint's datamodule state has no 'labels' list")
+        self._check_level(state_dict)
         self._set_vocab(state_dict)
         self._labels = [str(label) for label in labels]

@@ -321,12 +321,7 @@ class TextCorpus(SequenceDataModule):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the vocabulary of :meth:`state_dict`; the data is re-encoded with it on next use."""
-        saved_level = state_dict.get("level", self.level)
-        if saved_level != self.level:
-            raise DataError(
-                f"the checkpoint was trained with --data.level {saved_level} but this run has --data.level "
-                f"{self.level}: pass --data.level {saved_level}"
-            )
+        self._check_level(state_dict)
         # Checkpoints from before text formats carry none: their data was read as plain text, or as PTB-char
         # through the ptb_char dataset, which still reads it that way, so there is nothing to compare.
         saved_format = state_dict.get("text_format", self.text_format)

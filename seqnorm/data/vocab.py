@@ -13,7 +13,8 @@ token   id meaning
 ======= == ==============================================================
 
 Classification vocabularies leave out ``<bos>``/``<eos>`` (``bos_eos=False``) but keep ``<pad>=0`` and ``<unk>=1``.
-A text token spelled exactly like a special (PTB's literal ``<unk>``) maps to that special.
+A text token spelled exactly like a special (PTB's literal ``<unk>``) maps to that special, except ``<pad>``, which
+maps to ``<unk>``: only padding has id 0, which losses ignore.
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ class Vocabulary:
             if token not in self._stoi:
                 self._stoi[token] = len(self._itos)
                 self._itos.append(token)
+        # Text spelled "<pad>" is a token, not padding: only padding has id 0, which losses ignore.
+        self._stoi[PAD] = self.unk_index
 
     @classmethod
     def build(
@@ -227,6 +230,13 @@ class Vocabulary:
             raise DataError(f"not a saved Vocabulary (expected keys 'tokens' and 'bos_eos'): {error!r}") from error
         if not isinstance(bos_eos, bool):  # bool("false") is True
             raise DataError(f"saved Vocabulary is corrupt: expected bos_eos to be true or false, got {bos_eos!r}")
+        if not isinstance(tokens, list | tuple) or not all(isinstance(token, str) for token in tokens):
+            odd = (
+                type(tokens).__name__
+                if not isinstance(tokens, list | tuple)
+                else next(repr(token) for token in tokens if not isinstance(token, str))
+            )
+            raise DataError(f"saved Vocabulary is corrupt: expected its tokens to be a list of strings, got {odd}")
         vocab = cls(tokens, bos_eos=bos_eos)
         specials = {BOS, EOS} if not bos_eos else set()  # a vocabulary without them never holds them as tokens
         if vocab._itos != list(tokens) or specials & set(tokens):

@@ -25,6 +25,7 @@ from seqnorm.data import DataError, LabeledText, TextCorpus
         ({"max_vocab_size": 4}, "--data.max_vocab_size"),
         ({"num_workers": -1}, "--data.num_workers"),
         ({"encoding": "no-such-codec"}, "--data.encoding"),
+        ({"encoding": "rot13"}, "--data.encoding 'rot13' is not a text encoding"),  # a codec, not bytes -> text
         ({"level": "byte"}, "--data.level"),
         ({"unit": "page"}, "--data.unit"),
         ({"path": "a.txt", "train_path": "b.txt"}, "--data.train_path"),

@@ -39,7 +39,7 @@ def test_tsv_labels_and_batches(write: Callable[..., str]) -> None:
 
 
 def test_first_token_format(write: Callable[..., str]) -> None:
-    path = write("t.txt", "b the first\n\nc second one\na  third\n")
+    path = write("t.txt", "b the first\n\nc second one\na\tthird\n")  # any whitespace ends the label
     data = LabeledText(train_path=path, format="first_token", val_fraction=0.0, batch_size=1)
     assert data.labels == ["a", "b", "c"]
     assert _texts(data, "train") == ["the first", "second one", "third"]
@@ -132,3 +132,12 @@ def test_degenerate_training_data_warns(write: Callable[..., str]) -> None:
         ).labels
     with pytest.warns(UserWarning, match=r"no token besides the special ones .*--data.min_freq 1000"):
         _ = LabeledText(train_path=write("t.tsv", _tsv(EXAMPLES)), min_freq=1000, batch_size=2).vocab
+
+
+def test_a_state_of_another_level_is_refused(write: Callable[..., str]) -> None:
+    # a word vocabulary read at character level made every input <unk> (test/acc of a constant input, exit 0)
+    path = write("a.tsv", _tsv(EXAMPLES))
+    words = LabeledText(train_path=path, val_fraction=0.0, batch_size=1)
+    chars = LabeledText(train_path=path, val_fraction=0.0, batch_size=1, level="char")
+    with pytest.raises(DataError, match=r"trained with --data.level word but this run has --data.level char"):
+        chars.load_state_dict(words.state_dict())

@@ -113,3 +113,21 @@ def test_word_tokens_round_trip(words: list[str]) -> None:
     assert tokenize(text, "word") == words
     vocab = Vocabulary.build([words])
     assert vocab.decode(vocab.encode(words)) == words
+
+
+def test_text_spelled_like_padding_is_not_padding() -> None:
+    # id 0 is what losses ignore: a word "<pad>" in the text must stay a target (PTB's literal <unk> still maps)
+    vocab = Vocabulary.build([["the", "<pad>", "key", "<unk>"]])
+    assert vocab.encode(["the", "<pad>", "<unk>"]) == [vocab.index("the"), vocab.unk_index, vocab.unk_index]
+    assert vocab.tokens[vocab.pad_index] == "<pad>" and "<pad>" in vocab
+
+
+@pytest.mark.parametrize("tokens", [[5], [None], [["x"]], "abc"])
+def test_saved_tokens_must_be_strings(tokens: object) -> None:
+    with pytest.raises(DataError, match="expected its tokens to be a list of strings"):
+        Vocabulary.from_dict(
+            {
+                "tokens": ["<pad>", "<unk>", "<bos>", "<eos>", *tokens] if isinstance(tokens, list) else tokens,
+                "bos_eos": True,
+            }
+        )
