@@ -24,7 +24,7 @@ import os
 import signal
 import sys
 import warnings
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from jsonargparse import Namespace, auto_cli
@@ -60,7 +60,13 @@ from seqnorm.data import LabeledText, TextCorpus, Vocabulary
 from seqnorm.data.units import UNITS
 from seqnorm.lightning import LanguageModel, SequenceClassifier, SyncBatchNorm
 from seqnorm.lightning.base import DATA_STATE_KEY
-from seqnorm.lightning.checkpoint_io import ALLOWED_GLOBALS, names_class, read_checkpoint, task_class
+from seqnorm.lightning.checkpoint_io import (
+    ALLOWED_GLOBALS,
+    corrupt_checkpoint,
+    names_class,
+    read_checkpoint,
+    task_class,
+)
 from seqnorm.lightning.generate import SAMPLING_MINIMUMS, generate_text, sampling_out_of_range
 from seqnorm.lightning.prediction_writer import PredictionWriter
 from seqnorm.shipped_configs import describe_configs, resolve_config_names
@@ -166,10 +172,8 @@ class SeqnormCLI(LightningCLI):
         except (TypeError, KeyError, argparse.ArgumentError) as error:
             detail = " ".join(str(error).split())
             described = model.class_path.rpartition(".")[2]
-            raise ValueError(
-                f"--ckpt_path {ckpt_path}: its hyper_parameters do not describe a {described} ({detail}): a corrupt "
-                "checkpoint; use one written by `seqnorm fit` as it was"
-            ) from None
+            what = f"its hyper_parameters do not describe a {described} ({detail})"
+            raise corrupt_checkpoint(f"--ckpt_path {ckpt_path}", what) from None
         data_state = checkpoint.get(DATA_STATE_KEY)
         apply_checkpoint_text_format(config.get("data"), explicit.get("data"), data_state)
         shapes = weight_shapes(checkpoint, ckpt_path)
@@ -317,12 +321,13 @@ def generate(
         vocab = Vocabulary.from_dict(data_state["vocab"])
     except (ValueError, TypeError, KeyError) as error:
         raise ValueError(f"--ckpt_path {ckpt_path}: {error}") from None
-    corrupt = f"--ckpt_path {ckpt_path}: a corrupt checkpoint (not as `seqnorm fit` writes it): "
+    where = f"--ckpt_path {ckpt_path}"
     if len(vocab) != model.hparams.vocab_size:
-        raise ValueError(f"{corrupt}its vocabulary has {len(vocab)} tokens and its model {model.hparams.vocab_size}")
+        what = f"its vocabulary has {len(vocab)} tokens and its model {model.hparams.vocab_size}"
+        raise corrupt_checkpoint(where, what)
     if data_state.get("level") not in ("char", "word") or data_state["unit"] not in UNITS:
         got = f"level={data_state.get('level')!r}, unit={data_state['unit']!r}"
-        raise ValueError(f"{corrupt}expected its data level 'char' or 'word' and a unit of {UNITS}, got {got}")
+        raise corrupt_checkpoint(where, f"expected its data level 'char' or 'word' and a unit of {UNITS}, got {got}")
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     return generate_text(
         model.model,
@@ -358,6 +363,11 @@ def _version() -> str:
     return f"seqnorm {seqnorm.__version__} (torch {torch.__version__}; compiled kernels: {seqnorm.kernels.status()})"
 
 
+def _usage_error(message: str) -> NoReturn:
+    print(f"usage: seqnorm {{{','.join(COMMANDS)}}} ...\nseqnorm: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``seqnorm`` console script."""
     argv = sys.argv[1:] if args is None else args
@@ -367,12 +377,7 @@ def main(args: list[str] | None = None) -> None:
         print(_version())
         return
     if not command:  # LightningCLI's own error would list its subcommands only
-        print(
-            f"usage: seqnorm {{{','.join(COMMANDS)}}} ...\n"
-            "seqnorm: error: no command given (seqnorm --help lists them)",
-            file=sys.stderr,
-        )
-        raise SystemExit(2)
+        _usage_error("no command given (seqnorm --help lists them)")
     if command in ("-h", "--help"):
         # LightningCLI lists its own subcommands; generate is ours, beside them. args=None from the console:
         # LightningCLI reads sys.argv (["--help"] there), and warns when also given args.
@@ -384,13 +389,7 @@ def main(args: list[str] | None = None) -> None:
         print(describe_configs())  # the list is all there is to say, also for --help
         return
     if not command.startswith("-") and command not in COMMANDS:  # LightningCLI's own error omits ours
-        choices = ", ".join(repr(name) for name in COMMANDS)
-        print(
-            f"usage: seqnorm {{{','.join(COMMANDS)}}} ...\n"
-            f"seqnorm: error: invalid choice: {command!r} (choose from {choices})",
-            file=sys.stderr,
-        )
-        raise SystemExit(2)
+        _usage_error(f"invalid choice: {command!r} (choose from {', '.join(repr(name) for name in COMMANDS)})")
     try:
         argv = resolve_config_names(argv)  # `--config seqnorm:NAME`: a config shipped with the package
         argv = with_checkpoint_model(argv, MODELS)  # `test --ckpt_path X` without --model: the checkpoint's class

@@ -104,6 +104,8 @@ def _norm_config(saved: Any, owner: str) -> Any:
     namespace whose class comes from seqnorm's registry (:func:`~seqnorm.norms.spec_from_dict`), not from the file.
     """
     if isinstance(saved, str):
+        if saved not in NORMS:  # jsonargparse would read another string as a config file or a class name
+            raise ValueError(f"{owner}: expected one of {', '.join(map(repr, NORMS))}, got {saved!r}")
         return saved
     spec = spec_from_dict(saved, owner)
     return Namespace(class_path=f"seqnorm.norms.{type(spec).__name__}", init_args=Namespace(**asdict(spec)))

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch import Tensor
 from torch.nn.utils import parametrizations
 
 __all__ = [
@@ -40,7 +41,12 @@ batch_norm_with_stats: Callable[..., Any] = torch.native_batch_norm
 # The backward kernels autograd itself runs for those two: the hand-written BPTT calls them step by step, so its
 # gradients are the ones autograd's per-step graph would give.
 layer_norm_backward: Callable[..., Any] = torch.ops.aten.native_layer_norm_backward
-batch_norm_backward: Callable[..., Any] = torch.ops.aten.native_batch_norm_backward
+
+
+def batch_norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, *args: Any) -> Any:
+    """aten's ``native_batch_norm_backward``, with ``weight`` made dense: on CPU it reads a strided weight (a
+    parameter loaded with ``load_state_dict(assign=True)``) as dense rows, and its gradients came out 1e17 off."""
+    return torch.ops.aten.native_batch_norm_backward(dy, x, None if weight is None else weight.contiguous(), *args)
 
 
 def without_parametrization_hooks(hooks: Mapping[int, Any]) -> OrderedDict[int, Any]:

@@ -90,6 +90,15 @@ def check_rate(owner: str, name: str, value: object) -> float:
     return float(value)
 
 
+def check_eps(owner: str, value: object) -> float:
+    """A norm's ``eps``: a positive finite number. 0 is refused: a cell's recurrent term ``W_hh h_0`` is exactly 0
+    for the default zero state, so its normalization would divide 0 by sqrt(0) at the first step (as would any
+    constant feature)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ValueError(f"{owner}: expected eps to be a positive finite number, got {value!r}")
+    return value
+
+
 def check_positive_int(owner: str, name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{owner}: expected {name} to be a positive int, got {value!r}")

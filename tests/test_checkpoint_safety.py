@@ -19,6 +19,7 @@ import yaml
 
 from seqnorm.cli import main
 from seqnorm.lightning import LanguageModel
+from seqnorm.lightning.checkpoint import ResumableCheckpoint
 from seqnorm.lightning.checkpoint_io import CheckpointError
 from tests.conftest import QUIET, logged_scalars, write_story
 
@@ -155,14 +156,21 @@ def _string_spec_checkpoint(
     story: Path, trained: Path, monkeypatch: pytest.MonkeyPatch, form: str
 ) -> tuple[Path, Path]:
     """``(checkpoint, marker)``: a class spec hidden in a string hyperparameter (JSON in ``rnn_options.norm_options``,
-    or YAML in ``norm``), naming a module whose import creates ``marker``."""
+    plain or with the key escaped; YAML in ``norm``; or ``norm`` naming a YAML file beside the checkpoint), naming a
+    module whose import creates ``marker``."""
     marker = _marker_module(story.parent, "string_spec_module", "Spec", monkeypatch)
     checkpoint = torch.load(trained, weights_only=True)
     hparams = checkpoint["hyper_parameters"]
+    spec = "class_path: string_spec_module.Spec\n"
     if form == "json":
         hparams["rnn_options"] = {"norm_options": {"x": '{"class_path": "string_spec_module.Spec"}'}}
+    elif form == "escaped":  # no "class_path" in the string: only YAML reading it finds the key
+        hparams["rnn_options"] = {"norm_options": {"x": r'{"class\u005fpath": "string_spec_module.Spec"}'}}
+    elif form == "file":  # jsonargparse reads a string naming a file as a config file for `norm`
+        (story.parent / "norm.yaml").write_text(spec, encoding="utf-8")
+        hparams["norm"] = "norm.yaml"
     else:
-        hparams["norm"] = "class_path: string_spec_module.Spec\n"
+        hparams["norm"] = spec
     path = story.parent / f"string_spec_{form}.ckpt"
     torch.save(checkpoint, path)
     return path, marker
@@ -180,7 +188,7 @@ def test_a_class_spec_in_a_string_would_be_imported_without_the_check(
 
 
 @pytest.mark.parametrize("command", ["generate", "fit", "test"])
-@pytest.mark.parametrize("form", ["json", "yaml"])
+@pytest.mark.parametrize("form", ["json", "escaped", "yaml", "file"])
 def test_a_class_spec_in_a_string_is_refused_without_importing_it(
     story: Path,
     trained: Path,
@@ -190,7 +198,7 @@ def test_a_class_spec_in_a_string_is_refused_without_importing_it(
     form: str,
 ) -> None:
     path, marker = _string_spec_checkpoint(story, trained, monkeypatch, form)
-    key = "rnn_options.norm_options.x" if form == "json" else "norm"
+    key = "rnn_options.norm_options.x" if form in ("json", "escaped") else "norm"
     error = _fails(capsys, _commands(path, story)[command])
     assert f"--ckpt_path {path}: refused: its hyper_parameters.{key} is a string holding YAML/JSON" in error
     with pytest.raises(CheckpointError, match="nothing in it was parsed or imported"):
@@ -238,6 +246,23 @@ def test_a_received_run_cannot_make_resuming_delete_outside_its_folder(
         _resume(story, checkpoint)
     assert (victim / "precious.txt").read_text(encoding="utf-8") == "keep\n"
     assert torch.load(checkpoint, weights_only=True)["global_step"] == 8  # the run went on and saved last.ckpt
+
+
+def test_what_a_run_may_remove_is_what_lies_inside_its_folder(tmp_path: Path) -> None:
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    (folder / "link.ckpt").symlink_to(tmp_path / "elsewhere.ckpt")
+    owns = ResumableCheckpoint(dirpath=str(folder))._owns
+    assert owns(str(folder / "last.ckpt"))
+    assert owns(str(folder / "best-val" / "loss=1.00.ckpt"))  # a filename template with a "/"
+    assert not owns(str(folder / ".." / "victim"))  # ".." resolved
+    assert not owns(str(folder / "link.ckpt"))  # a link resolved to where it points
+    assert not owns(str(folder)) and not owns(str(tmp_path))
+    assert not owns("memory://victim")  # a remote path in a local run's record
+    assert not owns("s3://bucket/victim")  # nor one of a filesystem not installed here (no ImportError)
+    remote = ResumableCheckpoint(dirpath="memory://run/checkpoints")._owns
+    assert remote("memory://run/checkpoints/last.ckpt")
+    assert not remote("memory://run/checkpoints/../../victim") and not remote("file:///run/checkpoints/last.ckpt")
 
 
 def _truncated(trained: Path, path: Path) -> None:
@@ -327,9 +352,7 @@ def test_generate_refuses_a_vocabulary_that_does_not_fit_the_model(
     torch.save(checkpoint, path)
     error = _fails(capsys, ["generate", "--ckpt_path", str(path)])
     size = checkpoint["hyper_parameters"]["vocab_size"]
-    assert error.endswith(
-        f"(not as `seqnorm fit` writes it): its vocabulary has {size - 3} tokens and its model {size}"
-    )
+    assert f"a corrupt checkpoint: its vocabulary has {size - 3} tokens and its model {size}; use one" in error
 
 
 def test_unwritable_default_root_dir_is_one_message(story: Path, capsys: pytest.CaptureFixture) -> None:
@@ -434,3 +457,16 @@ def test_load_from_checkpoint_reads_a_real_checkpoint(trained: Path) -> None:
     assert model.hparams.hidden_size == 16
     saved = torch.load(trained, weights_only=True)["state_dict"]
     torch.testing.assert_close(model.state_dict(), saved)
+
+
+def test_load_from_checkpoint_names_the_file_when_the_model_refuses_a_saved_value(
+    story: Path, trained: Path, capsys: pytest.CaptureFixture
+) -> None:
+    path = story.parent / "negative_size.ckpt"
+    _edited(trained, path, hparams={"hidden_size": -1})  # an int, so jsonargparse lets it through to the model
+    with pytest.raises(
+        CheckpointError, match=r"load_from_checkpoint .*negative_size.ckpt: a corrupt checkpoint: .*hidden_size"
+    ):
+        LanguageModel.load_from_checkpoint(path)
+    error = _fails(capsys, ["generate", "--ckpt_path", str(path)])
+    assert f"--ckpt_path {path}: a corrupt checkpoint: " in error and "hidden_size" in error

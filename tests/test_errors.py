@@ -245,3 +245,13 @@ def test_load_state_dict_errors_use_the_state_dict_names(kind: str) -> None:
     missing = layer.load_state_dict({}, strict=False).missing_keys
     assert "weight_ih_l0" in missing and "norm_hh_l1_reverse.weight" in missing
     assert not any("cells." in key for key in missing)
+
+
+@pytest.mark.parametrize("eps", [0, 0.0, -1e-5, float("nan"), float("inf")])
+def test_norms_made_directly_refuse_a_non_positive_eps(eps: float) -> None:
+    # the cells' specs refuse it; a norm built by hand (custom loops) too: 0 divides a constant feature by sqrt(0)
+    for cls in (seqnorm.norms.LayerNorm, seqnorm.norms.RMSNorm):
+        with pytest.raises(ValueError, match=rf"^{cls.__name__}: expected eps to be a positive finite number"):
+            cls(4, eps=eps)
+    with pytest.raises(ValueError, match=r"^TimestepBatchNorm: expected eps to be a positive finite number"):
+        seqnorm.norms.TimestepBatchNorm(4, 3, eps=eps)

@@ -324,6 +324,12 @@ def _download(spec: DatasetSpec, download: Download, folder: Path, known_hash: s
     )
 
 
+def _umask() -> int:
+    mask = os.umask(0)  # the only way to read it is to set it
+    os.umask(mask)
+    return mask
+
+
 def _extract(archive: Path, member_suffix: str, destination: Path) -> None:
     """Copy one archive member to ``destination`` via a temporary file, so a failure leaves nothing behind.
 
@@ -331,6 +337,7 @@ def _extract(archive: Path, member_suffix: str, destination: Path) -> None:
     renaming it over ``destination`` replaces a link there rather than writing where it points."""
     handle, name = tempfile.mkstemp(dir=destination.parent, prefix=f".{destination.name}.", suffix=".part")
     temporary = Path(name)
+    os.fchmod(handle, 0o666 & ~_umask())  # mkstemp's 0600 would make a shared cache unreadable to others
     missing = DataError(f"{archive}: has no member {member_suffix!r}: delete it and run again")
     try:
         with os.fdopen(handle, "wb") as out:

@@ -19,7 +19,7 @@ from torchmetrics import MeanMetric
 
 from seqnorm.data.loader import ResumableDataLoader
 from seqnorm.layers.fast import Impl
-from seqnorm.lightning.checkpoint_io import CheckpointError, read_checkpoint, task_class
+from seqnorm.lightning.checkpoint_io import CheckpointError, corrupt_checkpoint, read_checkpoint, task_class
 from seqnorm.lightning.resume import (
     RANDOM_STATE_KEY,
     random_states,
@@ -169,10 +169,12 @@ class TaskModule(pl.LightningModule):
             )
         except argparse.ArgumentError as error:  # jsonargparse refused a saved hyperparameter's value
             detail = " ".join(str(error).split())
-            raise CheckpointError(
-                f"{flag} {checkpoint_path}: its hyper_parameters do not describe a {cls.__name__} ({detail}): a "
-                "corrupt checkpoint; use one written by `seqnorm fit` as it was"
-            ) from None
+            what = f"its hyper_parameters do not describe a {cls.__name__} ({detail})"
+            raise corrupt_checkpoint(f"{flag} {checkpoint_path}", what) from None
+        except CheckpointError:
+            raise
+        except ValueError as error:  # the model refused a value jsonargparse let through (hidden_size=-1, say)
+            raise corrupt_checkpoint(f"{flag} {checkpoint_path}", str(error)) from None
 
     def _take_renamed(self) -> None:
         """Fold a deprecated argument given under its old name (:data:`RENAMED_HPARAMS`) into the new one, in the
@@ -411,10 +413,7 @@ class TaskModule(pl.LightningModule):
         trainer = self._trainer
         where = f"--ckpt_path {trainer.ckpt_path}" if trainer is not None and trainer.ckpt_path else "the checkpoint"
         shown = repr(got) if len(repr(got)) <= 80 else f"a {type(got).__name__}"
-        return CheckpointError(
-            f"{where}: a corrupt checkpoint: expected its {key} to be {expected}, got {shown}; use one written by "
-            "`seqnorm fit` as it was"
-        )
+        return corrupt_checkpoint(where, f"expected its {key} to be {expected}, got {shown}")
 
 
 def _is_count(value: object) -> bool:

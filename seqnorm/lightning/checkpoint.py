@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import posixpath
 from typing import Any
 from weakref import proxy
 
@@ -85,12 +86,25 @@ class ResumableCheckpoint(ModelCheckpoint):
         self._forget_foreign_files()
 
     def _owns(self, filepath: str) -> bool:
-        """Whether ``filepath`` is a file of this callback's own: directly in ``dirpath`` once links and ``..`` are
-        resolved (a remote path is left to Lightning's own test)."""
-        local, folder = local_path(filepath), local_path(self.dirpath) if self.dirpath is not None else None
-        if local is None or folder is None:
-            return True
-        return os.path.dirname(os.path.realpath(local)) == os.path.realpath(folder) and not os.path.isdir(local)
+        """Whether ``filepath`` is inside ``dirpath`` (a file, or a sharded checkpoint's folder, at any depth, as
+        filename templates with a ``/`` make them): after resolving links and ``..`` for a local ``dirpath``; for a
+        remote one, on the same filesystem and under it once normalized. A remote path recorded by a local run, or
+        one of a filesystem that cannot be opened here, is not this run's."""
+        if self.dirpath is None:
+            return False
+        try:
+            local, folder = local_path(filepath), local_path(self.dirpath)
+        except (ImportError, ValueError):  # e.g. s3:// without s3fs installed
+            return False
+        if folder is not None:
+            if local is None:
+                return False
+            inside, root = os.path.realpath(local), os.path.realpath(folder)
+        elif local is None and _protocol(filepath) == _protocol(self.dirpath):
+            inside, root = posixpath.normpath(str(filepath)), posixpath.normpath(str(self.dirpath))
+        else:
+            return False
+        return inside != root and inside.startswith(root.rstrip("/") + "/")
 
     def _forget_foreign_files(self) -> None:
         # A checkpoint is a file one may receive from someone else, and its state names the files Lightning will
@@ -157,7 +171,7 @@ class ResumableCheckpoint(ModelCheckpoint):
     def _remove_own(self, trainer: pl.Trainer, filepath: str) -> None:
         """Lightning's removal (recursive), only of a file of this callback's own (:meth:`_owns`)."""
         if not self._owns(filepath):
-            rank_zero_warn(f"ResumableCheckpoint: not removing {filepath}: not a checkpoint file in {self.dirpath}")
+            rank_zero_warn(f"ResumableCheckpoint: not removing {filepath}: not inside {self.dirpath}")
             return
         super()._remove_checkpoint(trainer, filepath)
 
@@ -218,6 +232,12 @@ class ResumableCheckpoint(ModelCheckpoint):
         super().on_train_end(trainer, pl_module)
         if self.save_last and self.dirpath is not None and self._last_global_step_saved != trainer.global_step:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
+def _protocol(path: Any) -> str:
+    """The fsspec protocol of a URL (``"s3"``, ``"memory"``), ``""`` for a plain path."""
+    text = str(path)
+    return text.split("://", 1)[0] if "://" in text else ""
 
 
 def _validated(trainer: pl.Trainer) -> bool:

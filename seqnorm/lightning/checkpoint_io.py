@@ -24,7 +24,15 @@ from typing import Any
 import torch
 import yaml
 
-__all__ = ["ALLOWED_GLOBALS", "CHECKPOINT_KEYS", "CheckpointError", "names_class", "read_checkpoint", "task_class"]
+__all__ = [
+    "ALLOWED_GLOBALS",
+    "CHECKPOINT_KEYS",
+    "CheckpointError",
+    "corrupt_checkpoint",
+    "names_class",
+    "read_checkpoint",
+    "task_class",
+]
 
 ALLOWED_GLOBALS: list[Any] = []
 """Types a checkpoint may hold beyond torch's weights-only defaults (``torch.serialization.safe_globals``).
@@ -41,6 +49,12 @@ INSTANTIATOR = "lightning.pytorch.cli.instantiate_module"
 
 class CheckpointError(ValueError):
     """A checkpoint file cannot be used; the message names the flag and the file and says what to do."""
+
+
+def corrupt_checkpoint(where: str, what: str) -> CheckpointError:
+    """The error for a checkpoint that loads safely but holds what ``seqnorm fit`` never writes (``what``);
+    ``where`` names the flag and the file."""
+    return CheckpointError(f"{where}: a corrupt checkpoint: {what}; use one written by `seqnorm fit` as it was")
 
 
 def _refused_globals(path: Path, error: Exception) -> str:
@@ -125,9 +139,9 @@ def read_checkpoint(path: str | os.PathLike[str], flag: str = "--ckpt_path") -> 
     encoded = _structure_in_string(hparams)
     if encoded is not None:
         raise CheckpointError(
-            f"{where}: refused: its hyper_parameters.{encoded} is a string holding YAML/JSON structure (jsonargparse "
-            "would parse it, and could import and build a class it names); seqnorm's hyperparameters are plain "
-            "values, and nothing in it was parsed or imported"
+            f"{where}: refused: its hyper_parameters.{encoded} is a string holding YAML/JSON structure or naming a "
+            "file (jsonargparse would parse it, and could import and build a class it names); seqnorm's "
+            "hyperparameters are plain values, and nothing in it was parsed or imported"
         )
     instantiator = hparams.get("_instantiator")
     if instantiator is not None and instantiator != INSTANTIATOR:
@@ -158,17 +172,19 @@ def _class_path_inside(value: object) -> tuple[str, object] | None:
 
 
 def _structure_in_string(value: object) -> str | None:
-    """The key path of a string that YAML reads as a mapping or a list, or that mentions ``class_path``.
+    """The key path of a string that YAML reads as a mapping or a list, that mentions ``class_path``, or that names
+    an existing file.
 
-    jsonargparse parses a string given for a loosely typed field (``Any``, ``dict[str, Any]``) as YAML, and builds
-    any ``{"class_path": ...}`` it finds there: a dict hidden in a string is how a checkpoint would smuggle one past
-    :func:`_class_path_inside`. seqnorm writes only names, numbers and paths as strings.
+    jsonargparse parses a string given for a loosely typed field (``Any``, ``dict[str, Any]``) as YAML, reads a
+    string naming a file as a config file for a class-typed one (``norm``), and builds any ``{"class_path": ...}``
+    it finds there: a dict hidden in a string, or in a file beside the checkpoint, is how a checkpoint would smuggle
+    one past :func:`_class_path_inside`. seqnorm's model hyperparameters hold only names and numbers as strings.
     """
     return next((path for path, node in _walk(value) if isinstance(node, str) and _encodes_structure(node)), None)
 
 
 def _encodes_structure(text: str) -> bool:
-    if "class_path" in text:
+    if "class_path" in text or (len(text) < 4096 and os.path.isfile(text)):
         return True
     if not text.lstrip().startswith(("{", "[", "-")) and ":" not in text:
         return False  # a plain scalar: no YAML structure possible (the fast, usual case)

@@ -57,6 +57,7 @@ from torch import Tensor, nn
 
 from seqnorm.norms.batch_pieces import BatchNormPieces, PopulationMoments, masked_moments
 from seqnorm.norms.precision import float32_statistics
+from seqnorm.validation import check_eps
 
 __all__ = [
     "DEFAULT_MAX_STEPS",
@@ -140,6 +141,7 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
     ) -> None:
         super().__init__()
         name = type(self).__name__
+        check_eps(name, eps)
         if max_steps < 1:
             raise ValueError(f"{name}: expected max_steps >= 1, got {max_steps}")
         if momentum is not None and not 0.0 <= momentum <= 1.0:

@@ -21,6 +21,7 @@ from seqnorm import torch_ops
 from seqnorm.kernels import KernelNorm
 from seqnorm.norms.precision import float32_statistics
 from seqnorm.norms.protocol import NormCall
+from seqnorm.validation import check_eps
 
 __all__ = ["LayerNorm", "RMSNorm", "rms_length"]
 
@@ -61,7 +62,7 @@ class _RowNorm(nn.Module):
     ) -> None:
         super().__init__()
         self.num_features = num_features
-        self.eps = eps
+        self.eps = check_eps(type(self).__name__, eps)
         self.gain_init = gain
         self.shift_init = shift
         self.affine = affine

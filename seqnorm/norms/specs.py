@@ -30,6 +30,7 @@ from seqnorm.norms.batch import (
     BeyondMaxSteps,
     SmallBatchPolicy,
 )
+from seqnorm.validation import check_eps
 
 __all__ = [
     "BatchNormSpec",
@@ -69,13 +70,6 @@ def _is_number(value: object) -> bool:
 def _check_number(owner: str, name: str, value: object, low: float, what: str) -> None:
     if not _is_number(value) or value < low:  # type: ignore[operator]
         raise _fail(owner, f"{name} to be {what}", repr(value))
-
-
-def _check_eps(owner: str, value: object) -> None:
-    # 0 is refused: a cell's recurrent term W_hh h_0 is exactly 0 for the default zero state, so its normalization
-    # would divide 0 by sqrt(0) at the first step (as would any constant feature).
-    if not _is_number(value) or value <= 0:  # type: ignore[operator]
-        raise _fail(owner, "eps to be a positive finite number", repr(value))
 
 
 def _check_int(owner: str, name: str, value: object, low: int, what: str) -> None:
@@ -167,7 +161,7 @@ class _Row(_Affine):
     eps: float = 1e-5
 
     def check(self, owner: str) -> None:
-        _check_eps(owner, self.eps)
+        check_eps(owner, self.eps)
         super().check(owner)
 
 
@@ -203,7 +197,7 @@ class _Statistics(NormSpec):
     beyond_max_steps: BeyondMaxSteps = "last"
 
     def check(self, owner: str) -> None:
-        _check_eps(owner, self.eps)
+        check_eps(owner, self.eps)
         if self.momentum is not None and (not _is_number(self.momentum) or not 0.0 <= self.momentum <= 1.0):
             raise _fail(owner, "momentum in [0, 1] or None", repr(self.momentum))
         _check_int(owner, "max_steps", self.max_steps, 1, "a positive int")

@@ -5,10 +5,10 @@ alone is BatchNorm at a smaller batch — the regime where it suffers — and le
 across processes. A synchronized norm gathers every process's active-row counts, batch size and per-step means and
 variances over its active rows, and merges them as Chan et al.'s parallel variance (no sum of squares is differenced,
 so float32 keeps the variance of inputs whose mean is large next to their spread): one collective per call (the input
-term's: one for all steps at once), whose autograd backward all-reduces the gradients of the gathered moments, so the
-backward is exact, as :class:`torch.nn.SyncBatchNorm`'s. Statistics, the small-batch rule
-(global rows), running statistics and :func:`~seqnorm.update_bn`'s population moments are then those of the global
-batch, identical on every process.
+term's: one for all steps at once; each process contributes its row of a zero block, so the message grows with the
+number of processes), whose autograd backward all-reduces the gradients of the gathered moments, so the backward is
+exact, as :class:`torch.nn.SyncBatchNorm`'s. Statistics, the small-batch rule (global rows), running statistics and
+:func:`~seqnorm.update_bn`'s population moments are then those of the global batch, identical on every process.
 
 Every process must make the same collectives in the same order. So a synchronized norm declares no fast form (its
 layer runs the reference path on every process, whatever a process's own data or hooks), and a layer holding one pads
@@ -16,7 +16,7 @@ its input to the longest sequence of any process before running (steps without a
 part). Without an initialized process group, or with one process, nothing is communicated and the numbers are those
 of the unsynchronized norm. Cost per training step of an LSTM layer with ``norm="batch"`` and ``T <= max_steps``
 steps: ``2T + 2`` collectives forward (one finds the longest input) and ``2T + 1`` backward (GRU: ``T + 2`` and
-``T + 1``), each of a few kilobytes: latency-bound.
+``T + 1``), each of a few kilobytes per process: latency-bound.
 """
 
 from __future__ import annotations

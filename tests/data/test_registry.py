@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import re
 import threading
 import zipfile
@@ -263,6 +264,9 @@ def test_links_planted_in_a_cache_are_replaced_not_written_through(
     paths["train"].with_name("train.txt.part").symlink_to(outside)
     assert fetch_dataset("zipped", cache)["train"].read_text() == TEXTS["train"]
     assert outside.read_text() == "mine\n" and not paths["train"].is_symlink()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert paths["train"].stat().st_mode & 0o777 == 0o666 & ~umask  # as open() makes files, not mkstemp's 0600
 
 
 def test_changed_cached_archive_is_fetched_again(
