@@ -329,6 +329,8 @@ def generate(
         got = f"level={data_state.get('level')!r}, unit={data_state['unit']!r}"
         raise corrupt_checkpoint(where, f"expected its data level 'char' or 'word' and a unit of {UNITS}, got {got}")
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    window_length = data_state.get("window_length")  # None in checkpoints of before 2026-11-25: the index counts on
+    restarts = data_state["unit"] == "stream" and model.hparams.stream_steps == "restart"
     return generate_text(
         model.model,
         vocab,
@@ -339,6 +341,7 @@ def generate(
         temperature=temperature,
         top_k=top_k,
         generator=generator,
+        window_steps=window_length - 1 if restarts and isinstance(window_length, int) and window_length > 1 else None,
     )
 
 

@@ -470,3 +470,20 @@ def test_load_from_checkpoint_names_the_file_when_the_model_refuses_a_saved_valu
         LanguageModel.load_from_checkpoint(path)
     error = _fails(capsys, ["generate", "--ckpt_path", str(path)])
     assert f"--ckpt_path {path}: a corrupt checkpoint: " in error and "hidden_size" in error
+
+
+def test_generate_restarts_stream_windows_as_the_run_did(
+    story: Path, trained: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: dict = {}
+    monkeypatch.setattr("seqnorm.cli.generate_text", lambda *args, **kwargs: seen.update(kwargs) or "")
+    data_state = torch.load(trained, weights_only=True)["seqnorm_data"]
+    assert data_state["unit"] == "stream"  # a character file: streams, with stream_steps="restart" by default
+    main(["generate", "--ckpt_path", str(trained)])
+    assert seen["window_steps"] == data_state["window_length"] - 1
+    older = story.parent / "older.ckpt"  # written before the data state recorded its window length
+    checkpoint = torch.load(trained, weights_only=True)
+    del checkpoint["seqnorm_data"]["window_length"]
+    torch.save(checkpoint, older)
+    main(["generate", "--ckpt_path", str(older)])
+    assert seen["window_steps"] is None

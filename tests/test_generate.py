@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from seqnorm.data.vocab import BOS, EOS, Vocabulary
+from seqnorm.layers import RecurrentState
 from seqnorm.lightning.generate import generate_text
 
 
@@ -80,3 +81,34 @@ def test_a_tiny_temperature_samples_like_greedy_decoding(temperature: float) -> 
     model = Scripted(len(vocab), vocab.encode(["b"])[0])
     text = generate_text(model, vocab, level="char", unit="line", length=4, temperature=temperature, top_k=2)  # type: ignore[arg-type]
     assert text == "bbbb"
+
+
+class Counting(Scripted):
+    """A stand-in that also records the time index of the state each token is fed with (``None``: a fresh state)."""
+
+    def __init__(self, vocab_size: int, favourite: int) -> None:
+        super().__init__(vocab_size, favourite)
+        self.steps: list[int | None] = []
+
+    def step(self, token: torch.Tensor, state: RecurrentState | None) -> tuple[torch.Tensor, RecurrentState]:
+        self.steps.append(None if state is None else state.step)
+        logits, _ = super().step(token, state)
+        return logits, RecurrentState(torch.zeros(1), None, 1 if state is None else state.step + 1)
+
+
+def test_each_natural_unit_starts_from_a_fresh_state() -> None:
+    # training ran every line from a zero state at step 0; <bos> after a sampled <eos> was fed on the carried state
+    vocab = Vocabulary(["a", "\n"])
+    model = Counting(len(vocab), vocab.encode([EOS])[0])
+    generate_text(model, vocab, level="char", unit="line", length=3, temperature=0)  # type: ignore[arg-type]
+    assert vocab.decode(model.fed) == [BOS, BOS, BOS, BOS] and model.steps == [None, None, None, None]
+
+
+def test_a_stream_window_restarts_its_time_index_as_training_did() -> None:
+    vocab = Vocabulary(["a", "\n"])
+    model = Counting(len(vocab), vocab.encode(["a"])[0])
+    generate_text(model, vocab, level="char", unit="stream", prompt="a", length=6, temperature=0, window_steps=3)  # type: ignore[arg-type]
+    assert model.steps == [None, 1, 2, 0, 1, 2, 0]  # the state carried on, the index restarted every 3 tokens
+    model = Counting(len(vocab), vocab.encode(["a"])[0])
+    generate_text(model, vocab, level="char", unit="stream", prompt="a", length=6, temperature=0)  # type: ignore[arg-type]
+    assert model.steps == [None, 1, 2, 3, 4, 5, 6]  # without window_steps: it counts on

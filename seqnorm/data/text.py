@@ -317,6 +317,7 @@ class TextCorpus(SequenceDataModule):
             "unit": self.unit,
             "text_format": self.text_format,
             "batch_size": self.batch_size,  # a resumed fit continues the data order in batches of this size
+            "window_length": self.window_length,  # generation restarts a stream window's time index as training did
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -9,6 +9,7 @@ import torch
 
 from seqnorm.data.units import STREAM_UNITS
 from seqnorm.data.vocab import Vocabulary, tokenize
+from seqnorm.layers import RecurrentState
 from seqnorm.models import RNNLanguageModel
 
 __all__ = ["SAMPLING_MINIMUMS", "generate_text", "sampling_out_of_range"]
@@ -39,25 +40,34 @@ def generate_text(
     temperature: float = 1.0,
     top_k: int | None = None,
     generator: torch.Generator | None = None,
+    window_steps: int | None = None,
 ) -> str:
     """Continue ``prompt`` by ``length`` sampled tokens, using the model's stepping interface (batch size 1).
 
     Each token is fed as the model saw it in training:
 
-    - natural units (``line``, ``paragraph``, ``sentence``): each unit was ``<bos>`` + tokens + ``<eos>``, so
-      generation starts from ``<bos>``, and a sampled ``<eos>`` is written as a newline and followed by ``<bos>``;
+    - natural units (``line``, ``paragraph``, ``sentence``): each unit was ``<bos>`` + tokens + ``<eos>`` from a
+      zero state, so generation starts from ``<bos>``, and a sampled ``<eos>`` is written as a newline and followed
+      by ``<bos>`` from a fresh state (time index 0 again);
     - token streams (``window``, ``stream``: :func:`~seqnorm.data.units.token_stream`): no ``<bos>`` ever. At
       character level a newline is a character like any other and ``<eos>`` never occurs; at word level each line
       ends with ``<eos>``, which is written as a newline and fed on. An empty prompt starts after a line break
       (``"\n"``, or ``<eos>`` for words), where the stream's lines begin.
 
-    ``temperature=0`` is greedy decoding; ``top_k`` keeps only the ``k`` most likely tokens. Returns the generated
-    continuation only.
+    ``temperature=0`` is greedy decoding; ``top_k`` keeps only the ``k`` most likely tokens. ``window_steps``: for a
+    stream model trained with the time index restarting in every window (``stream_steps="restart"``), the steps per
+    window (``window_length - 1``): the state is carried on, but the index per-timestep statistics are read at
+    restarts every ``window_steps`` tokens, as in training and evaluation; ``None``: it counts on. Returns the
+    generated continuation only.
     """
     wrong = sampling_out_of_range(length, temperature, top_k)
     if wrong is not None:
         name, value = wrong
         raise ValueError(f"generate_text: expected {name} >= {SAMPLING_MINIMUMS[name]}, got {value}")
+    if window_steps is not None and (
+        isinstance(window_steps, bool) or not isinstance(window_steps, int) or window_steps < 1
+    ):
+        raise ValueError(f"generate_text: expected window_steps to be a positive int or None, got {window_steps!r}")
     model.eval()
     device = model.projection.weight.device
     natural_units = unit not in STREAM_UNITS
@@ -67,8 +77,10 @@ def generate_text(
     # What follows a sampled <eos>: the next unit's <bos>, or in a word stream the <eos> itself.
     after_eos = vocab.bos_index if natural_units else vocab.eos_index
 
-    def feed(token: int, state: object) -> tuple[torch.Tensor, object]:
-        return model.step(torch.tensor([token], device=device), state)  # type: ignore[arg-type]
+    def feed(token: int, state: RecurrentState | None) -> tuple[torch.Tensor, RecurrentState]:
+        if window_steps and state is not None and state.step >= window_steps:
+            state = state._replace(step=0)  # the next window, as training and evaluation numbered its steps
+        return model.step(torch.tensor([token], device=device), state)
 
     start = [vocab.bos_index] if natural_units else []
     prompt_ids = vocab.encode(tokenize(prompt, level))  # type: ignore[arg-type]
@@ -80,7 +92,7 @@ def generate_text(
                 "line break to start after), got ''"
             )
         start = [line_break]
-    state = None
+    state: RecurrentState | None = None
     for token in [*start, *prompt_ids]:
         logits, state = feed(token, state)
     pieces: list[str] = []
@@ -98,7 +110,8 @@ def generate_text(
             token = int(torch.multinomial(scores.softmax(0), 1, generator=generator))
         if vocab.bos_eos and token == vocab.eos_index:
             pieces.append("\n")
-            logits, state = feed(after_eos, state)
+            # a natural unit ends: the next one starts from a zero state; a word stream feeds <eos> on
+            logits, state = feed(after_eos, None if natural_units else state)
             continue
         pieces.append(vocab.decode([token])[0])
         logits, state = feed(token, state)

@@ -57,7 +57,8 @@ class LanguageModel(TaskModule):
             batch, and evaluation sees the same positions as training). ``"continue"``: the stream position, so
             window ``k`` has steps ``k*T .. k*T+T-1``, and steps beyond ``norm_max_steps`` follow the norm's
             ``beyond_max_steps`` policy. Norms without per-timestep statistics ignore it.
-        tie_weights: share the embedding and output matrices (``embedding_dim`` must equal ``hidden_size``).
+        tie_weights: share the embedding and output matrices (``embedding_dim`` must equal ``hidden_size``, or
+            ``rnn_options.proj_size`` when set).
         rnn_options: further keyword arguments of :class:`seqnorm.LSTM` / :class:`seqnorm.GRU` that are not norm
             options: the cell switches ``norm_placement`` and ``state_norm``, regularizers (``zoneout_h``,
             ``zoneout_c``, ``input_dropout``, ``weight_dropout``), ``forget_bias``, ``proj_size``, ``impl``. The

@@ -23,7 +23,8 @@ class RNNLanguageModel(nn.Module):
         cell: ``"lstm"`` or ``"gru"``.
         num_layers: stacked recurrent layers.
         dropout: dropout on the embedding, between layers and before the projection.
-        pad_index: the padding id (its embedding is kept at zero).
+        pad_index: the padding id (its embedding starts at zero and gets no gradient from the input side; with
+            ``tie_weights`` the projection's gradient moves it, which changes no output: padded steps are masked).
         tie_weights: share the embedding with the output projection (needs ``embedding_dim`` equal to the RNN's
             output size: ``hidden_size``, or ``proj_size`` when ``rnn_kwargs`` set it).
         **rnn_kwargs: ``norm``, ``init``, ``max_steps``, ``recurrent_dropout``, ... of :class:`~seqnorm.LSTM`.
