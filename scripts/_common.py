@@ -285,6 +285,10 @@ def train_language_model(
     except ValueError as error:
         result.status = describe_error(error)
     result.seconds = time.perf_counter() - start
+    if evaluate_fn is not None and evaluate_every and result.status == "ok" and result.curve[-1][0] != result.tokens:
+        # a budget estimated from mean lengths (--updates with lines) can end short of the last planned point:
+        # the curve still ends where training did, so its last stretch (last_gain) is the real one
+        result.curve.append((result.tokens, evaluate_fn(model)))
     if losses:
         tail = losses[-max(1, len(losses) // 10) :]
         result.train_loss = sum(tail) / len(tail)
@@ -300,7 +304,8 @@ def _format(value: Any, digits: int) -> str:
     if isinstance(value, float):
         if math.isnan(value):
             return "nan"
-        return f"{value:.{digits}g}" if abs(value) < 1e5 else f"{value:.3e}"
+        # large values (token counts averaged over seeds) keep every integer digit: .4g would print 1.000e+05
+        return f"{value:.{digits}g}" if abs(value) < 10**digits else f"{value:.1f}"
     return str(value)
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import json
 import math
 import statistics
@@ -202,8 +203,12 @@ class Cell:
 
     @property
     def chosen(self) -> list[Trial]:
-        """The runs at the chosen rate (at a failed cell: the first rate's runs, which hold the reason)."""
-        lr = self.lr if self.lr is not None else self.trials[0]["lr"]
+        """The runs at the chosen rate (at a failed cell: those of the first rate where a run failed, which hold
+        the reason; under the ``first`` rule that may be a later seed, seed 0 having trained)."""
+        if self.lr is not None:
+            lr = self.lr
+        else:
+            lr = next((row["lr"] for row in self.trials if row["status"] != "ok"), self.trials[0]["lr"])
         return [row for row in self.trials if row["lr"] == lr]
 
 
@@ -240,6 +245,9 @@ class TrialCache:
         skipped = {"out", "threads", "quick", "trials_cache", "cache_dir", "lrs", "seeds", "select", *ignore}
         skipped |= {"norms", "batch_sizes", "no_pooled", "no_untrained_stats"}  # these pick cells
         settings = {"script": script, **{k: v for k, v in vars(args).items() if k not in skipped}}
+        text = settings.get("text")
+        if text is not None and Path(text).is_file():  # the file's content, not only its path: an edited corpus
+            settings["text_sha256"] = hashlib.sha256(Path(text).read_bytes()).hexdigest()  # is other data
         return cls(getattr(args, "trials_cache", None), settings)
 
     def run(self, key: str, train: Callable[[], Trial]) -> Trial:
@@ -323,7 +331,8 @@ def grid_row(cell: Cell, key: str) -> dict[str, str]:
     for lr in dict.fromkeys(trial["lr"] for trial in cell.trials):
         runs = [trial for trial in cell.trials if trial["lr"] == lr]
         ok = [float(trial[key]) for trial in runs if trial["status"] == "ok" and key in trial]
-        text = f"{statistics.fmean(ok):.3f} ({len(ok)})" if len(ok) == len(runs) else runs[0]["status"].split(":")[0]
+        failure = next((trial["status"] for trial in runs if trial["status"] != "ok"), "missing")
+        text = f"{statistics.fmean(ok):.3f} ({len(ok)})" if len(ok) == len(runs) else failure.split(":")[0]
         row[f"lr={lr:g}"] = text + (" *" if lr == cell.lr else "")
     return row
 

@@ -74,7 +74,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--max-length", type=_common.positive_int, default=128, help="lines are cut into pieces of this many ids"
     )
     _protocol.add_arguments(parser)
-    return _common.resolve(parser.parse_args(argv), QUICK, FULL)
+    args = parser.parse_args(argv)
+    if args.trials_cache is not None:
+        parser.error("--trials-cache: this script measures the trained models themselves, which a cache cannot keep")
+    return _common.resolve(args, QUICK, FULL)
 
 
 # --- 1. effective batch size -----------------------------------------------------------------------------------------
@@ -126,15 +129,19 @@ def effective_batch(
 
 
 @torch.no_grad()
-def train_mode_loss(model: torch.nn.Module, windows: _common.Windows, batch_size: int) -> float:
-    """Validation loss with batch statistics of each batch of ``batch_size`` (on a copy: running stats untouched)."""
-    model = copy.deepcopy(model).train()
+def train_eval_gap(model: torch.nn.Module, windows: _common.Windows, batch_size: int) -> float:
+    """Validation loss with batch statistics of each batch of ``batch_size`` minus the loss with running ones, on
+    the same windows: the first ``N - N % batch_size`` (on a copy: running statistics untouched)."""
+    model = copy.deepcopy(model)
     usable = len(windows) - len(windows) % batch_size
-    total = 0.0
-    for start in range(0, usable, batch_size):
-        logits = model(windows.inputs[start : start + batch_size])
-        total += float(F.cross_entropy(logits.flatten(0, 1), windows.targets[start : start + batch_size].flatten()))
-    return total / (usable // batch_size)
+    totals = {True: 0.0, False: 0.0}
+    for training in totals:
+        model.train(training)
+        for start in range(0, usable, batch_size):
+            logits = model(windows.inputs[start : start + batch_size])
+            targets = windows.targets[start : start + batch_size].flatten()
+            totals[training] += float(F.cross_entropy(logits.flatten(0, 1), targets))
+    return (totals[True] - totals[False]) / (usable // batch_size)
 
 
 @torch.no_grad()
@@ -222,15 +229,14 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             row["var_noise"] = statistics.fmean(var for _, var in noise)
             finite = math.sqrt((population.shape[1] - batch_size) / (population.shape[1] - 1))
             row["mean_noise_theory"] = finite / math.sqrt(batch_size)
-            # BN divides by the biased variance; for Gaussian data its relative std is sqrt(2 (B-1)) / B.
-            row["var_noise_theory"] = math.sqrt(2 * (batch_size - 1)) / batch_size if batch_size > 1 else math.nan
+            # BN divides by the biased variance; for Gaussian data its relative std is sqrt(2 (B-1)) / B, times
+            # (approximately) the same finite-population factor, the batches being drawn without replacement.
+            theory = finite * math.sqrt(2 * (batch_size - 1)) / batch_size
+            row["var_noise_theory"] = theory if batch_size > 1 else math.nan
         row["eval_mode_loss"] = trained["val_loss"]
         row["eval_mode_loss_exact"] = trained["val_loss_exact"]
         try:
-            gaps = [
-                train_mode_loss(model, val, batch_size) - run["val_loss"] if batch_size <= len(val) else math.nan
-                for model, run in zip(chosen, cell.chosen, strict=True)
-            ]
+            gaps = [train_eval_gap(model, val, batch_size) if batch_size <= len(val) else math.nan for model in chosen]
             row["train_eval_gap"] = statistics.fmean(gaps)
             row["train_eval_gap_std"] = statistics.stdev(gaps) if len(gaps) > 1 else math.nan
             row["train_mode_loss"] = trained["val_loss"] + row["train_eval_gap"]
@@ -264,12 +270,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         f"2. BN-LSTM (hidden {args.hidden}) trained on {trained['tokens']:.0f} tokens of {args.steps}-step windows at "
         f"batch {args.train_batch_size}, lr {cell.lr} chosen from {args.lrs} ({args.select} rule), {len(chosen)} "
         f"seeds ({trained['seconds']:.1f} s each); losses in nats per token on {len(val)} validation windows, "
-        "means over the seeds (train_eval_gap_std: their spread); eval_mode_loss_exact after seqnorm.update_bn "
-        f"over {args.bn_stats_tokens} training tokens.",
+        "means over the seeds (train_eval_gap_std: their spread); train_eval_gap compares both modes on the same "
+        "windows, the first N - N mod B (train_mode_loss = eval_mode_loss + that gap); eval_mode_loss_exact after "
+        f"seqnorm.update_bn over {args.bn_stats_tokens} training tokens.",
         f"3. Noise: median over steps 1..{args.steps - 1} and the {population.shape[2]} features of the pre-norm "
         f"recurrent term, {DRAWS} random batches drawn without replacement from {population.shape[1]} validation "
-        "windows; theory: sqrt((N-B)/(N-1))/sqrt(B) for the mean, sqrt(2(B-1))/B for the biased variance of "
-        "Gaussian data (what BN divides by).",
+        "windows; theory: sqrt((N-B)/(N-1))/sqrt(B) for the mean, sqrt((N-B)/(N-1)) sqrt(2(B-1))/B (approximately) "
+        "for the biased variance of Gaussian data (what BN divides by).",
     ]
     _common.write_results(
         args.out, rows, columns, title="Small-batch statistics of per-timestep BN", run=run, notes=notes

@@ -63,6 +63,10 @@ def test_first_rule_drops_a_rate_where_a_later_seed_fails() -> None:
     train_one, _ = _fake(LOSSES, failing={(0.1, 2)})
     cell = _protocol.run_cell(train_one, [0.01, 0.1], seeds=3, select="first")
     assert cell.lr is None
+    # reported as the failure it is (it read as seed 0's clean run at lr 0.01, a rate nobody chose)
+    summary = _protocol.summarize(cell)
+    assert summary["status"].startswith("diverged") and summary["lr"] is None
+    assert _protocol.grid_row(cell, "val_loss")["lr=0.1"] == "diverged"  # seed 0 trained there; seed 2 did not
 
 
 def test_summary_is_mean_and_sample_std_over_the_chosen_seeds() -> None:
@@ -128,6 +132,14 @@ def test_equal_tokens_and_equal_updates(tmp_path) -> None:  # type: ignore[no-un
             model, splits["train"], batch_size=batch_size, tokens=300, lr=1e-2, max_updates=7
         )
         assert result.updates == 7
+        # a curve ends where training ended, even when the planned evaluation points overshoot the run (an
+        # --updates budget estimated from mean line lengths): the last point was lost
+        model = _common.build_model(corpus.vocab_size, args, "none", max_steps=12)
+        result = _common.train_language_model(
+            model, splits["train"], batch_size=batch_size, tokens=300, lr=1e-2, max_updates=7,
+            evaluate_every=10_000, evaluate_fn=lambda m: 1.0,
+        )  # fmt: skip
+        assert [tokens for tokens, _ in result.curve] == [0, result.tokens]
 
 
 @pytest.mark.parametrize("unit", ["window", "line", "stream"])
@@ -245,3 +257,20 @@ def test_bad_flags_are_refused_by_name(
 def test_a_missing_text_file_is_named_by_the_scripts_flag(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match=r"^error: --text .*nowhere.txt: no such file$"):
         __import__("batch_size_sweep").parse_args(["--quick", "--text", str(tmp_path / "nowhere.txt")])
+
+
+def test_the_trials_cache_is_keyed_on_the_texts_content(tmp_path: Path) -> None:
+    # the same path with other text is other data: its runs must not be read back
+    text = tmp_path / "corpus.txt"
+    args = argparse.Namespace(text=str(text), tokens=100, trials_cache=None)
+    text.write_text("one text\n")
+    first = _protocol.TrialCache.for_args(args, "script").settings
+    text.write_text("another text\n")
+    second = _protocol.TrialCache.for_args(args, "script").settings
+    assert first["text"] == second["text"] and first["text_sha256"] != second["text_sha256"]
+
+
+def test_large_numbers_keep_their_digits_in_the_tables() -> None:
+    # token counts averaged over seeds (100022.3) printed as 1.000e+05
+    assert _common._format(100022.3, 8) == "100022.3" and _common._format(100022.0, 4) == "100022.0"
+    assert _common._format(2.8187654321, 4) == "2.819"
