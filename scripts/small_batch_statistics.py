@@ -129,12 +129,12 @@ def effective_batch(
 
 
 @torch.no_grad()
-def train_eval_gap(model: torch.nn.Module, windows: _common.Windows, batch_size: int) -> float:
+def train_eval_gap(model: torch.nn.Module, windows: _common.Sequences, batch_size: int) -> float:
     """Validation loss with batch statistics of each batch of ``batch_size`` minus the loss with running ones, on
     the same windows: the first ``N - N % batch_size`` (on a copy: running statistics untouched)."""
     model = copy.deepcopy(model)
     usable = len(windows) - len(windows) % batch_size
-    totals = {True: 0.0, False: 0.0}
+    totals = {False: 0.0, True: 0.0}  # evaluation first: training mode moves the copy's running statistics
     for training in totals:
         model.train(training)
         for start in range(0, usable, batch_size):
@@ -145,7 +145,7 @@ def train_eval_gap(model: torch.nn.Module, windows: _common.Windows, batch_size:
 
 
 @torch.no_grad()
-def recurrent_terms(model: torch.nn.Module, windows: _common.Windows) -> torch.Tensor:
+def recurrent_terms(model: torch.nn.Module, windows: _common.Sequences) -> torch.Tensor:
     """The pre-norm recurrent term ``W_hh h`` of the first layer at every step, eval mode: ``(T, N, 4H)``."""
     steps: dict[int, list[torch.Tensor]] = {}
 
