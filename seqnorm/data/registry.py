@@ -335,9 +335,10 @@ def _extract(archive: Path, member_suffix: str, destination: Path) -> None:
 
     The temporary file is created new (``mkstemp``: never through a link planted in a cache one was given), and
     renaming it over ``destination`` replaces a link there rather than writing where it points."""
-    handle, name = tempfile.mkstemp(dir=destination.parent, prefix=f".{destination.name}.", suffix=".part")
-    temporary = Path(name)
-    os.fchmod(handle, 0o666 & ~_umask())  # mkstemp's 0600 would make a shared cache unreadable to others
+    handle, temporary_name = tempfile.mkstemp(dir=destination.parent, prefix=f".{destination.name}.", suffix=".part")
+    temporary = Path(temporary_name)
+    if hasattr(os, "fchmod"):  # mkstemp's 0600 would make a shared cache unreadable to others
+        os.fchmod(handle, 0o666 & ~_umask())
     missing = DataError(f"{archive}: has no member {member_suffix!r}: delete it and run again")
     try:
         with os.fdopen(handle, "wb") as out:

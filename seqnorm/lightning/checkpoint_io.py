@@ -82,7 +82,7 @@ def read_checkpoint(path: str | os.PathLike[str], flag: str = "--ckpt_path") -> 
             that asks for anything outside the allow-list (refused before anything in it runs), not a dict with
             :data:`CHECKPOINT_KEYS`, names an ``_instantiator`` other than LightningCLI's, or nests a
             ``class_path`` in its hyperparameters, as a dict or inside a string that YAML reads as a mapping or a
-            list (jsonargparse would import and build it when the model is built).
+            list or that names a file (jsonargparse would import and build it when the model is built).
     """
     where = f"{flag} {path}"
     file = Path(path)
