@@ -4,9 +4,10 @@ Everything is measured in one process, interleaved (every repeat runs every vari
 inputs) and summarized by the median, so a load that comes and goes touches all variants alike. Printed as Markdown
 tables, ready for BENCHMARKS.md:
 
-- **training step**: forward + backward of ``output.sum()`` for a ``(T, B, I)`` input; ms, tokens/s (``T*B`` per
-  step) and the ratio to ``torch.nn.LSTM``/``GRU``. ``reference ×`` is the same layer with ``impl="reference"``: the
-  straightforward per-step Python loop over the normalized cell.
+- **training step**: forward + backward of ``output.sum()`` for a ``(T, B, I)`` input that requires a gradient (as an
+  embedding's output or a lower layer's does; ``--no-input-grad``: parameters only, as runs before 2026-11-25
+  measured); ms, tokens/s (``T*B`` per step) and the ratio to ``torch.nn.LSTM``/``GRU``. ``reference ×`` is the same
+  layer with ``impl="reference"``: the straightforward per-step Python loop over the normalized cell.
 - **activation memory**: bytes of the tensors autograd saves for backward during one forward (every saved tensor's
   storage counted once, parameters excluded), via ``torch.autograd.graph.saved_tensors_hooks``. On a CPU this is the
   memory a training step holds between forward and backward, the part that grows with ``T`` and ``B``; process-level
@@ -135,6 +136,7 @@ def training_step(module: nn.Module, x: torch.Tensor) -> Callable[[], None]:
     def run() -> None:
         for param in module.parameters():
             param.grad = None
+        x.grad = None  # with --input-grad the backward computes it, as under an embedding or a lower layer
         output, _ = module(x)
         output.sum().backward()
 
@@ -214,7 +216,7 @@ def bench_training(args: argparse.Namespace, size: tuple[int, int, int, int], me
     rows = []
     for kind in args.cells:
         torch.manual_seed(0)
-        x = torch.randn(steps, batch, input_size)
+        x = torch.randn(steps, batch, input_size).requires_grad_(args.input_grad)
         baseline = TORCH_LAYERS[kind](input_size, hidden)
         variants = {"torch": training_step(baseline, x)}
         memory = {"torch": saved_bytes(baseline, x)}
@@ -313,6 +315,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 5, quick 2)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for every variant")
     parser.add_argument("--generation-steps", type=int, default=200, help="steps per generation measurement")
+    parser.add_argument(
+        "--input-grad",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="training steps also compute the input's gradient, as under an embedding or in a stack's upper layers "
+        "(default; runs of before 2026-11-25 did not: --no-input-grad)",
+    )
     parser.add_argument("--no-reference", dest="reference", action="store_false", help="skip the reference loop")
     parser.add_argument("--no-plain", dest="plain", action="store_false", help="skip the plain-PyTorch path")
     args = parser.parse_args()
@@ -328,7 +337,7 @@ def main() -> None:
     print(
         f"{cpu_name()}; torch {torch.__version__}, {torch.get_num_threads()} threads; compiled kernels: "
         f"{seqnorm.kernels.status()}; {date.today().isoformat()}; median of {args.repeats} interleaved repeats "
-        "(spread: lowest–highest round)\n"
+        f"(spread: lowest–highest round); training input {'with' if args.input_grad else 'without'} gradient\n"
     )
     print("### Training step (forward + backward)\n")
     print(
