@@ -1,4 +1,4 @@
-"""Speed and memory of seqnorm's layers against torch.nn's fused LSTM/GRU and against seqnorm's own reference loop.
+"""Speed and memory of seqnorm's layers against torch.nn's LSTM/GRU and against seqnorm's own reference loop.
 
 Everything is measured in one process, interleaved (every repeat runs every variant once, in turn, on the same
 inputs) and summarized by the median, so a load that comes and goes touches all variants alike. Printed as Markdown
