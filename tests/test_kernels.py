@@ -413,17 +413,15 @@ def test_preparing_the_kernels_draws_nothing_from_the_generator(kind: str) -> No
 @pytest.mark.parametrize("layout", ["row-major", "view"])
 @pytest.mark.parametrize("kind", TORCH_KINDS)
 def test_generation_step_with_either_weight_layout(kind: str, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The compiled step times two layouts of ``W^T`` when it is prepared (faster_layout); both give the same steps."""
-
-    weight = torch.randn(12, 5)
-    chosen = kernel.faster_layout(weight, 1)
-    assert torch.equal(chosen, weight.t()) and (chosen.is_contiguous() or chosen.data_ptr() == weight.data_ptr())
-    force = (lambda w, rows: w.t().contiguous()) if layout == "row-major" else (lambda w, rows: w.t())
-    monkeypatch.setattr(kernel, "faster_layout", force)
+    """Either layout of ``W^T`` the compiled step may choose (LayoutChoice) gives the reference's steps, and so do
+    the steps that run on the view while the row-major copy is written a chunk at a time."""
+    decided = kernel.LayoutChoice(copy_wins=layout == "row-major")
+    monkeypatch.setattr(kernel.LayoutChoice, "of", classmethod(lambda cls, weight, rows: decided))
+    monkeypatch.setattr(kernel._ChunkedCopy, "CHUNK", 9)  # W_ih^T (3, 20): two steps; W_hh^T (5, 20): three
     reference, compiled = _pair(kind, "layer", num_layers=2)
     reference.eval()
     compiled.eval()
-    x = torch.randn(3, 2, 3, dtype=torch.float64)
+    x = torch.randn(8, 2, 3, dtype=torch.float64)
     with torch.no_grad():
         states: list[Any] = [None, None]
         for x_t in x.unbind(0):
@@ -432,25 +430,36 @@ def test_generation_step_with_either_weight_layout(kind: str, layout: str, monke
             assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 
-def test_the_weight_layout_is_timed_once_per_shape(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A step prepared again (after every training step, say) reuses the layout timed for the shape; another shape
-    or row count is timed anew."""
-
+def test_the_weight_layout_is_measured_on_the_steps_themselves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No probe products before the first step (they paused it by 28 ms): the steps time the two layouts while they
+    run, and once both weights' layouts are chosen they read no clock; a step prepared again (after a training step)
+    reuses the choice, and another row count is measured anew."""
     monkeypatch.setattr(kernel, "_LAYOUTS", {})
     clock = _count_clock_reads(monkeypatch)
-    weight = torch.randn(12, 5)
-    first = kernel.faster_layout(weight, 1)
-    timed = clock["reads"]
-    assert timed > 0
-    again = kernel.faster_layout(weight * 2, 1)  # same shape: no timing, the same layout
-    assert clock["reads"] == timed
-    assert again.is_contiguous() == first.is_contiguous() and torch.equal(again, (weight * 2).t())
-    kernel.faster_layout(weight, 3)  # other rows: timed
-    assert clock["reads"] > timed
+    reference, compiled = _pair("lstm", "layer", hidden_size=6)
+    reference.eval()
+    compiled.eval()
+    x = torch.randn(40, 1, 3, dtype=torch.float64)
+    with torch.no_grad():
+        states: list[Any] = [None, None]
+        for x_t in x.unbind(0):
+            expected, states[0] = reference.step(x_t, states[0])
+            got, states[1] = compiled.step(x_t, states[1])
+            assert_close(got, expected, rtol=1e-12, atol=1e-12)
+        choices = [kernel.LayoutChoice.of(weight, 1) for weight in (compiled.weight_ih_l0, compiled.weight_hh_l0)]
+        assert all(choice.copy_wins is not None for choice in choices) and clock["reads"] > 0
+        reads = clock["reads"]
+        compiled.step(x[0], states[1])
+        stepping.forget(compiled)  # as a training step does
+        compiled.step(x[0], states[1])
+        assert clock["reads"] == reads
+        stepping.forget(compiled)
+        compiled.step(torch.randn(2, 3, dtype=torch.float64))  # two rows: another choice, measured
+        assert clock["reads"] > reads
 
 
 def _count_clock_reads(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Counts faster_layout's clock reads (each timed product reads it): ``{"reads": n}``, updated live."""
+    """Counts the layout measurement's clock reads (each timed step reads it): ``{"reads": n}``, updated live."""
     clock = {"reads": 0}
     real = kernel.time.perf_counter
 
@@ -489,6 +498,39 @@ def test_the_product_route_is_measured_and_can_be_forced(product_route: Any) -> 
         native.set_product_route("fast")
 
 
+def test_the_product_route_is_measured_on_the_recurrence_s_own_products() -> None:
+    """No probe products before a new shape's first call (they paused it by 30-40 ms): its products take the
+    candidate routes in turn, timed, and choose the route once each has its rounds (18 products for three routes),
+    across calls if one is too short. Meanwhile, routes mixed within a call, outputs and gradients are as accurate
+    as the plain loop's in float32 (root-mean-square error against float64, as in the test above)."""
+    native = kernels.native("cpu")
+    rows, hidden = 41, 23  # a shape no other test multiplies
+    threads = torch.get_num_threads()
+    forward_key, backward_key = (rows, hidden, 4 * hidden, threads), (rows, 4 * hidden, hidden, threads)
+
+    def chosen() -> set[tuple[int, ...]]:
+        return {key[:4] for key in native.chosen_routes()}
+
+    assert not chosen() & {forward_key, backward_key}
+    exact, _ = _pair("lstm", "layer", hidden_size=hidden)
+    reference, compiled = (LAYERS["lstm"](3, hidden, norm="layer", impl=impl) for impl in ("reference", "auto"))
+    for layer in (reference, compiled):
+        layer.load_state_dict(exact.state_dict())
+    for steps in (4, 4, 30):  # 4 + 4 products of each shape: not yet chosen; then the rest within the third call
+        x = torch.randn(steps, rows, 3, dtype=torch.float64)
+        results = []
+        for layer in (exact, reference, compiled):
+            leaf = x.clone().to(next(layer.parameters()).dtype).requires_grad_()
+            output, _ = layer(leaf)
+            results.append([output, *torch.autograd.grad(output.square().sum(), [leaf, *layer.parameters()])])
+        for truth, plain, ours in zip(*results, strict=True):
+            errors = [(got.double() - truth).square().mean().sqrt().item() for got in (plain, ours)]
+            assert errors[1] <= 4 * errors[0] + 1e-6, errors
+        if steps == 4 and len(native.product_candidates(rows)) > 1:
+            assert not chosen() & {forward_key, backward_key}
+    assert {forward_key, backward_key} <= chosen()
+
+
 def test_deterministic_algorithms_fix_the_route_and_the_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     """The measured choices depend on the machine's load, and each route rounds differently: with deterministic
     algorithms a seeded run gives the same numbers in every process (the experiment scripts rely on it)."""
@@ -501,9 +543,12 @@ def test_deterministic_algorithms_fix_the_route_and_the_layout(monkeypatch: pyte
             route = native.product_route(torch.randn(256, 1024), rows)
             expected = {"brgemm"} if native.brgemm_available() else ({"packed", "blas"} if rows >= 8 else {"blas"})
             assert route in expected and native.product_route(torch.randn(256, 1024), rows) == route
-        weight = torch.randn(20, 7)
-        layout = kernel.faster_layout(weight, 5)
-        assert torch.equal(layout, weight.t()) and not layout.is_contiguous() and clock["reads"] == 0
+        assert kernel.LayoutChoice.of(torch.randn(20, 7), 5).copy_wins is False  # the view, chosen unmeasured
+        reference, compiled = _pair("gru", "layer", dtype=torch.float32)
+        compiled.eval()
+        with torch.no_grad():
+            compiled.step(torch.randn(5, 3))
+        assert clock["reads"] == 0
     finally:
         torch.use_deterministic_algorithms(before)
 

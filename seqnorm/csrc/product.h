@@ -9,10 +9,14 @@
 //   call: MKL otherwise repacks W at every step (8 % of an LN-LSTM training step on an Intel Xeon).
 // - "blas": at::mm_out by W^T laid out row-major (float64, or no MKL / oneDNN): MKL's small-batch GEMM was 25-45 %
 //   faster with it than with the transposed view.
-// Which route is fastest depends on the CPU, the shape and the thread count, so in float32 the candidates are timed
-// once per process, shape and thread count (interleaved rounds of a few products, 5-40 ms once on an Intel Xeon) and
-// the fastest is kept: measured, not assumed from the CPU's name. set_product_route() forces one (the tests run every
-// route against the plain-PyTorch path).
+// Which route is fastest depends on the CPU, the shape and the thread count, so in float32 the candidates are
+// measured once per process, shape and thread count: not on probe products before the work starts (that paused the
+// first call at each new shape by 30-40 ms on an Intel Xeon), but on the products the recurrences run anyway. Until a
+// shape's route is chosen its products take the candidates in turn, each timed; each candidate's first product is a
+// warm-up (oneDNN builds its micro-kernel, the caches fill), and once every candidate has kRounds more the lowest
+// median wins. That is 18 products, within the first call of a recurrence of 20 steps or more; a shorter one leaves
+// its timings to the next. set_product_route() forces one route (the tests run every route against the plain-PyTorch
+// path); deterministic algorithms fix one (float_routes).
 #pragma once
 
 #include <torch/extension.h>
@@ -103,6 +107,15 @@ inline bool brgemm_works() {
   return works;
 }
 
+// One shape's route choice (Key), shared by every product of that shape in the process: the candidates, their
+// timings so far, and the route once chosen.
+struct Tuning {
+  std::vector<Route> candidates;
+  std::vector<std::vector<double>> seconds;  // per candidate, the timed products after its warm-up
+  std::vector<int> runs;                     // per candidate, its products so far (warm-up included)
+  std::optional<Route> chosen;
+};
+
 class StepProduct {
  public:
   // Packing gains nothing for a few rows (a matrix-vector product), where each step's fresh output and copy cost.
@@ -113,28 +126,39 @@ class StepProduct {
   // and gives the threads enough blocks to share.
   static constexpr int64_t kBlock = 64;
   static constexpr int64_t kDepth = 256;
+  // Timed products per candidate after its warm-up; the median decides.
+  static constexpr int kRounds = 5;
 
   // out = x right, right (K, N): W^T of the forward's h W_hh^T (a transposed view, copied row-major once per
   // call), or W_hh itself in the backward (already row-major: no copy).
   StepProduct(const at::Tensor& right, int64_t rows) : rows_(rows) {
     std::vector<Route> candidates = {Route::kBlas};
-    // An empty batch takes at::mm_out, which returns at once (brgemm and the route timing do not take 0 rows).
+    // An empty batch takes at::mm_out, which returns at once (brgemm does not take 0 rows).
     if (right.scalar_type() == at::kFloat && rows > 0) candidates = float_routes(rows);
-    const std::optional<Route> known = candidates.size() == 1 ? candidates.front() : measured(right);
+    if (candidates.size() == 1) {
+      route_ = candidates.front();
+    } else {
+      std::lock_guard<std::mutex> lock(tunings_mutex());
+      Tuning& tuning = tunings()[Key{rows_, right.size(0), right.size(1), at::get_num_threads()}];
+      if (tuning.candidates.empty()) {
+        tuning.candidates = candidates;
+        tuning.seconds.resize(candidates.size());
+        tuning.runs.resize(candidates.size());
+      }
+      if (tuning.chosen.has_value()) {
+        route_ = *tuning.chosen;
+      } else {
+        tuning_ = &tuning;  // std::map's elements stay where they are
+      }
+    }
     const auto needs = [&](Route route) {
-      return known.has_value() ? *known == route
-                               : std::find(candidates.begin(), candidates.end(), route) != candidates.end();
+      return tuning_ != nullptr ? std::find(candidates.begin(), candidates.end(), route) != candidates.end()
+                                : route_ == route;
     };
     if (needs(Route::kBrgemm) || needs(Route::kBlas)) right_ = right.contiguous();
     if (needs(Route::kPacked)) {
       weight_ = right.t().contiguous();
       packed_ = packed_linear()->reorder.call(weight_, rows_);
-    }
-    route_ = known.has_value() ? *known : fastest(candidates, right);
-    if (route_ == Route::kPacked) {
-      right_ = at::Tensor();
-    } else {
-      weight_ = packed_ = at::Tensor();
     }
   }
 
@@ -155,10 +179,30 @@ class StepProduct {
     return {forced != candidates.end() ? *forced : candidates.back()};
   }
 
+  // Whether this product's route is chosen (else its products are still timing the candidates).
+  bool settled() const { return tuning_ == nullptr; }
+
+  // The route chosen (settled() only).
   Route route() const { return route_; }
 
-  void operator()(const at::Tensor& x, at::Tensor& out, const at::Tensor* add = nullptr) const {
-    run(route_, x, out, add);
+  void operator()(const at::Tensor& x, at::Tensor& out, const at::Tensor* add = nullptr) {
+    if (tuning_ == nullptr) {
+      run(route_, x, out, add);
+    } else {
+      timed(x, out, add);
+    }
+  }
+
+  // The routes chosen in this process so far: (rows, K, N, threads, route) each.
+  static std::vector<std::tuple<int64_t, int64_t, int64_t, int, std::string>> chosen_routes() {
+    std::lock_guard<std::mutex> lock(tunings_mutex());
+    std::vector<std::tuple<int64_t, int64_t, int64_t, int, std::string>> chosen;
+    for (const auto& [key, tuning] : tunings()) {
+      if (!tuning.chosen.has_value()) continue;
+      const auto& [rows, depth, columns, threads] = key;
+      chosen.emplace_back(rows, depth, columns, threads, route_name(*tuning.chosen));
+    }
+    return chosen;
   }
 
  private:
@@ -166,55 +210,68 @@ class StepProduct {
   // Intel Xeon: 64x256 by 256x1024 took MKL's at one thread and brgemm at two).
   using Key = std::tuple<int64_t, int64_t, int64_t, int>;
 
-  Key key(const at::Tensor& right) const { return Key{rows_, right.size(0), right.size(1), at::get_num_threads()}; }
-
-  static std::mutex& cache_mutex() {
+  static std::mutex& tunings_mutex() {
     static std::mutex mutex;
     return mutex;
   }
 
-  static std::map<Key, Route>& cache() {
-    static std::map<Key, Route> chosen;
-    return chosen;
+  static std::map<Key, Tuning>& tunings() {
+    static std::map<Key, Tuning> all;
+    return all;
   }
 
-  // The route measured earlier in this process for this shape, if any.
-  std::optional<Route> measured(const at::Tensor& right) const {
-    std::lock_guard<std::mutex> lock(cache_mutex());
-    const auto found = cache().find(key(right));
-    return found == cache().end() ? std::nullopt : std::optional<Route>(found->second);
+  // One product of the shape's tuning: the candidate with the fewest products so far (they alternate, so each sees
+  // the caches as the steps leave them), timed; the last timing needed chooses the route for every later product.
+  void timed(const at::Tensor& x, at::Tensor& out, const at::Tensor* add) {
+    size_t turn = 0;
+    {
+      std::lock_guard<std::mutex> lock(tunings_mutex());
+      if (tuning_->chosen.has_value()) {  // chosen by another product of the shape since
+        settle(*tuning_->chosen);
+      } else {
+        const auto& runs = tuning_->runs;
+        turn = std::min_element(runs.begin(), runs.end()) - runs.begin();
+      }
+    }
+    if (tuning_ == nullptr) {
+      run(route_, x, out, add);
+      return;
+    }
+    const Route route = tuning_->candidates[turn];
+    const auto start = std::chrono::steady_clock::now();
+    run(route, x, out, add);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::lock_guard<std::mutex> lock(tunings_mutex());
+    if (tuning_->chosen.has_value()) {
+      settle(*tuning_->chosen);
+      return;
+    }
+    if (tuning_->runs[turn]++ > 0) tuning_->seconds[turn].push_back(seconds);
+    const auto& runs = tuning_->runs;
+    if (*std::min_element(runs.begin(), runs.end()) <= kRounds) return;
+    Route best = tuning_->candidates.front();
+    double best_median = INFINITY;
+    for (size_t i = 0; i < tuning_->candidates.size(); ++i) {
+      std::vector<double>& times = tuning_->seconds[i];
+      std::nth_element(times.begin(), times.begin() + kRounds / 2, times.end());
+      if (times[kRounds / 2] < best_median) {
+        best_median = times[kRounds / 2];
+        best = tuning_->candidates[i];
+      }
+    }
+    tuning_->chosen = best;
+    settle(best);
   }
 
-  // Times the candidates once per process, shape and thread count, on this operand and row count: after a warm-up
-  // that also builds the micro-kernels, they alternate over a few rounds of two products each, and the lowest median
-  // wins (one candidate timed after the other, by its fastest single product, favoured whichever ran with the caches
-  // warmer: seqnorm/layers/kernel.py's faster_layout picked the slower weight layout in 2 processes of 6 that way).
-  Route fastest(const std::vector<Route>& candidates, const at::Tensor& right) const {
-    constexpr int kRounds = 5;
-    const at::Tensor x = at::full({rows_, right.size(0)}, 0.5, right.options());  // no draw from the user's generator
-    at::Tensor out = at::empty({rows_, right.size(1)}, right.options());
-    std::vector<std::vector<double>> times(candidates.size());
-    for (const Route route : candidates) run(route, x, out);
-    for (int round = 0; round < kRounds; ++round) {
-      for (size_t i = 0; i < candidates.size(); ++i) {
-        const auto start = std::chrono::steady_clock::now();
-        run(candidates[i], x, out);
-        run(candidates[i], x, out);
-        times[i].push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-      }
+  // From here on every product takes `route`; the other routes' operands are let go.
+  void settle(Route route) {
+    route_ = route;
+    tuning_ = nullptr;
+    if (route_ == Route::kPacked) {
+      right_ = at::Tensor();
+    } else {
+      weight_ = packed_ = at::Tensor();
     }
-    Route best = candidates.front();
-    double best_time = INFINITY;
-    for (size_t i = 0; i < candidates.size(); ++i) {
-      std::nth_element(times[i].begin(), times[i].begin() + kRounds / 2, times[i].end());
-      if (times[i][kRounds / 2] < best_time) {
-        best_time = times[i][kRounds / 2];
-        best = candidates[i];
-      }
-    }
-    std::lock_guard<std::mutex> lock(cache_mutex());
-    cache().emplace(key(right), best);
-    return best;
   }
 
   void run(Route route, const at::Tensor& x, at::Tensor& out, const at::Tensor* add = nullptr) const {
@@ -274,6 +331,7 @@ class StepProduct {
   at::Tensor right_, weight_, packed_;  // x right; right^T and its MKL-packed form for the packed route
   int64_t rows_;
   Route route_ = Route::kBlas;
+  Tuning* tuning_ = nullptr;  // while the shape's route is being measured
 };
 
 }  // namespace seqnorm

@@ -215,7 +215,7 @@ std::tuple<Tensors, Tensors, std::vector<Tensors>, std::vector<int64_t>> lstm_fo
   at::Tensor raw = norm_hh->identity() ? at::Tensor() : at::empty({kept, rows, gates}, options);
   at::Tensor pre = at::empty({rows, gates}, options);
   at::Tensor c_out = norm_c->identity() ? at::Tensor() : at::empty({rows, hidden}, options);
-  const StepProduct recurrent(weight_hh.t(), rows);  // h W_hh^T
+  StepProduct recurrent(weight_hh.t(), rows);  // h W_hh^T
   const Tensors input = inputs.unbind(0), h = hs.unbind(0), c = cs.unbind(0);
   Tensors raw_t = raw.defined() ? raw.unbind(0) : Tensors();
   for (int64_t t = 0; t < steps; ++t) {
@@ -285,7 +285,7 @@ Tensors lstm_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, con
   at::Tensor dc = grad_c_n.clone();
   at::Tensor d_c_out = at::empty({rows, hidden}, options);
   at::Tensor dc_norm = norm_c->identity() ? d_c_out : at::empty({rows, hidden}, options);
-  const StepProduct back(weight_hh, rows);  // dL/d(W_hh h) W_hh
+  StepProduct back(weight_hh, rows);  // dL/d(W_hh h) W_hh
   const Tensors grad_out = grad_hs.unbind(0), grad_r = grad_raw.unbind(0);
   // A step's work between the matmuls is one pass over its rows when every norm keeps its statistics per row
   // (none, LayerNorm, RMSNorm): a row's gradient goes from dh through the cell-state norm, the gates and the input
@@ -413,7 +413,7 @@ std::tuple<Tensors, Tensors, std::vector<Tensors>, std::vector<int64_t>> gru_for
   at::Tensor raw = at::empty({kept, rows, gates}, options);
   at::Tensor term = norm_ih->identity() ? at::Tensor() : at::empty({rows, gates}, options);
   at::Tensor u = norm_hh->identity() ? at::Tensor() : at::empty({rows, gates}, options);
-  const StepProduct recurrent(weight_hh.t(), rows);  // h W_hh^T
+  StepProduct recurrent(weight_hh.t(), rows);  // h W_hh^T
   const Tensors input = inputs.unbind(0), h = hs.unbind(0);
   Tensors raw_t = raw.unbind(0);
   for (int64_t t = 0; t < steps; ++t) {
@@ -463,7 +463,7 @@ Tensors gru_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, cons
   at::Tensor acts = at::empty({rows, gates}, options);
   at::Tensor dh = grad_h_n + grad_hs[steps - 1];
   at::Tensor dh_next = at::empty({rows, hidden}, options);
-  const StepProduct back(weight_hh, rows);  // dL/d(W_hh h) W_hh
+  StepProduct back(weight_hh, rows);  // dL/d(W_hh h) W_hh
   const Tensors grad_out = grad_hs.unbind(0), grad_r = grad_raw.unbind(0);
   // As the LSTM's backward: one pass over the rows per step when the norms keep statistics per row, a second for
   // the norms' dx when one's statistics span the rows.
@@ -521,7 +521,7 @@ Tensors gru_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, cons
 
 // h' (and c' for an LSTM, else undefined) after one step at time index `step`, each (1, B, H) as a layer's state
 // slice; x is (B, I) or (1, B, I), h and c (1, B, H). The norms' shifts carry the cell's biases. The weights come
-// as W_ih^T and W_hh^T in the layout prepared once by the caller (seqnorm/layers/kernel.py's faster_layout).
+// as W_ih^T and W_hh^T in the layout the caller prepared (seqnorm/layers/kernel.py's LayoutChoice).
 // (The slices and the results' shapes are taken here: each is a Python call's worth of time in a step of ~20 us.)
 template <typename T>
 std::tuple<at::Tensor, at::Tensor> generation_step(const std::string& cell, const at::Tensor& x_in,
@@ -660,8 +660,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "product_route",
       [](const at::Tensor& right, int64_t rows) {
-        return std::string(seqnorm::route_name(seqnorm::StepProduct(right, rows).route()));
+        seqnorm::StepProduct product(right, rows);
+        if (!product.settled()) {  // no recurrence has run this shape yet: its tuning runs on probe products
+          const at::Tensor x = at::full({rows, right.size(0)}, 0.5, right.options());  // not drawn: no RNG touched
+          at::Tensor out = at::empty({rows, right.size(1)}, right.options());
+          while (!product.settled()) product(x, out);
+        }
+        return std::string(seqnorm::route_name(product.route()));
       },
-      "The route the per-step product x @ right of `rows` rows takes here");
+      "The route the per-step product x @ right of `rows` rows takes here (measured now if no recurrence has yet)");
+  m.def(
+      "product_candidates",
+      [](int64_t rows) {
+        std::vector<std::string> names;
+        for (const seqnorm::Route route : seqnorm::StepProduct::float_routes(rows)) names.push_back(route_name(route));
+        return names;
+      },
+      "The routes a float32 product of `rows` rows chooses from here (one when forced or deterministic)");
+  m.def("chosen_routes", &seqnorm::StepProduct::chosen_routes,
+        "The routes measured in this process so far: (rows, K, N, threads, route) each");
   m.def("brgemm_available", &seqnorm::brgemm_works, "Whether oneDNN's float32 brgemm runs here");
 }

@@ -35,7 +35,7 @@ from seqnorm.kernels import NO_NORM, KernelNorm, native
 from seqnorm.layers.plan import cell_kernel, norm_blocker
 from seqnorm.layers.stack import PaddingLayout
 
-__all__ = ["compiled_step", "faster_layout", "kernel_norm", "run_recurrence"]
+__all__ = ["LayoutChoice", "compiled_step", "kernel_norm", "run_recurrence"]
 
 
 def kernel_norm(norm: nn.Module | None, shift: Tensor | None, *, frozen: bool = False) -> KernelNorm:
@@ -179,12 +179,11 @@ CompiledStep = Callable[[Tensor, Tensor, "Tensor | None", int], tuple[Tensor, "T
 def compiled_step(cell: RecurrentCell, kernels: Any, rows: int) -> CompiledStep:
     """The no-grad step of ``cell`` as one kernel call, with everything that depends on parameters alone prepared
     once (weight norm's weights, the biases folded into the norms' shifts, the norms' C++ arguments, the weights'
-    layout for ``rows`` rows: :func:`faster_layout`).
+    layout for ``rows`` rows: :class:`LayoutChoice`).
 
     ``run(x, h, c, step) -> (h', c')`` with ``x`` ``(B, I)`` or ``(1, B, I)`` and ``h``, ``c``, ``h'``, ``c'``
     ``(1, B, .)`` (``c'`` ``None`` for a GRU).
     """
-    weight_ih, weight_hh = faster_layout(cell.weight_ih, rows), faster_layout(cell.weight_hh, rows)
     kind = cell_kernel(cell)
     assert kind is not None
     beta = {name: None if norm is None else norm.bias for name, norm in _norms(cell).items()}
@@ -194,55 +193,146 @@ def compiled_step(cell: RecurrentCell, kernels: Any, rows: int) -> CompiledStep:
     state = kernel_norm(cell.norm_c, beta["c"], frozen=True)
     norms = [norm.native(kernels) for norm in (ih, hh, state)]
     step_kernel = kernels.generation_step
+    weights = (cell.weight_ih, cell.weight_hh)
+    choices = [LayoutChoice.of(weight, rows) for weight in weights]
+
+    def fixed(weight_ih: Tensor, weight_hh: Tensor) -> CompiledStep:
+        def run(x: Tensor, h: Tensor, c: Tensor | None, step: int) -> tuple[Tensor, Tensor | None]:
+            return step_kernel(kind, x, h, c, weight_ih, weight_hh, *norms, step)  # type: ignore[no-any-return]
+
+        return run
+
+    if all(choice.copy_wins is False for choice in choices):
+        return fixed(*(weight.t() for weight in weights))
+    return _preparing_step(weights, choices, fixed)
+
+
+def _preparing_step(
+    weights: tuple[Tensor, Tensor], choices: list[LayoutChoice], fixed: Callable[[Tensor, Tensor], CompiledStep]
+) -> CompiledStep:
+    """The steps until each weight is in its chosen layout (:class:`LayoutChoice`), with no step paying for the
+    preparation at once.
+
+    A row-major copy is wanted for a weight whose choice is the copy or is still to be made; it is written a chunk
+    per step (:class:`_ChunkedCopy`), and the weight's view serves until it is complete. A shape still undecided has
+    its layouts timed on these steps (:class:`_Timings`): the view while the copy is written, then the two in turns.
+    The timings are this step's own (another cell's steps cost another amount); the first step to decide a shape
+    decides it for all. Then the steps run :func:`fixed`'s form, holding only the layouts they use."""
+    copies = [_ChunkedCopy(weight) for weight in weights]
+    timings = {id(choice): _Timings() for choice in choices}
+    settled: list[CompiledStep] = []
 
     def run(x: Tensor, h: Tensor, c: Tensor | None, step: int) -> tuple[Tensor, Tensor | None]:
-        return step_kernel(kind, x, h, c, weight_ih, weight_hh, *norms, step)  # type: ignore[no-any-return]
+        if settled:
+            return settled[0](x, h, c, step)
+        measured = next((choice for choice in choices if choice.copy_wins is None), None)
+        pending = next(
+            (copy for copy, choice in zip(copies, choices) if choice.copy_wins is not False and not copy.ready), None
+        )
+        if measured is None and pending is None:
+            pair = [copy.tensor if choice.copy_wins else copy.weight.t() for copy, choice in zip(copies, choices)]
+            settled.append(fixed(*pair))
+            copies.clear()
+            return settled[0](x, h, c, step)
+        ready = all(copy.ready for copy, choice in zip(copies, choices) if choice is measured)
+        trial = measured is not None and ready and timings[id(measured)].turn()
+        pair = [
+            copy.tensor if (trial if choice is measured else choice.copy_wins and copy.ready) else copy.weight.t()
+            for copy, choice in zip(copies, choices)
+        ]
+        if measured is None:
+            result = fixed(*pair)(x, h, c, step)
+        else:
+            start = time.perf_counter()
+            result = fixed(*pair)(x, h, c, step)
+            timing = timings[id(measured)]
+            timing.record(trial, time.perf_counter() - start)
+            if measured.copy_wins is None:  # another step may have decided the shape meanwhile
+                measured.copy_wins = timing.copy_wins()
+        if pending is not None:
+            pending.advance()
+        return result
 
     return run
 
 
-def faster_layout(weight: Tensor, rows: int, rounds: int = 5, calls: int = 2) -> Tensor:
-    """``W^T`` as a step multiplies ``(rows, in) @ W^T``: a row-major copy or the transposed view (torch's own cells'
-    layout), whichever MKL computed faster here, timed once when the step is prepared: the two alternate over
-    ``rounds`` rounds of ``calls`` products each, and the lower median wins (0.5 ms for a ``1024 x 256`` weight,
-    14 ms for a ``4096 x 1024`` one, copy included).
+class _ChunkedCopy:
+    """``weight.t()`` copied row-major a chunk of about ``CHUNK`` elements per :meth:`advance`: at once, the copy of
+    a ``4096 x 1024`` weight paused a step by 6-14 ms on an Intel Xeon (a strided transpose, 1-3 ns an element)."""
+
+    CHUNK = 1 << 17
+
+    def __init__(self, weight: Tensor) -> None:
+        self.weight = weight
+        self.tensor = torch.empty(weight.shape[1], weight.shape[0], dtype=weight.dtype, device=weight.device)
+        self.done = 0  # rows of the copy written
+
+    @property
+    def ready(self) -> bool:
+        return self.done == self.tensor.shape[0]
+
+    def advance(self) -> None:
+        end = min(self.tensor.shape[0], self.done + max(1, self.CHUNK // max(1, self.tensor.shape[1])))
+        self.tensor[self.done : end].copy_(self.weight[:, self.done : end].t())
+        self.done = end
+
+
+class LayoutChoice:
+    """Which layout of ``W^T`` a generation step multiplies ``(rows, in) @ W^T`` by: a row-major copy or the
+    transposed view (torch's own cells' layout), whichever MKL computed faster here, per weight shape, dtype, device,
+    rows and thread count for the process (:meth:`of`); ``copy_wins`` is ``None`` until it is decided.
 
     Neither wins everywhere on this project's machines: at one row the copy took 10 µs against 19 µs for a
-    ``256 x 1024`` weight, the view 64 µs against 76 µs for a GRU's pair at ``I=256, H=512`` (BENCHMARKS.md). Timed
-    one candidate after the other, by the fastest of 5 single products, the choice for a GRU's ``1536 x 512``
-    ``W_hh`` went to the copy in 2 processes of 6, whose steps then ran 1.16-1.27x torch's cell against
-    0.93-0.97x with the view (BENCHMARKS.md, issue 14).
+    ``256 x 1024`` weight, the view 64 µs against 76 µs for a GRU's pair at ``I=256, H=512`` (BENCHMARKS.md). The
+    choice is measured on the generation steps themselves (:func:`_preparing_step`), not on probe products when the
+    step is prepared: that paused the first step by 28 ms at ``I=512, H=1024``, where torch's first cell step took 2
+    ms. Prepared again (after every training step and ``train()``/``eval()``:
+    :func:`seqnorm.layers.stepping.forget`), a step reuses the choice, its copy again written a chunk per step.
 
     With deterministic algorithms (``torch.use_deterministic_algorithms``) it is always the view: the two layouts
-    round differently, and a timed choice depends on the machine's load.
+    round differently, and a measured choice depends on the machine's load.
+    """
 
-    The choice is kept per shape, dtype, device, rows and thread count for the process: a step is prepared again
-    after every training step and ``train()``/``eval()`` (:func:`seqnorm.layers.stepping.forget`), and a loop that
-    alternates training and generation would otherwise time the products each time."""
-    if torch.are_deterministic_algorithms_enabled():  # one layout: each rounds differently (see product.h)
-        return weight.t()
-    key = (tuple(weight.shape), weight.dtype, weight.device.type, rows, torch.get_num_threads())
-    known = _LAYOUTS.get(key)
-    if known is not None:
-        return weight.t().contiguous() if known else weight.t()
-    candidates = (weight.t().contiguous(), weight.t())
-    probe = weight.new_full((rows, weight.shape[1]), 0.5)  # not drawn: the user's generator stays as it was
-    times: tuple[list[float], list[float]] = ([], [])
-    for candidate in candidates:
-        torch.mm(probe, candidate)  # warm-up
-    for _ in range(rounds):
-        for candidate, samples in zip(candidates, times, strict=True):
-            start = time.perf_counter()
-            for _ in range(calls):
-                torch.mm(probe, candidate)
-            samples.append(time.perf_counter() - start)
-    copy_wins = statistics.median(times[0]) <= statistics.median(times[1])
-    _LAYOUTS[key] = copy_wins
-    return candidates[0] if copy_wins else candidates[1]
+    def __init__(self, copy_wins: bool | None = None) -> None:
+        self.copy_wins = copy_wins
+
+    @classmethod
+    def of(cls, weight: Tensor, rows: int) -> LayoutChoice:
+        """The choice for ``weight``'s shape (decided or still to be measured)."""
+        if torch.are_deterministic_algorithms_enabled():  # one layout: each rounds differently (see product.h)
+            return cls(copy_wins=False)
+        key = (tuple(weight.shape), weight.dtype, weight.device.type, rows, torch.get_num_threads())
+        return _LAYOUTS.setdefault(key, cls())
 
 
-# faster_layout's choices in this process: whether the row-major copy won, per shape, dtype, device, rows, threads.
-_LAYOUTS: dict[tuple[Any, ...], bool] = {}
+class _Timings:
+    """One step's timings of the two layouts: they take turns (the view first: the first step makes no copy), each
+    one's first step a warm-up, until each has ``ROUNDS`` timed steps; the lower median wins."""
+
+    ROUNDS = 5
+
+    def __init__(self) -> None:
+        self.seconds: dict[bool, list[float]] = {True: [], False: []}
+        self.runs = {True: 0, False: 0}
+
+    def turn(self) -> bool:
+        """Whether the next step takes the copy: the layout with fewer steps so far."""
+        return self.runs[True] < self.runs[False]
+
+    def record(self, copy: bool, seconds: float) -> None:
+        if self.runs[copy] > 0:
+            self.seconds[copy].append(seconds)
+        self.runs[copy] += 1
+
+    def copy_wins(self) -> bool | None:
+        """The decision once both layouts have their timed steps, else ``None``."""
+        if min(self.runs.values()) <= self.ROUNDS:
+            return None
+        return statistics.median(self.seconds[True]) <= statistics.median(self.seconds[False])
+
+
+# The layout choices in this process, per weight shape, dtype, device, rows and threads.
+_LAYOUTS: dict[tuple[Any, ...], LayoutChoice] = {}
 
 
 def _norms(cell: RecurrentCell) -> dict[str, nn.Module | None]:
