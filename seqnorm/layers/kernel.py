@@ -218,7 +218,7 @@ def _preparing_step(
     its layouts timed on these steps (:class:`_Timings`): the view while the copy is written, then the two in turns.
     The timings are this step's own (another cell's steps cost another amount); the first step to decide a shape
     decides it for all. Then the steps run :func:`fixed`'s form, holding only the layouts they use."""
-    copies = [_ChunkedCopy(weight) for weight in weights]
+    slots = [(_ChunkedCopy(weight), choice) for weight, choice in zip(weights, choices, strict=True)]
     timings = {id(choice): _Timings() for choice in choices}
     settled: list[CompiledStep] = []
 
@@ -226,19 +226,16 @@ def _preparing_step(
         if settled:
             return settled[0](x, h, c, step)
         measured = next((choice for choice in choices if choice.copy_wins is None), None)
-        pending = next(
-            (copy for copy, choice in zip(copies, choices) if choice.copy_wins is not False and not copy.ready), None
-        )
+        pending = next((copy for copy, choice in slots if choice.copy_wins is not False and not copy.ready), None)
         if measured is None and pending is None:
-            pair = [copy.tensor if choice.copy_wins else copy.weight.t() for copy, choice in zip(copies, choices)]
-            settled.append(fixed(*pair))
-            copies.clear()
+            settled.append(fixed(*(copy.tensor if choice.copy_wins else copy.weight.t() for copy, choice in slots)))
+            slots.clear()  # the layouts not chosen are let go
             return settled[0](x, h, c, step)
-        ready = all(copy.ready for copy, choice in zip(copies, choices) if choice is measured)
+        ready = all(copy.ready for copy, choice in slots if choice is measured)
         trial = measured is not None and ready and timings[id(measured)].turn()
         pair = [
             copy.tensor if (trial if choice is measured else choice.copy_wins and copy.ready) else copy.weight.t()
-            for copy, choice in zip(copies, choices)
+            for copy, choice in slots
         ]
         if measured is None:
             result = fixed(*pair)(x, h, c, step)
