@@ -252,10 +252,11 @@ class StepProduct {
     Route best = tuning_->candidates.front();
     double best_median = INFINITY;
     for (size_t i = 0; i < tuning_->candidates.size(); ++i) {
-      std::vector<double>& times = tuning_->seconds[i];
-      std::nth_element(times.begin(), times.begin() + kRounds / 2, times.end());
-      if (times[kRounds / 2] < best_median) {
-        best_median = times[kRounds / 2];
+      std::vector<double>& times = tuning_->seconds[i];  // kRounds or more (products of the shape run in parallel)
+      const auto middle = times.begin() + times.size() / 2;
+      std::nth_element(times.begin(), middle, times.end());
+      if (*middle < best_median) {
+        best_median = *middle;
         best = tuning_->candidates[i];
       }
     }
