@@ -61,7 +61,8 @@ class KernelNorm:
     the kernel updates in place in training exactly as the module's forward does; ``momentum < 0`` means a
     cumulative average (``momentum=None``). Renormalization adds its ``r_max``/``d_max`` schedule. For a generation
     step (nothing changes until the cached step is rebuilt) BatchNorm in evaluation also passes its statistics
-    folded per row into ``folded_scale``/``folded_offset`` (``(R, F)``).
+    folded per row into ``folded_scale``/``folded_offset`` (``(R, F)``), filled as the steps reach them
+    (``fold_through``).
     """
 
     kind: NormKind
@@ -81,6 +82,9 @@ class KernelNorm:
     d_max_steps: int = 1
     folded_scale: Tensor | None = None
     folded_offset: Tensor | None = None
+    fold_through: Callable[[int], int] | None = field(default=None, compare=False)
+    """Where the folded rows are filled as the steps reach them (BN's :class:`~seqnorm.norms.batch_pieces.FoldedRows`):
+    call it with a step's time index before the step; it returns the first time index not folded yet."""
     owner: Any = field(default=None, compare=False)
     """The module (the layers add the kernel's fallback-step count to its ``fallback_steps``)."""
 

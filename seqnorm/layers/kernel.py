@@ -196,11 +196,22 @@ def compiled_step(cell: RecurrentCell, kernels: Any, rows: int) -> CompiledStep:
     weights = (cell.weight_ih, cell.weight_hh)
     choices = [LayoutChoice.of(weight, rows) for weight in weights]
 
+    folds = [norm.fold_through for norm in (ih, hh, state) if norm.fold_through is not None]
+    unfolded = [0]  # the first time index whose BN rows are not all folded yet
+
     def fixed(weight_ih: Tensor, weight_hh: Tensor) -> CompiledStep:
         def run(x: Tensor, h: Tensor, c: Tensor | None, step: int) -> tuple[Tensor, Tensor | None]:
             return step_kernel(kind, x, h, c, weight_ih, weight_hh, *norms, step)  # type: ignore[no-any-return]
 
-        return run
+        if not folds:
+            return run
+
+        def folding(x: Tensor, h: Tensor, c: Tensor | None, step: int) -> tuple[Tensor, Tensor | None]:
+            if step >= unfolded[0]:
+                unfolded[0] = min(through(step) for through in folds)
+            return run(x, h, c, step)
+
+        return folding
 
     if all(choice.copy_wins is False for choice in choices):
         return fixed(*(weight.t() for weight in weights))

@@ -12,6 +12,7 @@ The statistics helpers beside it: :func:`masked_moments` (a batch's moments over
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
@@ -208,11 +209,13 @@ class BatchNormPieces:
         mean, rstd = call.stacked["means"], call.stacked["rstds"]  # per feature: (T, F)
         return torch.sub(x, mean[:, None, features]).mul_(rstd[:, None, features])
 
-    def folded_statistics(self, shift: Tensor | None) -> tuple[Tensor, Tensor]:
-        """In evaluation ``(y - mean_t) / sqrt(var_t + eps) * γ + shift = y * scale_t + offset_t``: every row's scale
-        and offset, ``(max_steps, F)`` each (steps beyond ``max_steps`` use the last row)."""
-        scales = torch.rsqrt(self.running_var + self.eps) * self.weight
-        offsets = -self.running_mean * scales if shift is None else shift - self.running_mean * scales
+    def folded_statistics(self, shift: Tensor | None, rows: slice = slice(None)) -> tuple[Tensor, Tensor]:
+        """In evaluation ``(y - mean_t) / sqrt(var_t + eps) * γ + shift = y * scale_t + offset_t``: the scale and
+        offset of the running statistics' ``rows`` (all: ``(max_steps, F)`` each; steps beyond ``max_steps`` use the
+        last row)."""
+        running_mean = self.running_mean[rows]
+        scales = torch.rsqrt(self.running_var[rows] + self.eps) * self.weight
+        offsets = -running_mean * scales if shift is None else shift - running_mean * scales
         return scales, offsets
 
     def generation_step(self, shift: Tensor | None) -> Callable[[Tensor, int], Tensor]:
@@ -231,7 +234,7 @@ class BatchNormPieces:
         kernel updates in place in training by the module's rule (:meth:`forward_step`). ``frozen``: nothing changes
         until the caller rebuilds (a cached generation step), so evaluation's statistics come folded
         (:meth:`folded_statistics`)."""
-        folded = self.folded_statistics(shift) if frozen and not self.training else (None, None)
+        folded = FoldedRows(self, shift) if frozen and not self.training else None
         return KernelNorm(
             "batch",
             self.eps,
@@ -242,7 +245,32 @@ class BatchNormPieces:
             self.num_batches_tracked,
             momentum=-1.0 if self.momentum is None else self.momentum,
             training=self.training,
-            folded_scale=None if folded[0] is None else folded[0].contiguous(),
-            folded_offset=None if folded[1] is None else folded[1].contiguous(),
+            folded_scale=None if folded is None else folded.scale,
+            folded_offset=None if folded is None else folded.offset,
+            fold_through=None if folded is None else folded.through,
             owner=self,
         )
+
+
+class FoldedRows:
+    """A per-timestep BN's :meth:`~BatchNormPieces.folded_statistics` for a cached generation step, ``scale`` and
+    ``offset`` ``(max_steps, F)``, folded as the steps' time index reaches them (:meth:`through`). Folding every row
+    when the step was prepared cost about 0.2 ms a norm at ``F = 2048``, three norms a cell, at every rebuild: after
+    every training update in a loop that samples between updates (BENCHMARKS.md, issue 14)."""
+
+    def __init__(self, norm: BatchNormPieces, shift: Tensor | None) -> None:
+        self._norm, self._shift = norm, shift
+        self.scale = norm.running_var.new_empty(norm.running_var.shape)
+        self.offset = norm.running_var.new_empty(norm.running_var.shape)
+        self._done = 0  # rows folded
+
+    def through(self, step: int) -> int:
+        """Folds the row a step at time index ``step`` reads (the last row beyond ``max_steps``) and those before
+        it, at least doubling what is folded; returns the first time index whose row is not folded yet (none: a
+        number no step reaches)."""
+        rows = self.scale.shape[0]
+        if min(step, rows - 1) >= self._done:
+            block = slice(self._done, min(rows, max(step + 1, 2 * self._done, 8)))
+            self.scale[block], self.offset[block] = self._norm.folded_statistics(self._shift, block)
+            self._done = block.stop
+        return self._done if self._done < rows else sys.maxsize
