@@ -91,6 +91,17 @@ def test_every_norm_that_declares_the_kernel_form_says_what_it_needs() -> None:
             assert spec.weight is module.weight and spec.eps == module.eps and spec.owner is module
 
 
+def _step_both(reference: Any, compiled: Any, x: torch.Tensor, states: list[Any] | None = None) -> list[Any]:
+    """Both layers' ``step()`` over the time steps of ``x`` (under no_grad), each output equal to the reference's
+    (float64: 1e-12); returns both states, to go on from."""
+    states = [None, None] if states is None else states
+    for x_t in x.unbind(0):
+        expected, states[0] = reference.step(x_t, states[0])
+        got, states[1] = compiled.step(x_t, states[1])
+        assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    return states
+
+
 @pytest.mark.parametrize("norm", [*NORMALIZED, "none", "weight"])
 @pytest.mark.parametrize("kind", TORCH_KINDS)
 def test_generation_step_equals_reference(kind: str, norm: str) -> None:
@@ -102,11 +113,7 @@ def test_generation_step_equals_reference(kind: str, norm: str) -> None:
         x = torch.randn(6, batch, 3, dtype=torch.float64)
         with torch.no_grad():
             assert compiled.plan(x[0]).cells == ("kernel", "kernel")
-            states: list[Any] = [None, None]
-            for x_t in x.unbind(0):
-                expected, states[0] = reference.step(x_t, states[0])
-                got, states[1] = compiled.step(x_t, states[1])
-                assert_close(got, expected, rtol=1e-12, atol=1e-12)
+            states = _step_both(reference, compiled, x)
         assert_close(tuple(states[1]), tuple(states[0]), rtol=1e-12, atol=1e-12)
 
 
@@ -121,16 +128,12 @@ def test_batch_norm_rows_are_folded_as_the_steps_reach_them(kind: str, norm: str
     compiled.eval()
     x = torch.randn(26, 2, 3, dtype=torch.float64)
     with torch.no_grad():
-        states: list[Any] = [None, None]
-        for index, x_t in enumerate(x.unbind(0)):
-            if index == 12:  # new statistics in the middle: the rebuilt step must not keep the old folds
-                for layer in (reference, compiled):
-                    for name, buffer in layer.named_buffers():
-                        if "running_mean" in name:
-                            buffer.add_(0.25)
-            expected, states[0] = reference.step(x_t, states[0])
-            got, states[1] = compiled.step(x_t, states[1])
-            assert_close(got, expected, rtol=1e-12, atol=1e-12)
+        states = _step_both(reference, compiled, x[:12])
+        for layer in (reference, compiled):  # new statistics: the rebuilt step must not keep the old folds
+            for name, buffer in layer.named_buffers():
+                if "running_mean" in name:
+                    buffer.add_(0.25)
+        states = _step_both(reference, compiled, x[12:], states)
         stepping.forget(compiled)
         later = [type(state)(state.h, state.c, 17) for state in states]
         expected, _ = reference.step(x[0], later[0])
@@ -157,11 +160,7 @@ def test_generation_step_in_training_mode_row_norms(kind: str, norm: str) -> Non
     reference, compiled = _pair(kind, norm)
     x = torch.randn(3, 2, 3, dtype=torch.float64)
     with torch.no_grad():
-        states: list[Any] = [None, None]
-        for x_t in x.unbind(0):
-            expected, states[0] = reference.step(x_t, states[0])
-            got, states[1] = compiled.step(x_t, states[1])
-            assert_close(got, expected, rtol=1e-12, atol=1e-12)
+        _step_both(reference, compiled, x)
 
 
 @pytest.mark.parametrize(("norm", "training"), [("layer", True), ("rms", True), ("batch", True), ("batch", False)])
@@ -451,11 +450,7 @@ def test_generation_step_with_either_weight_layout(kind: str, layout: str, monke
     compiled.eval()
     x = torch.randn(8, 2, 3, dtype=torch.float64)
     with torch.no_grad():
-        states: list[Any] = [None, None]
-        for x_t in x.unbind(0):
-            expected, states[0] = reference.step(x_t, states[0])
-            got, states[1] = compiled.step(x_t, states[1])
-            assert_close(got, expected, rtol=1e-12, atol=1e-12)
+        _step_both(reference, compiled, x)
 
 
 def test_the_weight_layout_is_measured_on_the_steps_themselves(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -469,11 +464,7 @@ def test_the_weight_layout_is_measured_on_the_steps_themselves(monkeypatch: pyte
     compiled.eval()
     x = torch.randn(40, 1, 3, dtype=torch.float64)
     with torch.no_grad():
-        states: list[Any] = [None, None]
-        for x_t in x.unbind(0):
-            expected, states[0] = reference.step(x_t, states[0])
-            got, states[1] = compiled.step(x_t, states[1])
-            assert_close(got, expected, rtol=1e-12, atol=1e-12)
+        states = _step_both(reference, compiled, x)
         choices = [kernel.LayoutChoice.of(weight, 1) for weight in (compiled.weight_ih_l0, compiled.weight_hh_l0)]
         assert all(choice.copy_wins is not None for choice in choices) and clock["reads"] > 0
         reads = clock["reads"]
