@@ -230,7 +230,7 @@ def _preparing_step(
     The timings are this step's own (another cell's steps cost another amount); the first step to decide a shape
     decides it for all. Then the steps run :func:`fixed`'s form, holding only the layouts they use."""
     slots = [(_ChunkedCopy(weight), choice) for weight, choice in zip(weights, choices, strict=True)]
-    timings = {id(choice): _Timings() for choice in choices}
+    timings = {choice: _Timings() for choice in choices}  # LayoutChoice hashes by identity
     settled: list[CompiledStep] = []
 
     def run(x: Tensor, h: Tensor, c: Tensor | None, step: int) -> tuple[Tensor, Tensor | None]:
@@ -243,7 +243,7 @@ def _preparing_step(
             slots.clear()  # the layouts not chosen are let go
             return settled[0](x, h, c, step)
         ready = all(copy.ready for copy, choice in slots if choice is measured)
-        trial = measured is not None and ready and timings[id(measured)].turn()
+        trial = measured is not None and ready and timings[measured].turn()
         pair = [
             copy.tensor if (trial if choice is measured else choice.copy_wins and copy.ready) else copy.weight.t()
             for copy, choice in slots
@@ -253,7 +253,7 @@ def _preparing_step(
         else:
             start = time.perf_counter()
             result = fixed(*pair)(x, h, c, step)
-            timing = timings[id(measured)]
+            timing = timings[measured]
             timing.record(trial, time.perf_counter() - start)
             if measured.copy_wins is None:  # another step may have decided the shape meanwhile
                 measured.copy_wins = timing.copy_wins()
