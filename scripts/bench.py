@@ -108,6 +108,16 @@ def target_rows(measured: list[Measured], targets: tuple[Target, ...] = TARGETS)
     return rows
 
 
+def add_input_grad_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--input-grad",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="training steps also compute the input's gradient, as under an embedding or in a stack's upper layers "
+        "(default; runs of before 2026-11-25 did not: --no-input-grad)",
+    )
+
+
 def ab_arguments(description: str, *, cells: str, norms: str, repeats: int) -> argparse.Namespace:
     """The options of the A/B scripts (``bench_phases.py``, ``bench_routes.py``), with their defaults; sets torch's
     thread count to ``--threads``."""
@@ -117,6 +127,7 @@ def ab_arguments(description: str, *, cells: str, norms: str, repeats: int) -> a
     parser.add_argument("--norms", default=norms, help="norms to measure")
     parser.add_argument("--repeats", type=int, default=repeats)
     parser.add_argument("--threads", type=int, default=2)
+    add_input_grad_option(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     return args
@@ -315,13 +326,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 5, quick 2)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for every variant")
     parser.add_argument("--generation-steps", type=int, default=200, help="steps per generation measurement")
-    parser.add_argument(
-        "--input-grad",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="training steps also compute the input's gradient, as under an embedding or in a stack's upper layers "
-        "(default; runs of before 2026-11-25 did not: --no-input-grad)",
-    )
+    add_input_grad_option(parser)
     parser.add_argument("--no-reference", dest="reference", action="store_false", help="skip the reference loop")
     parser.add_argument("--no-plain", dest="plain", action="store_false", help="skip the plain-PyTorch path")
     args = parser.parse_args()

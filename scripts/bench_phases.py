@@ -28,6 +28,7 @@ def phases(module: nn.Module, x: torch.Tensor) -> tuple[float, float, float]:
     """Seconds of one forward with a gradient, its backward, and one forward without a gradient."""
     for param in module.parameters():
         param.grad = None
+    x.grad = None
     start = time.perf_counter()
     output, _ = module(x)
     loss = output.sum()
@@ -55,11 +56,11 @@ def main() -> None:
     args = ab_arguments(__doc__.splitlines()[0], cells="lstm,gru", norms="layer,rms,batch", repeats=9)
     print(f"{cpu_name()}; torch {torch.__version__}, {args.threads} threads; compiled kernels: ", end="")
     print(f"{seqnorm.kernels.status()}; {date.today()}; median (lowest–highest) of {args.repeats} interleaved rounds'")
-    print("ratios to torch's layer\n")
+    print(f"ratios to torch's layer; training input {'with' if args.input_grad else 'without'} gradient\n")
     print("| cell TxBxIxH | norm | torch ms (" + " / ".join(PHASES) + ") | " + " | ".join(PHASES) + " |")
     print("|---|---|---:|" + "---:|" * len(PHASES))
     for steps, batch, input_size, hidden in parse_sizes(args.sizes):
-        x = torch.randn(steps, batch, input_size)
+        x = torch.randn(steps, batch, input_size).requires_grad_(args.input_grad)
         for kind in args.cells.split(","):
             variants: dict[str, nn.Module] = {"torch": TORCH_LAYERS[kind](input_size, hidden)}
             for norm in args.norms.split(","):

@@ -41,11 +41,12 @@ def main() -> None:
     if native is None:
         raise SystemExit(f"bench_routes.py: expected the compiled kernels, got: {seqnorm.kernels.status()}")
     print(f"{cpu_name()}; torch {torch.__version__}, {args.threads} threads; {date.today()}; median (lowest–highest)")
-    print(f"of {args.repeats} interleaved rounds' ratios to torch's layer\n")
+    print(f"of {args.repeats} interleaved rounds' ratios to torch's layer; training input ", end="")
+    print(f"{'with' if args.input_grad else 'without'} gradient\n")
     print("| size, norm | torch ms | " + " | ".join(ROUTES) + " | measured choice (forward; backward) |")
     print("|---|---:|" + "---:|" * len(ROUTES) + "---|")
     for steps, batch, input_size, hidden in parse_sizes(args.sizes):
-        x = torch.randn(steps, batch, input_size)
+        x = torch.randn(steps, batch, input_size).requires_grad_(args.input_grad)
         for kind in args.cells.split(","):
             gates = {"lstm": 4, "gru": 3}[kind]
             for norm in args.norms.split(","):

@@ -222,17 +222,15 @@ class RowNorm final : public StepNorm<T> {
     const int64_t f = this->features_;
     T mean = 0;
     if (centered_) {
-      Vec<T> sum(T(0));
-      vec_loop<T>(f, [&](int64_t i, int64_t n) { sum = sum + load(x + i, n); });
-      mean = hsum(sum) / static_cast<T>(f);
+      mean = vec_sums<T, 1>(f, [&](int64_t i, int64_t n, Vec<T>* sum) { sum[0] = sum[0] + load(x + i, n); })[0] /
+             static_cast<T>(f);
     }
-    Vec<T> squares(T(0));
     const Vec<T> m(mean);
-    vec_loop<T>(f, [&](int64_t i, int64_t n) {
+    const T squares = vec_sums<T, 1>(f, [&](int64_t i, int64_t n, Vec<T>* sum) {
       const Vec<T> d = only(load(x + i, n) - m, n);
-      squares = at::vec::fmadd(d, d, squares);
-    });
-    const T rstd = T(1) / std::sqrt(hsum(squares) / static_cast<T>(f) + static_cast<T>(this->args_.eps));
+      sum[0] = at::vec::fmadd(d, d, sum[0]);
+    })[0];
+    const T rstd = T(1) / std::sqrt(squares / static_cast<T>(f) + static_cast<T>(this->args_.eps));
     means_[t * this->rows_ + b] = mean;
     rstds_[t * this->rows_ + b] = rstd;
     apply(mean, rstd, x, out, addend);
@@ -248,18 +246,17 @@ class RowNorm final : public StepNorm<T> {
     const Vec<T> m(means_[t * this->rows_ + b]), r(rstds_[t * this->rows_ + b]);
     T* dgamma = this->own(partials_, 2 * f);
     T* dshift = dgamma + f;
-    Vec<T> g_sum(T(0)), gx_sum(T(0));
-    vec_loop<T>(f, [&](int64_t i, int64_t n) {
+    const std::array<T, 2> sums = vec_sums<T, 2>(f, [&](int64_t i, int64_t n, Vec<T>* sum) {
       const Vec<T> d = load(dy + i, n);
       const Vec<T> x_hat = only((load(x + i, n) - m) * r, n);
       const Vec<T> g = d * load(this->weight_ + i, n);
       store(at::vec::fmadd(d, x_hat, load(dgamma + i, n)), dgamma + i, n);
       store(load(dshift + i, n) + d, dshift + i, n);
-      g_sum = g_sum + g;
-      gx_sum = at::vec::fmadd(g, x_hat, gx_sum);
+      sum[0] = sum[0] + g;
+      sum[1] = at::vec::fmadd(g, x_hat, sum[1]);
     });
-    row_sums_[2 * b] = hsum(g_sum);
-    row_sums_[2 * b + 1] = hsum(gx_sum);
+    row_sums_[2 * b] = sums[0];
+    row_sums_[2 * b + 1] = sums[1];
   }
 
   void backward_row(int64_t t, int64_t b, const T* dy, const T* x, T* dx) override {
