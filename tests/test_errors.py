@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import seqnorm
+from seqnorm.layers.finite import all_finite
 from tests.conftest import CELLS, KINDS, LAYERS
 
 
@@ -227,6 +228,26 @@ def test_non_finite_gradient_through_time_is_reported(norm: str) -> None:
         warnings.simplefilter("error")  # a finite gradient: no warning
         layer(x)[0].sum().backward()
     assert torch.isfinite(x.grad).all()
+
+
+def test_the_input_gradient_is_checked_once_per_backward_however_often_the_input_was_fed() -> None:
+    """The check belongs to a forward's graph: a leaf input fed to many forwards does not collect one per forward."""
+    layer = seqnorm.LSTM(3, 4, norm="layer")
+    x = torch.randn(6, 2, 3, requires_grad=True)
+    for _ in range(3):
+        layer(x)[0].sum().backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (layer(x)[0] * torch.tensor(float("inf"))).sum().backward()
+    assert len(caught) == 1 and str(caught[0].message).startswith("LSTM: expected a finite gradient at the input")
+
+
+@pytest.mark.parametrize(
+    ("values", "finite"),
+    [([1.0, -2.0], True), ([3e38, 3e38], True), ([3e38, float("inf")], False), ([1.0, float("nan")], False)],
+)
+def test_all_finite_is_elementwise_even_where_the_sum_overflows(values: list[float], finite: bool) -> None:
+    assert all_finite(torch.tensor(values)) is finite
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -271,7 +271,7 @@ class RecurrentLayer(nn.Module):
         exporting = captured_by_export(self)
         if torch.is_grad_enabled() and not torch.compiler.is_compiling():
             forget(self)  # a training step: its update may go through .data, which the step cache cannot see
-        watch_input_gradient(type(self).__name__, x, x.shape[0], self.cells[0].scheme.batch_statistics)
+        x = watch_input_gradient(type(self).__name__, x, x.shape[0], self.cells[0].scheme.batch_statistics)
         output, h_n, c_n = self._run(x, h0, c0, lengths, first_step, exporting=exporting)
         state: Any = h_n if c_n is None else (h_n, c_n)
         if isinstance(input, PackedSequence):
