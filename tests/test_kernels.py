@@ -550,6 +550,30 @@ def test_the_product_route_is_measured_on_the_recurrence_s_own_products() -> Non
     assert {forward_key, backward_key} <= chosen()
 
 
+def test_trials_take_turns_skip_each_warm_up_and_choose_the_lowest_median() -> None:
+    """The one rule behind the product routes and the generation layouts (product.h's Trials)."""
+    trials = kernels.native("cpu").Trials(3)
+    seconds = {0: [9.0, 3, 3, 3, 3, 3], 1: [0.0, 2, 2, 9, 2, 9], 2: [0.0, 4, 1, 1, 4, 4]}  # first run: a warm-up
+    turns = []
+    while trials.chosen is None:
+        turn = trials.turn()
+        turns.append(turn)
+        trials.record(turn, seconds[turn][turns.count(turn) - 1])
+    assert turns == [0, 1, 2] * (1 + trials.rounds)  # the fewest runs next, the first on a tie
+    assert trials.chosen == 1  # medians 3, 2, 4 (candidate 2's lowest single time and the warm-ups do not count)
+    trials.record(2, 0.0)  # decided: later runs change nothing
+    assert trials.chosen == 1
+    tied = kernels.native("cpu").Trials(2)
+    for _ in range(1 + tied.rounds):
+        for candidate in (0, 1):
+            tied.record(candidate, 1.0)
+    assert tied.chosen == 0
+    with pytest.raises(ValueError, match="Trials: expected a candidate below 2, got 2"):
+        tied.record(2, 1.0)
+    with pytest.raises(ValueError, match="Trials: expected at least one candidate, got 0"):
+        kernels.native("cpu").Trials(0)
+
+
 def test_deterministic_algorithms_fix_the_route_and_the_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     """The measured choices depend on the machine's load, and each route rounds differently: with deterministic
     algorithms a seeded run gives the same numbers in every process (the experiment scripts rely on it)."""

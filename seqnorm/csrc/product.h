@@ -12,9 +12,8 @@
 // Which route is fastest depends on the CPU, the shape and the thread count, so in float32 the candidates are
 // measured once per process, shape and thread count: not on probe products before the work starts (that paused the
 // first call at each new shape by 30-40 ms on an Intel Xeon), but on the products the recurrences run anyway. Until a
-// shape's route is chosen its products take the candidates in turn, each timed; each candidate's first product is a
-// warm-up (oneDNN builds its micro-kernel, the caches fill), and once every candidate has kRounds more the lowest
-// median wins. That is 18 products, within the first call of a recurrence of 20 steps or more; a shorter one leaves
+// shape's route is chosen its products take the candidates in turn, each timed (Trials: a warm-up product each, then
+// kRounds more, the lowest median wins). That is 18 products, within the first call of a recurrence of 20 steps or more; a shorter one leaves
 // its timings to the next. set_product_route() forces one route (the tests run every route against the plain-PyTorch
 // path); deterministic algorithms fix one (float_routes).
 #pragma once
@@ -107,13 +106,61 @@ inline bool brgemm_works() {
   return works;
 }
 
-// One shape's route choice (Key), shared by every product of that shape in the process: the candidates, their
-// timings so far, and the route once chosen.
+// The rule that picks the fastest of a few candidates on the work itself, written once: the products' routes here
+// and the generation step's weight layouts (seqnorm/layers/kernel.py, through the binding `Trials`). The candidates
+// take turns, the one with the fewest runs next (the first on a tie), so each sees the caches as the work leaves
+// them; each candidate's first run is a warm-up (oneDNN builds its micro-kernel, the caches fill), and once every
+// candidate has kRounds more the lowest median wins (the first on a tie).
+class Trials {
+ public:
+  static constexpr int kRounds = 5;
+
+  explicit Trials(size_t candidates) : seconds_(candidates), runs_(candidates, 0) {
+    if (candidates == 0) throw std::invalid_argument("Trials: expected at least one candidate, got 0");
+  }
+
+  // The candidate to run next.
+  size_t turn() const { return std::min_element(runs_.begin(), runs_.end()) - runs_.begin(); }
+
+  // One run of `candidate` took `seconds`; the run that completes the rounds decides.
+  void record(size_t candidate, double seconds) {
+    if (candidate >= runs_.size()) {
+      throw std::invalid_argument("Trials: expected a candidate below " + std::to_string(runs_.size()) + ", got " +
+                                  std::to_string(candidate));
+    }
+    if (chosen_.has_value()) return;
+    if (runs_[candidate]++ > 0) seconds_[candidate].push_back(seconds);
+    if (*std::min_element(runs_.begin(), runs_.end()) <= kRounds) return;
+    double best = INFINITY;
+    for (size_t i = 0; i < seconds_.size(); ++i) {
+      std::vector<double>& times = seconds_[i];  // kRounds or more (runs of a shared Trials may overlap)
+      const auto middle = times.begin() + times.size() / 2;
+      std::nth_element(times.begin(), middle, times.end());
+      if (*middle < best) {
+        best = *middle;
+        chosen_ = i;
+      }
+    }
+  }
+
+  // The winner, once decided.
+  std::optional<size_t> chosen() const { return chosen_; }
+
+ private:
+  std::vector<std::vector<double>> seconds_;  // per candidate, the timed runs after its warm-up
+  std::vector<int> runs_;                     // per candidate, its runs so far (warm-up included)
+  std::optional<size_t> chosen_;
+};
+
+// One shape's route choice (Key), shared by every product of that shape in the process: the candidates and their
+// trials.
 struct Tuning {
   std::vector<Route> candidates;
-  std::vector<std::vector<double>> seconds;  // per candidate, the timed products after its warm-up
-  std::vector<int> runs;                     // per candidate, its products so far (warm-up included)
-  std::optional<Route> chosen;
+  Trials trials;
+  std::optional<Route> chosen() const {
+    const std::optional<size_t> index = trials.chosen();
+    return index.has_value() ? std::optional<Route>(candidates[*index]) : std::nullopt;
+  }
 };
 
 class StepProduct {
@@ -126,9 +173,6 @@ class StepProduct {
   // and gives the threads enough blocks to share.
   static constexpr int64_t kBlock = 64;
   static constexpr int64_t kDepth = 256;
-  // Timed products per candidate after its warm-up; the median decides.
-  static constexpr int kRounds = 5;
-
   // out = x right, right (K, N): W^T of the forward's h W_hh^T (a transposed view, copied row-major once per
   // call), or W_hh itself in the backward (already row-major: no copy).
   StepProduct(const at::Tensor& right, int64_t rows) : rows_(rows) {
@@ -139,14 +183,10 @@ class StepProduct {
       route_ = candidates.front();
     } else {
       std::lock_guard<std::mutex> lock(tunings_mutex());
-      Tuning& tuning = tunings()[Key{rows_, right.size(0), right.size(1), at::get_num_threads()}];
-      if (tuning.candidates.empty()) {
-        tuning.candidates = candidates;
-        tuning.seconds.resize(candidates.size());
-        tuning.runs.resize(candidates.size());
-      }
-      if (tuning.chosen.has_value()) {
-        route_ = *tuning.chosen;
+      const Key key{rows_, right.size(0), right.size(1), at::get_num_threads()};
+      Tuning& tuning = tunings().try_emplace(key, Tuning{candidates, Trials(candidates.size())}).first->second;
+      if (tuning.chosen().has_value()) {
+        route_ = *tuning.chosen();
       } else {
         tuning_ = &tuning;  // std::map's elements stay where they are
       }
@@ -198,9 +238,9 @@ class StepProduct {
     std::lock_guard<std::mutex> lock(tunings_mutex());
     std::vector<std::tuple<int64_t, int64_t, int64_t, int, std::string>> chosen;
     for (const auto& [key, tuning] : tunings()) {
-      if (!tuning.chosen.has_value()) continue;
+      if (!tuning.chosen().has_value()) continue;
       const auto& [rows, depth, columns, threads] = key;
-      chosen.emplace_back(rows, depth, columns, threads, route_name(*tuning.chosen));
+      chosen.emplace_back(rows, depth, columns, threads, route_name(*tuning.chosen()));
     }
     return chosen;
   }
@@ -220,48 +260,28 @@ class StepProduct {
     return all;
   }
 
-  // One product of the shape's tuning: the candidate with the fewest products so far (they alternate, so each sees
-  // the caches as the steps leave them), timed; the last timing needed chooses the route for every later product.
+  // One product of the shape's tuning, the candidate whose turn it is (Trials), timed; the last timing needed
+  // chooses the route for every later product.
   void timed(const at::Tensor& x, at::Tensor& out, const at::Tensor* add) {
     size_t turn = 0;
     {
       std::lock_guard<std::mutex> lock(tunings_mutex());
-      if (tuning_->chosen.has_value()) {  // chosen by another product of the shape since
-        settle(*tuning_->chosen);
+      if (tuning_->chosen().has_value()) {  // chosen by another product of the shape since
+        settle(*tuning_->chosen());
       } else {
-        const auto& runs = tuning_->runs;
-        turn = std::min_element(runs.begin(), runs.end()) - runs.begin();
+        turn = tuning_->trials.turn();
       }
     }
     if (tuning_ == nullptr) {
       run(route_, x, out, add);
       return;
     }
-    const Route route = tuning_->candidates[turn];
     const auto start = std::chrono::steady_clock::now();
-    run(route, x, out, add);
+    run(tuning_->candidates[turn], x, out, add);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     std::lock_guard<std::mutex> lock(tunings_mutex());
-    if (tuning_->chosen.has_value()) {
-      settle(*tuning_->chosen);
-      return;
-    }
-    if (tuning_->runs[turn]++ > 0) tuning_->seconds[turn].push_back(seconds);
-    const auto& runs = tuning_->runs;
-    if (*std::min_element(runs.begin(), runs.end()) <= kRounds) return;
-    Route best = tuning_->candidates.front();
-    double best_median = INFINITY;
-    for (size_t i = 0; i < tuning_->candidates.size(); ++i) {
-      std::vector<double>& times = tuning_->seconds[i];  // kRounds or more (products of the shape run in parallel)
-      const auto middle = times.begin() + times.size() / 2;
-      std::nth_element(times.begin(), middle, times.end());
-      if (*middle < best_median) {
-        best_median = *middle;
-        best = tuning_->candidates[i];
-      }
-    }
-    tuning_->chosen = best;
-    settle(best);
+    tuning_->trials.record(turn, seconds);
+    if (tuning_->chosen().has_value()) settle(*tuning_->chosen());
   }
 
   // From here on every product takes `route`; the other routes' operands are let go.

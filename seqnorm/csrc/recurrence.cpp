@@ -680,4 +680,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("chosen_routes", &seqnorm::StepProduct::chosen_routes,
         "The routes measured in this process so far: (rows, K, N, threads, route) each");
   m.def("brgemm_available", &seqnorm::brgemm_works, "Whether oneDNN's float32 brgemm runs here");
+  pybind11::class_<seqnorm::Trials>(m, "Trials", "Picks the fastest of a few candidates on the work itself (product.h)")
+      .def(pybind11::init<size_t>(), pybind11::arg("candidates"))
+      .def("turn", &seqnorm::Trials::turn, "The candidate to run next")
+      .def("record", &seqnorm::Trials::record, pybind11::arg("candidate"), pybind11::arg("seconds"),
+           "One run of `candidate` took `seconds`")
+      .def_property_readonly("chosen", &seqnorm::Trials::chosen, "The winner once decided, else None")
+      .def_property_readonly_static("rounds", [](pybind11::object) { return seqnorm::Trials::kRounds; },
+                                    "Timed runs per candidate after its warm-up");
 }

@@ -21,7 +21,6 @@ statistics, and ``tests/test_kernels.py`` compares them for every cell and norm.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -215,22 +214,29 @@ def compiled_step(cell: RecurrentCell, kernels: Any, rows: int) -> CompiledStep:
 
     if all(choice.copy_wins is False for choice in choices):
         return fixed(*(weight.t() for weight in weights))
-    return _preparing_step(weights, choices, fixed)
+    return _preparing_step(kernels, weights, choices, fixed)
+
+
+_VIEW, _COPY = 0, 1  # the layouts' candidate numbers in the kernels' Trials
 
 
 def _preparing_step(
-    weights: tuple[Tensor, Tensor], choices: list[LayoutChoice], fixed: Callable[[Tensor, Tensor], CompiledStep]
+    kernels: Any,
+    weights: tuple[Tensor, Tensor],
+    choices: list[LayoutChoice],
+    fixed: Callable[[Tensor, Tensor], CompiledStep],
 ) -> CompiledStep:
     """The steps until each weight is in its chosen layout (:class:`LayoutChoice`), with no step paying for the
     preparation at once.
 
     A row-major copy is wanted for a weight whose choice is the copy or is still to be made; it is written a chunk
     per step (:class:`_ChunkedCopy`), and the weight's view serves until it is complete. A shape still undecided has
-    its layouts timed on these steps (:class:`_Timings`): the view while the copy is written, then the two in turns.
+    its layouts timed on these steps by the rule the kernels' products are (``kernels.Trials``, product.h): the view
+    while the copy is written, then the two in turns, a warm-up each and the lower median of five.
     The timings are this step's own (another cell's steps cost another amount); the first step to decide a shape
     decides it for all. Then the steps run :func:`fixed`'s form, holding only the layouts they use."""
     slots = [(_ChunkedCopy(weight), choice) for weight, choice in zip(weights, choices, strict=True)]
-    timings = {choice: _Timings() for choice in choices}  # LayoutChoice hashes by identity
+    timings = {choice: kernels.Trials(2) for choice in choices}  # LayoutChoice hashes by identity
     settled: list[CompiledStep] = []
 
     def run(x: Tensor, h: Tensor, c: Tensor | None, step: int) -> tuple[Tensor, Tensor | None]:
@@ -243,7 +249,7 @@ def _preparing_step(
             slots.clear()  # the layouts not chosen are let go
             return settled[0](x, h, c, step)
         ready = all(copy.ready for copy, choice in slots if choice is measured)
-        trial = measured is not None and ready and timings[measured].turn()
+        trial = measured is not None and ready and timings[measured].turn() == _COPY
         pair = [
             copy.tensor if (trial if choice is measured else choice.copy_wins and copy.ready) else copy.weight.t()
             for copy, choice in slots
@@ -254,9 +260,9 @@ def _preparing_step(
             start = time.perf_counter()
             result = fixed(*pair)(x, h, c, step)
             timing = timings[measured]
-            timing.record(trial, time.perf_counter() - start)
-            if measured.copy_wins is None:  # another step may have decided the shape meanwhile
-                measured.copy_wins = timing.copy_wins()
+            timing.record(_COPY if trial else _VIEW, time.perf_counter() - start)
+            if measured.copy_wins is None and timing.chosen is not None:  # another step may have decided it meanwhile
+                measured.copy_wins = timing.chosen == _COPY
         if pending is not None:
             pending.advance()
         return result
@@ -311,32 +317,6 @@ class LayoutChoice:
             return cls(copy_wins=False)
         key = (tuple(weight.shape), weight.dtype, weight.device.type, rows, torch.get_num_threads())
         return _LAYOUTS.setdefault(key, cls())
-
-
-class _Timings:
-    """One step's timings of the two layouts: they take turns (the view first: the first step makes no copy), each
-    one's first step a warm-up, until each has ``ROUNDS`` timed steps; the lower median wins."""
-
-    ROUNDS = 5
-
-    def __init__(self) -> None:
-        self.seconds: dict[bool, list[float]] = {True: [], False: []}
-        self.runs = {True: 0, False: 0}
-
-    def turn(self) -> bool:
-        """Whether the next step takes the copy: the layout with fewer steps so far."""
-        return self.runs[True] < self.runs[False]
-
-    def record(self, copy: bool, seconds: float) -> None:
-        if self.runs[copy] > 0:
-            self.seconds[copy].append(seconds)
-        self.runs[copy] += 1
-
-    def copy_wins(self) -> bool | None:
-        """The decision once both layouts have their timed steps, else ``None``."""
-        if min(self.runs.values()) <= self.ROUNDS:
-            return None
-        return statistics.median(self.seconds[True]) <= statistics.median(self.seconds[False])
 
 
 # The layout choices in this process, per weight shape, dtype, device, rows and threads.
