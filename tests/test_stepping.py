@@ -2,28 +2,42 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 from torch.testing import assert_close
 
+from seqnorm import kernels
+from seqnorm.layers import stepping
 from seqnorm.layers.stepping import lean_layer_step
 from tests.conftest import LAYERS, NORMS, TORCH_KINDS, perturb_norm_parameters
 
 TOLERANCE = {"rtol": 1e-12, "atol": 1e-12}
 
 
-def _pair(kind: str, norm: str, **kwargs: Any) -> tuple[torch.nn.Module, torch.nn.Module]:
-    reference = LAYERS[kind](3, 4, norm=norm, impl="reference", dtype=torch.float64, max_steps=3, **kwargs)
+@pytest.fixture(autouse=True, params=["compiled", "plain"])
+def lean_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test on both forms of the lean step: the compiled kernels' (where they are built) and the plain-PyTorch
+    one that runs without a compiler."""
+    if request.param == "compiled" and kernels.native("cpu") is None:
+        pytest.skip(f"the compiled kernels are not loaded: {kernels.status()}")
+    with contextlib.nullcontext() if request.param == "compiled" else kernels.disabled():
+        yield request.param
+
+
+def _pair(kind: str, norm: str, max_steps: int = 3, **kwargs: Any) -> tuple[torch.nn.Module, torch.nn.Module]:
+    reference = LAYERS[kind](3, 4, norm=norm, impl="reference", dtype=torch.float64, max_steps=max_steps, **kwargs)
     perturb_norm_parameters(reference)
-    lean = LAYERS[kind](3, 4, norm=norm, dtype=torch.float64, max_steps=3, **kwargs)
+    lean = LAYERS[kind](3, 4, norm=norm, dtype=torch.float64, max_steps=max_steps, **kwargs)
     lean.load_state_dict(reference.state_dict())
     return reference.eval(), lean.eval()
 
 
-def _steps(layer: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    outputs, state = [], None
+def _steps(layer: torch.nn.Module, x: torch.Tensor, state: Any = None) -> tuple[torch.Tensor, Any]:
+    outputs = []
     for x_t in x.unbind(0):
         output, state = layer.step(x_t, state)
         outputs.append(output)
@@ -42,6 +56,33 @@ def test_lean_step_equals_reference_step(kind: str, norm: str) -> None:
         got, state = _steps(lean, x)
     assert_close(got, expected, **TOLERANCE)
     assert_close(tuple(state), tuple(expected_state), **TOLERANCE)
+
+
+@pytest.mark.parametrize("norm", ["batch", "batch_renorm"])
+@pytest.mark.parametrize("kind", TORCH_KINDS)
+def test_batch_norm_rows_are_folded_as_the_steps_reach_them(kind: str, norm: str, lean_path: str) -> None:
+    """A cached step folds BN's running statistics a block of rows at a time (FoldedRows): every step reads its own
+    row's, across the blocks (8, 16), beyond max_steps (the last row) and from a state that starts at a later step;
+    a rebuilt step folds afresh from the statistics as they are then."""
+    reference, lean = _pair(kind, norm, max_steps=20)
+    x = torch.randn(26, 2, 3, dtype=torch.float64)
+    with torch.no_grad():
+        for name, buffer in reference.named_buffers():  # statistics of this test's own: no stale fold matches them
+            if "running_" in name:
+                buffer.uniform_(0.5, 1.5)
+        lean.load_state_dict(reference.state_dict())
+        assert lean.plan(x[0]).cells == ("kernel" if lean_path == "compiled" else "lean_step",)
+        expected, expected_state = _steps(reference, x[:12])
+        got, state = _steps(lean, x[:12])
+        assert_close(got, expected, **TOLERANCE)
+        for layer in (reference, lean):  # new statistics: the rebuilt step must not keep the old folds
+            for name, buffer in layer.named_buffers():
+                if "running_mean" in name:
+                    buffer.add_(0.25)
+        assert_close(_steps(lean, x[12:], state)[0], _steps(reference, x[12:], expected_state)[0], **TOLERANCE)
+        stepping.forget(lean)
+        later = state._replace(step=17)
+        assert_close(lean.step(x[0], later)[0], reference.step(x[0], later)[0], **TOLERANCE)
 
 
 @pytest.mark.parametrize("norm", ["layer", "rms", "weight", "batch", "batch_renorm"])

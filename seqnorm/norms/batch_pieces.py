@@ -219,11 +219,16 @@ class BatchNormPieces:
         return scales, offsets
 
     def generation_step(self, shift: Tensor | None) -> Callable[[Tensor, int], Tensor]:
-        # Each step's scale and offset folded once, one row per step.
-        scales, offsets = self.folded_statistics(shift)
-        rows, last = list(zip(offsets.unbind(0), scales.unbind(0), strict=True)), self.max_steps - 1
+        # Each step's scale and offset folded once, as the steps reach them (FoldedRows), one row per step: views
+        # into the rows FoldedRows fills in place.
+        folded, last = FoldedRows(self, shift), self.max_steps - 1
+        rows = list(zip(folded.offset.unbind(0), folded.scale.unbind(0), strict=True))
+        unfolded = 0  # the first time index whose row is not folded yet
 
         def batch(y: Tensor, step: int) -> Tensor:
+            nonlocal unfolded
+            if step >= unfolded:
+                unfolded = folded.through(step)
             offset, scale = rows[min(step, last)]
             return torch.addcmul(offset, y, scale)
 
@@ -253,10 +258,11 @@ class BatchNormPieces:
 
 
 class FoldedRows:
-    """A per-timestep BN's :meth:`~BatchNormPieces.folded_statistics` for a cached generation step, ``scale`` and
-    ``offset`` ``(max_steps, F)``, folded as the steps' time index reaches them (:meth:`through`). Folding every row
-    when the step was prepared cost about 0.2 ms a norm at ``F = 2048``, three norms a cell, at every rebuild: after
-    every training update in a loop that samples between updates (BENCHMARKS.md, issue 14)."""
+    """A per-timestep BN's :meth:`~BatchNormPieces.folded_statistics` for a cached generation step (the compiled
+    one's and the plain one's), ``scale`` and ``offset`` ``(max_steps, F)``, folded as the steps' time index reaches
+    them (:meth:`through`). Folding every row when the step was prepared cost about 0.2 ms a norm at ``F = 2048``,
+    three norms a cell, at every rebuild: after every training update in a loop that samples between updates
+    (BENCHMARKS.md, issue 14)."""
 
     def __init__(self, norm: BatchNormPieces, shift: Tensor | None) -> None:
         self._norm, self._shift = norm, shift
