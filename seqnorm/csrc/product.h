@@ -13,9 +13,9 @@
 // measured once per process, shape and thread count: not on probe products before the work starts (that paused the
 // first call at each new shape by 30-40 ms on an Intel Xeon), but on the products the recurrences run anyway. Until a
 // shape's route is chosen its products take the candidates in turn, each timed (Trials: a warm-up product each, then
-// kRounds more, the lowest median wins). That is 18 products, within the first call of a recurrence of 20 steps or more; a shorter one leaves
-// its timings to the next. set_product_route() forces one route (the tests run every route against the plain-PyTorch
-// path); deterministic algorithms fix one (float_routes).
+// kRounds more, the lowest median wins). That is 18 products, within the first call of a recurrence of 20 steps or
+// more; a shorter one leaves its timings to the next. set_product_route() forces one route (the tests run every route
+// against the plain-PyTorch path); deterministic algorithms fix one (float_routes).
 #pragma once
 
 #include <torch/extension.h>
