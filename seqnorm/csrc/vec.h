@@ -50,8 +50,8 @@ inline T hsum(const Vec<T>& v) {
   return sum;
 }
 
-// Independent partial sums per running sum: a single one waits out the adder's latency (4 cycles) at every vector,
-// which made a LayerNorm row's two reductions cost more than the rest of its work (profiled, 100x64x256x512).
+// Independent partial sums per running sum: a single one waits out the adder's latency (4 cycles) at every vector.
+// Four cut LayerNorm's forward_row by about a quarter of its perf samples (BENCHMARKS.md, seventh session).
 constexpr int64_t kAccumulators = 4;
 
 // The K sums over [0, n) that fn(i, count, sums) adds into sums[0..K) (Vec<T>) a vector at a time: whole vectors in

@@ -223,12 +223,9 @@ class BatchNormPieces:
         # into the rows FoldedRows fills in place.
         folded, last = FoldedRows(self, shift), self.max_steps - 1
         rows = list(zip(folded.offset.unbind(0), folded.scale.unbind(0), strict=True))
-        unfolded = 0  # the first time index whose row is not folded yet
 
         def batch(y: Tensor, step: int) -> Tensor:
-            nonlocal unfolded
-            if step >= unfolded:
-                unfolded = folded.through(step)
+            folded.through(step)
             offset, scale = rows[min(step, last)]
             return torch.addcmul(offset, y, scale)
 
