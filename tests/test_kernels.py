@@ -237,6 +237,41 @@ def test_row_and_batch_statistics_mixed(kind: str, first: str, second: str, thre
     assert_close(layers[1].state_dict(), layers[0].state_dict(), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize(
+    ("kind", "removed"),
+    [
+        *((kind, removed) for kind in TORCH_KINDS for removed in [(), ("norm_hh",), ("norm_ih",)]),
+        ("lstm", ("norm_ih", "norm_hh")),  # the cell-state norm left (a GRU would have none: torch's kernel)
+    ],
+)
+def test_the_recurrent_weight_gradient_is_added_a_chunk_of_steps_at_a_time(kind: str, removed: tuple[str, ...]) -> None:
+    """The backward keeps the gradient of W_hh h for a chunk of about 1024 rows and adds each chunk's share of W_hh's
+    gradient as it goes (WeightHhGrad): at 64 rows, chunks of 16 steps, 37 steps making three with a short last one,
+    with padded rows and initial states; also without the recurrent norm or the input norm, where an LSTM keeps that
+    gradient in the pre-activations' buffer (all steps without an input norm, a chunk with one)."""
+    layers = []
+    for impl in ("reference", "auto"):
+        torch.manual_seed(0)
+        layer = LAYERS[kind](3, 5, norm="layer", impl=impl, dtype=torch.float64)
+        for name in removed:
+            setattr(layer.cells[0], name, None)
+        perturb_norm_parameters(layer)
+        layers.append(layer)
+    layers[1].load_state_dict(layers[0].state_dict())
+    x = torch.randn(37, 64, 3, dtype=torch.float64)
+    lengths = torch.randint(1, 38, (64,))
+    lengths[0] = 37
+    h0 = torch.randn(1, 64, 5, dtype=torch.float64)
+    state = (h0, torch.randn(1, 64, 5, dtype=torch.float64)) if kind == "lstm" else h0
+    assert layers[1].plan(x, state, lengths=lengths).path == "kernel"
+    results = []
+    for layer in layers:
+        leaf = x.clone().requires_grad_()
+        output, final = layer(leaf, state, lengths=lengths)
+        results.append((output, final, torch.autograd.grad(output.square().sum(), [leaf, *layer.parameters()])))
+    assert_close(results[1], results[0], rtol=1e-9, atol=1e-9)
+
+
 @pytest.mark.parametrize("norm", ["batch", "batch_renorm"])
 @pytest.mark.parametrize("kind", TORCH_KINDS)
 def test_batch_norm_counters_and_cumulative_average(kind: str, norm: str) -> None:
