@@ -272,6 +272,25 @@ def test_the_recurrent_weight_gradient_is_added_a_chunk_of_steps_at_a_time(kind:
     assert_close(results[1], results[0], rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("kind", TORCH_KINDS)
+def test_the_input_projection_s_gradients_are_computed_where_wanted(kind: str) -> None:
+    """With the input norm in the kernels, the recurrence projects its input itself and its backward returns the
+    gradients of x and W_ih: either alone when the other needs none (a frozen W_ih; an input without a gradient)."""
+    reference, compiled = _pair(kind, "layer")
+    x = torch.randn(6, 3, 3, dtype=torch.float64)
+    for frozen in ("weight_ih", "x"):
+        wanted = []
+        for layer in (reference, compiled):
+            layer.cells[0].weight_ih.requires_grad_(frozen != "weight_ih")
+            leaf = x.clone().requires_grad_(frozen != "x")
+            inputs = [leaf] if frozen != "x" else [layer.cells[0].weight_ih]
+            wanted.append(torch.autograd.grad(layer(leaf)[0].square().sum(), [*inputs, layer.cells[0].weight_hh]))
+        assert_close(wanted[1], wanted[0], rtol=1e-9, atol=1e-9)
+    compiled.cells[0].weight_ih.requires_grad_(False)
+    compiled(x)[0].sum().backward()
+    assert compiled.cells[0].weight_ih.grad is None and compiled.cells[0].weight_hh.grad is not None
+
+
 @pytest.mark.parametrize("norm", ["batch", "batch_renorm"])
 @pytest.mark.parametrize("kind", TORCH_KINDS)
 def test_batch_norm_counters_and_cumulative_average(kind: str, norm: str) -> None:

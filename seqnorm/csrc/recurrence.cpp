@@ -10,6 +10,7 @@
 // plain-PyTorch paths (seqnorm/layers/bptt.py, the reference loop) are what the tests compare them with.
 #include <torch/extension.h>
 
+#include <functional>
 #include <initializer_list>
 #include <optional>
 #include <vector>
@@ -115,45 +116,79 @@ struct TermsBackward {
   }
 };
 
-// dL/dW_hh = Σ_t dL/d(W_hh h_{t-1})^T h_{t-1} (h_{-1} is h0), added a chunk of steps at a time as the backward walks
-// back through time. The gradient of W_hh h is kept for a chunk of about kChunkRows rows, in one buffer the chunks
-// reuse, rather than for all T steps: a fresh (T, B, 4H) buffer cost its page faults at every backward (14 ms of a
-// 52 MB one at 100x64x2048 on an Intel Xeon, against 1.3 ms to fill it again), and a product over ~1024 rows runs as
-// fast as one over all of them. Where that gradient is kept for every step anyway (an LSTM without a recurrent norm
-// and an input norm: it is the input terms' gradient, a result), `full` is that (T, B, G) tensor and no buffer is
-// made.
-class WeightHhGrad {
+// A gradient the backward computes step by step, (B, G) per step, and consumes only in matmuls over the steps
+// (W_hh's gradient; the input projection's, where the recurrence was handed the input and W_ih): kept for a chunk of
+// about kChunkRows rows in one buffer the chunks reuse, each chunk handed to `consume(first, grads)` (grads: the
+// chunk's steps from `first` on, (count, B, G)) once the backward, walking back through time, has finished the
+// chunk's first step. Kept for all T steps in a fresh (T, B, G) buffer instead, it cost that buffer's page faults at
+// every backward (a fresh 52 MB buffer took 15.4 ms to fill on an Intel Xeon, against 1.3 ms to fill it again), and
+// a product over ~1024 rows runs as fast as one over all of them. Where the gradient is kept for every step anyway
+// (a result), `full` is that (T, B, G) tensor and no buffer is made.
+class StepChunks {
  public:
   static constexpr int64_t kChunkRows = 1024;
+  using Consumer = std::function<void(int64_t, const at::Tensor&)>;
 
-  WeightHhGrad(const at::Tensor& h0, const at::Tensor& hs, int64_t gates, const at::Tensor& full = at::Tensor())
-      : h0_(h0), hs_(hs), grad_(at::zeros({gates, hs.size(2)}, hs.options())) {
-    const int64_t steps = hs.size(0), rows = hs.size(1);
+  StepChunks(int64_t steps, int64_t rows, int64_t gates, const at::TensorOptions& options, Consumer consume,
+             const at::Tensor& full = at::Tensor())
+      : steps_(steps), consume_(std::move(consume)) {
     chunk_ = full.defined() ? steps : std::min(steps, std::max<int64_t>(1, kChunkRows / std::max<int64_t>(rows, 1)));
-    buffer_ = full.defined() ? full : at::empty({chunk_, rows, gates}, hs.options());
+    buffer_ = full.defined() ? full : at::empty({chunk_, rows, gates}, options);
   }
 
-  // Where step t's gradient of W_hh h goes, (B, G); the steps come from the last to the first.
+  // Where step t's gradient goes, (B, G); the steps come from the last to the first.
   at::Tensor step(int64_t t) const { return buffer_[t % chunk_]; }
 
-  // Step t's gradient is complete; at the first step of a chunk, the chunk's share is added: each step's gradient
-  // times its previous state, h0 for step 0 and hs[s - 1] for step s.
-  void done(int64_t t) {
-    if (t % chunk_ != 0) return;
-    const int64_t count = std::min(chunk_, hs_.size(0) - t);
-    const int64_t first = t == 0 ? 1 : 0;  // the chunk's first step whose previous state is in hs
-    if (t == 0) grad_.addmm_(buffer_[0].t(), h0_);
-    if (count > first) {
-      grad_.addmm_(buffer_.narrow(0, first, count - first).reshape({-1, buffer_.size(2)}).t(),
-                   hs_.narrow(0, t + first - 1, count - first).reshape({-1, hs_.size(2)}));
-    }
+  // Step t's gradient is complete; at the first step of a chunk, the chunk is consumed.
+  void done(int64_t t) const {
+    if (t % chunk_ == 0) consume_(t, buffer_.narrow(0, 0, std::min(chunk_, steps_ - t)));
   }
 
-  at::Tensor result() const { return grad_; }
-
  private:
-  at::Tensor h0_, hs_, grad_, buffer_;
-  int64_t chunk_;
+  int64_t steps_, chunk_;
+  at::Tensor buffer_;
+  Consumer consume_;
+};
+
+// dL/dW_hh += Σ_s dL/d(W_hh h_{s-1})^T h_{s-1} over a chunk's steps s = first, first + 1, ... (h_{-1} is h0).
+StepChunks::Consumer weight_hh_grad(at::Tensor& grad, const at::Tensor& h0, const at::Tensor& hs) {
+  return [&grad, &h0, &hs](int64_t first, const at::Tensor& grads) {
+    const int64_t count = grads.size(0), from = first == 0 ? 1 : 0;  // the steps whose previous state is in hs
+    if (first == 0) grad.addmm_(grads[0].t(), h0);
+    if (count > from) {
+      grad.addmm_(grads.narrow(0, from, count - from).reshape({-1, grads.size(2)}).t(),
+                  hs.narrow(0, first + from - 1, count - from).reshape({-1, hs.size(2)}));
+    }
+  };
+}
+
+// The input projection W_ih x of the recurrence's input, where the recurrence was handed x and W_ih rather than the
+// projection (seqnorm/layers/kernel.py: when the input norm runs in the kernels): the gradients of x and W_ih from
+// the projection's, a chunk of steps at a time (dx = g W_ih, dW_ih += g^T x; undefined where not wanted).
+struct Projection {
+  at::Tensor x, weight, grad_x, grad_weight;
+
+  Projection(const c10::optional<at::Tensor>& sequence, const c10::optional<at::Tensor>& weight_ih, bool want_x,
+             bool want_weight) {
+    if (!sequence.has_value() || !sequence->defined()) return;
+    x = *sequence;
+    weight = *weight_ih;
+    if (want_x) grad_x = at::empty(x.sizes(), x.options());
+    if (want_weight) grad_weight = at::zeros(weight.sizes(), weight.options());
+  }
+  bool defined() const { return x.defined(); }
+
+  StepChunks::Consumer consumer() {
+    return [this](int64_t first, const at::Tensor& grads) {
+      const int64_t count = grads.size(0);
+      const at::Tensor rows = grads.reshape({-1, grads.size(2)});
+      if (grad_x.defined()) {
+        at::Tensor out = grad_x.narrow(0, first, count).view({-1, x.size(2)});
+        at::mm_out(out, rows, weight);
+      }
+      if (grad_weight.defined()) grad_weight.addmm_(rows.t(), x.narrow(0, first, count).reshape({-1, x.size(2)}));
+    };
+  }
 };
 
 // ---- LSTM ------------------------------------------------------------------------------------------------------
@@ -288,14 +323,15 @@ std::tuple<Tensors, Tensors, std::vector<Tensors>, std::vector<int64_t>> lstm_fo
           {norm_ih->fallback_steps(), norm_hh->fallback_steps(), norm_c->fallback_steps()}};
 }
 
-// Returns the gradients of inputs, h0, c0, W_hh, then (γ, shift) of the input, recurrent and cell-state norms.
+// Returns the gradients of inputs (of the projection's input x with `sequence`), h0, c0, W_hh, then (γ, shift) of
+// the input, recurrent and cell-state norms, then W_ih's (with `sequence`; else undefined).
 template <typename T>
 Tensors lstm_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, const at::Tensor& grad_c_n,
                       const at::Tensor& inputs, const at::Tensor& h0, const at::Tensor& c0,
                       const at::Tensor& weight_hh, const c10::optional<at::Tensor>& mask, const at::Tensor& hs,
                       const Tensors& saved, const c10::optional<at::Tensor>& raw_saved,
                       const std::vector<Tensors>& stats, const NormArgs& ih_args, const NormArgs& hh_args,
-                      const NormArgs& c_args) {
+                      const NormArgs& c_args, Projection projection) {
   const at::Tensor &cs = saved.at(0), &acts = saved.at(1), &tanh_cs = saved.at(2);
   const at::Tensor raw = raw_saved.has_value() ? *raw_saved : at::Tensor();
   const int64_t steps = acts.size(0), rows = acts.size(1), gates = acts.size(2), hidden = gates / 4;
@@ -305,14 +341,21 @@ Tensors lstm_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, con
   auto norm_hh = make_norm<T>(hh_args, steps, rows, gates, options, stats.at(1));
   auto norm_c = make_norm<T>(c_args, steps, rows, hidden, options, stats.at(2));
   // The pre-activations' gradient is kept for every step where it is a result (the input terms' gradient without
-  // an input norm). Without a recurrent norm it is W_hh h's gradient as well, which WeightHhGrad keeps for a chunk
-  // of steps; between two norms it is one step's scratch.
+  // an input norm). Without a recurrent norm it is W_hh h's gradient as well, kept for a chunk of steps
+  // (StepChunks); between two norms it is one step's scratch. The input norm's dx is a result too, unless the
+  // projection's gradients take it a chunk at a time.
   const bool input_normed = !norm_ih->identity(), recurrent_normed = raw.defined();
+  TORCH_CHECK(input_normed || !projection.defined(), "seqnorm kernels: a projection is handed over with an input norm");
   const bool keep_pre = !input_normed;
   at::Tensor grad_terms = keep_pre || recurrent_normed ? at::empty({keep_pre ? steps : 1, rows, gates}, options)
                                                        : at::Tensor();
-  at::Tensor grad_inputs = input_normed ? at::empty({steps, rows, gates}, options) : grad_terms;
-  WeightHhGrad weight_grad(h0, hs, gates, keep_pre && !recurrent_normed ? grad_terms : at::Tensor());
+  at::Tensor grad_inputs = !input_normed ? grad_terms
+                           : projection.defined() ? at::Tensor()
+                                                  : at::empty({steps, rows, gates}, options);
+  const StepChunks input_grad(steps, rows, gates, options, projection.consumer(), grad_inputs);
+  at::Tensor grad_weight_hh = at::zeros({gates, hidden}, options);
+  const StepChunks recurrent_grad(steps, rows, gates, options, weight_hh_grad(grad_weight_hh, h0, hs),
+                                  keep_pre && !recurrent_normed ? grad_terms : at::Tensor());
   at::Tensor dh = grad_h_n + grad_hs[steps - 1];
   at::Tensor dh_next = at::empty({rows, hidden}, options);
   at::Tensor dc = grad_c_n.clone();
@@ -332,10 +375,10 @@ Tensors lstm_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, con
     const T* tanh_c = ptr<T>(tanh_cs) + t * rows * hidden;
     const T* c_t = ptr<T>(cs) + t * rows * hidden;
     const T* c_prev = t == 0 ? ptr<T>(c0) : ptr<T>(cs) + (t - 1) * rows * hidden;
-    const at::Tensor grad_step = weight_grad.step(t);  // dL/d(W_hh h) at step t
+    const at::Tensor grad_step = recurrent_grad.step(t);  // dL/d(W_hh h) at step t
     T* grad_rec = ptr<T>(grad_step);
     T* grad_pre = recurrent_normed ? ptr<T>(grad_terms) + (keep_pre ? block : 0) : grad_rec;
-    T* grad_in = ptr<T>(grad_inputs) + block;
+    T* grad_in = ptr<T>(input_grad.step(t));
     T *d_h = ptr<T>(dh), *d_c = ptr<T>(dc), *d_out = ptr<T>(d_c_out), *d_norm = ptr<T>(dc_norm);
     const TermsBackward<T> terms{*norm_ih,
                                  *norm_hh,
@@ -375,15 +418,25 @@ Tensors lstm_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, con
       over_real_rows(rows, gates, m, [&](int64_t b) { terms.rows(b); });
     }
     back(grad_step, dh_next, t > 0 ? &grad_out[t - 1] : nullptr);
-    weight_grad.done(t);
+    recurrent_grad.done(t);
+    input_grad.done(t);
     add_padded_rows(ptr<T>(dh_next), ptr<T>(dh), m, rows, hidden);
     std::swap(dh, dh_next);
   }
   const auto ih_grads = norm_ih->parameter_grads();
   const auto hh_grads = norm_hh->parameter_grads();
   const auto c_grads = norm_c->parameter_grads();
-  return {grad_inputs,    dh,           dc,        weight_grad.result(),
-          ih_grads.first, ih_grads.second, hh_grads.first, hh_grads.second, c_grads.first, c_grads.second};
+  return {projection.defined() ? projection.grad_x : grad_inputs,
+          dh,
+          dc,
+          grad_weight_hh,
+          ih_grads.first,
+          ih_grads.second,
+          hh_grads.first,
+          hh_grads.second,
+          c_grads.first,
+          c_grads.second,
+          projection.grad_weight};
 }
 
 // ---- GRU -------------------------------------------------------------------------------------------------------
@@ -473,23 +526,30 @@ std::tuple<Tensors, Tensors, std::vector<Tensors>, std::vector<int64_t>> gru_for
   return {Tensors{hs, hs[steps - 1].clone()}, saved, stats, {norm_ih->fallback_steps(), norm_hh->fallback_steps()}};
 }
 
-// Returns the gradients of inputs, h0, W_hh, then (γ, shift) of the input and recurrent norms.
+// Returns the gradients of inputs (of the projection's input x with `sequence`), h0, W_hh, then (γ, shift) of the
+// input and recurrent norms, then W_ih's (with `sequence`; else undefined).
 template <typename T>
 Tensors gru_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, const at::Tensor& inputs,
                      const at::Tensor& h0, const at::Tensor& weight_hh, const c10::optional<at::Tensor>& mask,
                      const at::Tensor& hs, const Tensors& saved, const std::vector<Tensors>& stats,
-                     const NormArgs& ih_args, const NormArgs& hh_args) {
+                     const NormArgs& ih_args, const NormArgs& hh_args, Projection projection) {
   const at::Tensor& raw = saved.at(0);
   const int64_t steps = raw.size(0), rows = raw.size(1), gates = raw.size(2), hidden = gates / 3;
   const auto options = raw.options();
   const Padding padding(mask, steps, rows);
   auto norm_ih = make_norm<T>(ih_args, steps, rows, gates, options, stats.at(0));
   auto norm_hh = make_norm<T>(hh_args, steps, rows, gates, options, stats.at(1));
-  // The input terms' gradient is kept for every step only without an input norm (it is the result then).
+  // The input terms' gradient is kept for every step only without an input norm (it is the result then); the input
+  // norm's dx is a result too, unless the projection's gradients take it a chunk at a time (StepChunks).
   const bool input_normed = !norm_ih->identity(), recurrent_normed = !norm_hh->identity();
+  TORCH_CHECK(input_normed || !projection.defined(), "seqnorm kernels: a projection is handed over with an input norm");
   at::Tensor grad_terms = at::empty({input_normed ? 1 : steps, rows, gates}, options);
-  at::Tensor grad_inputs = input_normed ? at::empty({steps, rows, gates}, options) : grad_terms;
-  WeightHhGrad weight_grad(h0, hs, gates);
+  at::Tensor grad_inputs = !input_normed ? grad_terms
+                           : projection.defined() ? at::Tensor()
+                                                  : at::empty({steps, rows, gates}, options);
+  const StepChunks input_grad(steps, rows, gates, options, projection.consumer(), grad_inputs);
+  at::Tensor grad_weight_hh = at::zeros({gates, hidden}, options);
+  const StepChunks recurrent_grad(steps, rows, gates, options, weight_hh_grad(grad_weight_hh, h0, hs));
   at::Tensor du = recurrent_normed ? at::empty({rows, gates}, options) : at::Tensor();
   // The step's terms and gates, recomputed from the saved W_ih x, W_hh h and statistics.
   at::Tensor a = input_normed ? at::empty({rows, gates}, options) : at::Tensor();
@@ -508,8 +568,8 @@ Tensors gru_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, cons
     const T* x_in = ptr<T>(inputs) + block;
     const T* h_prev = t == 0 ? ptr<T>(h0) : ptr<T>(hs) + (t - 1) * rows * hidden;
     T* grad_a = ptr<T>(grad_terms) + (input_normed ? 0 : block);
-    T* grad_in = ptr<T>(grad_inputs) + block;
-    const at::Tensor grad_step = weight_grad.step(t);  // dL/d(W_hh h) at step t
+    T* grad_in = ptr<T>(input_grad.step(t));
+    const at::Tensor grad_step = recurrent_grad.step(t);  // dL/d(W_hh h) at step t
     T* grad_rec = ptr<T>(grad_step);
     T* grad_u = recurrent_normed ? ptr<T>(du) : grad_rec;
     T* d_h = ptr<T>(dh);
@@ -543,14 +603,21 @@ Tensors gru_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, cons
     }
     // dh holds the carry dh z (dh on padded rows).
     back(grad_step, dh_next, &dh);
-    weight_grad.done(t);
+    recurrent_grad.done(t);
+    input_grad.done(t);
     if (t > 0) dh_next.add_(grad_out[t - 1]);
     std::swap(dh, dh_next);
   }
   const auto ih_grads = norm_ih->parameter_grads();
   const auto hh_grads = norm_hh->parameter_grads();
-  return {grad_inputs,    dh,           weight_grad.result(), ih_grads.first, ih_grads.second,
-          hh_grads.first, hh_grads.second};
+  return {projection.defined() ? projection.grad_x : grad_inputs,
+          dh,
+          grad_weight_hh,
+          ih_grads.first,
+          ih_grads.second,
+          hh_grads.first,
+          hh_grads.second,
+          projection.grad_weight};
 }
 
 // ---- one step without gradients (generation) -------------------------------------------------------------------
@@ -619,14 +686,19 @@ Forward lstm_forward(const at::Tensor& inputs, const at::Tensor& h0, const at::T
   });
 }
 
+// `sequence`, `weight_ih`: the input projection's x and W_ih where the recurrence was handed them (then `inputs` is
+// their product and the gradients of x and W_ih are returned, as far as `want_x` and `want_weight` ask).
 Tensors lstm_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, const at::Tensor& grad_c_n,
                       const at::Tensor& inputs, const at::Tensor& h0, const at::Tensor& c0,
                       const at::Tensor& weight_hh, const c10::optional<at::Tensor>& mask, const at::Tensor& hs,
                       const Tensors& saved, const c10::optional<at::Tensor>& raw,
-                      const std::vector<Tensors>& stats, const NormArgs& ih, const NormArgs& hh, const NormArgs& c) {
+                      const std::vector<Tensors>& stats, const NormArgs& ih, const NormArgs& hh, const NormArgs& c,
+                      const c10::optional<at::Tensor>& sequence, const c10::optional<at::Tensor>& weight_ih,
+                      bool want_x, bool want_weight) {
   return AT_DISPATCH_FLOATING_TYPES(grad_hs.scalar_type(), "seqnorm_lstm_backward", [&] {
     return seqnorm::lstm_backward<scalar_t>(grad_hs, grad_h_n, grad_c_n, inputs, h0, c0, weight_hh, mask, hs, saved,
-                                            raw, stats, ih, hh, c);
+                                            raw, stats, ih, hh, c,
+                                            seqnorm::Projection(sequence, weight_ih, want_x, want_weight));
   });
 }
 
@@ -640,9 +712,11 @@ Forward gru_forward(const at::Tensor& inputs, const at::Tensor& h0, const at::Te
 Tensors gru_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, const at::Tensor& inputs,
                      const at::Tensor& h0, const at::Tensor& weight_hh, const c10::optional<at::Tensor>& mask,
                      const at::Tensor& hs, const Tensors& saved, const std::vector<Tensors>& stats,
-                     const NormArgs& ih, const NormArgs& hh) {
+                     const NormArgs& ih, const NormArgs& hh, const c10::optional<at::Tensor>& sequence,
+                     const c10::optional<at::Tensor>& weight_ih, bool want_x, bool want_weight) {
   return AT_DISPATCH_FLOATING_TYPES(grad_hs.scalar_type(), "seqnorm_gru_backward", [&] {
-    return seqnorm::gru_backward<scalar_t>(grad_hs, grad_h_n, inputs, h0, weight_hh, mask, hs, saved, stats, ih, hh);
+    return seqnorm::gru_backward<scalar_t>(grad_hs, grad_h_n, inputs, h0, weight_hh, mask, hs, saved, stats, ih, hh,
+                                           seqnorm::Projection(sequence, weight_ih, want_x, want_weight));
   });
 }
 

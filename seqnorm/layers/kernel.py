@@ -92,9 +92,12 @@ def run_recurrence(
     assert kernels is not None, "the plan routes here only where the kernels are loaded"
     lstm = cell_kernel(cell) == "lstm"
     beta = {name: None if norm is None else norm.bias for name, norm in _norms(cell).items()}
+    weight_ih: Tensor | None = None
     if cell.norm_ih is not None and norm_blocker(cell.norm_ih, "kernel") is None:
-        # The input norm runs step by step in the kernel, on W_ih x; the biases that follow it are its shift.
-        inputs = project(sequence, cell.weight_ih)
+        # The input norm runs step by step in the kernel, on W_ih x; the biases that follow it are its shift. The
+        # recurrence takes x and W_ih and projects itself, so that its backward can hand the projection's
+        # gradients the input norm's dx a chunk of steps at a time (csrc/recurrence.cpp, StepChunks).
+        inputs, weight_ih = sequence, cell.weight_ih
         ih = kernel_norm(cell.norm_ih, _plus(beta["ih"], cell.folded_bias()))
     else:  # no input norm, or one the kernels do not run (sequence-wise statistics): the finished input terms
         inputs, ih = cell.input_terms(sequence, layout.active, layout.counts), NO_NORM
@@ -107,9 +110,11 @@ def run_recurrence(
     weight = (cell.weight_hh if weight_hh is None else weight_hh).contiguous()
     inputs = inputs.contiguous()
     states = tuple(t.contiguous() for t in (state if lstm else (state,)))
-    if _wants_gradient(inputs, weight, *states, *weights):
-        outputs = _Recurrence.apply(call, inputs, *states, weight, *weights)
+    if _wants_gradient(inputs, weight_ih, weight, *states, *weights):
+        outputs = _Recurrence.apply(call, inputs, *states, weight, *weights, weight_ih)
     else:
+        if weight_ih is not None:
+            inputs = project(inputs, weight_ih)
         forward = kernels.lstm_forward if lstm else kernels.gru_forward
         outputs, _, _, fallbacks = forward(inputs, *states, weight, call.mask, *call.native(), False)
         call.count_fallbacks(fallbacks)
@@ -121,12 +126,17 @@ def _wants_gradient(*tensors: Tensor | None) -> bool:
 
 
 class _Recurrence(torch.autograd.Function):
-    """A direction's recurrence on the kernels. Inputs: ``inputs`` (W_ih x, or the finished input terms), the initial
-    state (``h0, c0`` or ``h0``), ``W_hh``, then each norm's weight and shift (input, recurrent, cell state)."""
+    """A direction's recurrence on the kernels. Inputs: ``inputs`` (the finished input terms, or with ``weight_ih``
+    the sequence x whose projection W_ih x the recurrence makes itself, for the input norm), the initial state
+    (``h0, c0`` or ``h0``), ``W_hh``, each norm's weight and shift (input, recurrent, cell state), then ``weight_ih``
+    (``None`` for finished input terms)."""
 
     @staticmethod
     def forward(ctx: Any, call: _Call, inputs: Tensor, *tensors: Any) -> Any:
-        states, (weight_hh, *weights) = tensors[: call.states], tensors[call.states :]
+        states, (weight_hh, *weights, weight_ih) = tensors[: call.states], tensors[call.states :]
+        sequence = None
+        if weight_ih is not None:
+            sequence, inputs = inputs, project(inputs, weight_ih)
         forward = call.kernels.lstm_forward if call.states == 2 else call.kernels.gru_forward
         outputs, saved, stats, fallbacks = forward(inputs, *states, weight_hh, call.mask, *call.native(), True)
         call.count_fallbacks(fallbacks)
@@ -134,7 +144,9 @@ class _Recurrence(torch.autograd.Function):
         # The inputs where the backward reads them: the input norm's (LSTM, GRU), and the GRU's recomputed gates.
         kept_inputs = inputs if call.states == 1 or call.norms[0].kind != "none" else None
         flat_stats = [tensor for named in stats for tensor in named]
-        ctx.save_for_backward(kept_inputs, *states, weight_hh, outputs[0], *saved, *flat_stats, *weights)
+        ctx.save_for_backward(
+            kept_inputs, *states, weight_hh, outputs[0], *saved, *flat_stats, *weights, sequence, weight_ih
+        )
         return tuple(outputs)
 
     @staticmethod
@@ -148,7 +160,7 @@ class _Recurrence(torch.autograd.Function):
         saved_count, *stat_counts = ctx.sizes
         saved = [next(tensors) for _ in range(saved_count)]
         stats = [[next(tensors) for _ in range(count)] for count in stat_counts]
-        weights = tuple(tensors)
+        *weights, sequence, weight_ih = tuple(tensors)
         if inputs is None:
             inputs = hs.new_empty(0)  # the kernels read it only for an input norm
         backward = call.kernels.lstm_backward if call.states == 2 else call.kernels.gru_backward
@@ -165,9 +177,13 @@ class _Recurrence(torch.autograd.Function):
             hs,
             *extra,
             stats,
-            *call.native(weights),
+            *call.native(tuple(weights)),
+            sequence,
+            weight_ih,
+            ctx.needs_input_grad[1],
+            ctx.needs_input_grad[-1],
         )
-        return None, *result  # None for the parameters a norm does not have
+        return None, *result  # None for the parameters a norm does not have, and for weight_ih without a projection
 
 
 # --- the generation step ---
