@@ -1,10 +1,12 @@
 """The compiled kernels' form of a layer direction's recurrence and of the generation step (:mod:`seqnorm.kernels`).
 
 :func:`run_recurrence` runs what the fast path's loop over hoisted input terms computes. The input projection
-``W_ih x`` of all steps is one matmul (:func:`~seqnorm.cells.projection.project`, under autograd); then the
-recurrence — the input norm on each step's projection (its shift carrying the biases), ``W_hh h`` into a
-preallocated buffer, the recurrent norm, the gates, the cell-state norm — runs in C++ as one
-``torch.autograd.Function`` whose backward through time is C++ as well. (An input norm that does not declare the
+``W_ih x`` of all steps is one matmul (:func:`~seqnorm.cells.projection.project`); then the recurrence — the input
+norm on each step's projection (its shift carrying the biases), ``W_hh h`` into a preallocated buffer, the recurrent
+norm, the gates, the cell-state norm — runs in C++ as one ``torch.autograd.Function`` whose backward through time is
+C++ as well. The Function makes the projection itself, so that its backward can turn the input norm's gradient into
+those of ``x`` and ``W_ih`` a chunk of steps at a time rather than hand over a fresh ``(T, B, G)`` gradient (the same
+for ``W_hh``'s; ``StepChunks`` in ``recurrence.cpp``). (An input norm that does not declare the
 kernel form, sequence-wise statistics say, is applied beforehand by
 :meth:`~seqnorm.cells.base.RecurrentCell.input_terms`.) The math of each piece is the kernels' own
 (``seqnorm/csrc``: a norm's statistics and their backward in ``norms.h``, the gates in ``cells.h``); what they are
