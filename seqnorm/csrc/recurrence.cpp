@@ -176,6 +176,9 @@ struct Projection {
     if (want_x) grad_x = at::empty(x.sizes(), x.options());
     if (want_weight) grad_weight = at::zeros(weight.sizes(), weight.options());
   }
+  // consumer() refers to this object: a copy would leave it pointing at the original.
+  Projection(const Projection&) = delete;
+  Projection& operator=(const Projection&) = delete;
   bool defined() const { return x.defined(); }
 
   StepChunks::Consumer consumer() {
