@@ -38,7 +38,12 @@ demo: venv
 clean:
 	rm -rf $(VENV) build *.egg-info
 
-.PHONY: bench
+.PHONY: bench bench-targets
 # Speed and memory against torch.nn's fused LSTM/GRU (Markdown tables for BENCHMARKS.md); ARGS=--quick for a short run.
 bench: venv
 	$(BIN)/python scripts/bench.py $(ARGS)
+
+# Issue 14's targets over three fresh processes of bench.py, side by side (Markdown for BENCHMARKS.md); ARGS as for
+# scripts/bench_targets.py (--processes 4, --repeats 9, or bench.py's own options).
+bench-targets: venv
+	$(BIN)/python scripts/bench_targets.py $(ARGS)

@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import date
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -60,6 +62,7 @@ class Measured:
     batch: int
     norm: str
     ratio: float
+    torch_seconds: float = 0.0  # torch's median for the row's size (a step, or a generation step; none for memory)
 
 
 @dataclass(frozen=True)
@@ -93,18 +96,26 @@ TARGETS = (
 )
 
 
+def worst_row(measured: list[Measured], target: Target) -> tuple[Measured | None, int]:
+    """The covered row with the highest median ratio (``None`` if none is covered), and how many rows are covered."""
+    covered = [row for row in measured if target.covers(row)]
+    return (max(covered, key=lambda row: row.ratio) if covered else None), len(covered)
+
+
+def mark(ratio: float, target: Target) -> str:
+    return "✓" if ratio <= target.bound else "✗"
+
+
 def target_rows(measured: list[Measured], targets: tuple[Target, ...] = TARGETS) -> list[str]:
     """One Markdown row per target: its bound, the worst median ratio among the rows it covers and where, ✓ or ✗."""
     rows = []
     for target in targets:
-        covered = [row for row in measured if target.covers(row)]
-        if not covered:
+        worst, count = worst_row(measured, target)
+        if worst is None:
             rows.append(f"| {target.name} | ≤ {target.bound} | not measured | |")
             continue
-        worst = max(covered, key=lambda row: row.ratio)
-        mark = "✓" if worst.ratio <= target.bound else "✗"
-        where = f"{worst.where}, {worst.norm}"
-        rows.append(f"| {target.name} | ≤ {target.bound} | {worst.ratio:.3f} ({where}; {len(covered)} rows) | {mark} |")
+        where = f"{worst.where}, {worst.norm}; {count} rows"
+        rows.append(f"| {target.name} | ≤ {target.bound} | {worst.ratio:.3f} ({where}) | {mark(worst.ratio, target)} |")
     return rows
 
 
@@ -255,7 +266,7 @@ def bench_training(args: argparse.Namespace, size: tuple[int, int, int, int], me
             f"| | 1.00 |"
         )
         for norm in layers:
-            measured.append(Measured("training", label, batch, norm, median_ratio(times, norm, "torch")))
+            measured.append(Measured("training", label, batch, norm, median_ratio(times, norm, "torch"), base))
             measured.append(Measured("memory", label, batch, norm, memory[norm] / memory["torch"]))
             plain_ratio = ratio(times, f"{norm}/plain", "torch") if args.plain else "-"
             reference_ratio = ratio(times, f"{norm}/reference", "torch") if args.reference else "-"
@@ -309,7 +320,7 @@ def bench_generation(args: argparse.Namespace, size: tuple[int, int, int, int], 
         label = f"{kind} I={input_size} H={hidden}"
         rows.append(f"| {label} | torch.nn.{TORCH_CELLS[kind].__name__} | {base * 1e6:.0f} | 1.00 | |")
         for norm in args.norms:
-            measured.append(Measured("generation", label, 1, norm, median_ratio(times, norm, "torch")))
+            measured.append(Measured("generation", label, 1, norm, median_ratio(times, norm, "torch"), base))
             plain_ratio = ratio(times, f"{norm}/plain", "torch") if args.plain else "-"
             rows.append(
                 f"| {label} | {norm} | {per_step[norm] * 1e6:.0f} | {ratio(times, norm, 'torch')} | {plain_ratio} |"
@@ -329,6 +340,7 @@ def main() -> None:
     add_input_grad_option(parser)
     parser.add_argument("--no-reference", dest="reference", action="store_false", help="skip the reference loop")
     parser.add_argument("--no-plain", dest="plain", action="store_false", help="skip the plain-PyTorch path")
+    parser.add_argument("--json", type=Path, default=None, help="also write the measured ratios to this file")
     args = parser.parse_args()
     args.sizes = parse_sizes(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES))
     args.cells = args.cells.split(",")
@@ -365,6 +377,26 @@ def main() -> None:
     print("|---|---|---|---|")
     for row in target_rows(measured):
         print(row)
+    routes = chosen_routes()
+    if routes:
+        print("\n### The per-step matmul routes this process measured fastest (`product.h`)\n")
+        print("| rows × K × N (threads) | route |")
+        print("|---|---|")
+        for shape, route in routes.items():
+            print(f"| {shape} | {route} |")
+    if args.json is not None:
+        header = {"cpu": cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads()}
+        record = {**header, "kernels": seqnorm.kernels.status(), "routes": routes}
+        record["measured"] = [asdict(row) for row in measured]
+        args.json.write_text(json.dumps(record, indent=1), encoding="utf-8")
+
+
+def chosen_routes() -> dict[str, str]:
+    """The compiled kernels' measured route per product shape in this process (none without the kernels)."""
+    kernels = seqnorm.kernels.native("cpu")
+    if kernels is None:
+        return {}
+    return {f"{rows} × {k} × {n} ({threads})": route for rows, k, n, threads, route in kernels.chosen_routes()}
 
 
 if __name__ == "__main__":
