@@ -492,7 +492,7 @@ def test_the_weight_layout_is_measured_on_the_steps_themselves(monkeypatch: pyte
     reference, compiled = _pair("lstm", "layer", hidden_size=6)
     reference.eval()
     compiled.eval()
-    x = torch.randn(40, 1, 3, dtype=torch.float64)
+    x = torch.randn(60, 1, 3, dtype=torch.float64)  # 24 steps per weight to choose
     with torch.no_grad():
         states = _step_both(reference, compiled, x)
         choices = [kernel.LayoutChoice.of(weight, 1) for weight in (compiled.weight_ih_l0, compiled.weight_hh_l0)]
@@ -549,7 +549,7 @@ def test_the_product_route_is_measured_and_can_be_forced(product_route: Any) -> 
 
 def test_the_product_route_is_measured_on_the_recurrence_s_own_products() -> None:
     """No probe products before a new shape's first call (they paused it by 30-40 ms): its products take the
-    candidate routes in turn, timed, and choose the route once each has its rounds (18 products for three routes),
+    candidate routes in turn, timed, and choose the route once each has its rounds (36 products for three routes),
     across calls if one is too short. Meanwhile, routes mixed within a call, outputs and gradients are as accurate
     as the plain loop's in float32 (root-mean-square error against float64, as in the test above)."""
     native = kernels.native("cpu")
@@ -580,28 +580,46 @@ def test_the_product_route_is_measured_on_the_recurrence_s_own_products() -> Non
     assert {forward_key, backward_key} <= chosen()
 
 
-def test_trials_take_turns_skip_each_warm_up_and_choose_the_lowest_median() -> None:
+def test_trials_run_blocks_in_rotating_rounds_and_compare_each_block_s_fastest_timed_run_within_its_round() -> None:
     """The one rule behind the product routes and the generation layouts (product.h's Trials)."""
-    trials = kernels.native("cpu").Trials(3)
-    seconds = {0: [9.0, 3, 3, 3, 3, 3], 1: [0.0, 2, 2, 9, 2, 9], 2: [0.0, 4, 1, 1, 4, 4]}  # first run: a warm-up
+    native = kernels.native("cpu")
+    trials = native.Trials(3)
+    block, rounds = trials.block, trials.rounds
+    # Per round, each candidate's fastest time in its block; every block's first run (the switch) takes 1000 and is
+    # not timed, its second 3x the fastest (still settling). The rounds slow down 10x each, as a trial's first calls
+    # do the other way: candidate 1 has the lowest median time (10) but is never the fastest in its round; candidate
+    # 0 is the fastest in two rounds of three.
+    seconds = [{0: 1.0, 1: 1.1, 2: 2.0}, {0: 10.0, 1: 11.0, 2: 20.0}, {0: 900.0, 1: 10.0, 2: 20.0}]
     turns = []
     while trials.chosen is None:
         turn = trials.turn()
+        fastest, position = seconds[len(turns) // (3 * block)][turn], len(turns) % block
+        trials.record(turn, 1000.0 if position == 0 else 3 * fastest if position == 1 else fastest)
         turns.append(turn)
-        trials.record(turn, seconds[turn][turns.count(turn) - 1])
-    assert turns == [0, 1, 2] * (1 + trials.rounds)  # the fewest runs next, the first on a tie
-    assert trials.chosen == 1  # medians 3, 2, 4 (candidate 2's lowest single time and the warm-ups do not count)
+    order = [[0, 1, 2], [1, 2, 0], [2, 0, 1]]  # round r starts with candidate r mod 3
+    assert turns == [candidate for r in range(rounds) for candidate in order[r % 3] for _ in range(block)]
+    assert trials.chosen == 0  # ratios to the round's fastest: 1, 1, 90 (median 1) against 1.1, 1.1, 1 (1.1)
     trials.record(2, 0.0)  # decided: later runs change nothing
-    assert trials.chosen == 1
-    tied = kernels.native("cpu").Trials(2)
-    for _ in range(1 + tied.rounds):
-        for candidate in (0, 1):
-            tied.record(candidate, 1.0)
-    assert tied.chosen == 0
+    assert trials.chosen == 0
+
+    tied = native.Trials(2)
+    for _ in range(rounds * 2 * block):
+        tied.record(tied.turn(), 1.0)
+    assert tied.chosen == 0  # the first on a tie
+
+    overlapping = native.Trials(2)  # runs recorded against another candidate's turn (a shared Trials)
+    for _ in range(2 * block):
+        overlapping.record(0, 1.0)  # round 0: no timed run of candidate 1, so the round does not count
+    for _ in range(rounds * 2 * block):
+        overlapping.record(overlapping.turn(), 1.0 if overlapping.turn() == 1 else 2.0)
+        if _ < (rounds - 1) * 2 * block:
+            assert overlapping.chosen is None
+    assert overlapping.chosen == 1
+
     with pytest.raises(ValueError, match="Trials: expected a candidate below 2, got 2"):
         tied.record(2, 1.0)
     with pytest.raises(ValueError, match="Trials: expected at least one candidate, got 0"):
-        kernels.native("cpu").Trials(0)
+        native.Trials(0)
 
 
 def test_deterministic_algorithms_fix_the_route_and_the_layout(monkeypatch: pytest.MonkeyPatch) -> None:

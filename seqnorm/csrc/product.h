@@ -12,9 +12,9 @@
 // Which route is fastest depends on the CPU, the shape and the thread count, so in float32 the candidates are
 // measured once per process, shape and thread count: not on probe products before the work starts (that paused the
 // first call at each new shape by 30-40 ms on an Intel Xeon), but on the products the recurrences run anyway. Until a
-// shape's route is chosen its products take the candidates in turn, each timed (Trials: a warm-up product each, then
-// kRounds more, the lowest median wins). That is 18 products, within the first call of a recurrence of 20 steps or
-// more; a shorter one leaves its timings to the next. set_product_route() forces one route (the tests run every route
+// shape's route is chosen its products take the candidates in turn, in blocks (Trials). That is 36 products with
+// three routes, within the first call of a recurrence of 36 steps or more; a shorter one leaves its timings to the
+// next. set_product_route() forces one route (the tests run every route
 // against the plain-PyTorch path); deterministic algorithms fix one (float_routes).
 #pragma once
 
@@ -107,48 +107,86 @@ inline bool brgemm_works() {
 }
 
 // The rule that picks the fastest of a few candidates on the work itself, written once: the products' routes here
-// and the generation step's weight layouts (seqnorm/layers/kernel.py, through the binding `Trials`). The candidates
-// take turns, the one with the fewest runs next (the first on a tie), so each sees the caches as the work leaves
-// them; each candidate's first run is a warm-up (oneDNN builds its micro-kernel, the caches fill), and once every
-// candidate has kRounds more the lowest median wins (the first on a tie).
+// and the generation step's weight layouts (seqnorm/layers/kernel.py, through the binding `Trials`).
+//
+// The candidates run in blocks of kBlock consecutive runs on the work as it comes, and a block counts by its fastest
+// timed run, the first run not timed: after a switch a route runs slower for a run or two (each route keeps its own
+// copy of W, which the others' runs have pushed out of the caches; oneDNN builds its micro-kernel on a first run).
+// Timed one run each in turn, every route looked alike: a 16x4096 by 4096x1024 product of an LN-LSTM's backward took
+// 1.2-1.6 ms by each route, against 0.69-0.79 ms by MKL's packed GEMM, 1.0-1.2 ms by brgemm and 1.1-1.3 ms by at::mm
+// once one route ran alone (Intel Xeon, 50x16x512x1024), and the choice fell on at::mm in 6 of 8 processes
+// (BENCHMARKS.md, eighth session). A round is one block of each candidate, in an order that rotates from round to
+// round (round r starts with candidate r mod n), and a round is compared within itself — each candidate's time over
+// the round's fastest — because a trial runs in a process's first calls, which speed up as they go. After kRounds
+// rounds the lowest median of those ratios wins (the first on a tie). Runs of a shared Trials may overlap; a round in
+// which some candidate got no timed run is not counted, and the trial goes on until kRounds rounds are.
 class Trials {
  public:
-  static constexpr int kRounds = 5;
+  static constexpr int kBlock = 4;
+  static constexpr int kRounds = 3;
 
-  explicit Trials(size_t candidates) : seconds_(candidates), runs_(candidates, 0) {
+  explicit Trials(size_t candidates) : candidates_(candidates) {
     if (candidates == 0) throw std::invalid_argument("Trials: expected at least one candidate, got 0");
   }
 
   // The candidate to run next.
-  size_t turn() const { return std::min_element(runs_.begin(), runs_.end()) - runs_.begin(); }
+  size_t turn() const {
+    const size_t per_round = candidates_ * kBlock, round = runs_ / per_round;
+    return (round + (runs_ % per_round) / kBlock) % candidates_;
+  }
 
   // One run of `candidate` took `seconds`; the run that completes the rounds decides.
   void record(size_t candidate, double seconds) {
-    if (candidate >= runs_.size()) {
-      throw std::invalid_argument("Trials: expected a candidate below " + std::to_string(runs_.size()) + ", got " +
+    if (candidate >= candidates_) {
+      throw std::invalid_argument("Trials: expected a candidate below " + std::to_string(candidates_) + ", got " +
                                   std::to_string(candidate));
     }
     if (chosen_.has_value()) return;
-    if (runs_[candidate]++ > 0) seconds_[candidate].push_back(seconds);
-    if (*std::min_element(runs_.begin(), runs_.end()) <= kRounds) return;
-    double best = INFINITY;
-    for (size_t i = 0; i < seconds_.size(); ++i) {
-      std::vector<double>& times = seconds_[i];  // kRounds or more (runs of a shared Trials may overlap)
-      const auto middle = times.begin() + times.size() / 2;
-      std::nth_element(times.begin(), middle, times.end());
-      if (*middle < best) {
-        best = *middle;
-        chosen_ = i;
-      }
-    }
+    const size_t round = runs_ / (candidates_ * kBlock);
+    const bool switch_run = runs_ % kBlock == 0;
+    ++runs_;
+    if (rounds_.size() <= round) rounds_.resize(round + 1, std::vector<std::vector<double>>(candidates_));
+    if (!switch_run) rounds_[round][candidate].push_back(seconds);
+    if (runs_ % (candidates_ * kBlock) == 0) decide();
   }
 
   // The winner, once decided.
   std::optional<size_t> chosen() const { return chosen_; }
 
  private:
-  std::vector<std::vector<double>> seconds_;  // per candidate, the timed runs after its warm-up
-  std::vector<int> runs_;                     // per candidate, its runs so far (warm-up included)
+  static double median(std::vector<double> values) {
+    const auto middle = values.begin() + values.size() / 2;
+    std::nth_element(values.begin(), middle, values.end());
+    return *middle;
+  }
+
+  void decide() {
+    std::vector<std::vector<double>> ratios(candidates_);  // per candidate, its ratio in each complete round
+    for (const std::vector<std::vector<double>>& round : rounds_) {
+      if (std::any_of(round.begin(), round.end(), [](const std::vector<double>& times) { return times.empty(); })) {
+        continue;
+      }
+      std::vector<double> best;  // per candidate, its block's fastest run
+      for (const std::vector<double>& times : round) best.push_back(*std::min_element(times.begin(), times.end()));
+      const double fastest = *std::min_element(best.begin(), best.end());
+      for (size_t i = 0; i < candidates_; ++i) {
+        ratios[i].push_back(fastest > 0 ? best[i] / fastest : (best[i] > 0 ? INFINITY : 1.0));
+      }
+    }
+    if (ratios[0].size() < size_t(kRounds)) return;
+    double best = INFINITY;
+    for (size_t i = 0; i < candidates_; ++i) {
+      const double ratio = median(ratios[i]);
+      if (ratio < best) {
+        best = ratio;
+        chosen_ = i;
+      }
+    }
+  }
+
+  size_t candidates_;
+  size_t runs_ = 0;
+  std::vector<std::vector<std::vector<double>>> rounds_;  // per round, per candidate: its timed runs
   std::optional<size_t> chosen_;
 };
 

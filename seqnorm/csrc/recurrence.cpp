@@ -800,5 +800,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "One run of `candidate` took `seconds`")
       .def_property_readonly("chosen", &seqnorm::Trials::chosen, "The winner once decided, else None")
       .def_property_readonly_static("rounds", [](pybind11::object) { return seqnorm::Trials::kRounds; },
-                                    "Timed runs per candidate after its warm-up");
+                                    "Rounds of blocks, one block of each candidate per round")
+      .def_property_readonly_static("block", [](pybind11::object) { return seqnorm::Trials::kBlock; },
+                                    "Consecutive runs of a candidate per round, the first not timed");
 }

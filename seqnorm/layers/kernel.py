@@ -250,7 +250,8 @@ def _preparing_step(
     A row-major copy is wanted for a weight whose choice is the copy or is still to be made; it is written a chunk
     per step (:class:`_ChunkedCopy`), and the weight's view serves until it is complete. A shape still undecided has
     its layouts timed on these steps by the rule the kernels' products are (``kernels.Trials``, product.h): the view
-    while the copy is written, then the two in turns, a warm-up each and the lower median of five.
+    while the copy is written, then the two in blocks of a few steps, rounds of one block each, the first step of
+    each block untimed (24 steps for two layouts).
     The timings are this step's own (another cell's steps cost another amount); the first step to decide a shape
     decides it for all. Then the steps run :func:`fixed`'s form, holding only the layouts they use."""
     slots = [(_ChunkedCopy(weight), choice) for weight, choice in zip(weights, choices, strict=True)]
