@@ -21,11 +21,31 @@ __all__ = ["project"]
 _FLOATS = (torch.float32, torch.float64)
 
 
-def project(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``F.linear(x, weight, bias)`` for ``x`` ``(..., in)``, ``weight`` ``(out, in)``."""
-    if x.device.type != "cpu" or x.dtype not in _FLOATS or torch.is_autocast_enabled("cpu") or x.dim() < 2:
+def project(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, out: Tensor | None = None) -> Tensor:
+    """``F.linear(x, weight, bias)`` for ``x`` ``(..., in)``, ``weight`` ``(out, in)``.
+
+    ``out``: a contiguous tensor of the result's shape to write it into, for a caller that computes the projection's
+    gradients itself (autograd records nothing then): :mod:`seqnorm.layers.kernel`'s recurrence, whose projection
+    goes into the kernels' kept memory."""
+    fast = x.device.type == "cpu" and x.dtype in _FLOATS and not torch.is_autocast_enabled("cpu") and x.dim() >= 2
+    if out is not None:
+        with torch.no_grad():
+            return _multiply(x, weight, bias, out) if fast else out.copy_(F.linear(x, weight, bias))
+    if not fast:
         return F.linear(x, weight, bias)
     return _Projection.apply(x, weight, bias)
+
+
+def _multiply(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None = None) -> Tensor:
+    """``x W^T (+ b)`` with ``W^T`` copied row-major (the module's docstring), into ``out`` if given."""
+    rows = x.reshape(-1, x.shape[-1])
+    weight_t = weight.t().contiguous()
+    flat = None if out is None else out.view(-1, weight.shape[0])
+    if bias is None:
+        result = torch.mm(rows, weight_t, out=flat)
+    else:
+        result = torch.addmm(bias, rows, weight_t, out=flat)
+    return result.view(*x.shape[:-1], weight.shape[0])
 
 
 class _Projection(torch.autograd.Function):
@@ -33,10 +53,7 @@ class _Projection(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        rows = x.reshape(-1, x.shape[-1])
-        weight_t = weight.t().contiguous()
-        out = torch.mm(rows, weight_t) if bias is None else torch.addmm(bias, rows, weight_t)
-        return out.view(*x.shape[:-1], weight.shape[0])
+        return _multiply(x, weight, bias)
 
     @staticmethod
     @torch.autograd.function.once_differentiable

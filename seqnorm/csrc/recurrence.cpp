@@ -15,6 +15,7 @@
 #include <optional>
 #include <vector>
 
+#include "buffers.h"
 #include "cells.h"
 #include "norms.h"
 #include "product.h"
@@ -277,10 +278,10 @@ std::tuple<Tensors, Tensors, std::vector<Tensors>, std::vector<int64_t>> lstm_fo
   // Without a gradient only the current step is kept (c: the current and the previous).
   const int64_t kept = save ? steps : 1;
   at::Tensor hs = at::empty({steps, rows, hidden}, options);
-  at::Tensor cs = at::empty({save ? steps : 2, rows, hidden}, options);
-  at::Tensor acts = at::empty({kept, rows, gates}, options);
-  at::Tensor tanh_cs = at::empty({kept, rows, hidden}, options);
-  at::Tensor raw = norm_hh->identity() ? at::Tensor() : at::empty({kept, rows, gates}, options);
+  at::Tensor cs = saved_empty({save ? steps : 2, rows, hidden}, options);
+  at::Tensor acts = saved_empty({kept, rows, gates}, options);
+  at::Tensor tanh_cs = saved_empty({kept, rows, hidden}, options);
+  at::Tensor raw = norm_hh->identity() ? at::Tensor() : saved_empty({kept, rows, gates}, options);
   at::Tensor pre = at::empty({rows, gates}, options);
   at::Tensor c_out = norm_c->identity() ? at::Tensor() : at::empty({rows, hidden}, options);
   StepProduct recurrent(weight_hh.t(), rows);  // h W_hh^T
@@ -500,7 +501,7 @@ std::tuple<Tensors, Tensors, std::vector<Tensors>, std::vector<int64_t>> gru_for
   at::Tensor hs = at::empty({steps, rows, hidden}, options);
   // The gates are recomputed in the backward from the saved terms: a GRU keeps W_ih x and W_hh h, not its gates.
   at::Tensor acts = at::empty({1, rows, gates}, options);
-  at::Tensor raw = at::empty({kept, rows, gates}, options);
+  at::Tensor raw = saved_empty({kept, rows, gates}, options);
   at::Tensor term = norm_ih->identity() ? at::Tensor() : at::empty({rows, gates}, options);
   at::Tensor u = norm_hh->identity() ? at::Tensor() : at::empty({rows, gates}, options);
   StepProduct recurrent(weight_hh.t(), rows);  // h W_hh^T
@@ -761,6 +762,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gru_forward", &gru_forward);
   m.def("gru_backward", &gru_backward);
   m.def("generation_step", &generation_step);
+  m.def(
+      "saved_empty",
+      [](std::vector<int64_t> sizes, at::ScalarType dtype) {
+        return seqnorm::saved_empty(sizes, at::TensorOptions().dtype(dtype));
+      },
+      pybind11::arg("sizes"), pybind11::arg("dtype"),
+      "An uninitialized CPU tensor for a recurrence's saved activations, on a kept block where one fits (buffers.h)");
+  m.def(
+      "empty_cache", [] { seqnorm::BufferCache::instance().clear(); },
+      "Let go of every block the saved activations' cache keeps");
+  m.def(
+      "set_cache_limit", [](int64_t bytes) { seqnorm::BufferCache::instance().set_limit(bytes); },
+      pybind11::arg("bytes"), "Keep at most `bytes` of returned blocks (0: none)");
+  m.def(
+      "cache_info", [] { return seqnorm::BufferCache::instance().info(); },
+      "(bytes kept, limit, blocks handed out again, blocks made) of the saved activations' cache");
   m.def(
       "set_product_route",
       [](const std::string& route) {

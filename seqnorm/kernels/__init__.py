@@ -20,6 +20,7 @@ import contextlib
 import hashlib
 import importlib.machinery
 import importlib.util
+import math
 import os
 import shutil
 import sys
@@ -28,19 +29,23 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor
 
 __all__ = [
     "BACKENDS",
+    "CacheInfo",
     "KernelNorm",
     "build",
     "cache_dir",
+    "cache_info",
     "disabled",
+    "empty_cache",
     "enabled",
     "native",
+    "set_cache_limit",
     "set_enabled",
     "status",
 ]
@@ -259,7 +264,64 @@ def _load_cpu() -> ModuleType | None:
     except ImportError as error:  # a build for another torch that kept the same version string, say
         _WHY_NOT["cpu"] = f"the C++ kernels at {path} failed to load ({error}); rebuild: `python -m seqnorm.kernels`"
         return None
+    module.set_cache_limit(_CACHE_LIMIT[0] if _CACHE_LIMIT[0] is not None else _cache_limit_from_env())
     return module
+
+
+# --- the memory the kernels keep between calls for their saved activations (csrc/buffers.h) ---
+
+CACHE_ENV = "SEQNORM_KERNEL_CACHE_MB"
+"""``SEQNORM_KERNEL_CACHE_MB=N``: the most memory, in MiB, that the kernels keep between calls for the activations a
+training step saves (:func:`set_cache_limit`; default 1024, 0 keeps none)."""
+DEFAULT_CACHE_MB = 1024
+_CACHE_LIMIT: list[int | None] = [None]  # bytes, once set_cache_limit was called
+
+
+class CacheInfo(NamedTuple):
+    """What the kernels keep between calls for their saved activations (``seqnorm/csrc/buffers.h``)."""
+
+    kept_bytes: int  # held now for the next calls
+    limit_bytes: int  # the most that is kept
+    reused: int  # blocks handed out again
+    made: int  # blocks allocated
+
+
+def _megabytes_to_bytes(value: object, owner: str) -> int:
+    try:
+        megabytes = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        megabytes = math.nan
+    if not math.isfinite(megabytes) or megabytes < 0:
+        raise ValueError(f"{owner}: expected a number of MiB >= 0, got {value!r}")
+    return int(megabytes * (1 << 20))
+
+
+def _cache_limit_from_env() -> int:
+    text = os.environ.get(CACHE_ENV, "").strip()
+    return _megabytes_to_bytes(text, CACHE_ENV) if text else DEFAULT_CACHE_MB << 20
+
+
+def set_cache_limit(megabytes: float) -> None:
+    """Keep at most ``megabytes`` MiB between calls for the saved activations (0: none; blocks beyond it are let go
+    at once, the least recently used first)."""
+    _CACHE_LIMIT[0] = _megabytes_to_bytes(megabytes, "seqnorm.kernels.set_cache_limit")
+    module = _LOADED.get("cpu")
+    if module is not None:
+        module.set_cache_limit(_CACHE_LIMIT[0])
+
+
+def empty_cache() -> None:
+    """Let go of all the memory the kernels keep between calls (as ``torch.cuda.empty_cache()`` does on a GPU): for
+    a process that has finished training and goes on with other work."""
+    module = _LOADED.get("cpu")
+    if module is not None:
+        module.empty_cache()
+
+
+def cache_info() -> CacheInfo:
+    """What the kernels keep now, their limit, and how many blocks were reused and made (zeros before they load)."""
+    module = _LOADED.get("cpu")
+    return CacheInfo(*module.cache_info()) if module is not None else CacheInfo(0, 0, 0, 0)
 
 
 BACKENDS: dict[str, Callable[[], ModuleType | None]] = {"cpu": _load_cpu}

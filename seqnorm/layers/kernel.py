@@ -116,7 +116,8 @@ def run_recurrence(
         outputs = _Recurrence.apply(call, inputs, *states, weight, *weights, weight_ih)
     else:
         if weight_ih is not None:
-            inputs = project(inputs, weight_ih)
+            out = kernels.saved_empty([*inputs.shape[:-1], weight_ih.shape[0]], inputs.dtype)
+            inputs = project(inputs, weight_ih, out=out)
         forward = kernels.lstm_forward if lstm else kernels.gru_forward
         outputs, _, _, fallbacks = forward(inputs, *states, weight, call.mask, *call.native(), False)
         call.count_fallbacks(fallbacks)
@@ -137,8 +138,9 @@ class _Recurrence(torch.autograd.Function):
     def forward(ctx: Any, call: _Call, inputs: Tensor, *tensors: Any) -> Any:
         states, (weight_hh, *weights, weight_ih) = tensors[: call.states], tensors[call.states :]
         sequence = None
-        if weight_ih is not None:
-            sequence, inputs = inputs, project(inputs, weight_ih)
+        if weight_ih is not None:  # the projection is saved: it goes into the kernels' kept memory (csrc/buffers.h)
+            out = call.kernels.saved_empty([*inputs.shape[:-1], weight_ih.shape[0]], inputs.dtype)
+            sequence, inputs = inputs, project(inputs, weight_ih, out=out)
         forward = call.kernels.lstm_forward if call.states == 2 else call.kernels.gru_forward
         outputs, saved, stats, fallbacks = forward(inputs, *states, weight_hh, call.mask, *call.native(), True)
         call.count_fallbacks(fallbacks)
