@@ -46,3 +46,16 @@ def read_csv() -> Callable[[Path], list[dict[str, str]]]:
 def finite() -> Callable[[str], bool]:
     """Whether a CSV cell holds a finite number."""
     return _finite
+
+
+def _table_after(text: str, heading: str) -> list[list[str]]:
+    """The body rows of the Markdown table under ``heading`` (up to the next ``###``), each as its stripped cells."""
+    section = text.split(heading, 1)[1].split("###", 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("| ")][1:]  # the header row goes
+    return [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in lines]
+
+
+@pytest.fixture
+def table_after() -> Callable[[str, str], list[list[str]]]:
+    """The body rows of the Markdown table under a heading in a script's output, as lists of cells."""
+    return _table_after

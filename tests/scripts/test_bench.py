@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import pytest
 
@@ -34,7 +35,9 @@ def test_targets_take_the_worst_covered_row_and_mark_it_against_the_bound() -> N
 
 
 def test_a_run_prints_every_table_and_one_row_per_target(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    table_after: Callable[[str, str], list[list[str]]],
 ) -> None:
     import bench
 
@@ -43,11 +46,9 @@ def test_a_run_prints_every_table_and_one_row_per_target(
     bench.main()
     out = capsys.readouterr().out
     assert "### Training step" in out and "### Generation step" in out
-    target_table = out.split("### Against issue 14's targets")[1].split("###")[0]
-    rows = [line for line in target_table.splitlines() if line.startswith("| ") and not line.startswith("| target")]
-    assert [row.split("|")[1].strip() for row in rows] == [target.name for target in bench.TARGETS]
-    for row, target in zip(rows, bench.TARGETS, strict=True):
-        cells = [cell.strip() for cell in row.strip("|").split("|")]
+    rows = table_after(out, "### Against issue 14's targets")
+    assert [cells[0] for cells in rows] == [target.name for target in bench.TARGETS]
+    for cells, target in zip(rows, bench.TARGETS, strict=True):
         if target.norms == ("rms",) or target.norms == ("batch_renorm",):
             assert cells[2] == "not measured"  # not among --norms
             continue

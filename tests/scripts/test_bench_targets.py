@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -57,7 +58,10 @@ def test_the_training_table_puts_each_size_s_ratios_side_by_side() -> None:
 
 
 def test_a_run_of_two_processes_prints_both_tables_and_keeps_each_output(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    table_after: Callable[[str, str], list[list[str]]],
 ) -> None:
     import bench
     import bench_targets
@@ -68,12 +72,10 @@ def test_a_run_of_two_processes_prints_both_tables_and_keeps_each_output(
     bench_targets.main()
     out = capsys.readouterr().out
     assert "2 processes of `python scripts/bench.py" in out and "--sizes 4x3x5x6" in out
-    table = out.split("### Issue 14's targets, process by process")[1].split("###")[0]
-    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| target")]
-    assert [row.split("|")[1].strip() for row in rows] == [target.name for target in bench.TARGETS]
-    ln_cells = [cell.strip() for cell in rows[0].strip("|").split("|")]
-    assert all(cell.endswith(("✓", "✗")) for cell in ln_cells[2:4]) and ln_cells[4].endswith("of 2")
-    assert "| 4x3x5x6 |" in out.split("### LSTM training step")[1]
+    rows = table_after(out, "### Issue 14's targets, process by process")
+    assert [cells[0] for cells in rows] == [target.name for target in bench.TARGETS]
+    assert all(cell.endswith(("✓", "✗")) for cell in rows[0][2:4]) and rows[0][4].endswith("of 2")
+    assert table_after(out, "### LSTM training step")[0][0] == "4x3x5x6"
     for number in (1, 2):
         assert "### Against issue 14's targets" in (tmp_path / f"process-{number}.md").read_text(encoding="utf-8")
 
