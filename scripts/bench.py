@@ -17,6 +17,11 @@ tables, ready for BENCHMARKS.md:
 - **against issue 14's targets**: for each target (:data:`TARGETS`), the worst median ratio among the rows it covers
   and where, ✓ within the bound, ✗ above it, or "not measured" when no row covers it (a size with batch 1 for the
   batch-1 training target, say).
+- **routes**: the per-step matmul route the compiled kernels measured fastest for each product shape in this process
+  (``product.h``); a process that chose a slow one reads worse at that size.
+
+``--json FILE`` also writes the measured ratios (with torch's times) and the routes, for ``bench_targets.py``, which
+runs this script in several fresh processes and puts them side by side (``make bench-targets``).
 
 ``× torch`` is the median over the repeats of each round's ratio to that round's torch time, with its spread (lowest
 and highest round) beside it; ``plain ×`` is the same layer with the compiled kernels switched off

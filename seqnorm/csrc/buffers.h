@@ -1,5 +1,6 @@
-// The memory of the large tensors a recurrence saves for its backward (W_hh h, the gates, the cell states, the input
-// projection), kept between calls and handed out again rather than returned to the system.
+// The memory of a recurrence's large tensors — what a training step saves for its backward (W_hh h, the gates, the
+// cell states, the input projection) and the input projection of a forward without a gradient — kept between calls
+// and handed out again rather than returned to the system.
 //
 // A block of more than 32 MB never comes back from glibc's heap: it is mapped fresh at every allocation and unmapped
 // at every free, so each call pays the page faults of all its saved tensors again (an LSTM at 100x64x256x512 saves
@@ -7,8 +8,8 @@
 // torch.nn.LSTM's 138-147 ms in the same processes (Intel Xeon, three A/B pairs; BENCHMARKS.md, eighth session).
 // This is what torch's CUDA caching allocator does on a GPU, for these tensors alone: a block comes back here when the
 // last tensor on it dies (autograd frees the saved tensors after the backward), and the next call of a similar size
-// takes it. What is kept is at most a limit (set by the Python loader: SEQNORM_KERNEL_CACHE_MB,
-// default 1024 MiB, or seqnorm.kernels.set_cache_limit; 0 keeps nothing), the least recently returned let go first;
+// takes it. What is kept is at most a limit (set by the Python loader: SEQNORM_KERNEL_CACHE_MB, default 1024 MiB, or
+// seqnorm.kernels.set_cache_limit; 0 keeps nothing), the least recently returned let go first;
 // seqnorm.kernels.empty_cache() lets go of it all.
 //
 // A tensor made here reports its block's whole size as its storage's size (what a memory count of the saved tensors
@@ -128,7 +129,7 @@ class BufferCache {
   uint64_t clock_ = 0, hits_ = 0, misses_ = 0;
 };
 
-// A tensor for the kernels' saved activations (BufferCache).
+// A tensor for one of a recurrence's large tensors (BufferCache).
 inline at::Tensor saved_empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
   return BufferCache::instance().empty(sizes, options);
 }

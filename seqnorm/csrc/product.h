@@ -14,8 +14,8 @@
 // first call at each new shape by 30-40 ms on an Intel Xeon), but on the products the recurrences run anyway. Until a
 // shape's route is chosen its products take the candidates in turn, in blocks (Trials). That is 36 products with
 // three routes, within the first call of a recurrence of 36 steps or more; a shorter one leaves its timings to the
-// next. set_product_route() forces one route (the tests run every route
-// against the plain-PyTorch path); deterministic algorithms fix one (float_routes).
+// next. set_product_route() forces one route (the tests run every route against the plain-PyTorch path);
+// deterministic algorithms fix one (float_routes).
 #pragma once
 
 #include <torch/extension.h>

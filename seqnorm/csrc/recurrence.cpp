@@ -768,16 +768,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return seqnorm::saved_empty(sizes, at::TensorOptions().dtype(dtype));
       },
       pybind11::arg("sizes"), pybind11::arg("dtype"),
-      "An uninitialized CPU tensor for a recurrence's saved activations, on a kept block where one fits (buffers.h)");
+      "An uninitialized CPU tensor for a recurrence's large tensors, on a kept block where one fits (buffers.h)");
   m.def(
       "empty_cache", [] { seqnorm::BufferCache::instance().clear(); },
-      "Let go of every block the saved activations' cache keeps");
+      "Let go of every block the kernels keep between calls");
   m.def(
       "set_cache_limit", [](int64_t bytes) { seqnorm::BufferCache::instance().set_limit(bytes); },
       pybind11::arg("bytes"), "Keep at most `bytes` of returned blocks (0: none)");
   m.def(
       "cache_info", [] { return seqnorm::BufferCache::instance().info(); },
-      "(bytes kept, limit, blocks handed out again, blocks made) of the saved activations' cache");
+      "(bytes kept, limit, blocks handed out again, blocks made) of the kernels' kept memory");
   m.def(
       "set_product_route",
       [](const std::string& route) {

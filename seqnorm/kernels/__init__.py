@@ -8,6 +8,10 @@ there; a run never compiles. Without a build — no compiler, a failed build, ``
 its plain-PyTorch path (``seqnorm/layers/bptt.py`` and the loop), which is also the reference the tests compare the
 kernels with, and one warning says why.
 
+Memory: the large tensors of the recurrences (a training step's saved activations, the input projection) come from
+blocks the kernels keep between calls, up to :data:`CACHE_ENV` MiB (``csrc/buffers.h``; :func:`empty_cache`,
+:func:`cache_info`, :func:`set_cache_limit`).
+
 Devices: :func:`native` returns the kernels for a device type (``"cpu"`` here). A CUDA or Triton implementation
 would register itself in :data:`BACKENDS` under ``"cuda"`` with the same five entry points (``lstm_forward``,
 ``lstm_backward``, ``gru_forward``, ``gru_backward``, ``generation_step``) and the same ``NormArgs``; the autograd
@@ -271,8 +275,8 @@ def _load_cpu() -> ModuleType | None:
 # --- the memory the kernels keep between calls for their saved activations (csrc/buffers.h) ---
 
 CACHE_ENV = "SEQNORM_KERNEL_CACHE_MB"
-"""``SEQNORM_KERNEL_CACHE_MB=N``: the most memory, in MiB, that the kernels keep between calls for the activations a
-training step saves (:func:`set_cache_limit`; default 1024, 0 keeps none)."""
+"""``SEQNORM_KERNEL_CACHE_MB=N``: the most memory, in MiB, that the kernels keep between calls for their large tensors
+(a training step's saved activations, the input projection; :func:`set_cache_limit`; default 1024, 0 keeps none)."""
 DEFAULT_CACHE_MB = 1024
 _CACHE_LIMIT: list[int | None] = [None]  # bytes, once set_cache_limit was called
 

@@ -116,12 +116,18 @@ def run_recurrence(
         outputs = _Recurrence.apply(call, inputs, *states, weight, *weights, weight_ih)
     else:
         if weight_ih is not None:
-            out = kernels.saved_empty([*inputs.shape[:-1], weight_ih.shape[0]], inputs.dtype)
-            inputs = project(inputs, weight_ih, out=out)
+            inputs = _kept_projection(kernels, inputs, weight_ih)
         forward = kernels.lstm_forward if lstm else kernels.gru_forward
         outputs, _, _, fallbacks = forward(inputs, *states, weight, call.mask, *call.native(), False)
         call.count_fallbacks(fallbacks)
     return outputs[0], ((outputs[1], outputs[2]) if lstm else outputs[1])
+
+
+def _kept_projection(kernels: Any, sequence: Tensor, weight_ih: Tensor) -> Tensor:
+    """``W_ih x`` of the whole sequence, in memory the kernels keep between calls (``csrc/buffers.h``): a training
+    step saves it, and at the sizes where that matters a fresh block paid its page faults at every call."""
+    out = kernels.saved_empty([*sequence.shape[:-1], weight_ih.shape[0]], sequence.dtype)
+    return project(sequence, weight_ih, out=out)
 
 
 def _wants_gradient(*tensors: Tensor | None) -> bool:
@@ -138,9 +144,8 @@ class _Recurrence(torch.autograd.Function):
     def forward(ctx: Any, call: _Call, inputs: Tensor, *tensors: Any) -> Any:
         states, (weight_hh, *weights, weight_ih) = tensors[: call.states], tensors[call.states :]
         sequence = None
-        if weight_ih is not None:  # the projection is saved: it goes into the kernels' kept memory (csrc/buffers.h)
-            out = call.kernels.saved_empty([*inputs.shape[:-1], weight_ih.shape[0]], inputs.dtype)
-            sequence, inputs = inputs, project(inputs, weight_ih, out=out)
+        if weight_ih is not None:
+            sequence, inputs = inputs, _kept_projection(call.kernels, inputs, weight_ih)
         forward = call.kernels.lstm_forward if call.states == 2 else call.kernels.gru_forward
         outputs, saved, stats, fallbacks = forward(inputs, *states, weight_hh, call.mask, *call.native(), True)
         call.count_fallbacks(fallbacks)
