@@ -92,7 +92,7 @@ def test_a_block_in_use_is_not_handed_out_again(kind: str) -> None:
     for output, leaf, expected in zip(reversed(outputs), reversed(leaves), reversed(alone), strict=True):
         grad = torch.autograd.grad(output.square().sum(), [leaf])[0]
         assert torch.equal(output.detach(), expected[0])
-        assert torch.allclose(grad, torch.autograd.grad(layer(leaf)[0].square().sum(), [leaf])[0], rtol=0, atol=0)
+        assert torch.equal(grad, torch.autograd.grad(layer(leaf)[0].square().sum(), [leaf])[0])  # a step alone
 
 
 def test_the_limit_bounds_what_is_kept_and_empty_cache_lets_go_of_it() -> None:
