@@ -80,6 +80,10 @@ class Target:
     bound: float
     batch_one: bool | None = None  # True: batch-1 rows only; False: the others; None: any
 
+    def holds(self, ratio: float) -> bool:
+        """Whether a median ratio meets the target (at or below its bound)."""
+        return ratio <= self.bound
+
     def covers(self, row: Measured) -> bool:
         return (
             row.what == self.what
@@ -108,7 +112,7 @@ def worst_row(measured: list[Measured], target: Target) -> tuple[Measured | None
 
 
 def mark(ratio: float, target: Target) -> str:
-    return "✓" if ratio <= target.bound else "✗"
+    return "✓" if target.holds(ratio) else "✗"
 
 
 def target_rows(measured: list[Measured], targets: tuple[Target, ...] = TARGETS) -> list[str]:

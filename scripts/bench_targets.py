@@ -62,7 +62,7 @@ def targets_table(runs: list[list[Measured]], targets: Sequence[Target] = TARGET
         worst = [worst_row(measured, target)[0] for measured in runs]
         cells = [f"{row.ratio:.3f} {mark(row.ratio, target)}" if row else "not measured" for row in worst]
         measured = [row for row in worst if row is not None]
-        held = sum(row.ratio <= target.bound for row in measured)
+        held = sum(target.holds(row.ratio) for row in measured)
         tally = f"{held} of {len(measured)}" if measured else "-"
         lines.append(f"| {target.name} | ≤ {target.bound} | " + " | ".join(cells) + f" | {tally} |")
     return lines
