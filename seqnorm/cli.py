@@ -62,6 +62,7 @@ from seqnorm.lightning import LanguageModel, SequenceClassifier, SyncBatchNorm
 from seqnorm.lightning.base import DATA_STATE_KEY
 from seqnorm.lightning.checkpoint_io import (
     ALLOWED_GLOBALS,
+    CheckedCheckpointIO,
     corrupt_checkpoint,
     names_class,
     read_checkpoint,
@@ -108,12 +109,14 @@ class SeqnormCLI(LightningCLI):
 
     With ``--ckpt_path`` the checkpoint is read safely and checked before anything is built: its class must be one
     of :data:`MODELS`, its hyperparameters fill in the model flags the user did not set (one that contradicts
-    them is an error), and the data's vocabulary must be the checkpoint's. Lightning then loads it again with
-    ``weights_only=True``, which the Trainer is always given.
+    them is an error), and the data's vocabulary must be the checkpoint's. The file is read once: the Trainer
+    restores the weights and the loops' state from that checked read (:class:`CheckedCheckpointIO`), never from a
+    second read of the path, and is given ``weights_only=True`` as well.
     """
 
     _args: ArgsType = None
     _resumed: dict[str, Any] | None = None  # the checked checkpoint's hyper_parameters and data state
+    _checked: tuple[str, dict[str, Any]] | None = None  # --ckpt_path and the checkpoint read from it, checked
     _continues_run = False  # a resumed fit logging into its checkpoint's run directory (continued_run_logger)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -157,6 +160,7 @@ class SeqnormCLI(LightningCLI):
         if ckpt_path is None:
             return
         checkpoint = read_checkpoint(ckpt_path)
+        self._checked = (ckpt_path, checkpoint)  # what the Trainer restores (CheckedCheckpointIO): no second read
         saved_class = task_class(checkpoint, MODELS, ckpt_path)
         model = config.model
         if saved_class is not None and not names_class(model.class_path, saved_class):
@@ -175,7 +179,7 @@ class SeqnormCLI(LightningCLI):
             what = f"its hyper_parameters do not describe a {described} ({detail})"
             raise corrupt_checkpoint(f"--ckpt_path {ckpt_path}", what) from None
         data_state = checkpoint.get(DATA_STATE_KEY)
-        apply_checkpoint_text_format(config.get("data"), explicit.get("data"), data_state)
+        apply_checkpoint_text_format(config.get("data"), explicit.get("data"), data_state, ckpt_path)
         shapes = weight_shapes(checkpoint, ckpt_path)
         self._resumed = {"hparams": hparams, "data_state": data_state, "path": ckpt_path, "shapes": shapes}
 
@@ -254,7 +258,11 @@ class SeqnormCLI(LightningCLI):
                 # A callbacks list replaced predict's default (a fit run's config.yaml lists fit's callbacks):
                 # without a writer, predict would compute every prediction and write none.
                 callbacks = [*callbacks, PredictionWriter()]
-        return super()._instantiate_trainer(config, callbacks)
+        trainer = super()._instantiate_trainer(config, callbacks)
+        if self._checked is not None:  # the Trainer restores the checkpoint that was checked, not a new read
+            path, checkpoint = self._checked
+            trainer.strategy.checkpoint_io = CheckedCheckpointIO(path, checkpoint, trainer.strategy.checkpoint_io)
+        return trainer
 
     def _run_subcommand(self, subcommand: str) -> None:
         with torch.serialization.safe_globals(ALLOWED_GLOBALS), warnings.catch_warnings():
@@ -309,7 +317,7 @@ def generate(
         )
     shapes = weight_shapes(checkpoint, ckpt_path)
     try:  # strict=False: a tensor missing or one too many is check_weights_fit's to name, below
-        model = LanguageModel._load_checked(ckpt_path, "--ckpt_path", map_location="cpu", strict=False)
+        model = LanguageModel._from_checked(checkpoint, ckpt_path, "--ckpt_path", map_location="cpu", strict=False)
     except RuntimeError as error:  # load_state_dict's size mismatch
         detail = " ".join(str(error).split())
         raise ValueError(

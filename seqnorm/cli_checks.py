@@ -19,8 +19,9 @@ import torch
 from jsonargparse import Namespace
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from seqnorm.lightning.base import RENAMED_HPARAMS, current_hparams
-from seqnorm.lightning.checkpoint_io import names_class
+from seqnorm.data.formats import TEXT_FORMATS
+from seqnorm.lightning.base import DATA_STATE_KEY, RENAMED_HPARAMS, current_hparams
+from seqnorm.lightning.checkpoint_io import corrupt_checkpoint, names_class
 from seqnorm.norms import NORMS, NormSpec, spec_from_dict
 
 __all__ = [
@@ -86,14 +87,20 @@ def apply_checkpoint_hparams(
         )
 
 
-def apply_checkpoint_text_format(data: Namespace | None, explicit: Namespace | None, data_state: Any) -> None:
+def apply_checkpoint_text_format(
+    data: Namespace | None, explicit: Namespace | None, data_state: Any, ckpt_path: str
+) -> None:
     """Read the data as the checkpoint's run read it (``--data.text_format``, e.g. ``ptb_char``) unless the user
     named a format: a PTB-char file would otherwise stop at the plain-text check. A named format that differs from
-    the checkpoint's is refused when the data state is loaded (``TextCorpus.load_state_dict``)."""
+    the checkpoint's is refused when the data state is loaded (``TextCorpus.load_state_dict``). A saved format that
+    is none of :data:`TEXT_FORMATS` is a corrupt checkpoint (jsonargparse would dump its whole parse error)."""
     saved = data_state.get("text_format") if isinstance(data_state, dict) else None
     init_args = data.get("init_args") if data is not None else None
     if saved is None or init_args is None or "text_format" not in init_args:
         return  # an older checkpoint, or data without text formats (LabeledText)
+    if not isinstance(saved, str) or saved not in TEXT_FORMATS:
+        what = f"expected its {DATA_STATE_KEY}.text_format to be one of {', '.join(TEXT_FORMATS)}, got {saved!r}"
+        raise corrupt_checkpoint(f"--ckpt_path {ckpt_path}", what)
     given = explicit.get("init_args") if explicit is not None else None
     if given is None or given.get("text_format") is None:
         init_args["text_format"] = saved

@@ -17,8 +17,11 @@ import pytest
 import torch
 import yaml
 
+import seqnorm.cli
+import seqnorm.lightning.base
 from seqnorm.cli import main
-from seqnorm.lightning import LanguageModel
+from seqnorm.lightning import LanguageModel, checkpoint_io
+from seqnorm.lightning.base import TaskModule
 from seqnorm.lightning.checkpoint import ResumableCheckpoint
 from seqnorm.lightning.checkpoint_io import CheckpointError
 from tests.conftest import QUIET, logged_scalars, write_story
@@ -487,3 +490,110 @@ def test_generate_restarts_stream_windows_as_the_run_did(
     torch.save(checkpoint, older)
     main(["generate", "--ckpt_path", str(older)])
     assert seen["window_steps"] is None
+
+
+# ---- one read: what was checked is what is built --------------------------------------------------------------
+
+
+def _swap_after_the_check(monkeypatch: pytest.MonkeyPatch, link: Path, replacement: Path) -> None:
+    """Point the symlink ``link`` at ``replacement`` the moment seqnorm has read and checked it, as an attacker's
+    loop flipping the link would at the worst time: every later read of the path gets the replacement."""
+    real = checkpoint_io.read_checkpoint
+
+    def read_then_swap(path: object, *args: object) -> dict:
+        checkpoint = real(path, *args)
+        if Path(path) == link:
+            link.unlink()
+            link.symlink_to(replacement)
+        return checkpoint
+
+    for module in (seqnorm.cli, seqnorm.lightning.base):
+        monkeypatch.setattr(module, "read_checkpoint", read_then_swap)
+
+
+@pytest.fixture(params=["class_path", "pickle"])
+def swapped(
+    request: pytest.FixtureRequest, story: Path, trained: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Path, Path]:
+    """``(link, marker)``: a symlink to the genuine checkpoint that turns, right after the check, into one whose
+    ``hyper_parameters.norm`` names a class in a module that creates ``marker`` on import (what jsonargparse would
+    import if the model were built from a second read), or into one whose pickle would create ``marker``."""
+    genuine = Path(shutil.copy(trained, story.parent / "genuine.ckpt"))
+    evil = story.parent / "evil.ckpt"
+    if request.param == "class_path":
+        marker = _marker_module(story.parent, "evilmod", "Spec", monkeypatch)
+        _edited(trained, evil, hparams={"norm": {"class_path": "evilmod.Spec"}})
+    else:
+        marker = story.parent / "pwned"
+        _edited(trained, evil, entries={"payload": _Touch(marker)})
+    link = story.parent / "last.ckpt"
+    link.symlink_to(genuine)
+    _swap_after_the_check(monkeypatch, link, evil)
+    return link, marker
+
+
+def test_load_from_checkpoint_builds_what_it_checked(trained: Path, swapped: tuple[Path, Path]) -> None:
+    link, marker = swapped
+    model = LanguageModel.load_from_checkpoint(link)
+    assert link.resolve().name == "evil.ckpt"  # the swap happened, after the one read
+    assert not marker.exists() and "evilmod" not in sys.modules
+    torch.testing.assert_close(model.state_dict(), torch.load(trained, weights_only=True)["state_dict"])
+
+
+@pytest.mark.parametrize("command", ["generate", "fit", "test"])
+def test_cli_builds_and_restores_what_it_checked(story: Path, swapped: tuple[Path, Path], command: str) -> None:
+    link, marker = swapped
+    args = _commands(link, story)[command]
+    if command == "fit":
+        args[args.index("--trainer.max_steps") + 1] = "6"  # past the checkpoint's 4 steps: its state is restored
+    main(args)  # the evil file is never read: neither built nor restored (weights_only would refuse the pickle)
+    assert link.resolve().name == "evil.ckpt"
+    assert not marker.exists() and "evilmod" not in sys.modules
+
+
+def test_a_checked_file_swapped_before_a_second_read_imports_its_class(
+    story: Path, trained: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What `load_from_checkpoint` did before: check the path's contents, then let Lightning read the path again.
+    marker = _marker_module(story.parent, "evilmod", "Spec", monkeypatch)
+    link = story.parent / "last.ckpt"
+    link.symlink_to(trained)
+    checkpoint_io.read_checkpoint(link)
+    _edited(trained, story.parent / "evil.ckpt", hparams={"norm": {"class_path": "evilmod.Spec"}})
+    link.unlink()
+    link.symlink_to(story.parent / "evil.ckpt")
+    with pytest.raises(Exception):  # noqa: B017 - it fails, but only after the class was imported
+        super(TaskModule, LanguageModel).load_from_checkpoint(link, weights_only=True)
+    assert marker.exists()
+
+
+def test_hparams_file_is_checked_too(story: Path, trained: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    marker = _marker_module(story.parent, "hparams_module", "Spec", monkeypatch)
+    hparams = dict(torch.load(trained, weights_only=True)["hyper_parameters"])
+    hparams["norm"] = {"class_path": "hparams_module.Spec"}
+    hparams_file = story.parent / "hparams.yaml"
+    hparams_file.write_text(yaml.safe_dump(hparams), encoding="utf-8")
+    with pytest.raises(CheckpointError, match=r"hparams_file .*hparams.yaml: refused: its hyper_parameters.norm"):
+        LanguageModel.load_from_checkpoint(trained, hparams_file=hparams_file)
+    assert not marker.exists() and "hparams_module" not in sys.modules
+    hparams["norm"] = "rms"
+    hparams_file.write_text(yaml.safe_dump(hparams), encoding="utf-8")
+    assert LanguageModel.load_from_checkpoint(trained, hparams_file=hparams_file, strict=False).hparams.norm == "rms"
+
+
+def _with_text_format(trained: Path, path: Path, text_format: object) -> None:
+    checkpoint = torch.load(trained, weights_only=True)
+    checkpoint["seqnorm_data"]["text_format"] = text_format
+    torch.save(checkpoint, path)
+
+
+@pytest.mark.parametrize("command", ["fit", "validate", "test", "predict"])
+@pytest.mark.parametrize("form", ["dict", "path"])
+def test_corrupt_saved_text_format_names_the_file(
+    story: Path, trained: Path, capsys: pytest.CaptureFixture, command: str, form: str
+) -> None:
+    path = story.parent / f"text_format_{form}.ckpt"
+    _with_text_format(trained, path, {"class_path": "x"} if form == "dict" else str(story))
+    args = ["--data.path", str(story), *TINY, "--ckpt_path", str(path)]
+    error = _fails(capsys, [command, *LM, *args])
+    assert f"--ckpt_path {path}: a corrupt checkpoint: expected its seqnorm_data.text_format to be one of" in error

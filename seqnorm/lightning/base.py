@@ -19,7 +19,15 @@ from torchmetrics import MeanMetric
 
 from seqnorm.data.loader import ResumableDataLoader
 from seqnorm.layers.fast import Impl
-from seqnorm.lightning.checkpoint_io import CheckpointError, corrupt_checkpoint, read_checkpoint, task_class
+from seqnorm.lightning.checkpoint_io import (
+    CheckpointError,
+    check_hyper_parameters,
+    checked_stream,
+    corrupt_checkpoint,
+    read_checkpoint,
+    read_hparams_file,
+    task_class,
+)
 from seqnorm.lightning.resume import (
     RANDOM_STATE_KEY,
     random_states,
@@ -128,29 +136,35 @@ class TaskModule(pl.LightningModule):
         strict: bool | None = None,
         **kwargs: Any,
     ) -> Self:
-        """Lightning's ``load_from_checkpoint``, for a file that passed :func:`read_checkpoint` first.
+        """Lightning's ``load_from_checkpoint``, for a file that passes :func:`read_checkpoint`.
 
-        The file is read with ``weights_only=True`` (by seqnorm's reader, then by Lightning's), and its
-        ``_class_path`` must name this class or one of its subclasses: a crafted or foreign file is a
-        :class:`~seqnorm.lightning.checkpoint_io.CheckpointError` and nothing in it runs. ``kwargs`` replace saved
+        The file is read once, with ``weights_only=True``, and checked: its ``_class_path`` must name this class or
+        one of its subclasses, and its hyperparameters must hold plain values only. A crafted or foreign file is a
+        :class:`~seqnorm.lightning.checkpoint_io.CheckpointError` and nothing in it runs. The model is built from
+        the checked contents, never from a second read of the path. ``hparams_file`` (YAML or CSV, as in
+        Lightning) replaces the saved hyperparameters and passes the same checks; ``kwargs`` replace single
         hyperparameters, as in Lightning.
         """
-        return cls._load_checked(
-            checkpoint_path, f"{cls.__name__}.load_from_checkpoint", map_location, hparams_file, strict, **kwargs
-        )
+        flag = f"{cls.__name__}.load_from_checkpoint"
+        checkpoint = read_checkpoint(checkpoint_path, flag)
+        if hparams_file is not None:
+            checkpoint["hyper_parameters"] = read_hparams_file(hparams_file, f"{flag}: hparams_file")
+        return cls._from_checked(checkpoint, checkpoint_path, flag, map_location, strict, **kwargs)
 
     @classmethod
-    def _load_checked(
+    def _from_checked(
         cls,
+        checkpoint: dict[str, Any],
         checkpoint_path: str | os.PathLike[str],
         flag: str,
         map_location: Any = None,
-        hparams_file: str | os.PathLike[str] | None = None,
         strict: bool | None = None,
         **kwargs: Any,
     ) -> Self:
-        """:meth:`load_from_checkpoint`, its errors naming the file as ``flag`` (``--ckpt_path`` for the CLI)."""
-        checkpoint = read_checkpoint(checkpoint_path, flag)
+        """The model of ``checkpoint``, a dict :func:`read_checkpoint` returned for ``checkpoint_path``; errors name
+        the file as ``flag`` (``--ckpt_path`` for the CLI)."""
+        where = f"{flag} {checkpoint_path}"
+        check_hyper_parameters(checkpoint["hyper_parameters"], where)  # again: a replaced hparams_file's too
         task_class(checkpoint, _subclasses(cls), checkpoint_path, flag)
         saved = checkpoint["hyper_parameters"]
         renamed = current_hparams(saved)
@@ -158,23 +172,23 @@ class TaskModule(pl.LightningModule):
             if old in saved and old not in kwargs and new not in kwargs:  # a checkpoint of before the rename
                 kwargs[new], kwargs[old] = renamed.get(new), None
         norm = saved.get("norm")
-        if isinstance(norm, Mapping) and "norm" not in kwargs:
+        if "norm" not in kwargs and isinstance(norm, Mapping):
             # A spec saved as plain data: made here by the registry, handed over as an object (jsonargparse, which
             # Lightning builds CLI checkpoints with, checks `norm` against its type and would refuse the dict).
-            kwargs["norm"] = spec_from_dict(norm, f"{flag}: {checkpoint_path}: hyper_parameters.norm")
-        del checkpoint  # Lightning reads the file again; only the checks needed it
+            kwargs["norm"] = spec_from_dict(norm, f"{where}: hyper_parameters.norm")
         try:
+            # Lightning builds from the checked dict, serialized into memory: the path is not read again.
             return super().load_from_checkpoint(
-                checkpoint_path, map_location, hparams_file, strict, weights_only=True, **kwargs
+                checked_stream(checkpoint), map_location, None, strict, weights_only=True, **kwargs
             )
         except argparse.ArgumentError as error:  # jsonargparse refused a saved hyperparameter's value
             detail = " ".join(str(error).split())
             what = f"its hyper_parameters do not describe a {cls.__name__} ({detail})"
-            raise corrupt_checkpoint(f"{flag} {checkpoint_path}", what) from None
+            raise corrupt_checkpoint(where, what) from None
         except CheckpointError:
             raise
         except ValueError as error:  # the model refused a value jsonargparse let through (hidden_size=-1, say)
-            raise corrupt_checkpoint(f"{flag} {checkpoint_path}", str(error)) from None
+            raise corrupt_checkpoint(where, str(error)) from None
 
     def _take_renamed(self) -> None:
         """Fold a deprecated argument given under its old name (:data:`RENAMED_HPARAMS`) into the new one, in the

@@ -8,10 +8,15 @@ values (the vocabulary is stored as lists and dicts), so nothing needs to be all
 
 A checkpoint also names the class to build (``hyper_parameters["_class_path"]``, written by LightningCLI);
 :func:`task_class` resolves it only among classes given by the caller and never imports the named module.
+
+Each checkpoint is read from disk once: the checks and the model built from it see the same bytes. Reading the path
+again after the checks (as Lightning's own loaders do) would let a file swapped in between — a symlink flipped to a
+crafted file — be built unchecked, and jsonargparse would import the class it names.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import re
@@ -23,14 +28,19 @@ from typing import Any
 
 import torch
 import yaml
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 
 __all__ = [
     "ALLOWED_GLOBALS",
     "CHECKPOINT_KEYS",
+    "CheckedCheckpointIO",
     "CheckpointError",
+    "check_hyper_parameters",
+    "checked_stream",
     "corrupt_checkpoint",
     "names_class",
     "read_checkpoint",
+    "read_hparams_file",
     "task_class",
 ]
 
@@ -57,10 +67,10 @@ def corrupt_checkpoint(where: str, what: str) -> CheckpointError:
     return CheckpointError(f"{where}: a corrupt checkpoint: {what}; use one written by `seqnorm fit` as it was")
 
 
-def _refused_globals(path: Path, error: Exception) -> str:
+def _refused_globals(data: bytes, error: Exception) -> str:
     """The globals a refused pickle asked for, from torch's own scan (reads opcodes only) or its message."""
     try:
-        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data))
     except Exception:  # a legacy (non-zip) file or a broken zip: fall back to the one global torch named
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
         names = [found.group(1)] if found else []
@@ -69,6 +79,11 @@ def _refused_globals(path: Path, error: Exception) -> str:
 
 def read_checkpoint(path: str | os.PathLike[str], flag: str = "--ckpt_path") -> dict[str, Any]:
     """Load a checkpoint written by ``seqnorm fit`` without running code from it.
+
+    The file is read once, into memory; every check below and the returned dict come from those bytes. Whatever
+    builds a model from a checkpoint must build it from this dict (:func:`checked_stream`,
+    :class:`CheckedCheckpointIO`), never by reading the path again: a file swapped between two reads would be built
+    unchecked.
 
     Args:
         path: the checkpoint file.
@@ -80,37 +95,38 @@ def read_checkpoint(path: str | os.PathLike[str], flag: str = "--ckpt_path") -> 
     Raises:
         CheckpointError: the file is missing, a directory, empty, truncated or corrupt, not a torch file, a pickle
             that asks for anything outside the allow-list (refused before anything in it runs), not a dict with
-            :data:`CHECKPOINT_KEYS`, names an ``_instantiator`` other than LightningCLI's, or nests a
-            ``class_path`` in its hyperparameters, as a dict or inside a string that YAML reads as a mapping or a
-            list or that names a file (jsonargparse would import and build it when the model is built).
+            :data:`CHECKPOINT_KEYS`, or its hyperparameters fail :func:`check_hyper_parameters`.
     """
     where = f"{flag} {path}"
     file = Path(path)
-    if file.is_dir():
-        raise CheckpointError(f"{where}: is a directory, expected a checkpoint file such as .../checkpoints/last.ckpt")
-    if not file.is_file():
-        raise CheckpointError(f"{where}: no such checkpoint file")
-    size = file.stat().st_size
-    if size == 0:
+    try:
+        data = file.read_bytes()
+    except IsADirectoryError:
+        raise CheckpointError(
+            f"{where}: is a directory, expected a checkpoint file such as .../checkpoints/last.ckpt"
+        ) from None
+    except FileNotFoundError:
+        raise CheckpointError(f"{where}: no such checkpoint file") from None
+    except OSError as error:
+        raise CheckpointError(f"{where}: cannot be read ({error.strerror or error})") from None
+    if not data:
         raise CheckpointError(
             f"{where}: the file is empty (0 bytes), not a checkpoint; a run stopped while saving can leave one: "
             "use an earlier checkpoint"
         )
-    with open(file, "rb") as handle:
-        magic = handle.read(4)
-    zipped = magic == b"PK\x03\x04"  # what torch.save writes
-    pickled = magic[:1] == b"\x80"  # a bare pickle (protocol 2+), as torch's legacy format is
+    zipped = data[:4] == b"PK\x03\x04"  # what torch.save writes
+    pickled = data[:1] == b"\x80"  # a bare pickle (protocol 2+), as torch's legacy format is
     not_torch = f"{where}: not a PyTorch checkpoint (not a file written by torch.save): use another checkpoint"
     try:
         with torch.serialization.safe_globals(ALLOWED_GLOBALS), warnings.catch_warnings():
             # a foreign pickle also makes torch warn about its protocol: the error below says all there is to say
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            checkpoint = torch.load(file, map_location="cpu", weights_only=True)
+            checkpoint = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         if not (zipped or pickled):
             raise CheckpointError(not_torch) from None
         raise CheckpointError(
-            f"{where}: refused: the file asks to call or build {_refused_globals(file, error)}, which a checkpoint "
+            f"{where}: refused: the file asks to call or build {_refused_globals(data, error)}, which a checkpoint "
             "never needs; it was not loaded and nothing in it was executed. Use a checkpoint written by "
             "`seqnorm fit` that you trust"
         ) from None
@@ -118,8 +134,8 @@ def read_checkpoint(path: str | os.PathLike[str], flag: str = "--ckpt_path") -> 
         if not zipped:  # torch reports a text file as a KeyError of its first byte
             raise CheckpointError(not_torch) from None
         raise CheckpointError(
-            f"{where}: the file ({size} bytes) is truncated or corrupt, as a run stopped while saving can leave it "
-            f"(torch: {type(error).__name__}: {error}): use another checkpoint"
+            f"{where}: the file ({len(data)} bytes) is truncated or corrupt, as a run stopped while saving can leave "
+            f"it (torch: {type(error).__name__}: {error}): use another checkpoint"
         ) from None
     if not isinstance(checkpoint, dict) or not all(key in checkpoint for key in CHECKPOINT_KEYS):
         held = f"a dict with keys {sorted(map(str, checkpoint))[:6]}" if isinstance(checkpoint, dict) else None
@@ -127,7 +143,19 @@ def read_checkpoint(path: str | os.PathLike[str], flag: str = "--ckpt_path") -> 
             f"{where}: a torch file, but not a checkpoint written by `seqnorm fit`: expected a dict with "
             f"{' and '.join(CHECKPOINT_KEYS)}, got {held or type(checkpoint).__name__}"
         )
-    hparams = checkpoint["hyper_parameters"]
+    check_hyper_parameters(checkpoint["hyper_parameters"], where)
+    return checkpoint
+
+
+def check_hyper_parameters(hparams: object, where: str) -> None:
+    """Refuse hyperparameters from which jsonargparse could import or build a class, or read a file.
+
+    Raises:
+        CheckpointError: ``hparams`` is not a dict, names an ``_instantiator`` other than LightningCLI's, or nests
+            a ``class_path``, as a dict or inside a string that YAML reads as a mapping or a list or that names a
+            file (jsonargparse would import and build it when the model is built). ``where`` names the flag and
+            the file.
+    """
     if not isinstance(hparams, dict):
         raise CheckpointError(f"{where}: expected hyper_parameters to be a dict, got {type(hparams).__name__}")
     nested = _class_path_inside(hparams)
@@ -149,7 +177,59 @@ def read_checkpoint(path: str | os.PathLike[str], flag: str = "--ckpt_path") -> 
             f"{where}: refused: its hyper_parameters name the instantiator {instantiator!r}; only {INSTANTIATOR} "
             "is accepted, and the named one was not imported"
         )
-    return checkpoint
+
+
+def read_hparams_file(path: str | os.PathLike[str], where: str) -> dict[str, Any]:
+    """Hyperparameters from a YAML file (``load_from_checkpoint``'s ``hparams_file``), read once with
+    ``yaml.safe_load`` (no Python objects) and checked by :func:`check_hyper_parameters`."""
+    where = f"{where} {path}"
+    suffix = Path(path).suffix.lower()
+    if suffix not in (".yaml", ".yml"):
+        raise CheckpointError(f"{where}: expected a .yaml or .yml file, got {suffix or 'no suffix'}")
+    try:
+        hparams = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{where}: cannot be read ({error})") from None
+    except yaml.YAMLError as error:
+        raise CheckpointError(f"{where}: not YAML ({' '.join(str(error).split())})") from None
+    check_hyper_parameters(hparams, where)
+    return hparams
+
+
+def checked_stream(checkpoint: dict[str, Any]) -> io.BytesIO:
+    """``checkpoint`` (a dict :func:`read_checkpoint` returned) serialized into memory, for Lightning's loaders.
+
+    Lightning's ``load_from_checkpoint`` takes a path or a file object: given this stream, it builds the model from
+    exactly the checked dict, and the file on disk is not read again.
+    """
+    stream = io.BytesIO()
+    torch.save(checkpoint, stream)
+    stream.seek(0)
+    return stream
+
+
+class CheckedCheckpointIO(_WrappingCheckpointIO):
+    """The Trainer's checkpoint plugin, serving the checkpoint the CLI read and checked instead of reading it again.
+
+    ``seqnorm fit|validate|test|predict --ckpt_path X`` reads and checks ``X`` before anything is built
+    (:func:`read_checkpoint`); the Trainer then restores weights, optimizer and loop state through its strategy's
+    ``load_checkpoint``, which reaches this plugin: for ``X`` it returns that checked dict, so a file swapped after
+    the check is never what the run restores. Any other path is read through :func:`read_checkpoint` too. Saving
+    and removing go to the wrapped plugin (Lightning's default, or the user's own).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], checkpoint: dict[str, Any], wrapped: Any = None) -> None:
+        super().__init__(wrapped)
+        self._path = os.fspath(path)
+        self._checkpoint = checkpoint
+
+    def load_checkpoint(
+        self, path: str | os.PathLike[str], map_location: Any = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        del map_location, weights_only  # tensors on the CPU, and weights only, always: the Trainer moves them
+        if os.fspath(path) == self._path:
+            return self._checkpoint
+        return read_checkpoint(path)
 
 
 def _walk(value: object, where: str = "") -> Iterator[tuple[str, object]]:
