@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,17 @@ TORCH_KINDS = [kind for kind, cell in CELLS.items() if declared(cell, "torch_ker
 # The suite's models are tiny: a second intra-op thread only adds synchronization, and on a busy 2-core machine a
 # descheduled OpenMP worker stalls every small op for milliseconds. One thread keeps `make test` fast and steady.
 torch.set_num_threads(1)
+
+
+@pytest.fixture
+def one_route() -> Iterator[None]:
+    """Deterministic algorithms for the test: the kernels then use one fixed matmul route and weight layout, where
+    the first calls of a shape otherwise time the candidates (csrc/product.h), which round differently: calls
+    compared bit for bit must not depend on which of them a trial happened to run."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(deterministic)
 
 
 def require_kernels() -> None:

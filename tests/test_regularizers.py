@@ -144,6 +144,7 @@ def test_cell_zoneout_is_per_step_and_train_only(kind: str) -> None:
 
 @pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.usefixtures("one_route")  # compared bit for bit
 def test_eval_is_identity(kind: str, norm: str) -> None:
     rates = dict(REGULARIZERS, recurrent_dropout=0.3)
     if kind == "gru":
