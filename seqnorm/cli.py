@@ -298,7 +298,7 @@ def generate(
     wrong = sampling_out_of_range(length, temperature, top_k)  # named by flag here, before reading the checkpoint
     if wrong is not None:
         name, value = wrong
-        kind = "a value" if name == "temperature" else "an int"
+        kind = "a finite value" if name == "temperature" else "an int"
         greedy = " (0: greedy)" if name == "temperature" else ""
         raise ValueError(f"--{name} {value}: expected {kind} >= {SAMPLING_MINIMUMS[name]}{greedy}")
     checkpoint = read_checkpoint(ckpt_path)

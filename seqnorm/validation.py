@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 __all__ = [
+    "check_finite",
     "check_like_input",
     "check_like_parameters",
+    "check_momentum",
     "check_non_negative",
     "check_positive_int",
     "check_proj_size",
@@ -83,20 +86,47 @@ def check_proj_size(owner: str, proj_size: object, hidden_size: int, supported: 
     return proj_size
 
 
+def check_finite(
+    owner: str,
+    name: str,
+    value: object,
+    expected: str = "a finite number",
+    within: Callable[[float], bool] | None = None,
+) -> float:
+    """``value`` if it is a finite real number (an int or a float, not a bool) for which ``within`` holds; otherwise
+    ``ValueError("<owner>: expected <name> to be <expected>, got <value>")``.
+
+    Every float option is checked here, so NaN and ±inf are refused in one place: a NaN option passes every
+    comparison it is range-checked with (``nan < 1`` and ``nan >= 1`` are both false) and then makes every output
+    NaN. ``expected`` words the whole expectation, bounds included, so NaN and an out-of-range value read the same.
+    """
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or (within is not None and not within(value))
+    ):
+        raise ValueError(f"{owner}: expected {name} to be {expected}, got {value!r}")
+    return value
+
+
 def check_rate(owner: str, name: str, value: object) -> float:
     """A probability in ``[0, 1)`` (dropout and zoneout rates); a ``ValueError`` naming ``owner`` and ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-        raise ValueError(f"{owner}: expected {name} in [0, 1), got {value!r}")
-    return float(value)
+    return float(check_finite(owner, name, value, "a finite number in [0, 1)", lambda rate: 0 <= rate < 1))
 
 
 def check_eps(owner: str, value: object) -> float:
     """A norm's ``eps``: a positive finite number. 0 is refused: a cell's recurrent term ``W_hh h_0`` is exactly 0
     for the default zero state, so its normalization would divide 0 by sqrt(0) at the first step (as would any
     constant feature)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
-        raise ValueError(f"{owner}: expected eps to be a positive finite number, got {value!r}")
-    return value
+    return check_finite(owner, "eps", value, "a positive finite number", lambda eps: eps > 0)
+
+
+def check_momentum(owner: str, value: object) -> float | None:
+    """A batch norm's ``momentum``: a number in ``[0, 1]``, or ``None`` (a cumulative average)."""
+    if value is None:
+        return None
+    return check_finite(owner, "momentum", value, "a finite number in [0, 1] or None", lambda m: 0 <= m <= 1)
 
 
 def check_positive_int(owner: str, name: str, value: object) -> int:
@@ -108,6 +138,4 @@ def check_positive_int(owner: str, name: str, value: object) -> int:
 def check_non_negative(owner: str, name: str, value: object) -> float:
     """A finite number ``>= 0`` (a learning rate, a weight decay); a ``ValueError`` naming ``owner`` and ``name``
     (inf would train to NaN weights, saved as if nothing went wrong)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
-        raise ValueError(f"{owner}: expected {name} to be finite and >= 0, got {value!r}")
-    return value
+    return check_finite(owner, name, value, "finite and >= 0", lambda number: number >= 0)

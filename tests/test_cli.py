@@ -212,7 +212,7 @@ def test_generate_rejects_a_missing_checkpoint(capsys: pytest.CaptureFixture) ->
 @pytest.mark.parametrize(
     ("flag", "value", "expected"),
     [
-        ("--temperature", "-1", "--temperature -1.0: expected a value >= 0 (0: greedy)"),
+        ("--temperature", "-1", "--temperature -1.0: expected a finite value >= 0 (0: greedy)"),
         ("--top_k", "0", "--top_k 0: expected an int >= 1"),
         ("--length", "-2", "--length -2: expected an int >= 0"),
     ],
@@ -230,7 +230,7 @@ def test_generate_names_the_flag_at_fault(capsys: pytest.CaptureFixture, flag: s
         (["--model.norm_max_steps", "0"], "LanguageModel: expected norm_max_steps to be a positive int, got 0"),
         (["--model.lr", "-1"], "LanguageModel: expected lr to be finite and >= 0, got -1.0"),
         (["--model.weight_decay", "-0.1"], "LanguageModel: expected weight_decay to be finite and >= 0, got -0.1"),
-        (["--model.dropout", "2.0"], "LanguageModel: expected dropout in [0, 1), got 2.0"),
+        (["--model.dropout", "2.0"], "LanguageModel: expected dropout to be a finite number in [0, 1), got 2.0"),
         (["--trainer.accumulate_grad_batches", "0"], "--trainer.accumulate_grad_batches 0: expected an int >= 1"),
     ],
 )

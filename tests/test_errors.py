@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import warnings
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 import seqnorm
+from seqnorm.callbacks import HiddenStateStats
 from seqnorm.layers.finite import all_finite
+from seqnorm.lightning import LanguageModel, SequenceClassifier
+from seqnorm.lightning.generate import sampling_out_of_range
 from tests.conftest import CELLS, KINDS, LAYERS
 
 
@@ -91,9 +97,9 @@ def test_layer_bad_input(kind: str) -> None:
     if kind == "lstm":
         with pytest.raises(ValueError, match=r"^LSTM: expected hx to be a tuple \(h_0, c_0\), got"):
             layer(x, torch.zeros(2, 2, 4))
-    with pytest.raises(ValueError, match=rf"^{name}: expected dropout in \[0, 1\), got 1.0$"):
+    with pytest.raises(ValueError, match=rf"^{name}: expected dropout to be a finite number in \[0, 1\), got 1.0$"):
         LAYERS[kind](3, 4, dropout=1.0)
-    with pytest.raises(ValueError, match=rf"^{name}: expected recurrent_dropout in \[0, 1\), got -0.1$"):
+    with pytest.raises(ValueError, match=rf"^{name}: expected recurrent_dropout to be a .* in \[0, 1\), got -0.1$"):
         LAYERS[kind](3, 4, recurrent_dropout=-0.1)
 
 
@@ -276,3 +282,117 @@ def test_norms_made_directly_refuse_a_non_positive_eps(eps: float) -> None:
             cls(4, eps=eps)
     with pytest.raises(ValueError, match=r"^TimestepBatchNorm: expected eps to be a positive finite number"):
         seqnorm.norms.TimestepBatchNorm(4, 3, eps=eps)
+
+
+# ---- NaN and ±inf in float options ----------------------------------------------------------------------------------
+# A NaN option passes every range check written as comparisons and then makes every output NaN; each is refused by
+# seqnorm.validation.check_finite. The options are found, not listed: every constructor parameter annotated `float`
+# of the registered cells, layers and norm specs, the norm modules, the task models and the callbacks.
+
+NON_FINITE = [float("nan"), float("inf"), float("-inf")]
+
+
+def _float_parameters(cls: type) -> list[str]:
+    """The parameters of ``cls``'s constructor, and of its bases' (``**kwargs`` passed on), annotated ``float``."""
+    names: list[str] = []
+    for klass in cls.__mro__:
+        if "__init__" in vars(klass) and klass.__module__.startswith("seqnorm"):
+            parameters = inspect.signature(vars(klass)["__init__"]).parameters.values()
+            names += [p.name for p in parameters if "float" in str(p.annotation) and p.name not in names]
+    return names
+
+
+def _spec_float_fields(spec: type[seqnorm.norms.NormSpec]) -> list[str]:
+    return [field.name for field in dataclasses.fields(spec) if "float" in str(field.type)]  # type: ignore[arg-type]
+
+
+def _norm_having(option: str) -> str:
+    """The first registered norm whose spec has the field ``option`` (``"none"`` for options of the cell itself)."""
+    specs = {name: scheme.spec for name, scheme in seqnorm.NORMS.items()}
+    return next((name for name, spec in specs.items() if option in _spec_float_fields(spec)), "none")
+
+
+NORM_MODULES = [
+    module
+    for module in (getattr(seqnorm.norms, name) for name in seqnorm.norms.__all__)
+    if isinstance(module, type) and issubclass(module, torch.nn.Module)
+]
+TASK_MODELS: dict[type, tuple[int, ...]] = {
+    seqnorm.models.RNNLanguageModel: (10,),
+    seqnorm.models.RNNClassifier: (10, 3),
+    LanguageModel: (10,),
+    SequenceClassifier: (10, 3),
+    HiddenStateStats: (),
+}
+
+
+def _non_finite_cases() -> list[Any]:
+    cases = []
+    for scheme in seqnorm.NORMS.values():  # the specs, and each spec's options given to cells and layers
+        for option in _spec_float_fields(scheme.spec):
+            cases.append(pytest.param(scheme.spec, (), {option: None}, option, id=f"{scheme.spec.__name__}-{option}"))
+            if option in scheme.options:
+                for cls in (*CELLS.values(), *LAYERS.values()):
+                    arguments = {"norm": scheme.name, "norm_options": {option: None}}
+                    cases.append(
+                        pytest.param(cls, (3, 4), arguments, option, id=f"{cls.__name__}-{scheme.name}-{option}")
+                    )
+    for cls in (*CELLS.values(), *LAYERS.values()):  # keywords: the cell's own and the norms' (`eps`, ...)
+        for option in _float_parameters(cls):
+            arguments = {"norm": _norm_having(option), option: None}
+            cases.append(pytest.param(cls, (3, 4), arguments, option, id=f"{cls.__name__}-{option}"))
+    for cls in NORM_MODULES:
+        for option in _float_parameters(cls):
+            cases.append(pytest.param(cls, (4,), {option: None}, option, id=f"{cls.__name__}-{option}"))
+    for cls, positional in TASK_MODELS.items():
+        for option in _float_parameters(cls):
+            cases.append(pytest.param(cls, positional, {option: None}, option, id=f"{cls.__name__}-{option}"))
+    return cases
+
+
+@pytest.mark.parametrize("value", NON_FINITE, ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize(("cls", "positional", "arguments", "option"), _non_finite_cases())
+def test_float_options_refuse_nan_and_inf(
+    cls: type, positional: tuple[int, ...], arguments: dict[str, Any], option: str, value: float
+) -> None:
+    # `None` marks where the value goes (in norm_options or as a keyword)
+    arguments = {
+        key: {option: value} if isinstance(given, dict) else value if given is None else given
+        for key, given in arguments.items()
+    }
+    owner = cls.__name__
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # e.g. dropout with one layer: refused before that warning all the same
+        with pytest.raises(ValueError, match=rf"^{owner}: expected {option} to be [^,]*finite.*, got {value!r}$"):
+            cls(*positional, **arguments)
+
+
+def test_float_options_are_found() -> None:
+    # the discovery above must see what issue 29 found accepted (a NaN forget_bias made every output NaN)
+    ids = {case.id for case in _non_finite_cases()}
+    expected = {
+        "LSTM-forget_bias",
+        "GRUCell-forget_bias",
+        "LSTM-batch_renorm-r_max",
+        "BatchRenormSpec-d_max",
+        "LayerNorm-gain",
+        "TimestepBatchNorm-shift",
+        "TimestepBatchRenorm-r_max",
+        "LSTM-eps",
+        "GRU-momentum",
+        "LSTMCell-gamma_init",
+        "LSTM-zoneout_c",
+        "GRU-weight_dropout",
+        "RNNClassifier-dropout",
+        "LanguageModel-recurrent_dropout",
+        "SequenceClassifier-lr",
+        "HiddenStateStats-zero_threshold",
+    }
+    assert expected <= ids, expected - ids
+
+
+@pytest.mark.parametrize("value", NON_FINITE, ids=["nan", "inf", "-inf"])
+def test_sampling_temperature_refuses_nan_and_inf(value: float) -> None:
+    # inf is no "uniform sampling" either: a banned token's -inf score over an inf temperature is NaN
+    wrong = sampling_out_of_range(10, value, None)
+    assert wrong is not None and wrong[0] == "temperature"

@@ -153,7 +153,7 @@ def test_norm_options_map_into_the_spec_and_contradict_it_like_keywords() -> Non
 
 
 BAD_SPECS: list[tuple[type[NormSpec], dict[str, Any], str]] = [
-    (norms.BatchNormSpec, {"momentum": 1.5}, r"expected momentum in \[0, 1\] or None, got 1.5"),
+    (norms.BatchNormSpec, {"momentum": 1.5}, r"expected momentum to be a finite number in \[0, 1\] or None, got 1.5"),
     (norms.BatchNormSpec, {"max_steps": 0}, r"expected max_steps to be a positive int, got 0"),
     (norms.BatchNormSpec, {"small_batch": "skip"}, r"expected small_batch to be 'tail', 'error' or 'running', got"),
     (norms.BatchNormSpec, {"input_stats": "batch"}, r"expected input_stats to be one of 'timestep', 'sequence'"),
@@ -196,7 +196,7 @@ def test_unknown_specs_and_options_are_refused() -> None:
         spec_from_dict({"name": "os.system"}, "ckpt")
     with pytest.raises(ValueError, match=r"^ckpt: expected options of norm='layer' \(.*\), got momentum$"):
         spec_from_dict({"name": "layer", "momentum": 0.1}, "ckpt")
-    with pytest.raises(ValueError, match=r"^ckpt: expected momentum in \[0, 1\] or None, got 7$"):
+    with pytest.raises(ValueError, match=r"^ckpt: expected momentum to be a finite number in \[0, 1\] or None, got 7$"):
         spec_from_dict({"name": "batch", "momentum": 7}, "ckpt")
 
 

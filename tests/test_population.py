@@ -231,7 +231,7 @@ def test_momentum_none_layer_paths_agree(kind: str) -> None:
 
 def test_momentum_none_in_specs_and_errors() -> None:
     assert seqnorm.norms.BatchNormSpec(momentum=None).momentum is None
-    with pytest.raises(ValueError, match=r"momentum in \[0, 1\] or None, got 2.0"):
+    with pytest.raises(ValueError, match=r"momentum to be a finite number in \[0, 1\] or None, got 2.0"):
         LAYERS["lstm"](3, 4, norm="batch", momentum=2.0)
 
 

@@ -232,7 +232,8 @@ RATE_ARGUMENTS = [
 @pytest.mark.parametrize("value", [-0.1, 1.0, "0.5", True])
 @pytest.mark.parametrize(("cls", "name"), RATE_ARGUMENTS)
 def test_bad_rates_name_the_argument(cls: type, name: str, value: object) -> None:
-    with pytest.raises(ValueError, match=rf"^{cls.__name__}: expected {name} in \[0, 1\), got {value!r}$"):
+    message = rf"^{cls.__name__}: expected {name} to be a finite number in \[0, 1\), got {value!r}$"
+    with pytest.raises(ValueError, match=message):
         cls(3, 4, **{name: value})
 
 

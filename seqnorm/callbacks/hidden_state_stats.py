@@ -13,6 +13,7 @@ from torch import Tensor
 
 from seqnorm.callbacks.observe import GATE_NAMES, CellSummary, Observation, ObservedCell, find_cells, train_eval_gap
 from seqnorm.callbacks.render import custom_scalars_layout, render_profiles
+from seqnorm.validation import check_finite
 
 __all__ = ["HiddenStateStats"]
 
@@ -97,10 +98,7 @@ class HiddenStateStats(Callback):
                 raise ValueError(f"HiddenStateStats: expected {name} to be a positive int, got {value!r}")
         if not isinstance(validation_batch, bool):
             raise ValueError(f"HiddenStateStats: expected validation_batch to be a bool, got {validation_batch!r}")
-        if isinstance(zero_threshold, bool) or not isinstance(zero_threshold, (int, float)) or zero_threshold <= 0:
-            raise ValueError(
-                f"HiddenStateStats: expected zero_threshold to be a positive number, got {zero_threshold!r}"
-            )
+        check_finite("HiddenStateStats", "zero_threshold", zero_threshold, "a positive finite number", lambda t: t > 0)
         self.every_n_steps = every_n_steps
         self.media_every_n_steps = media_every_n_steps
         self.validation_batch = validation_batch

@@ -32,6 +32,7 @@ from seqnorm.norms import (
 from seqnorm.pickling import PicklableParametrizations
 from seqnorm.torch_capture import refuse_scripting
 from seqnorm.validation import (
+    check_finite,
     check_like_parameters,
     check_positive_int,
     check_proj_size,
@@ -148,6 +149,8 @@ class RecurrentCell(PicklableParametrizations):
         self.max_steps: int = getattr(self.norm_spec, "max_steps", max_steps)
         self.bias = bool(bias)
         self.norm = self.norm_spec.name  # the registry name, as before specs (paths and reprs read it)
+        if forget_bias is not None:  # checked before the no-effect warning: a NaN is wrong whatever the cell
+            check_finite(owner, "forget_bias", forget_bias)
         if forget_bias is None and self.norm != "none" and self.forget_gate is not None:
             forget_bias = 1.0
         if forget_bias is not None and (self.forget_gate is None or not bias):

@@ -50,7 +50,14 @@ from seqnorm.norms import (
 )
 from seqnorm.norms.sync import synchronized_steps
 from seqnorm.torch_capture import captured_by_export, refuse_scripting
-from seqnorm.validation import check_positive_int, check_proj_size, check_rate, check_state_shape, check_step
+from seqnorm.validation import (
+    check_finite,
+    check_positive_int,
+    check_proj_size,
+    check_rate,
+    check_state_shape,
+    check_step,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -152,6 +159,8 @@ class RecurrentLayer(nn.Module):
         self.zoneout_c = check_rate(owner, "zoneout_c", zoneout_c)
         if self.zoneout_c and not self.cell_class.has_cell_state:
             raise ValueError(f"{owner}: expected zoneout_c=0 (there is no cell state), got {zoneout_c!r}")
+        if forget_bias is not None:  # here too, so that the error names the layer rather than its cells
+            check_finite(owner, "forget_bias", forget_bias)
         self.bias = bool(bias)
         self.batch_first = bool(batch_first)
         self.bidirectional = bool(bidirectional)

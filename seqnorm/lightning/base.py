@@ -232,6 +232,7 @@ class TaskModule(pl.LightningModule):
         check_non_negative(owner, "lr", self.hparams.lr)  # 0: a frozen run, as torch allows
         check_non_negative(owner, "weight_decay", self.hparams.weight_decay)
         check_rate(owner, "dropout", self.hparams.dropout)  # torch.nn.Dropout's own error names no flag
+        check_rate(owner, "recurrent_dropout", self.hparams.recurrent_dropout)  # the layer's error would name LSTM
         if isinstance(norm, Mapping):  # what a checkpoint holds
             norm = spec_from_dict(norm, owner)
         plain = norm.to_dict() if isinstance(norm, NormSpec) else norm

@@ -5,6 +5,8 @@ It lives beside the LightningModules because it joins the model with the vocabul
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from seqnorm.data.units import STREAM_UNITS
@@ -23,7 +25,8 @@ def sampling_out_of_range(length: int, temperature: float, top_k: int | None) ->
     """The first sampling argument below its :data:`SAMPLING_MINIMUMS`, with its value, or ``None``; both
     :func:`generate_text` and ``seqnorm generate`` (which names flags, before reading the checkpoint) ask."""
     for name, value in (("length", length), ("temperature", temperature), ("top_k", top_k)):
-        if value is not None and value < SAMPLING_MINIMUMS[name]:
+        # `not <=`: NaN passes every comparison; inf is refused too (inf / inf is NaN where a token is banned)
+        if value is not None and not SAMPLING_MINIMUMS[name] <= value < math.inf:
             return name, value
     return None
 
@@ -63,7 +66,8 @@ def generate_text(
     wrong = sampling_out_of_range(length, temperature, top_k)
     if wrong is not None:
         name, value = wrong
-        raise ValueError(f"generate_text: expected {name} >= {SAMPLING_MINIMUMS[name]}, got {value}")
+        what = "a finite number" if name == "temperature" else "an int"
+        raise ValueError(f"generate_text: expected {name} to be {what} >= {SAMPLING_MINIMUMS[name]}, got {value}")
     if window_steps is not None and (
         isinstance(window_steps, bool) or not isinstance(window_steps, int) or window_steps < 1
     ):

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from seqnorm.models.rnn import embedded_rnn
+from seqnorm.validation import check_rate
 
 __all__ = ["Pooling", "RNNClassifier"]
 
@@ -46,6 +47,7 @@ class RNNClassifier(nn.Module):
         super().__init__()
         if pooling not in ("last", "mean", "max"):
             raise ValueError(f"RNNClassifier: expected pooling to be 'last', 'mean' or 'max', got {pooling!r}")
+        check_rate("RNNClassifier", "dropout", dropout)  # torch.nn.Dropout lets NaN through
         self.pooling = pooling
         self.embedding, self.rnn = embedded_rnn(
             vocab_size,

@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from seqnorm.layers import RecurrentState
 from seqnorm.models.rnn import embedded_rnn
+from seqnorm.validation import check_rate
 
 __all__ = ["RNNLanguageModel"]
 
@@ -46,6 +47,7 @@ class RNNLanguageModel(nn.Module):
         **rnn_kwargs: Any,
     ) -> None:
         super().__init__()
+        check_rate("RNNLanguageModel", "dropout", dropout)  # torch.nn.Dropout lets NaN through
         self.embedding, self.rnn = embedded_rnn(
             vocab_size,
             embedding_dim,

@@ -57,7 +57,7 @@ from torch import Tensor, nn
 
 from seqnorm.norms.batch_pieces import BatchNormPieces, PopulationMoments, masked_moments
 from seqnorm.norms.precision import float32_statistics
-from seqnorm.validation import check_eps
+from seqnorm.validation import check_eps, check_finite, check_momentum
 
 __all__ = [
     "DEFAULT_MAX_STEPS",
@@ -144,8 +144,9 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
         check_eps(name, eps)
         if max_steps < 1:
             raise ValueError(f"{name}: expected max_steps >= 1, got {max_steps}")
-        if momentum is not None and not 0.0 <= momentum <= 1.0:
-            raise ValueError(f"{name}: expected momentum in [0, 1] or None, got {momentum}")
+        check_momentum(name, momentum)
+        check_finite(name, "gain", gain)
+        check_finite(name, "shift", shift)
         if small_batch not in SMALL_BATCH_POLICIES:
             raise ValueError(f"{name}: expected small_batch to be 'tail', 'error' or 'running', got {small_batch!r}")
         if beyond_max_steps not in ("last", "pooled"):

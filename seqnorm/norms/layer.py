@@ -21,7 +21,7 @@ from seqnorm import torch_ops
 from seqnorm.kernels import KernelNorm
 from seqnorm.norms.precision import float32_statistics
 from seqnorm.norms.protocol import NormCall
-from seqnorm.validation import check_eps
+from seqnorm.validation import check_eps, check_finite
 
 __all__ = ["LayerNorm", "RMSNorm", "rms_length"]
 
@@ -62,9 +62,10 @@ class _RowNorm(nn.Module):
     ) -> None:
         super().__init__()
         self.num_features = num_features
-        self.eps = check_eps(type(self).__name__, eps)
-        self.gain_init = gain
-        self.shift_init = shift
+        owner = type(self).__name__
+        self.eps = check_eps(owner, eps)
+        self.gain_init = check_finite(owner, "gain", gain)
+        self.shift_init = check_finite(owner, "shift", shift)
         self.affine = affine
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(num_features, **factory)) if affine else None

@@ -14,6 +14,7 @@ from seqnorm.kernels import KernelNorm
 from seqnorm.norms.batch import DEFAULT_MAX_STEPS, TimestepBatchNorm
 from seqnorm.norms.batch_pieces import masked_moments
 from seqnorm.norms.protocol import NormCall
+from seqnorm.validation import check_finite
 
 __all__ = ["TimestepBatchRenorm", "renorm_correction"]
 
@@ -73,10 +74,8 @@ class TimestepBatchRenorm(TimestepBatchNorm):
     ) -> None:
         super().__init__(num_features, max_steps, **kwargs)  # type: ignore[arg-type]
         name = type(self).__name__
-        if r_max < 1.0:
-            raise ValueError(f"{name}: expected r_max >= 1, got {r_max}")
-        if d_max < 0.0:
-            raise ValueError(f"{name}: expected d_max >= 0, got {d_max}")
+        check_finite(name, "r_max", r_max, "a finite number >= 1", lambda bound: bound >= 1)
+        check_finite(name, "d_max", d_max, "a finite number >= 0", lambda bound: bound >= 0)
         if warmup < 0 or r_max_steps < 1 or d_max_steps < 1:
             raise ValueError(
                 f"{name}: expected warmup >= 0 and r_max_steps, d_max_steps >= 1, "

@@ -18,7 +18,6 @@ seqnorm.norms.BatchNormSpec --model.norm.init_args.momentum 0.05``); in checkpoi
 
 from __future__ import annotations
 
-import math
 from contextvars import ContextVar
 from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar, Literal
@@ -30,7 +29,7 @@ from seqnorm.norms.batch import (
     BeyondMaxSteps,
     SmallBatchPolicy,
 )
-from seqnorm.validation import check_eps
+from seqnorm.validation import check_eps, check_finite, check_momentum
 
 __all__ = [
     "BatchNormSpec",
@@ -61,15 +60,6 @@ def _check_choice(owner: str, name: str, value: object, choices: tuple[Any, ...]
     # `type(...) is` so that 1 and 0 do not pass for True and False
     if value not in choices or type(value) is not type(choices[0]):
         raise _fail(owner, f"{name} to be one of {', '.join(map(repr, choices))}", repr(value))
-
-
-def _is_number(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-
-
-def _check_number(owner: str, name: str, value: object, low: float, what: str) -> None:
-    if not _is_number(value) or value < low:  # type: ignore[operator]
-        raise _fail(owner, f"{name} to be {what}", repr(value))
 
 
 def _check_int(owner: str, name: str, value: object, low: int, what: str) -> None:
@@ -108,7 +98,7 @@ class NormSpec:
 def checked(owner: str, spec: NormSpec, **changes: Any) -> NormSpec:
     """``dataclasses.replace(spec, **changes)``, its check failing with a ``ValueError`` that names ``owner``.
 
-    ``LSTM(3, 4, norm="batch", momentum=2.0)`` should read ``LSTM: expected momentum in [0, 1], got 2.0``: the user
+    ``LSTM(3, 4, norm="batch", momentum=2.0)`` should read ``LSTM: expected momentum to be ..., got 2.0``: the user
     typed ``LSTM``, not ``BatchNormSpec``.
     """
     token = _owner.set(owner)
@@ -146,8 +136,8 @@ class _Affine(NormSpec):
         _check_choice(owner, "affine", self.affine, (True, False))
         for name in ("gamma_init", "beta_init"):
             value = getattr(self, name)
-            if value is not None and not _is_number(value):
-                raise _fail(owner, f"{name} to be a finite number", repr(value))
+            if value is not None:
+                check_finite(owner, name, value)
         if not self.affine and (self.gamma_init is not None or self.beta_init != 0):
             raise _fail(
                 owner,
@@ -198,8 +188,7 @@ class _Statistics(NormSpec):
 
     def check(self, owner: str) -> None:
         check_eps(owner, self.eps)
-        if self.momentum is not None and (not _is_number(self.momentum) or not 0.0 <= self.momentum <= 1.0):
-            raise _fail(owner, "momentum in [0, 1] or None", repr(self.momentum))
+        check_momentum(owner, self.momentum)
         _check_int(owner, "max_steps", self.max_steps, 1, "a positive int")
         if self.small_batch not in SMALL_BATCH_POLICIES:
             raise _fail(owner, "small_batch to be 'tail', 'error' or 'running'", repr(self.small_batch))
@@ -293,8 +282,8 @@ class BatchRenormSpec(_Batch):
 
     def check(self, owner: str) -> None:
         super().check(owner)
-        _check_number(owner, "r_max", self.r_max, 1.0, "a finite number >= 1")
-        _check_number(owner, "d_max", self.d_max, 0.0, "a finite number >= 0")
+        check_finite(owner, "r_max", self.r_max, "a finite number >= 1", lambda r_max: r_max >= 1)
+        check_finite(owner, "d_max", self.d_max, "a finite number >= 0", lambda d_max: d_max >= 0)
         _check_int(owner, "warmup", self.warmup, 0, "an int >= 0")
         _check_int(owner, "r_max_steps", self.r_max_steps, 1, "a positive int")
         _check_int(owner, "d_max_steps", self.d_max_steps, 1, "a positive int")
