@@ -32,14 +32,18 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor
 
+from seqnorm.kernels.backend import Backend
+from seqnorm.kernels.cpu import CpuBackend
+
 __all__ = [
     "BACKENDS",
+    "BACKEND_ENV",
+    "Backend",
     "CacheInfo",
     "KernelNorm",
     "build",
@@ -97,7 +101,7 @@ class KernelNorm:
     owner: Any = field(default=None, compare=False)
     """The module (the layers add the kernel's fallback-step count to its ``fallback_steps``)."""
 
-    def native(self, kernels: ModuleType) -> Any:
+    def native(self, kernels: Backend) -> Any:
         """The C++ ``NormArgs`` of ``kernels``.
 
         The kernels index every tensor as dense rows: the read-only ones are made contiguous here (a parameter
@@ -240,12 +244,41 @@ def _interpreter_tools_on_path() -> Iterator[None]:
         os.environ["PATH"] = previous
 
 
-_LOADED: dict[str, ModuleType | None] = {}
+_LOADED: dict[str, Backend | None] = {}
 _WHY_NOT: dict[str, str] = {}
 _ENABLED: list[bool] = [os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")]
 
 
-def _load_cpu() -> ModuleType | None:
+BACKEND_ENV = "SEQNORM_BACKEND"
+"""``SEQNORM_BACKEND=triton``: the Triton backend for CPU tensors too, through Triton's interpreter (needs
+``TRITON_INTERPRET=1`` set before Triton is imported; how the tests run the GPU kernels without a GPU). ``auto``, the
+default: the C++ kernels on the CPU, Triton on CUDA."""
+
+
+def _backend_setting() -> str:
+    value = os.environ.get(BACKEND_ENV, "").strip().lower() or "auto"
+    if value not in ("auto", "triton"):
+        raise ValueError(f"{BACKEND_ENV}: expected auto or triton, got {value!r}")
+    return value
+
+
+def _load_triton(device_type: str) -> Backend | None:
+    if importlib.util.find_spec("triton") is None:
+        _WHY_NOT[device_type] = 'Triton is not installed: pip install "seqnorm[gpu]"'
+        return None
+    if device_type == "cpu" and os.environ.get("TRITON_INTERPRET", "") != "1":
+        _WHY_NOT[device_type] = (
+            f"{BACKEND_ENV}=triton runs CPU tensors through Triton's interpreter: set TRITON_INTERPRET=1"
+        )
+        return None
+    from seqnorm.kernels import triton_backend  # imported here: `import seqnorm` never imports triton
+
+    return triton_backend  # type: ignore[return-value]  # the module has the Protocol's attributes
+
+
+def _load_cpu() -> Backend | None:
+    if _backend_setting() == "triton":
+        return _load_triton("cpu")
     directory = cache_dir() / _build_key(_capability())
     path = _library(directory)
     if not path.exists():
@@ -269,7 +302,7 @@ def _load_cpu() -> ModuleType | None:
         _WHY_NOT["cpu"] = f"the C++ kernels at {path} failed to load ({error}); rebuild: `python -m seqnorm.kernels`"
         return None
     module.set_cache_limit(_CACHE_LIMIT[0] if _CACHE_LIMIT[0] is not None else _cache_limit_from_env())
-    return module
+    return CpuBackend(module)
 
 
 # --- the memory the kernels keep between calls for their saved activations (csrc/buffers.h) ---
@@ -328,12 +361,14 @@ def cache_info() -> CacheInfo:
     return CacheInfo(*module.cache_info()) if module is not None else CacheInfo(0, 0, 0, 0)
 
 
-BACKENDS: dict[str, Callable[[], ModuleType | None]] = {"cpu": _load_cpu}
-"""Per device type, a loader of the kernels (``None`` when they cannot run; ``status`` says why)."""
+BACKENDS: dict[str, Callable[[], Backend | None]] = {"cpu": _load_cpu, "cuda": lambda: _load_triton("cuda")}
+"""Per device type, a loader of its :class:`~seqnorm.kernels.backend.Backend` (``None`` when it cannot run;
+``status`` says why)."""
 
 
-def native(device_type: str) -> ModuleType | None:
-    """The kernels for ``device_type``, or ``None`` (switched off, not built, or none for that device).
+def native(device_type: str) -> Backend | None:
+    """The kernels (:class:`~seqnorm.kernels.backend.Backend`) for ``device_type``, or ``None`` (switched off, not
+    built, or none for that device).
 
     The first ``None`` for a device that has a loader warns once, saying why and that the plain path runs.
     """

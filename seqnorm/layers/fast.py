@@ -44,7 +44,14 @@ __all__ = ["Impl", "choose_path", "run_fast", "run_fused", "step_cell"]
 
 Impl = Literal["auto", "reference"]
 IMPLS: tuple[str, ...] = ("auto", "reference")
-_SHORT_NAMES = {"torch_kernel": "fused", "kernel": "fast", "bptt": "fast", "loop": "fast", "reference": "reference"}
+_SHORT_NAMES = {
+    "torch_kernel": "fused",
+    "kernel": "fast",
+    "triton": "fast",
+    "bptt": "fast",
+    "loop": "fast",
+    "reference": "reference",
+}
 
 
 def choose_path(layer: RecurrentLayer, lengths: Tensor | None, batch: int) -> Literal["reference", "fused", "fast"]:
@@ -111,7 +118,7 @@ def _run_direction(
     dropped = draw_sequence_masks(layer, cell, sequence, state)
     if dropped.input is not None:
         sequence = sequence * dropped.input
-    if routes[cell] == "kernel":
+    if routes[cell] in ("kernel", "triton"):  # the device's backend, as the plan found it
         return kernel.run_recurrence(cell, sequence, state, dropped.weight_hh, layout)
     if routes[cell] == "bptt":
         return bptt.run_recurrence(cell, sequence, state, dropped.weight_hh, layout)

@@ -23,7 +23,6 @@ statistics, and ``tests/test_kernels.py`` compares them for every cell and norm.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +35,7 @@ from seqnorm.kernels import NO_NORM, KernelNorm, native
 from seqnorm.layers.plan import cell_kernel, norm_blocker
 from seqnorm.layers.stack import PaddingLayout
 
-__all__ = ["LayoutChoice", "compiled_step", "kernel_norm", "run_recurrence"]
+__all__ = ["compiled_step", "kernel_norm", "run_recurrence"]
 
 
 def kernel_norm(norm: nn.Module | None, shift: Tensor | None, *, frozen: bool = False) -> KernelNorm:
@@ -90,7 +89,7 @@ def run_recurrence(
         weight_hh: ``W_hh`` for every step if not the cell's own (DropConnect), else ``None``.
         layout: where the real rows are (:func:`~seqnorm.layers.stack.padding_layout`).
     """
-    kernels = native(sequence.device.type)
+    kernels = native(sequence.device.type)  # the backend the plan found for the device
     assert kernels is not None, "the plan routes here only where the kernels are loaded"
     lstm = cell_kernel(cell) == "lstm"
     beta = {name: None if norm is None else norm.bias for name, norm in _norms(cell).items()}
@@ -126,7 +125,7 @@ def run_recurrence(
 def _kept_projection(kernels: Any, sequence: Tensor, weight_ih: Tensor) -> Tensor:
     """``W_ih x`` of the whole sequence, in memory the kernels keep between calls (``csrc/buffers.h``): a training
     step saves it, and at the sizes where that matters a fresh block paid its page faults at every call."""
-    out = kernels.saved_empty([*sequence.shape[:-1], weight_ih.shape[0]], sequence.dtype)
+    out = kernels.empty_like_saved([*sequence.shape[:-1], weight_ih.shape[0]], sequence)
     return project(sequence, weight_ih, out=out)
 
 
@@ -202,8 +201,8 @@ CompiledStep = Callable[[Tensor, Tensor, "Tensor | None", int], tuple[Tensor, "T
 
 def compiled_step(cell: RecurrentCell, kernels: Any, rows: int) -> CompiledStep:
     """The no-grad step of ``cell`` as one kernel call, with everything that depends on parameters alone prepared
-    once (weight norm's weights, the biases folded into the norms' shifts, the norms' C++ arguments, the weights'
-    layout for ``rows`` rows: :class:`LayoutChoice`).
+    once (weight norm's weights, the biases folded into the norms' shifts, the norms' kernel arguments, the weights'
+    layout for ``rows`` rows: the backend's ``prepare_step``, e.g. the CPU backend's measured layouts).
 
     ``run(x, h, c, step) -> (h', c')`` with ``x`` ``(B, I)`` or ``(1, B, I)`` and ``h``, ``c``, ``h'``, ``c'``
     ``(1, B, .)`` (``c'`` ``None`` for a GRU).
@@ -218,7 +217,6 @@ def compiled_step(cell: RecurrentCell, kernels: Any, rows: int) -> CompiledStep:
     norms = [norm.native(kernels) for norm in (ih, hh, state)]
     step_kernel = kernels.generation_step
     weights = (cell.weight_ih, cell.weight_hh)
-    choices = [LayoutChoice.of(weight, rows) for weight in weights]
 
     folds = [norm.fold_through for norm in (ih, hh, state) if norm.fold_through is not None]
     unfolded = [0]  # the first time index whose BN rows are not all folded yet
@@ -237,116 +235,7 @@ def compiled_step(cell: RecurrentCell, kernels: Any, rows: int) -> CompiledStep:
 
         return folding
 
-    if all(choice.copy_wins is False for choice in choices):
-        return fixed(*(weight.t() for weight in weights))
-    return _preparing_step(kernels, weights, choices, fixed)
-
-
-_VIEW, _COPY = 0, 1  # the layouts' candidate numbers in the kernels' Trials
-
-
-def _preparing_step(
-    kernels: Any,
-    weights: tuple[Tensor, Tensor],
-    choices: list[LayoutChoice],
-    fixed: Callable[[Tensor, Tensor], CompiledStep],
-) -> CompiledStep:
-    """The steps until each weight is in its chosen layout (:class:`LayoutChoice`), with no step paying for the
-    preparation at once.
-
-    A row-major copy is wanted for a weight whose choice is the copy or is still to be made; it is written a chunk
-    per step (:class:`_ChunkedCopy`), and the weight's view serves until it is complete. A shape still undecided has
-    its layouts timed on these steps by the rule the kernels' products are (``kernels.Trials``, product.h): the view
-    while the copy is written, then the two in blocks of a few steps, rounds of one block each, the first step of
-    each block untimed (24 steps for two layouts).
-    The timings are this step's own (another cell's steps cost another amount); the first step to decide a shape
-    decides it for all. Then the steps run :func:`fixed`'s form, holding only the layouts they use."""
-    slots = [(_ChunkedCopy(weight), choice) for weight, choice in zip(weights, choices, strict=True)]
-    timings = {choice: kernels.Trials(2) for choice in choices}  # LayoutChoice hashes by identity
-    settled: list[CompiledStep] = []
-
-    def run(x: Tensor, h: Tensor, c: Tensor | None, step: int) -> tuple[Tensor, Tensor | None]:
-        if settled:
-            return settled[0](x, h, c, step)
-        measured = next((choice for choice in choices if choice.copy_wins is None), None)
-        pending = next((copy for copy, choice in slots if choice.copy_wins is not False and not copy.ready), None)
-        if measured is None and pending is None:
-            settled.append(fixed(*(copy.tensor if choice.copy_wins else copy.weight.t() for copy, choice in slots)))
-            slots.clear()  # the layouts not chosen are let go
-            return settled[0](x, h, c, step)
-        ready = all(copy.ready for copy, choice in slots if choice is measured)
-        trial = measured is not None and ready and timings[measured].turn() == _COPY
-        pair = [
-            copy.tensor if (trial if choice is measured else choice.copy_wins and copy.ready) else copy.weight.t()
-            for copy, choice in slots
-        ]
-        if measured is None:
-            result = fixed(*pair)(x, h, c, step)
-        else:
-            start = time.perf_counter()
-            result = fixed(*pair)(x, h, c, step)
-            timing = timings[measured]
-            timing.record(_COPY if trial else _VIEW, time.perf_counter() - start)
-            if measured.copy_wins is None and timing.chosen is not None:  # another step may have decided it meanwhile
-                measured.copy_wins = timing.chosen == _COPY
-        if pending is not None:
-            pending.advance()
-        return result
-
-    return run
-
-
-class _ChunkedCopy:
-    """``weight.t()`` copied row-major a chunk of about ``CHUNK`` elements per :meth:`advance`: at once, the copy of
-    a ``4096 x 1024`` weight paused a step by 6-14 ms on an Intel Xeon (a strided transpose, 1-3 ns an element)."""
-
-    CHUNK = 1 << 17
-
-    def __init__(self, weight: Tensor) -> None:
-        self.weight = weight
-        self.tensor = torch.empty(weight.shape[1], weight.shape[0], dtype=weight.dtype, device=weight.device)
-        self.done = 0  # rows of the copy written
-
-    @property
-    def ready(self) -> bool:
-        return self.done == self.tensor.shape[0]
-
-    def advance(self) -> None:
-        end = min(self.tensor.shape[0], self.done + max(1, self.CHUNK // max(1, self.tensor.shape[1])))
-        self.tensor[self.done : end].copy_(self.weight[:, self.done : end].t())
-        self.done = end
-
-
-class LayoutChoice:
-    """Which layout of ``W^T`` a generation step multiplies ``(rows, in) @ W^T`` by: a row-major copy or the
-    transposed view (torch's own cells' layout), whichever MKL computed faster here, per weight shape, dtype, device,
-    rows and thread count for the process (:meth:`of`); ``copy_wins`` is ``None`` until it is decided.
-
-    Neither wins everywhere on this project's machines: at one row the copy took 10 µs against 19 µs for a
-    ``256 x 1024`` weight, the view 64 µs against 76 µs for a GRU's pair at ``I=256, H=512`` (BENCHMARKS.md). The
-    choice is measured on the generation steps themselves (:func:`_preparing_step`), not on probe products when the
-    step is prepared: that paused the first step by 28 ms at ``I=512, H=1024``, where torch's first cell step took 2
-    ms. Prepared again (after every training step and ``train()``/``eval()``:
-    :func:`seqnorm.layers.stepping.forget`), a step reuses the choice, its copy again written a chunk per step.
-
-    With deterministic algorithms (``torch.use_deterministic_algorithms``) it is always the view: the two layouts
-    round differently, and a measured choice depends on the machine's load.
-    """
-
-    def __init__(self, copy_wins: bool | None = None) -> None:
-        self.copy_wins = copy_wins
-
-    @classmethod
-    def of(cls, weight: Tensor, rows: int) -> LayoutChoice:
-        """The choice for ``weight``'s shape (decided or still to be measured)."""
-        if torch.are_deterministic_algorithms_enabled():  # one layout: each rounds differently (see product.h)
-            return cls(copy_wins=False)
-        key = (tuple(weight.shape), weight.dtype, weight.device.type, rows, torch.get_num_threads())
-        return _LAYOUTS.setdefault(key, cls())
-
-
-# The layout choices in this process, per weight shape, dtype, device, rows and threads.
-_LAYOUTS: dict[tuple[Any, ...], LayoutChoice] = {}
+    return kernels.prepare_step(weights, rows, fixed)  # the weights' layout: the backend's own tuning, if any
 
 
 def _norms(cell: RecurrentCell) -> dict[str, nn.Module | None]:

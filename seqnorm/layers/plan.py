@@ -5,7 +5,9 @@
 - ``"torch_kernel"``: torch's fused LSTM/GRU over the whole sequence (:func:`seqnorm.layers.fast.run_fused`). Needs
   cells that declare ``torch_kernel``, nothing normalized (``"none"``, or plain ``"weight"``), no random draws (their
   masks would differ from the reference's) and no autocast (torch's CPU LSTM kernel fails in bfloat16).
-- ``"kernel"``: the input side of all steps at once, then the compiled kernels' recurrence
+- ``"kernel"`` (``"triton"``): the input side of all steps at once, then the device's backend's recurrence (the
+  C++ kernels on the CPU; the Triton kernels on CUDA, or on the CPU with ``SEQNORM_BACKEND=triton``: the backend's
+  :attr:`~seqnorm.kernels.backend.Backend.name`)
   (:mod:`seqnorm.layers.kernel`, C++ forward and backward through time), which restates torch's LSTM/GRU step:
   needs ``torch_kernel``, norms that declare the ``"kernel"`` form, what ``"bptt"`` needs besides (below), and the
   kernels built and loaded for the input's device (:func:`seqnorm.kernels.native`); with or without a gradient.
@@ -57,12 +59,13 @@ __all__ = [
     "cell_kernel",
     "declared",
     "kernel_blocker",
+    "kernel_path",
     "log",
     "norm_blocker",
     "plan_for",
 ]
 
-Path = Literal["torch_kernel", "kernel", "bptt", "loop", "lean_step", "reference"]
+Path = Literal["torch_kernel", "kernel", "triton", "bptt", "loop", "lean_step", "reference"]
 FastForm = Literal["loop", "bptt", "generation", "kernel"]
 log = logging.getLogger(__name__)
 
@@ -159,18 +162,31 @@ def bptt_blocker(
 
 
 def kernel_blocker(layer: RecurrentLayer | None, cell: RecurrentCell, dtype: torch.dtype, device: str) -> str | None:
-    """Why the compiled kernels (:mod:`seqnorm.layers.kernel`) cannot run ``cell``'s recurrence, or ``None``."""
+    """Why the device's kernels (:mod:`seqnorm.layers.kernel`) cannot run ``cell``'s recurrence, or ``None``."""
     blocker = bptt_blocker(layer, cell, dtype, device, "kernel")
     if blocker is None:
-        blocker = _compiled_blocker(device)
+        blocker = _compiled_blocker(device, cell, dtype)
     return blocker
 
 
-def _compiled_blocker(device: str) -> str | None:
+def kernel_path(device: str) -> Path:
+    """The path's name for the device's kernels: the backend's (``"kernel"`` on the CPU, ``"triton"`` on CUDA)."""
+    backend = kernels.native(device)
+    assert backend is not None, "asked only where the kernels run"
+    return backend.name  # type: ignore[return-value]
+
+
+def _compiled_blocker(device: str, cell: RecurrentCell, dtype: torch.dtype) -> str | None:
     if torch.compiler.is_compiling() or torch.compiler.is_exporting():  # opaque to both; the plain path traces
         return "torch.compile or torch.export is tracing"
-    if kernels.native(device) is None:  # asked last: the first miss warns why
+    backend = kernels.native(device)  # asked last: the first miss warns why
+    if backend is None:
         return f"no compiled kernels for {device!r} ({kernels.status(device)})"
+    for norm in (cell.norm_ih, cell.norm_hh, cell.norm_c):  # what the backend runs of each norm it would be given
+        if norm is not None and norm_blocker(norm, "kernel") is None:
+            unsupported = backend.unsupported(norm.kernel_norm(None).kind, dtype)  # type: ignore[operator]
+            if unsupported is not None:
+                return f"the {backend.name} backend: {unsupported}"
     return None
 
 
@@ -212,13 +228,14 @@ def _forward_plan(
     compiled = [kernel_blocker(layer, cell, x.dtype, x.device.type) for cell in cells]
     blockers = [bptt_blocker(layer, cell, x.dtype, x.device.type) for cell in cells]
     wanted = _gradient_wanted(layer, cells, x, state)
+    backend: Path | None = kernel_path(x.device.type) if any(unbuilt is None for unbuilt in compiled) else None
     routes: tuple[Path, ...] = tuple(
-        "kernel" if unbuilt is None else ("bptt" if blocker is None and want else "loop")
+        backend if unbuilt is None and backend is not None else ("bptt" if blocker is None and want else "loop")
         for unbuilt, blocker, want in zip(compiled, blockers, wanted, strict=True)
     )
-    if "kernel" in routes:
-        reason = f"{name} declares torch_kernel={kernel!r} and its norms the 'kernel' form: the compiled kernels"
-        return Plan("kernel", reason + kernel_note, routes)
+    if backend is not None:
+        reason = f"{name} declares torch_kernel={kernel!r} and its norms the 'kernel' form: the {backend} backend"
+        return Plan(backend, reason + kernel_note, routes)
     if "bptt" in routes:
         reason = f"{name} declares torch_kernel={kernel!r} and its norms the 'bptt' form, a gradient is wanted"
         return Plan("bptt", reason + kernel_note, routes)
@@ -309,7 +326,7 @@ def _lean_route(cell: RecurrentCell, x: Tensor) -> Path:
     norms = (cell.norm_ih, cell.norm_hh, cell.norm_c)
     if any(norm_blocker(norm, "kernel") is not None for norm in norms):
         return "lean_step"
-    return "kernel" if _compiled_blocker(x.device.type) is None else "lean_step"
+    return kernel_path(x.device.type) if _compiled_blocker(x.device.type, cell, x.dtype) is None else "lean_step"
 
 
 def _lean_blocker(layer: RecurrentLayer, cells: list[RecurrentCell], x: Tensor) -> str | None:

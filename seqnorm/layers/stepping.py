@@ -149,7 +149,7 @@ def _layer_run(steps: list[Step]) -> LayerStep:
 
 
 def _build(cell: RecurrentCell, route: str, device_type: str, rows: int) -> Step:
-    if route == "kernel":  # the compiled generation step (the plan found the kernels loaded)
+    if route in ("kernel", "triton"):  # the device's generation step (the plan found its backend loaded)
         return compiled_step(cell, native(device_type), rows)
     weight_ih, weight_hh = cell.weight_ih, cell.weight_hh  # weight norm evaluated here, once
     hidden = cell.hidden_size

@@ -10,6 +10,7 @@ unchanged. Nothing here reads a value back to the host inside the loops.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,12 +25,14 @@ __all__ = [
     "NormArgs",
     "cache_info",
     "empty_cache",
+    "empty_like_saved",
     "generation_step",
     "gru_backward",
     "gru_forward",
     "lstm_backward",
     "lstm_forward",
-    "saved_empty",
+    "name",
+    "prepare_step",
     "set_cache_limit",
     "unsupported",
 ]
@@ -72,16 +75,28 @@ class NormArgs:
         return self.kind == "none" and self.shift is None
 
 
-def unsupported(kind: str) -> str | None:
-    """Why this backend cannot run a norm of ``kind`` (``None``: it can)."""
-    return None if kind in KINDS else f"the Triton backend has no {kind!r} norm yet"
+name = "triton"
+"""The plan's path for this backend (``layer.plan(x).path``)."""
+
+
+def unsupported(kind: str, dtype: torch.dtype) -> str | None:
+    """Why this backend cannot run a norm of ``kind`` in ``dtype`` (``None``: it can)."""
+    if kind not in KINDS:
+        return f"the Triton backend runs no {kind!r} norm yet"
+    return None if dtype in (torch.float32, torch.float64) else f"dtype {dtype}"
+
+
+def prepare_step(weights: tuple[Tensor, Tensor], rows: int, fixed: Callable[[Tensor, Tensor], Any]) -> Any:
+    """The generation step on the transposed views of the weights (cuBLAS takes either layout alike)."""
+    del rows
+    return fixed(*(weight.t() for weight in weights))
 
 
 # --- memory: torch's caching allocator keeps CUDA memory; nothing is kept here ---
 
 
-def saved_empty(sizes: list[int], dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
-    return torch.empty(sizes, dtype=dtype, device=device)
+def empty_like_saved(sizes: list[int], like: Tensor) -> Tensor:
+    return like.new_empty(sizes)
 
 
 def empty_cache() -> None:

@@ -1,0 +1,95 @@
+"""What a device's kernels provide: the :class:`Backend` contract.
+
+A backend runs a layer direction's whole normalized recurrence (forward and backward through time) and the no-grad
+generation step for tensors of one device type. :func:`seqnorm.kernels.native` returns the device's backend, once
+loaded; the plan (:mod:`seqnorm.layers.plan`) asks it whether it can run a cell's norms (:meth:`Backend.unsupported`)
+and names its path after it (:attr:`Backend.name`); :mod:`seqnorm.layers.kernel`'s autograd Function and generation
+step then call its entry points without deciding anything again.
+
+- ``"kernel"``: the C++ kernels on the CPU (:class:`seqnorm.kernels.cpu.CpuBackend`, sources in ``seqnorm/csrc``).
+- ``"triton"``: the Triton kernels on CUDA (:mod:`seqnorm.kernels.triton_backend`); with
+  ``SEQNORM_BACKEND=triton`` and ``TRITON_INTERPRET=1``, on CPU tensors through Triton's interpreter (the tests).
+
+The entry points' arguments are the C++ kernels': ``inputs`` ``(T, B, G·H)`` (W_ih x, which the input norm
+normalizes, or the finished input terms), states ``(B, H)``, ``W_hh`` ``(G·H, H)``, ``mask`` ``(T, B)`` bool or
+``None``, and one :attr:`Backend.NormArgs` per norm (input, recurrent, and an LSTM's cell state), built by
+:meth:`seqnorm.kernels.KernelNorm.native`. What ``saved`` and ``stats`` hold is the backend's own: its backward
+receives what its forward returned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+__all__ = ["Backend"]
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """The kernels of one device type (see the module's docstring for the arguments)."""
+
+    name: str
+    """The plan's path when this backend runs a layer (``layer.plan(x).path``): ``"kernel"`` or ``"triton"``."""
+
+    NormArgs: Callable[..., Any]
+    """Builds a norm's arguments: ``kind`` (``"none"``, ``"layer"``, ``"rms"``, ``"batch"``), ``eps``, ``weight``,
+    ``shift``, BatchNorm's running statistics and options (:class:`seqnorm.kernels.KernelNorm`'s fields)."""
+
+    def unsupported(self, kind: str, dtype: torch.dtype) -> str | None:
+        """Why a norm of ``kind`` cannot run here in ``dtype``, or ``None``."""
+        ...
+
+    def lstm_forward(
+        self, inputs: Tensor, h0: Tensor, c0: Tensor, weight_hh: Tensor, mask: Tensor | None,
+        ih: Any, hh: Any, c: Any, save: bool,
+    ) -> tuple[list[Tensor], list[Tensor | None], list[list[Tensor]], list[int]]:  # fmt: skip
+        """``([hs, h_n, c_n], saved, stats, fallback steps per norm)``; ``saved``/``stats`` empty without ``save``."""
+        ...
+
+    def lstm_backward(self, *args: Any) -> list[Tensor | None]:
+        """``(grad_hs, grad_h_n, grad_c_n, inputs, h0, c0, weight_hh, mask, hs, saved[:3], saved[3], stats, ih, hh,
+        c, sequence, weight_ih, want_input, want_weight_ih)`` -> the gradients of the input (x when ``sequence`` and
+        ``weight_ih`` are given: the backend makes the projection's gradients), h0, c0, W_hh, (γ, shift) of each
+        norm, W_ih."""
+        ...
+
+    def gru_forward(
+        self, inputs: Tensor, h0: Tensor, weight_hh: Tensor, mask: Tensor | None, ih: Any, hh: Any, save: bool
+    ) -> tuple[list[Tensor], list[Tensor], list[list[Tensor]], list[int]]:
+        """``([hs, h_n], saved, stats, fallback steps per norm)``."""
+        ...
+
+    def gru_backward(self, *args: Any) -> list[Tensor | None]:
+        """``(grad_hs, grad_h_n, inputs, h0, weight_hh, mask, hs, saved, stats, ih, hh, sequence, weight_ih,
+        want_input, want_weight_ih)`` -> as :meth:`lstm_backward`, without c0 and the cell-state norm."""
+        ...
+
+    def generation_step(
+        self, cell: str, x: Tensor, h: Tensor, c: Tensor | None, weight_ih_t: Tensor, weight_hh_t: Tensor,
+        ih: Any, hh: Any, c_norm: Any, step: int,
+    ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+        """One no-grad step: ``x`` ``(B, I)``, ``h``/``c`` ``(1, B, H)`` -> ``(h', c')`` (``c'`` ``None``: GRU)."""
+        ...
+
+    def prepare_step(self, weights: tuple[Tensor, Tensor], rows: int, fixed: Callable[[Tensor, Tensor], Any]) -> Any:
+        """The generation step ``fixed(W_ih^T, W_hh^T)`` for ``rows`` rows, in whatever layout of the weights is
+        fastest here (the CPU measures it; a GPU takes the transposed views)."""
+        ...
+
+    def empty_like_saved(self, sizes: list[int], like: Tensor) -> Tensor:
+        """An uninitialized tensor of ``like``'s dtype and device for a recurrence's large saved tensors."""
+        ...
+
+    def empty_cache(self) -> None:
+        """Let go of memory the backend keeps between calls (none on CUDA: torch's allocator keeps it)."""
+        ...
+
+    def set_cache_limit(self, nbytes: int) -> None: ...
+
+    def cache_info(self) -> tuple[int, int, int, int]:
+        """``(bytes kept, limit, blocks reused, blocks made)``."""
+        ...

@@ -1,0 +1,155 @@
+"""The CPU backend: seqnorm's C++ kernels (``seqnorm/csrc``) behind :class:`~seqnorm.kernels.backend.Backend`, with
+the tuning only the CPU needs — the weights' layout for a generation step, measured on the steps themselves (the
+per-step matmul's route is measured inside the C++, ``product.h``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["CpuBackend", "LayoutChoice"]
+
+
+class CpuBackend:
+    """The compiled C++ kernels of this machine as a :class:`~seqnorm.kernels.backend.Backend`: the entry points
+    are the extension's own (every attribute not defined here is the extension module's)."""
+
+    name = "kernel"
+    """The plan's path for this backend (``layer.plan(x).path``)."""
+
+    def __init__(self, module: ModuleType) -> None:
+        self.module = module
+        self.__file__ = module.__file__
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.module, name)
+
+    def unsupported(self, kind: str, dtype: torch.dtype) -> str | None:
+        """Every norm kind of :class:`~seqnorm.kernels.KernelNorm` runs here, in float32 and float64."""
+        del kind
+        return None if dtype in (torch.float32, torch.float64) else f"dtype {dtype}"
+
+    def empty_like_saved(self, sizes: list[int], like: Tensor) -> Tensor:
+        """An uninitialized tensor for a recurrence's large saved tensors, on a kept block where one fits."""
+        return self.module.saved_empty(sizes, like.dtype)
+
+    def prepare_step(self, weights: tuple[Tensor, Tensor], rows: int, fixed: Callable[[Tensor, Tensor], Any]) -> Any:
+        """The generation step ``fixed(W_ih^T, W_hh^T)`` with each ``W^T`` in the layout measured fastest here for
+        ``rows`` rows (:class:`LayoutChoice`), the copies written and the choice timed on the first steps."""
+        choices = [LayoutChoice.of(weight, rows) for weight in weights]
+        if all(choice.copy_wins is False for choice in choices):
+            return fixed(*(weight.t() for weight in weights))
+        return _preparing_step(self.module, weights, choices, fixed)
+
+
+_VIEW, _COPY = 0, 1  # the layouts' candidate numbers in the kernels' Trials
+
+
+def _preparing_step(
+    kernels: Any,
+    weights: tuple[Tensor, Tensor],
+    choices: list[LayoutChoice],
+    fixed: Callable[[Tensor, Tensor], Any],
+) -> Any:
+    """The steps until each weight is in its chosen layout (:class:`LayoutChoice`), with no step paying for the
+    preparation at once.
+
+    A row-major copy is wanted for a weight whose choice is the copy or is still to be made; it is written a chunk
+    per step (:class:`_ChunkedCopy`), and the weight's view serves until it is complete. A shape still undecided has
+    its layouts timed on these steps by the rule the kernels' products are (``kernels.Trials``, product.h): the view
+    while the copy is written, then the two in blocks of a few steps, rounds of one block each, the first step of
+    each block untimed (24 steps for two layouts).
+    The timings are this step's own (another cell's steps cost another amount); the first step to decide a shape
+    decides it for all. Then the steps run :func:`fixed`'s form, holding only the layouts they use."""
+    slots = [(_ChunkedCopy(weight), choice) for weight, choice in zip(weights, choices, strict=True)]
+    timings = {choice: kernels.Trials(2) for choice in choices}  # LayoutChoice hashes by identity
+    settled: list[Any] = []
+
+    def run(x: Tensor, h: Tensor, c: Tensor | None, step: int) -> tuple[Tensor, Tensor | None]:
+        if settled:
+            return settled[0](x, h, c, step)
+        measured = next((choice for choice in choices if choice.copy_wins is None), None)
+        pending = next((copy for copy, choice in slots if choice.copy_wins is not False and not copy.ready), None)
+        if measured is None and pending is None:
+            settled.append(fixed(*(copy.tensor if choice.copy_wins else copy.weight.t() for copy, choice in slots)))
+            slots.clear()  # the layouts not chosen are let go
+            return settled[0](x, h, c, step)
+        ready = all(copy.ready for copy, choice in slots if choice is measured)
+        trial = measured is not None and ready and timings[measured].turn() == _COPY
+        pair = [
+            copy.tensor if (trial if choice is measured else choice.copy_wins and copy.ready) else copy.weight.t()
+            for copy, choice in slots
+        ]
+        if measured is None:
+            result = fixed(*pair)(x, h, c, step)
+        else:
+            start = time.perf_counter()
+            result = fixed(*pair)(x, h, c, step)
+            timing = timings[measured]
+            timing.record(_COPY if trial else _VIEW, time.perf_counter() - start)
+            if measured.copy_wins is None and timing.chosen is not None:  # another step may have decided it meanwhile
+                measured.copy_wins = timing.chosen == _COPY
+        if pending is not None:
+            pending.advance()
+        return result
+
+    return run
+
+
+class _ChunkedCopy:
+    """``weight.t()`` copied row-major a chunk of about ``CHUNK`` elements per :meth:`advance`: at once, the copy of
+    a ``4096 x 1024`` weight paused a step by 6-14 ms on an Intel Xeon (a strided transpose, 1-3 ns an element)."""
+
+    CHUNK = 1 << 17
+
+    def __init__(self, weight: Tensor) -> None:
+        self.weight = weight
+        self.tensor = torch.empty(weight.shape[1], weight.shape[0], dtype=weight.dtype, device=weight.device)
+        self.done = 0  # rows of the copy written
+
+    @property
+    def ready(self) -> bool:
+        return self.done == self.tensor.shape[0]
+
+    def advance(self) -> None:
+        end = min(self.tensor.shape[0], self.done + max(1, self.CHUNK // max(1, self.tensor.shape[1])))
+        self.tensor[self.done : end].copy_(self.weight[:, self.done : end].t())
+        self.done = end
+
+
+class LayoutChoice:
+    """Which layout of ``W^T`` a generation step multiplies ``(rows, in) @ W^T`` by: a row-major copy or the
+    transposed view (torch's own cells' layout), whichever MKL computed faster here, per weight shape, dtype, device,
+    rows and thread count for the process (:meth:`of`); ``copy_wins`` is ``None`` until it is decided.
+
+    Neither wins everywhere on this project's machines: at one row the copy took 10 µs against 19 µs for a
+    ``256 x 1024`` weight, the view 64 µs against 76 µs for a GRU's pair at ``I=256, H=512`` (BENCHMARKS.md). The
+    choice is measured on the generation steps themselves (:func:`_preparing_step`), not on probe products when the
+    step is prepared: that paused the first step by 28 ms at ``I=512, H=1024``, where torch's first cell step took 2
+    ms. Prepared again (after every training step and ``train()``/``eval()``:
+    :func:`seqnorm.layers.stepping.forget`), a step reuses the choice, its copy again written a chunk per step.
+
+    With deterministic algorithms (``torch.use_deterministic_algorithms``) it is always the view: the two layouts
+    round differently, and a measured choice depends on the machine's load.
+    """
+
+    def __init__(self, copy_wins: bool | None = None) -> None:
+        self.copy_wins = copy_wins
+
+    @classmethod
+    def of(cls, weight: Tensor, rows: int) -> LayoutChoice:
+        """The choice for ``weight``'s shape (decided or still to be measured)."""
+        if torch.are_deterministic_algorithms_enabled():  # one layout: each rounds differently (see product.h)
+            return cls(copy_wins=False)
+        key = (tuple(weight.shape), weight.dtype, weight.device.type, rows, torch.get_num_threads())
+        return _LAYOUTS.setdefault(key, cls())
+
+
+# The layout choices in this process, per weight shape, dtype, device, rows and threads.
+_LAYOUTS: dict[tuple[Any, ...], LayoutChoice] = {}
