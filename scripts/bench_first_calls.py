@@ -15,7 +15,7 @@ call: the first call(s), the same calls once prepared, and torch's counterpart m
   the steady ones; torch's cell alike (it caches nothing).
 
 A process chooses each matmul route and weight layout once per shape (``seqnorm/csrc/product.h``,
-``seqnorm.layers.kernel.LayoutChoice``), so the three use shapes that no other part of the run uses.
+``seqnorm.kernels.cpu.LayoutChoice``), so the three use shapes that no other part of the run uses.
 
 Usage: ``python scripts/bench_first_calls.py`` (``--norms layer,batch``, ``--threads 2``; ``--quick``: tiny sizes).
 """

@@ -22,6 +22,7 @@ from torch.testing import assert_close
 
 import seqnorm
 from seqnorm import kernels
+from seqnorm.kernels import cpu
 from seqnorm.layers import kernel, stepping
 from seqnorm.layers.plan import declared
 from tests.conftest import LAYERS, TORCH_KINDS, perturb_norm_parameters, require_kernels
@@ -472,9 +473,9 @@ def test_preparing_the_kernels_draws_nothing_from_the_generator(kind: str) -> No
 def test_generation_step_with_either_weight_layout(kind: str, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Either layout of ``W^T`` the compiled step may choose (LayoutChoice) gives the reference's steps, and so do
     the steps that run on the view while the row-major copy is written a chunk at a time."""
-    decided = kernel.LayoutChoice(copy_wins=layout == "row-major")
-    monkeypatch.setattr(kernel.LayoutChoice, "of", classmethod(lambda cls, weight, rows: decided))
-    monkeypatch.setattr(kernel._ChunkedCopy, "CHUNK", 9)  # W_ih^T (3, 20): two steps; W_hh^T (5, 20): three
+    decided = cpu.LayoutChoice(copy_wins=layout == "row-major")
+    monkeypatch.setattr(cpu.LayoutChoice, "of", classmethod(lambda cls, weight, rows: decided))
+    monkeypatch.setattr(cpu._ChunkedCopy, "CHUNK", 9)  # W_ih^T (3, 20): two steps; W_hh^T (5, 20): three
     reference, compiled = _pair(kind, "layer", num_layers=2)
     reference.eval()
     compiled.eval()
@@ -487,7 +488,7 @@ def test_the_weight_layout_is_measured_on_the_steps_themselves(monkeypatch: pyte
     """No probe products before the first step (they paused it by 28 ms): the steps time the two layouts while they
     run, and once both weights' layouts are chosen they read no clock; a step prepared again (after a training step)
     reuses the choice, and another row count is measured anew."""
-    monkeypatch.setattr(kernel, "_LAYOUTS", {})
+    monkeypatch.setattr(cpu, "_LAYOUTS", {})
     clock = _count_clock_reads(monkeypatch)
     reference, compiled = _pair("lstm", "layer", hidden_size=6)
     reference.eval()
@@ -495,7 +496,7 @@ def test_the_weight_layout_is_measured_on_the_steps_themselves(monkeypatch: pyte
     x = torch.randn(60, 1, 3, dtype=torch.float64)  # 24 steps per weight to choose
     with torch.no_grad():
         states = _step_both(reference, compiled, x)
-        choices = [kernel.LayoutChoice.of(weight, 1) for weight in (compiled.weight_ih_l0, compiled.weight_hh_l0)]
+        choices = [cpu.LayoutChoice.of(weight, 1) for weight in (compiled.weight_ih_l0, compiled.weight_hh_l0)]
         assert all(choice.copy_wins is not None for choice in choices) and clock["reads"] > 0
         reads = clock["reads"]
         compiled.step(x[0], states[1])
@@ -510,13 +511,13 @@ def test_the_weight_layout_is_measured_on_the_steps_themselves(monkeypatch: pyte
 def _count_clock_reads(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Counts the layout measurement's clock reads (each timed step reads it): ``{"reads": n}``, updated live."""
     clock = {"reads": 0}
-    real = kernel.time.perf_counter
+    real = cpu.time.perf_counter
 
     def counted() -> float:
         clock["reads"] += 1
         return real()
 
-    monkeypatch.setattr(kernel.time, "perf_counter", counted)
+    monkeypatch.setattr(cpu.time, "perf_counter", counted)
     return clock
 
 
@@ -634,7 +635,7 @@ def test_deterministic_algorithms_fix_the_route_and_the_layout(monkeypatch: pyte
             route = native.product_route(torch.randn(256, 1024), rows)
             expected = {"brgemm"} if native.brgemm_available() else ({"packed", "blas"} if rows >= 8 else {"blas"})
             assert route in expected and native.product_route(torch.randn(256, 1024), rows) == route
-        assert kernel.LayoutChoice.of(torch.randn(20, 7), 5).copy_wins is False  # the view, chosen unmeasured
+        assert cpu.LayoutChoice.of(torch.randn(20, 7), 5).copy_wins is False  # the view, chosen unmeasured
         compiled = _pair("gru", "layer", dtype=torch.float32)[1].eval()
         with torch.no_grad():
             compiled.step(torch.randn(5, 3))
