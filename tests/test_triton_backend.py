@@ -1,0 +1,231 @@
+"""The Triton backend (seqnorm.kernels.triton_backend), run on CPU tensors through Triton's interpreter.
+
+``SEQNORM_BACKEND=triton`` with ``TRITON_INTERPRET=1`` routes the layers' CPU tensors through the Triton backend, so
+the real plan, autograd Function and generation step run, with the same kernels a GPU compiles. Compared with the
+plain-PyTorch path (kernels off): outputs, states, gradients of the input and of every parameter; lengths, B=1,
+sizes that are not multiples of the block, two layers, bidirectional; float32 and float64; gradcheck in float64.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+import re
+import tokenize
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+import seqnorm
+from seqnorm import kernels
+from seqnorm.layers.plan import plan_for
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+ROW_NORMS = ["layer", "rms"]  # what the Triton backend runs so far (its `unsupported` names the rest)
+
+
+@pytest.fixture(autouse=True)
+def triton_backend(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The Triton backend for CPU tensors, through the interpreter, for each test (the C++ backend after it)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when the kernels are decorated: before the first import
+    monkeypatch.setenv(kernels.BACKEND_ENV, "triton")
+    monkeypatch.setattr(kernels, "_LOADED", {})
+    backend = kernels.native("cpu")
+    assert backend is not None and backend.name == "triton", kernels.status("cpu")
+    yield backend
+
+
+def _loss(output: torch.Tensor, state: Any, weights: list[torch.Tensor]) -> torch.Tensor:
+    states = state if isinstance(state, tuple) else (state,)
+    return sum(((t * w).sum() for t, w in zip((output, *states), weights, strict=True)), torch.zeros(()))
+
+
+def _run(layer: Any, x: torch.Tensor, lengths: torch.Tensor | None, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Outputs, states and the gradients of the input and of every parameter, after one forward and backward."""
+    x = x.detach().requires_grad_()
+    layer.zero_grad()
+    output, state = layer(x, lengths=lengths)
+    _loss(output, state, weights).backward()
+    states = list(state) if isinstance(state, tuple) else [state]
+    return [output.detach(), *(s.detach() for s in states), x.grad, *(p.grad for p in layer.parameters())]
+
+
+CASES = {  # (T, B, input, hidden, layers, bidirectional, lengths)
+    "two-layers-bidirectional-lengths": (4, 3, 3, 5, 2, True, [4, 2, 3]),
+    "batch-1": (3, 1, 2, 3, 1, False, None),
+    "odd-sizes": (3, 5, 7, 9, 1, False, [3, 3, 1, 2, 3]),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("norm", ROW_NORMS)
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_triton_backend_matches_the_plain_path(kind: str, norm: str, case: str, dtype: torch.dtype) -> None:
+    steps, batch, inputs, hidden, layers, bidirectional, lengths = CASES[case]
+    torch.manual_seed(len(case) + layers)
+    layer = seqnorm.LAYERS[kind](inputs, hidden, num_layers=layers, bidirectional=bidirectional, norm=norm)
+    layer = layer.to(dtype)
+    x = torch.randn(steps, batch, inputs, dtype=dtype)
+    lengths_t = None if lengths is None else torch.tensor(lengths)
+    assert layer.plan(x.requires_grad_(), lengths=lengths_t).path == "triton"
+    probe_out, probe_state = layer(x, lengths=lengths_t)
+    states = probe_state if isinstance(probe_state, tuple) else (probe_state,)
+    weights = [torch.randn_like(t) for t in (probe_out, *states)]
+    fast = _run(layer, x, lengths_t, weights)
+    with kernels.disabled():
+        plain = _run(layer, x, lengths_t, weights)
+    # float32: outputs and states within 1e-5 of the tensor's scale; gradients, sums over every step and row that
+    # each path orders differently, within 1e-4 (the plain float32 path itself is up to 3e-5 off float64's there)
+    states = 1 + len(states)
+    for index, (got, expected) in enumerate(zip(fast, plain, strict=True)):
+        tolerance = 1e-10 if dtype == torch.float64 else (1e-5 if index < states else 1e-4)
+        scale = max(1.0, expected.abs().max().item())
+        torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance * scale)
+
+
+@pytest.mark.parametrize("norm", ROW_NORMS)
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_triton_backend_gradcheck(kind: str, norm: str) -> None:
+    torch.manual_seed(0)
+    layer = seqnorm.LAYERS[kind](2, 3, norm=norm).double()
+    x = torch.randn(3, 2, 2, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(1, 2, 3, dtype=torch.float64, requires_grad=True)
+    lengths = torch.tensor([3, 2])
+    assert layer.plan(x, lengths=lengths).path == "triton"
+    hx = (h0, torch.randn(1, 2, 3, dtype=torch.float64)) if kind == "lstm" else h0
+
+    def run(x: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
+        state = (h0, hx[1]) if kind == "lstm" else h0
+        return layer(x, state, lengths=lengths)[0]
+
+    assert torch.autograd.gradcheck(run, (x, h0), fast_mode=True)
+
+
+@pytest.mark.parametrize("norm", ROW_NORMS)
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_triton_generation_step_matches_the_plain_step(kind: str, norm: str) -> None:
+    torch.manual_seed(1)
+    layer = seqnorm.LAYERS[kind](3, 5, norm=norm).double().eval()
+    x = torch.randn(4, 2, 3, dtype=torch.float64)
+    with torch.no_grad():
+        assert plan_for(layer, x[0], step=True).cells == ("triton",)
+        fast_state = plain_state = None
+        for x_t in x.unbind(0):
+            fast, fast_state = layer.step(x_t, fast_state)
+            with kernels.disabled():
+                plain, plain_state = layer.step(x_t, plain_state)
+            torch.testing.assert_close(fast, plain, rtol=1e-10, atol=1e-10)
+
+
+def test_norms_the_backend_does_not_run_take_the_plain_path(triton_backend: Any) -> None:
+    assert triton_backend.unsupported("batch", torch.float32) == "the Triton backend runs no 'batch' norm yet"
+    layer = seqnorm.LSTM(3, 4, norm="batch")
+    assert layer.plan(torch.randn(3, 2, 3, requires_grad=True)).path == "bptt"
+
+
+# --- launches and host synchronizations per step ---
+
+_NOT_LAUNCHES = {  # aten ops that launch nothing on a GPU: views, allocation, metadata
+    "t", "view", "_unsafe_view", "reshape", "select", "slice", "unsqueeze", "squeeze", "as_strided", "detach",
+    "alias", "empty", "new_empty", "empty_like", "expand", "permute", "transpose", "unbind", "split",
+    "lift_fresh", "_to_copy", "_local_scalar_dense", "is_nonzero", "item", "contiguous",
+}  # fmt: skip
+_SYNCS = {"_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero"}
+
+
+class _Ops(TorchDispatchMode):
+    """The aten ops a region runs, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _launches(backend: Any, steps: int, monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, int], dict[str, int]]:
+    """(forward, backward) counts of Triton launches, other launching aten ops and host syncs of one LN-LSTM."""
+    from seqnorm.kernels.triton_backend import norms, recurrence
+
+    triton_launches = [0]
+    for module in (recurrence, norms):
+        for name, kernel in inspect.getmembers(module):
+            if hasattr(kernel, "run") and hasattr(kernel, "fn") and not name.startswith("_"):
+                real = kernel.run
+
+                def counted(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
+                    triton_launches[0] += 1
+                    with _disable_current_modes():  # the interpreter's own copies are not the program's launches
+                        return _real(*args, **kwargs)
+
+                monkeypatch.setattr(kernel, "run", counted)
+    layer = seqnorm.LSTM(4, 6, norm="layer")
+    x = torch.randn(steps, 3, 4, requires_grad=True)
+    lengths = torch.tensor([steps, steps - 1, 2])
+    counts = []
+    for phase in ("forward", "backward"):
+        triton_launches[0] = 0
+        with _Ops() as ops:
+            if phase == "forward":
+                output, _ = layer(x, lengths=lengths)
+            else:
+                output.sum().backward()
+        aten = [name for name in ops.names if name not in _NOT_LAUNCHES]
+        syncs = [name for name in ops.names if name in _SYNCS]
+        counts.append({"launches": triton_launches[0] + len(aten), "syncs": len(syncs)})
+    monkeypatch.undo()
+    return counts[0], counts[1]
+
+
+def test_at_most_two_launches_a_step_forward_and_three_backward_and_no_sync_in_the_loop(
+    triton_backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    short = _launches(triton_backend, 3, monkeypatch)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv(kernels.BACKEND_ENV, "triton")
+    monkeypatch.setattr(kernels, "_LOADED", {"cpu": triton_backend})
+    long = _launches(triton_backend, 7, monkeypatch)
+    for phase, bound, before, after in (("forward", 2, short[0], long[0]), ("backward", 3, short[1], long[1])):
+        per_step = (after["launches"] - before["launches"]) / 4
+        assert per_step <= bound, f"{phase}: {per_step} launches a step"
+        assert after["syncs"] == before["syncs"], f"{phase}: a host sync inside the loop"
+
+
+def test_kernels_use_only_what_compiles_on_a_gpu() -> None:
+    """Constructs the interpreter accepts and a GPU build does not (or that the interpreter runs wrongly)."""
+    folder = os.path.dirname(importlib.util.find_spec("seqnorm.kernels.triton_backend").origin)  # type: ignore[union-attr,arg-type]
+    forbidden = re.compile(r"libdevice|inline_asm|make_block_ptr|atomic_xchg|tl\.math\.|tl\.dot|extra\.cuda")
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name), encoding="utf-8") as source:  # the code: no comments, no strings
+                tokens = tokenize.generate_tokens(source.readline)
+                code = " ".join(t.string for t in tokens if t.type not in (tokenize.COMMENT, tokenize.STRING))
+            assert not forbidden.findall(code), f"{name}: {forbidden.findall(code)}"
+
+
+def test_import_seqnorm_does_not_import_triton() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, seqnorm; seqnorm.LSTM(2, 3, norm='layer'); print('triton' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr(kernels, "_LOADED", {})
+    with pytest.warns(RuntimeWarning, match="TRITON_INTERPRET=1"):
+        assert kernels.native("cpu") is None
+    monkeypatch.setenv(kernels.BACKEND_ENV, "cuda")
+    monkeypatch.setattr(kernels, "_LOADED", {})
+    with pytest.raises(ValueError, match="SEQNORM_BACKEND: expected auto or triton, got 'cuda'"):
+        kernels.native("cpu")
