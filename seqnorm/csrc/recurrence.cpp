@@ -883,13 +883,13 @@ std::tuple<at::Tensor, at::Tensor> generation_step(const std::string& cell, cons
     checks.present(c, Name{"c (the LSTM cell state)"}, state, false);
   } else {
     checks.absent(c, Name{"c"}, "a GRU has no cell state");
-    SEQNORM_CHECK(checks, c_norm.identity(), "expected c_norm of kind none without a shift (a GRU has no cell ",
-                  "state), got kind ", c_norm.kind);
   }
   SEQNORM_CHECK(checks, step >= 0, "expected step (the time index) >= 0, got ", step);
   ih.validate(checks, "ih", gates, true);
   hh.validate(checks, "hh", gates, true);
   c_norm.validate(checks, "c_norm", hidden, true);
+  SEQNORM_CHECK(checks, lstm || c_norm.identity(), "expected c_norm of kind none without a shift (a GRU has no cell ",
+                "state), got kind ", c_norm.kind);
   checks.apart();
   return AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "seqnorm_generation_step", [&] {
     return seqnorm::generation_step<scalar_t>(cell, x, h, c, weight_ih_t, weight_hh_t, ih, hh, c_norm, step);
