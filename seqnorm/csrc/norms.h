@@ -8,10 +8,12 @@
 
 #include <torch/extension.h>
 
+#include <cmath>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "checks.h"
 #include "vec.h"
 
 namespace seqnorm {
@@ -32,6 +34,80 @@ struct NormArgs {
   // Evaluation only, where nothing changes between calls (a generation step): per row of statistics the scale
   // γ / sqrt(var + ε) and the shift minus mean times that scale, (R, F), folded once by the module.
   c10::optional<at::Tensor> folded_scale, folded_offset;
+
+  // No norm and no shift: the kernels pass the input on as it is (StepNorm::identity).
+  bool identity() const { return kind == "none" && !Checks::given(shift); }
+
+  // The one check of a norm's arguments, by every entry point for each norm it receives, before the norm is built:
+  // the kind, the options, and each tensor against the `features` it normalizes (γ and shift (F,); per-timestep
+  // BN's running moments (R, F), batches seen (R,) int64, and the folded rows (R, F), which only a generation step
+  // (`generation`) is handed). `name` is the binding's argument ("ih"). In training BN's running statistics are
+  // updated in place: they are marked so for the overlap check (Checks::apart).
+  void validate(Checks& checks, const char* name, int64_t features, bool generation) const {
+    const bool row = kind == "layer" || kind == "rms", batch = kind == "batch";
+    SEQNORM_CHECK(checks, kind == "none" || row || batch, "expected ", name, ".kind none, layer, rms or batch, got '",
+                  kind, "'");
+    SEQNORM_CHECK(checks, std::isfinite(eps) && eps >= 0, "expected ", name, ".eps >= 0, got ", eps);
+    const Shape vector{"(F,)", {features}};
+    if (kind == "none") {
+      checks.absent(weight, Name{name, "weight"}, "no norm has no γ");
+    } else {
+      checks.present(weight, Name{name, "weight"}, vector);
+    }
+    if (Checks::given(shift)) checks.tensor(*shift, Name{name, "shift"}, vector);
+    const std::pair<const c10::optional<at::Tensor>*, const char*> statistics[] = {
+        {&running_mean, "running_mean"}, {&running_var, "running_var"}, {&num_batches_tracked, "num_batches_tracked"},
+        {&folded_scale, "folded_scale"}, {&folded_offset, "folded_offset"}};
+    if (!batch) {
+      for (const auto& [field, field_name] : statistics) {
+        checks.absent(*field, Name{name, field_name}, "only per-timestep BatchNorm keeps statistics");
+      }
+      return;
+    }
+    SEQNORM_CHECK(checks, Checks::given(running_mean), "expected ", name,
+                  ".running_mean of shape (R, F) (per-timestep BatchNorm's running statistics), got None");
+    const int64_t rows = running_mean->dim() == 2 ? running_mean->size(0) : -1;
+    SEQNORM_CHECK(checks, rows >= 1, "expected ", name, ".running_mean of shape (R, F) with R >= 1, got ",
+                  shape_text(running_mean->sizes()));
+    const Shape table{"(R, F)", {rows, features}};
+    checks.present(running_mean, Name{name, "running_mean"}, table);
+    checks.present(running_var, Name{name, "running_var"}, table);
+    checks.present(num_batches_tracked, Name{name, "num_batches_tracked"}, Shape{"(R,)", {rows}}, true, at::kLong);
+    if (training) {
+      for (size_t i = 0; i < 3; ++i) checks.written(**statistics[i].first, Name{name, statistics[i].second});
+    }
+    SEQNORM_CHECK(checks, std::isfinite(momentum) && momentum <= 1, "expected ", name,
+                  ".momentum <= 1 (< 0: a cumulative average), got ", momentum);
+    SEQNORM_CHECK(checks, !renorm || (r_max >= 1 && d_max >= 0 && warmup >= 0 && r_max_steps >= 1 && d_max_steps >= 1),
+                  "expected ", name, "'s renormalization r_max >= 1, d_max >= 0, warmup >= 0, r_max_steps >= 1, ",
+                  "d_max_steps >= 1, got ", r_max, ", ", d_max, ", ", warmup, ", ", r_max_steps, ", ", d_max_steps);
+    if (!Checks::given(folded_scale) && !Checks::given(folded_offset)) return;
+    SEQNORM_CHECK(checks, generation, "expected ", name, ".folded_scale and folded_offset to be None (only a ",
+                  "generation step reads folded statistics), got tensors");
+    checks.present(folded_scale, Name{name, "folded_scale"}, table);
+    checks.present(folded_offset, Name{name, "folded_offset"}, table);
+  }
+
+  // A backward's `saved` statistics of this norm (its forward's StepNorm::saved, in order) against the call's
+  // `steps`, `rows` and `features`; `recomputing`: the backward recomputes BN's moments (a GRU's, which may keep none).
+  void validate_saved(Checks& checks, const char* name, const std::vector<at::Tensor>& saved, int64_t steps,
+                      int64_t rows, int64_t features, bool recomputing) const {
+    const size_t want = kind == "none" ? 0 : kind == "batch" ? 5 : 2;
+    SEQNORM_CHECK(checks, saved.size() == want, "expected stats of ", name, " to hold ", want, " tensors (a ", kind,
+                  " norm's saved statistics), got ", saved.size());
+    if (kind == "layer" || kind == "rms") {
+      checks.tensor(saved[0], Name{name, "saved means"}, Shape{"(T, B)", {steps, rows}}, false);
+      checks.tensor(saved[1], Name{name, "saved rstds"}, Shape{"(T, B)", {steps, rows}}, false);
+    } else if (kind == "batch") {
+      const Shape table{"(T, F)", {steps, features}}, none{"(0,)", {0}};
+      const bool kept = !recomputing || saved[0].numel() != 0;
+      checks.tensor(saved[0], Name{name, "saved means"}, kept ? table : none, false);
+      checks.tensor(saved[1], Name{name, "saved rstds"}, kept ? table : none, false);
+      checks.tensor(saved[2], Name{name, "saved r"}, renorm ? table : none, false);
+      checks.tensor(saved[3], Name{name, "saved d"}, renorm ? table : none, false);
+      checks.tensor(saved[4], Name{name, "saved batch steps"}, Shape{"(T,)", {steps}}, false, at::kBool);
+    }
+  }
 };
 
 template <typename T>
@@ -70,7 +146,8 @@ class StepNorm {
   //                                         marks the real rows, null: all `count`): statistics that span the rows
   //                                         (BN's, and its running statistics' update); nothing for a row norm
   //   forward_row(t, b, x, out, addend)     row b: out = γ N(x) + shift + addend (addend may be null; pointers at
-  //                                         the row; out may be addend); every row, padded or not, by any thread
+  //                                         the row; out may be addend, never x: a norm may read x again after
+  //                                         writing out); every row, padded or not, by any thread
   // row_local() (below) says whether forward_stats does anything.
   virtual void forward_stats(int64_t, const T*, const bool*, int64_t) {}
   virtual void forward_row(int64_t t, int64_t b, const T* x, T* out, const T* addend) = 0;

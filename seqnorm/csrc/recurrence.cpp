@@ -6,17 +6,20 @@
 // over the step's rows that takes each row through every norm and gate while it is in cache (two passes where a
 // norm's statistics span the rows), split between threads by rows (at::parallel_for, OpenMP) where the block is big
 // enough.
-// seqnorm/layers/kernel.py wraps these in a torch.autograd.Function (the layers have checked every argument); the
-// plain-PyTorch paths (seqnorm/layers/bptt.py, the reference loop) are what the tests compare them with.
+// seqnorm/layers/kernel.py wraps these in a torch.autograd.Function (the layers have checked every argument; the
+// bindings at the end of this file check them again, for any caller); the plain-PyTorch paths
+// (seqnorm/layers/bptt.py, the reference loop) are what the tests compare them with.
 #include <torch/extension.h>
 
 #include <functional>
 #include <initializer_list>
+#include <memory>
 #include <optional>
 #include <vector>
 
 #include "buffers.h"
 #include "cells.h"
+#include "checks.h"
 #include "norms.h"
 #include "product.h"
 
@@ -450,9 +453,9 @@ template <typename T>
 struct GruStep {
   const T* input;  // the input terms, or W_ih x for the input norm
   const T* raw;    // W_hh h
-  T* term;         // the input norm's output (unused without one; may be `input`)
-  T* u;            // the recurrent terms N_hh(W_hh h) + b_hh (unused when the recurrent norm is the identity; may
-                   // be `raw`)
+  T* term;         // the input norm's output (unused without one; never `input`)
+  T* u;            // the recurrent terms N_hh(W_hh h) + b_hh (unused when the recurrent norm is the identity; never
+                   // `raw`)
   T* acts;
   T* h;            // h' (a padded row: h_prev)
   const T* h_prev;
@@ -644,27 +647,32 @@ std::tuple<at::Tensor, at::Tensor> generation_step(const std::string& cell, cons
   at::Tensor recurrent = at::mm(h, weight_hh_t);
   auto norm_ih = make_norm<T>(ih_args, 1, rows, gates, options, {}, step);
   auto norm_hh = make_norm<T>(hh_args, 1, rows, gates, options, {}, step);
-  std::vector<T> acts(rows * gates);  // scratch: no tensors beyond the results (a step is a few microseconds)
+  // Scratch, uninitialized: no tensors beyond the results (a step is a few microseconds). A norm's output goes to
+  // its own block, never over its input (StepNorm::forward_row: out may be the addend, not x).
+  const auto scratch = [](int64_t size) { return std::unique_ptr<T[]>(new T[size]); };
+  const auto acts = scratch(rows * gates), terms = scratch(rows * gates);
   at::Tensor h_new = at::empty({1, rows, hidden}, options);
-  if (cell == "gru") {  // the norms' outputs are written over W_ih x and W_hh h
-    const GruStep<T> data{ptr<T>(input), ptr<T>(recurrent), ptr<T>(input), ptr<T>(recurrent), acts.data(),
-                          ptr<T>(h_new), ptr<T>(h)};
+  if (cell == "gru") {  // N_ih(W_ih x) into `terms`, N_hh(W_hh h) into `u`
+    const auto u = scratch(rows * gates);
+    const GruStep<T> data{ptr<T>(input), ptr<T>(recurrent), terms.get(), u.get(), acts.get(), ptr<T>(h_new),
+                          ptr<T>(h)};
     gru_step(*norm_ih, *norm_hh, 0, data, nullptr, rows, rows, hidden);
     return {h_new, at::Tensor()};
   }
-  // LSTM: the step's pieces as in the training forward; the pre-activations are written over W_ih x.
+  // LSTM: the step's pieces as in the training forward; the pre-activations go to `terms` (N_ih(W_ih x) first, then
+  // N_hh(W_hh h) added to it there: output == addend).
   const at::Tensor c = c_in->select(0, 0).contiguous();
   auto norm_c = make_norm<T>(c_args, 1, rows, hidden, options, {}, step);
   at::Tensor c_new = at::empty({1, rows, hidden}, options);
-  std::vector<T> c_out(norm_c->identity() ? 0 : rows * hidden), tanh_c(rows * hidden);
+  const auto c_out = norm_c->identity() ? nullptr : scratch(rows * hidden), tanh_c = scratch(rows * hidden);
   const LstmStep<T> data{ptr<T>(input),
                          ptr<T>(recurrent),
-                         ptr<T>(input),
-                         acts.data(),
+                         terms.get(),
+                         acts.get(),
                          ptr<T>(c),
                          ptr<T>(c_new),
-                         c_out.empty() ? nullptr : c_out.data(),
-                         tanh_c.data(),
+                         c_out.get(),
+                         tanh_c.get(),
                          ptr<T>(h_new),
                          ptr<T>(h)};
   lstm_step(*norm_ih, *norm_hh, *norm_c, 0, data, nullptr, rows, rows, hidden);
@@ -674,17 +682,104 @@ std::tuple<at::Tensor, at::Tensor> generation_step(const std::string& cell, cons
 }  // namespace
 }  // namespace seqnorm
 
-// ---- bindings: dtype dispatch ------------------------------------------------------------------------------------
+// ---- bindings: argument checks, dtype dispatch -------------------------------------------------------------------
+//
+// Every binding checks all its arguments (checks.h) before it reads or writes their memory: cell, dtypes (float32 or
+// float64, one per call), CPU, contiguity where rows are indexed densely, every shape against the others, the
+// optional tensors the cell and norms need, and each norm (NormArgs::validate).
+//
+// Aliasing: every result is a fresh tensor, never one of the arguments nor a view of one. The only arguments
+// written are a per-timestep BatchNorm's running_mean, running_var and num_batches_tracked in training (the
+// forwards and the generation step update them in place, as the module's forward does); they may share no memory
+// with one another or with any other argument (checked). Everything else is read only. Inside a call, a norm's
+// output may be written over its addend (the LSTM's N_hh(W_hh h) added to N_ih(W_ih x) where it lies), never over
+// its own input (StepNorm::forward_row).
 
 namespace {
 
+using seqnorm::Checks;
+using seqnorm::Name;
 using seqnorm::NormArgs;
+using seqnorm::Shape;
 using seqnorm::Tensors;
 using Forward = std::tuple<Tensors, Tensors, std::vector<Tensors>, std::vector<int64_t>>;
+
+// The checks of a recurrence's entry points (one direction's forward or backward): T and B from `first` (inputs
+// (T, B, G) or grad_hs (T, B, H)), H from W_hh (G, H), G = 4H for an LSTM, 3H for a GRU.
+class Recurrence : public Checks {
+ public:
+  Recurrence(const char* entry, bool lstm, const at::Tensor& first, const char* first_name,
+             const at::Tensor& weight_hh)
+      : Checks(entry, first, Name{first_name}), lstm_(lstm) {
+    SEQNORM_CHECK(*this, first.dim() == 3 && first.size(0) >= 1, "expected ", first_name,
+                  " of shape (T, B, .) with T >= 1, got ", seqnorm::shape_text(first.sizes()));
+    SEQNORM_CHECK(*this, weight_hh.dim() == 2 && weight_hh.size(1) >= 1, "expected weight_hh of shape ",
+                  lstm ? "(4H, H)" : "(3H, H)", " with H >= 1, got ", seqnorm::shape_text(weight_hh.sizes()));
+    steps = first.size(0);
+    rows = first.size(1);
+    hidden = weight_hh.size(1);
+    gates = (lstm ? 4 : 3) * hidden;
+    tensor(weight_hh, Name{"weight_hh"}, Shape{lstm ? "(4H, H)" : "(3H, H)", {gates, hidden}}, false);
+  }
+
+  Shape terms() const { return {lstm_ ? "(T, B, 4H)" : "(T, B, 3H)", {steps, rows, gates}}; }
+  Shape states() const { return {"(T, B, H)", {steps, rows, hidden}}; }
+  Shape state() const { return {"(B, H)", {rows, hidden}}; }
+
+  // The padding mask, (T, B) bool where given.
+  void mask(const c10::optional<at::Tensor>& mask) {
+    if (given(mask)) tensor(*mask, Name{"mask"}, Shape{"(T, B)", {steps, rows}}, false, at::kBool);
+  }
+
+  // The norms: the input and recurrent norms on G features, the LSTM's cell-state norm on H.
+  void norms(const NormArgs& ih, const NormArgs& hh, const NormArgs* c = nullptr) {
+    ih.validate(*this, "ih", gates, false);
+    hh.validate(*this, "hh", gates, false);
+    if (c != nullptr) c->validate(*this, "c", hidden, false);
+  }
+
+  // The input projection's x (T, B, I) and W_ih (G, I), handed over together and only with an input norm.
+  void projection(const c10::optional<at::Tensor>& sequence, const c10::optional<at::Tensor>& weight_ih,
+                  const NormArgs& ih) {
+    if (!given(sequence) && !given(weight_ih)) return;
+    SEQNORM_CHECK(*this, given(sequence) && given(weight_ih), "expected sequence and weight_ih both or neither ",
+                  "(the input projection's x and W_ih), got only ", given(sequence) ? "sequence" : "weight_ih");
+    SEQNORM_CHECK(*this, !ih.identity(), "expected sequence and weight_ih only with an input norm (ih), got ih of ",
+                  "kind none");
+    SEQNORM_CHECK(*this, weight_ih->dim() == 2, "expected weight_ih of shape ", lstm_ ? "(4H, I)" : "(3H, I)",
+                  ", got ", seqnorm::shape_text(weight_ih->sizes()));
+    const int64_t features = weight_ih->size(1);
+    tensor(*weight_ih, Name{"weight_ih"}, Shape{lstm_ ? "(4H, I)" : "(3H, I)", {gates, features}}, false);
+    tensor(*sequence, Name{"sequence"}, Shape{"(T, B, I)", {steps, rows, features}}, false);
+  }
+
+  // The saved statistics of the backward: one list per norm, as the forward returned them.
+  void saved_stats(const std::vector<Tensors>& stats, const NormArgs& ih, const NormArgs& hh, const NormArgs* c,
+                   bool recomputing) {
+    const size_t want = c != nullptr ? 3 : 2;
+    SEQNORM_CHECK(*this, stats.size() == want, "expected stats to hold ", want, " lists (one per norm), got ",
+                  stats.size());
+    ih.validate_saved(*this, "ih", stats[0], steps, rows, gates, recomputing);
+    hh.validate_saved(*this, "hh", stats[1], steps, rows, gates, recomputing);
+    if (c != nullptr) c->validate_saved(*this, "c", stats[2], steps, rows, hidden, recomputing);
+  }
+
+  int64_t steps = 0, rows = 0, hidden = 0, gates = 0;
+
+ private:
+  bool lstm_;
+};
 
 Forward lstm_forward(const at::Tensor& inputs, const at::Tensor& h0, const at::Tensor& c0,
                      const at::Tensor& weight_hh, const c10::optional<at::Tensor>& mask, const NormArgs& ih,
                      const NormArgs& hh, const NormArgs& c, bool save) {
+  Recurrence checks("lstm_forward", true, inputs, "inputs", weight_hh);
+  checks.tensor(inputs, Name{"inputs"}, checks.terms());
+  checks.tensor(h0, Name{"h0"}, checks.state());
+  checks.tensor(c0, Name{"c0"}, checks.state());
+  checks.mask(mask);
+  checks.norms(ih, hh, &c);
+  checks.apart();
   return AT_DISPATCH_FLOATING_TYPES(inputs.scalar_type(), "seqnorm_lstm_forward", [&] {
     return seqnorm::lstm_forward<scalar_t>(inputs, h0, c0, weight_hh, mask, ih, hh, c, save);
   });
@@ -699,6 +794,28 @@ Tensors lstm_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, con
                       const std::vector<Tensors>& stats, const NormArgs& ih, const NormArgs& hh, const NormArgs& c,
                       const c10::optional<at::Tensor>& sequence, const c10::optional<at::Tensor>& weight_ih,
                       bool want_x, bool want_weight) {
+  Recurrence checks("lstm_backward", true, grad_hs, "grad_hs", weight_hh);
+  checks.tensor(grad_hs, Name{"grad_hs"}, checks.states());
+  checks.tensor(grad_h_n, Name{"grad_h_n"}, checks.state());
+  checks.tensor(grad_c_n, Name{"grad_c_n"}, checks.state());
+  checks.norms(ih, hh, &c);
+  if (!ih.identity()) checks.tensor(inputs, Name{"inputs (W_ih x, read by the input norm)"}, checks.terms());
+  checks.tensor(h0, Name{"h0"}, checks.state());
+  checks.tensor(c0, Name{"c0"}, checks.state());
+  checks.mask(mask);
+  checks.tensor(hs, Name{"hs"}, checks.states());
+  SEQNORM_CHECK(checks, saved.size() == 3, "expected saved to hold 3 tensors (cs, acts, tanh_cs), got ",
+                saved.size());
+  checks.tensor(saved[0], Name{"saved cs"}, checks.states());
+  checks.tensor(saved[1], Name{"saved acts"}, checks.terms());
+  checks.tensor(saved[2], Name{"saved tanh_cs"}, checks.states());
+  if (hh.identity()) {
+    checks.absent(raw, Name{"raw"}, "no recurrent norm");
+  } else {
+    checks.present(raw, Name{"raw (W_hh h, read by the recurrent norm)"}, checks.terms());
+  }
+  checks.saved_stats(stats, ih, hh, &c, false);
+  checks.projection(sequence, weight_ih, ih);
   return AT_DISPATCH_FLOATING_TYPES(grad_hs.scalar_type(), "seqnorm_lstm_backward", [&] {
     return seqnorm::lstm_backward<scalar_t>(grad_hs, grad_h_n, grad_c_n, inputs, h0, c0, weight_hh, mask, hs, saved,
                                             raw, stats, ih, hh, c,
@@ -708,6 +825,12 @@ Tensors lstm_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, con
 
 Forward gru_forward(const at::Tensor& inputs, const at::Tensor& h0, const at::Tensor& weight_hh,
                     const c10::optional<at::Tensor>& mask, const NormArgs& ih, const NormArgs& hh, bool save) {
+  Recurrence checks("gru_forward", false, inputs, "inputs", weight_hh);
+  checks.tensor(inputs, Name{"inputs"}, checks.terms());
+  checks.tensor(h0, Name{"h0"}, checks.state());
+  checks.mask(mask);
+  checks.norms(ih, hh);
+  checks.apart();
   return AT_DISPATCH_FLOATING_TYPES(inputs.scalar_type(), "seqnorm_gru_forward", [&] {
     return seqnorm::gru_forward<scalar_t>(inputs, h0, weight_hh, mask, ih, hh, save);
   });
@@ -718,6 +841,18 @@ Tensors gru_backward(const at::Tensor& grad_hs, const at::Tensor& grad_h_n, cons
                      const at::Tensor& hs, const Tensors& saved, const std::vector<Tensors>& stats,
                      const NormArgs& ih, const NormArgs& hh, const c10::optional<at::Tensor>& sequence,
                      const c10::optional<at::Tensor>& weight_ih, bool want_x, bool want_weight) {
+  Recurrence checks("gru_backward", false, grad_hs, "grad_hs", weight_hh);
+  checks.tensor(grad_hs, Name{"grad_hs"}, checks.states());
+  checks.tensor(grad_h_n, Name{"grad_h_n"}, checks.state());
+  checks.tensor(inputs, Name{"inputs (W_ih x or the input terms)"}, checks.terms());
+  checks.tensor(h0, Name{"h0"}, checks.state());
+  checks.mask(mask);
+  checks.tensor(hs, Name{"hs"}, checks.states());
+  SEQNORM_CHECK(checks, saved.size() == 1, "expected saved to hold 1 tensor (raw, W_hh h), got ", saved.size());
+  checks.tensor(saved[0], Name{"saved raw"}, checks.terms());
+  checks.norms(ih, hh);
+  checks.saved_stats(stats, ih, hh, nullptr, true);
+  checks.projection(sequence, weight_ih, ih);
   return AT_DISPATCH_FLOATING_TYPES(grad_hs.scalar_type(), "seqnorm_gru_backward", [&] {
     return seqnorm::gru_backward<scalar_t>(grad_hs, grad_h_n, inputs, h0, weight_hh, mask, hs, saved, stats, ih, hh,
                                            seqnorm::Projection(sequence, weight_ih, want_x, want_weight));
@@ -728,6 +863,35 @@ std::tuple<at::Tensor, at::Tensor> generation_step(const std::string& cell, cons
                                                    const c10::optional<at::Tensor>& c, const at::Tensor& weight_ih_t,
                                                    const at::Tensor& weight_hh_t, const NormArgs& ih,
                                                    const NormArgs& hh, const NormArgs& c_norm, int64_t step) {
+  Checks checks("generation_step", x, Name{"x"});
+  const bool lstm = cell == "lstm";
+  SEQNORM_CHECK(checks, lstm || cell == "gru", "expected cell 'lstm' or 'gru', got '", cell, "'");
+  SEQNORM_CHECK(checks, weight_hh_t.dim() == 2 && weight_hh_t.size(0) >= 1, "expected weight_hh_t (W_hh^T) of shape ",
+                lstm ? "(H, 4H)" : "(H, 3H)", " with H >= 1, got ", seqnorm::shape_text(weight_hh_t.sizes()));
+  const int64_t hidden = weight_hh_t.size(0), gates = (lstm ? 4 : 3) * hidden;
+  SEQNORM_CHECK(checks, x.dim() == 2 || (x.dim() == 3 && x.size(0) == 1),
+                "expected x of shape (B, I) or (1, B, I), got ", seqnorm::shape_text(x.sizes()));
+  const int64_t rows = x.size(-2), features = x.size(-1);
+  checks.tensor(x, Name{"x"}, Shape{x.dim() == 2 ? "(B, I)" : "(1, B, I)", at::DimVector(x.sizes())}, false);
+  // The weights may come in either layout (a transposed view or a row-major copy: LayoutChoice); at::mm reads them.
+  checks.tensor(weight_ih_t, Name{"weight_ih_t (W_ih^T)"}, Shape{lstm ? "(I, 4H)" : "(I, 3H)", {features, gates}},
+                false);
+  checks.tensor(weight_hh_t, Name{"weight_hh_t (W_hh^T)"}, Shape{lstm ? "(H, 4H)" : "(H, 3H)", {hidden, gates}},
+                false);
+  const Shape state{"(1, B, H)", {1, rows, hidden}};
+  checks.tensor(h, Name{"h"}, state, false);
+  if (lstm) {
+    checks.present(c, Name{"c (the LSTM cell state)"}, state, false);
+  } else {
+    checks.absent(c, Name{"c"}, "a GRU has no cell state");
+  }
+  SEQNORM_CHECK(checks, step >= 0, "expected step (the time index) >= 0, got ", step);
+  ih.validate(checks, "ih", gates, true);
+  hh.validate(checks, "hh", gates, true);
+  c_norm.validate(checks, "c_norm", hidden, true);
+  SEQNORM_CHECK(checks, lstm || c_norm.identity(), "expected c_norm of kind none without a shift (a GRU has no cell ",
+                "state), got kind ", c_norm.kind);
+  checks.apart();
   return AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "seqnorm_generation_step", [&] {
     return seqnorm::generation_step<scalar_t>(cell, x, h, c, weight_ih_t, weight_hh_t, ih, hh, c_norm, step);
   });
@@ -765,6 +929,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "saved_empty",
       [](std::vector<int64_t> sizes, at::ScalarType dtype) {
+        for (const int64_t size : sizes) {
+          TORCH_CHECK_VALUE(size >= 0, "seqnorm kernels: saved_empty: expected sizes >= 0, got ",
+                            seqnorm::shape_text(sizes));
+        }
         return seqnorm::saved_empty(sizes, at::TensorOptions().dtype(dtype));
       },
       pybind11::arg("sizes"), pybind11::arg("dtype"),
@@ -790,6 +958,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "product_route",
       [](const at::Tensor& right, int64_t rows) {
+        seqnorm::Checks checks("product_route", right, Name{"right"});
+        SEQNORM_CHECK(checks, right.dim() == 2 && right.size(0) >= 1 && right.size(1) >= 1,
+                      "expected right of shape (K, N) with K, N >= 1, got ", seqnorm::shape_text(right.sizes()));
+        checks.tensor(right, Name{"right"}, Shape{"(K, N)", at::DimVector(right.sizes())}, false);
+        SEQNORM_CHECK(checks, rows >= 1, "expected rows >= 1, got ", rows);
         seqnorm::StepProduct product(right, rows);
         if (!product.settled()) {  // no recurrence has run this shape yet: its tuning runs on probe products
           const at::Tensor x = at::full({rows, right.size(0)}, 0.5, right.options());  // not drawn: no RNG touched
@@ -802,6 +975,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "product_candidates",
       [](int64_t rows) {
+        TORCH_CHECK_VALUE(rows >= 1, "seqnorm kernels: product_candidates: expected rows >= 1, got ", rows);
         std::vector<std::string> names;
         for (const seqnorm::Route route : seqnorm::StepProduct::float_routes(rows)) names.push_back(route_name(route));
         return names;

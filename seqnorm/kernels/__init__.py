@@ -12,6 +12,19 @@ Memory: the large tensors of the recurrences (a training step's saved activation
 blocks the kernels keep between calls, up to :data:`CACHE_ENV` MiB (``csrc/buffers.h``; :func:`empty_cache`,
 :func:`cache_info`, :func:`set_cache_limit`).
 
+Arguments: every entry point checks all its arguments before it touches their memory (``csrc/checks.h``; each norm's
+``NormArgs`` in one place, ``NormArgs::validate`` in ``csrc/norms.h``): the cell (``"lstm"`` or ``"gru"``), one
+floating dtype (float32 or float64) for the call, the CPU, contiguity where rows are indexed densely, every shape
+against the others, and the optional tensors the cell and norms need. A call they cannot run raises ``ValueError``
+(``TypeError`` for a dtype) naming the entry point and the argument, e.g. ``seqnorm kernels: generation_step:
+expected c (the LSTM cell state) of shape (1, B, H) = (1, 4, 32), got None``.
+
+Aliasing: every result is a fresh tensor, never an argument or a view of one. The only arguments written are a
+per-timestep BatchNorm's ``running_mean``, ``running_var`` and ``num_batches_tracked`` in training (the forwards and
+the generation step update them in place, as the module's forward does); they may share memory with no other
+argument (checked). Everything else is read only. Inside a call a norm's output may be written over its addend,
+never over its own input (``StepNorm::forward_row``).
+
 Devices: :func:`native` returns the kernels for a device type (``"cpu"`` here). A CUDA or Triton implementation
 would register itself in :data:`BACKENDS` under ``"cuda"`` with the same five entry points (``lstm_forward``,
 ``lstm_backward``, ``gru_forward``, ``gru_backward``, ``generation_step``) and the same ``NormArgs``; the autograd
