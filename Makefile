@@ -38,7 +38,7 @@ demo: venv
 clean:
 	rm -rf $(VENV) build *.egg-info
 
-.PHONY: bench bench-targets
+.PHONY: bench bench-targets bench-gpu
 # Speed and memory against torch.nn's fused LSTM/GRU (Markdown tables for BENCHMARKS.md); ARGS=--quick for a short run.
 bench: venv
 	$(BIN)/python scripts/bench.py $(ARGS)
@@ -47,3 +47,8 @@ bench: venv
 # scripts/bench_targets.py (--processes 4, --repeats 9, or bench.py's own options).
 bench-targets: venv
 	$(BIN)/python scripts/bench_targets.py $(ARGS)
+
+# The Triton backend on a CUDA GPU against cuDNN (scripts/bench_gpu.py; needs only torch and triton: on a machine
+# without the venv, `PYTHONPATH=. python3 scripts/bench_gpu.py`). Without CUDA it says so and exits 0.
+bench-gpu:
+	PYTHONPATH=. $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) scripts/bench_gpu.py $(ARGS)
