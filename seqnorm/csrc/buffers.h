@@ -14,9 +14,9 @@
 //
 // Kept memory does not raise the peak: it only stands in for memory a call would allocate anyway. A request no kept
 // block serves (a new shape: another batch size or length) lets go of every kept block before it allocates, rather
-// than allocating beside them (with the batch shape varying, an LN-LSTM's training loop peaked 92 MB higher with the
-// blocks of earlier shapes kept beside the new ones; issue 29), and a block larger than its request gives back the
-// pages beyond it (madvise), which the next larger request faults in again.
+// than allocating beside them (with the batch shape varying, an LN-LSTM's training loop peaked 79-101 MiB higher with
+// the blocks of earlier shapes kept beside the new ones; issue 29, BENCHMARKS.md), and a block larger than its request
+// gives back the pages beyond it (madvise), which the next larger request faults in again.
 //
 // A tensor made here reports its block's whole size as its storage's size (what a memory count of the saved tensors
 // sees), and its storage cannot be resized: only the kernels' own saved tensors come from here, never a result.

@@ -70,7 +70,9 @@ inline void set_route_setting(const std::string& name) {
       return;
     }
   }
-  if (name != "auto") throw std::invalid_argument("set_product_route: expected auto, brgemm, packed or blas, got " + name);
+  if (name != "auto") {
+    throw std::invalid_argument("set_product_route: expected auto, brgemm, packed or blas, got " + name);
+  }
   route_setting().store(-1);
 }
 
@@ -301,6 +303,19 @@ class StepProduct {
     return chosen;
   }
 
+  // For the tests: holds the trials' lock for `seconds` (from another thread, while the test forks).
+  static void hold_lock(double seconds) {
+    std::lock_guard<ProcessMutex> lock(tunings_mutex());
+    std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+  }
+
+  // For the tests: whether some thread holds the trials' lock now.
+  static bool lock_held() {
+    if (!tunings_mutex().try_lock()) return true;
+    tunings_mutex().unlock();
+    return false;
+  }
+
  private:
   // Rows, K, N and torch's thread count: the fastest route at one thread is not the fastest at two (measured on an
   // Intel Xeon: 64x256 by 256x1024 took MKL's at one thread and brgemm at two).
@@ -317,21 +332,6 @@ class StepProduct {
     return *all;
   }
 
- public:
-  // For the tests: holds the trials' lock for `seconds` (from another thread, while the test forks).
-  static void hold_lock(double seconds) {
-    std::lock_guard<ProcessMutex> lock(tunings_mutex());
-    std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
-  }
-
-  // For the tests: whether some thread holds the trials' lock now.
-  static bool lock_held() {
-    if (!tunings_mutex().try_lock()) return true;
-    tunings_mutex().unlock();
-    return false;
-  }
-
- private:
 
   // One product of the shape's tuning, the candidate whose turn it is (Trials), timed; the last timing needed
   // chooses the route for every later product.

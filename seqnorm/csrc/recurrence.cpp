@@ -818,7 +818,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         }
         return std::string(seqnorm::route_name(product.route()));
       },
-      ReleaseGil(), "The route the per-step product x @ right of `rows` rows takes here (measured now if no recurrence has yet)");
+      ReleaseGil(),
+      "The route the per-step product x @ right of `rows` rows takes here (measured now if no recurrence has yet)");
   m.def(
       "product_candidates",
       [](int64_t rows) {
