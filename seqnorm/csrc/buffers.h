@@ -12,6 +12,12 @@
 // seqnorm.kernels.set_cache_limit; 0 keeps nothing), the least recently returned let go first;
 // seqnorm.kernels.empty_cache() lets go of it all.
 //
+// Kept memory does not raise the peak: it only stands in for memory a call would allocate anyway. A request no kept
+// block serves (a new shape: another batch size or length) lets go of every kept block before it allocates, rather
+// than allocating beside them (with the batch shape varying, an LN-LSTM's training loop peaked 79-101 MiB higher with
+// the blocks of earlier shapes kept beside the new ones; issue 29, BENCHMARKS.md), and a block larger than its request
+// gives back the pages beyond it (madvise), which the next larger request faults in again.
+//
 // A tensor made here reports its block's whole size as its storage's size (what a memory count of the saved tensors
 // sees), and its storage cannot be resized: only the kernels' own saved tensors come from here, never a result.
 #pragma once
@@ -20,10 +26,19 @@
 
 #include <c10/core/impl/alloc_cpu.h>
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <thread>
 #include <tuple>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
+
+#include "process_mutex.h"
 
 namespace seqnorm {
 
@@ -46,7 +61,7 @@ class BufferCache {
     void* data = nullptr;
     size_t capacity = wanted;
     {
-      std::lock_guard<std::mutex> lock(mutex_);
+      std::lock_guard<ProcessMutex> lock(mutex_);
       const auto found = blocks_.lower_bound(wanted);
       if (found != blocks_.end() && found->first <= wanted + wanted / 4) {
         data = found->second.data;
@@ -55,10 +70,17 @@ class BufferCache {
         blocks_.erase(found);
         ++hits_;
       } else {
+        // No kept block serves it, and none can (the smallest large enough is too large): the kept blocks go before
+        // the new one is made, as the memory of a process without them would have gone.
+        evict(0);
         ++misses_;
       }
     }
-    if (data == nullptr) data = c10::alloc_cpu(capacity);
+    if (data == nullptr) {
+      data = c10::alloc_cpu(capacity);
+    } else if (capacity > wanted) {
+      release_tail(data, wanted, capacity);
+    }
     c10::Storage storage(c10::Storage::use_byte_size_t(), capacity,
                          at::DataPtr(data, new Block{data, capacity, 0}, &BufferCache::give_back, at::Device(at::kCPU)),
                          /*allocator=*/nullptr, /*resizable=*/false);
@@ -67,20 +89,33 @@ class BufferCache {
 
   // Lets go of every kept block.
   void clear() {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<ProcessMutex> lock(mutex_);
     evict(0);
   }
 
   void set_limit(int64_t bytes) {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<ProcessMutex> lock(mutex_);
     limit_ = bytes < 0 ? 0 : size_t(bytes);
     evict(limit_);
   }
 
   // (bytes kept, limit, blocks handed out again, blocks made)
   std::tuple<int64_t, int64_t, int64_t, int64_t> info() {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<ProcessMutex> lock(mutex_);
     return {int64_t(kept_bytes_), int64_t(limit_), int64_t(hits_), int64_t(misses_)};
+  }
+
+  // For the tests: holds the cache's lock for `seconds` (from another thread, while the test forks).
+  void hold_lock(double seconds) {
+    std::lock_guard<ProcessMutex> lock(mutex_);
+    std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+  }
+
+  // For the tests: whether some thread holds the cache's lock now.
+  bool lock_held() {
+    if (!mutex_.try_lock()) return true;
+    mutex_.unlock();
+    return false;
   }
 
  private:
@@ -98,8 +133,21 @@ class BufferCache {
     delete block;
   }
 
+  // The whole pages of a reused block beyond its request go back to the system (the block's tensor never touches
+  // them; a later, larger request faults them in again, zeroed): what is resident is what a fresh block would be.
+  static void release_tail(void* data, size_t wanted, size_t capacity) {
+#if defined(__linux__)
+    static const uintptr_t page = uintptr_t(sysconf(_SC_PAGESIZE));
+    const uintptr_t first = (uintptr_t(data) + wanted + page - 1) / page * page;
+    const uintptr_t end = (uintptr_t(data) + capacity) / page * page;
+    if (first < end) madvise(reinterpret_cast<void*>(first), end - first, MADV_DONTNEED);
+#else
+    (void)data, (void)wanted, (void)capacity;
+#endif
+  }
+
   void put(Block block) {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<ProcessMutex> lock(mutex_);
     if (block.bytes > limit_) {
       c10::free_cpu(block.data);
       return;
@@ -123,7 +171,7 @@ class BufferCache {
     }
   }
 
-  std::mutex mutex_;
+  ProcessMutex mutex_;  // never held with another ProcessMutex (process_mutex.h)
   std::multimap<size_t, Block> blocks_;  // kept, by size
   size_t kept_bytes_ = 0, limit_ = 0;  // nothing kept until the loader sets the limit (seqnorm/kernels)
   uint64_t clock_ = 0, hits_ = 0, misses_ = 0;

@@ -24,6 +24,7 @@
 #include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -32,8 +33,11 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
+
+#include "process_mutex.h"
 
 namespace seqnorm {
 
@@ -50,10 +54,26 @@ inline const char* route_name(Route route) {
   }
 }
 
-// "auto" (measured per shape), or the name of a route to force where it applies.
-inline std::string& route_setting() {
-  static std::string setting = "auto";
+// The route to force where it applies, or none ("auto": measured per shape). An atomic: a recurrence in one thread
+// reads it while another thread sets it (the bindings release the GIL), and a std::string read while it was
+// assigned could see freed memory.
+inline std::atomic<int>& route_setting() {
+  static std::atomic<int> setting{-1};  // -1: auto, else a Route
   return setting;
+}
+
+// Sets route_setting() from its name: "auto", "brgemm", "packed" or "blas".
+inline void set_route_setting(const std::string& name) {
+  for (const Route route : {Route::kBrgemm, Route::kPacked, Route::kBlas}) {
+    if (name == route_name(route)) {
+      route_setting().store(int(route));
+      return;
+    }
+  }
+  if (name != "auto") {
+    throw std::invalid_argument("set_product_route: expected auto, brgemm, packed or blas, got " + name);
+  }
+  route_setting().store(-1);
 }
 
 // The handles of torch's packed MKL linear (mkl::_mkl_reorder_linear_weight, mkl::_mkl_linear), where torch has them.
@@ -220,7 +240,7 @@ class StepProduct {
     if (candidates.size() == 1) {
       route_ = candidates.front();
     } else {
-      std::lock_guard<std::mutex> lock(tunings_mutex());
+      std::lock_guard<ProcessMutex> lock(tunings_mutex());
       const Key key{rows_, right.size(0), right.size(1), at::get_num_threads()};
       Tuning& tuning = tunings().try_emplace(key, Tuning{candidates, Trials(candidates.size())}).first->second;
       if (tuning.chosen().has_value()) {
@@ -246,14 +266,14 @@ class StepProduct {
     if (brgemm_works()) candidates.push_back(Route::kBrgemm);
     if (rows >= kPackedRows && packed_linear() != nullptr) candidates.push_back(Route::kPacked);
     candidates.push_back(Route::kBlas);
-    const std::string& setting = route_setting();
+    const int setting = route_setting().load();
     // Deterministic algorithms (torch.use_deterministic_algorithms, Lightning's deterministic=True): one fixed route,
     // the first available of brgemm, packed, at::mm. The measured choice depends on the machine's load when it is
     // timed, and each route rounds differently, so the same seed gave other numbers from one process to the next.
-    if (setting == "auto" && at::globalContext().deterministicAlgorithms()) return {candidates.front()};
-    if (setting == "auto") return candidates;
+    if (setting < 0 && at::globalContext().deterministicAlgorithms()) return {candidates.front()};
+    if (setting < 0) return candidates;
     const auto forced = std::find_if(candidates.begin(), candidates.end(),
-                                     [&](Route route) { return setting == route_name(route); });
+                                     [&](Route route) { return setting == int(route); });
     return {forced != candidates.end() ? *forced : candidates.back()};
   }
 
@@ -273,7 +293,7 @@ class StepProduct {
 
   // The routes chosen in this process so far: (rows, K, N, threads, route) each.
   static std::vector<std::tuple<int64_t, int64_t, int64_t, int, std::string>> chosen_routes() {
-    std::lock_guard<std::mutex> lock(tunings_mutex());
+    std::lock_guard<ProcessMutex> lock(tunings_mutex());
     std::vector<std::tuple<int64_t, int64_t, int64_t, int, std::string>> chosen;
     for (const auto& [key, tuning] : tunings()) {
       if (!tuning.chosen().has_value()) continue;
@@ -283,27 +303,42 @@ class StepProduct {
     return chosen;
   }
 
+  // For the tests: holds the trials' lock for `seconds` (from another thread, while the test forks).
+  static void hold_lock(double seconds) {
+    std::lock_guard<ProcessMutex> lock(tunings_mutex());
+    std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+  }
+
+  // For the tests: whether some thread holds the trials' lock now.
+  static bool lock_held() {
+    if (!tunings_mutex().try_lock()) return true;
+    tunings_mutex().unlock();
+    return false;
+  }
+
  private:
   // Rows, K, N and torch's thread count: the fastest route at one thread is not the fastest at two (measured on an
   // Intel Xeon: 64x256 by 256x1024 took MKL's at one thread and brgemm at two).
   using Key = std::tuple<int64_t, int64_t, int64_t, int>;
 
-  static std::mutex& tunings_mutex() {
-    static std::mutex mutex;
-    return mutex;
+  // The trials and choices of every shape: a ProcessMutex, which a fork leaves unlocked in the child.
+  static ProcessMutex& tunings_mutex() {
+    static ProcessMutex* mutex = new ProcessMutex();
+    return *mutex;
   }
 
   static std::map<Key, Tuning>& tunings() {
-    static std::map<Key, Tuning> all;
-    return all;
+    static std::map<Key, Tuning>* all = new std::map<Key, Tuning>();  // never destroyed, as its mutex
+    return *all;
   }
+
 
   // One product of the shape's tuning, the candidate whose turn it is (Trials), timed; the last timing needed
   // chooses the route for every later product.
   void timed(const at::Tensor& x, at::Tensor& out, const at::Tensor* add) {
     size_t turn = 0;
     {
-      std::lock_guard<std::mutex> lock(tunings_mutex());
+      std::lock_guard<ProcessMutex> lock(tunings_mutex());
       if (tuning_->chosen().has_value()) {  // chosen by another product of the shape since
         settle(*tuning_->chosen());
       } else {
@@ -317,7 +352,7 @@ class StepProduct {
     const auto start = std::chrono::steady_clock::now();
     run(tuning_->candidates[turn], x, out, add);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    std::lock_guard<std::mutex> lock(tunings_mutex());
+    std::lock_guard<ProcessMutex> lock(tunings_mutex());
     tuning_->trials.record(turn, seconds);
     if (tuning_->chosen().has_value()) settle(*tuning_->chosen());
   }

@@ -921,11 +921,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("d_max"), pybind11::arg("warmup"), pybind11::arg("r_max_steps"),
            pybind11::arg("d_max_steps"), pybind11::arg("folded_scale"), pybind11::arg("folded_offset"))
       .def_readonly("kind", &NormArgs::kind);
-  m.def("lstm_forward", &lstm_forward);
-  m.def("lstm_backward", &lstm_backward);
-  m.def("gru_forward", &gru_forward);
-  m.def("gru_backward", &gru_backward);
-  m.def("generation_step", &generation_step);
+  // The entry points run without the GIL (as torch's own ops do): a long recurrence no longer stops every other
+  // Python thread. Their arguments are converted before it is released and their results after it is taken back;
+  // in between they touch no Python object (NormArgs holds tensors and numbers only; BatchNorm's fold_through runs
+  // in Python before the step).
+  using ReleaseGil = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("lstm_forward", &lstm_forward, ReleaseGil());
+  m.def("lstm_backward", &lstm_backward, ReleaseGil());
+  m.def("gru_forward", &gru_forward, ReleaseGil());
+  m.def("gru_backward", &gru_backward, ReleaseGil());
+  m.def("generation_step", &generation_step, ReleaseGil());
   m.def(
       "saved_empty",
       [](std::vector<int64_t> sizes, at::ScalarType dtype) {
@@ -946,15 +951,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "cache_info", [] { return seqnorm::BufferCache::instance().info(); },
       "(bytes kept, limit, blocks handed out again, blocks made) of the kernels' kept memory");
+  // For the tests of what a fork does to the process-wide locks (the kept memory's, the product trials').
   m.def(
-      "set_product_route",
-      [](const std::string& route) {
-        if (route != "auto" && route != "brgemm" && route != "packed" && route != "blas") {
-          throw std::invalid_argument("set_product_route: expected auto, brgemm, packed or blas, got " + route);
+      "_hold_lock",
+      [](const std::string& name, double seconds) {
+        if (name == "cache") {
+          seqnorm::BufferCache::instance().hold_lock(seconds);
+        } else if (name == "routes") {
+          seqnorm::StepProduct::hold_lock(seconds);
+        } else {
+          throw std::invalid_argument("_hold_lock: expected cache or routes, got " + name);
         }
-        seqnorm::route_setting() = route;
       },
-      "Force the per-step matmul's route (where it applies; else the BLAS route) or let it be measured (auto)");
+      pybind11::arg("name"), pybind11::arg("seconds"), ReleaseGil(),
+      "Test only: hold the lock of the kept memory (cache) or the product trials (routes) for `seconds`");
+  m.def(
+      "_lock_held",
+      [](const std::string& name) {
+        if (name == "cache") return seqnorm::BufferCache::instance().lock_held();
+        if (name == "routes") return seqnorm::StepProduct::lock_held();
+        throw std::invalid_argument("_lock_held: expected cache or routes, got " + name);
+      },
+      pybind11::arg("name"), "Test only: whether some thread holds that lock now");
+  m.def("set_product_route", &seqnorm::set_route_setting,
+        "Force the per-step matmul's route (where it applies; else the BLAS route) or let it be measured (auto)");
   m.def(
       "product_route",
       [](const at::Tensor& right, int64_t rows) {
@@ -971,6 +991,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         }
         return std::string(seqnorm::route_name(product.route()));
       },
+      ReleaseGil(),
       "The route the per-step product x @ right of `rows` rows takes here (measured now if no recurrence has yet)");
   m.def(
       "product_candidates",

@@ -10,7 +10,11 @@ kernels with, and one warning says why.
 
 Memory: the large tensors of the recurrences (a training step's saved activations, the input projection) come from
 blocks the kernels keep between calls, up to :data:`CACHE_ENV` MiB (``csrc/buffers.h``; :func:`empty_cache`,
-:func:`cache_info`, :func:`set_cache_limit`).
+:func:`cache_info`, :func:`set_cache_limit`). They do not raise the peak: a call of a shape no kept block serves
+lets go of them all before it allocates.
+
+Threads: the entry points run without the GIL; the kept memory, the route trials and the route setting may be used
+from several threads, and a fork leaves their locks usable in the child (``csrc/process_mutex.h``).
 
 Arguments: every entry point checks all its arguments before it touches their memory (``csrc/checks.h``; each norm's
 ``NormArgs`` in one place, ``NormArgs::validate`` in ``csrc/norms.h``): the cell (``"lstm"`` or ``"gru"``), one
@@ -322,7 +326,8 @@ def _load_cpu() -> Backend | None:
 
 CACHE_ENV = "SEQNORM_KERNEL_CACHE_MB"
 """``SEQNORM_KERNEL_CACHE_MB=N``: the most memory, in MiB, that the kernels keep between calls for their large tensors
-(a training step's saved activations, the input projection; :func:`set_cache_limit`; default 1024, 0 keeps none)."""
+(a training step's saved activations, the input projection; :func:`set_cache_limit`; default 1024, 0 keeps none).
+What is kept is what the latest calls used: a call that no kept block serves lets go of them before it allocates."""
 DEFAULT_CACHE_MB = 1024
 _CACHE_LIMIT: list[int | None] = [None]  # bytes, once set_cache_limit was called
 
