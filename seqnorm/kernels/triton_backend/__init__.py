@@ -11,13 +11,13 @@ unchanged. Nothing here reads a value back to the host inside the loops.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import triton
 from torch import Tensor
 
+from seqnorm.kernels import KernelNorm
 from seqnorm.kernels.triton_backend import recurrence
 from seqnorm.kernels.triton_backend.norms import KINDS, rows_backward, rows_forward
 
@@ -40,39 +40,18 @@ __all__ = [
 _ROWS_EACH = 64  # rows a program of the whole-block backward sums its parameter gradients over
 
 
-@dataclass
-class NormArgs:
-    """What a norm hands the kernels (:meth:`seqnorm.kernels.KernelNorm.native`), as the C++ ``NormArgs``."""
+def NormArgs(**fields: Any) -> KernelNorm:
+    """A norm's arguments (:meth:`seqnorm.kernels.KernelNorm.native`): for this backend, the ``KernelNorm`` itself."""
+    return KernelNorm(**fields)
 
-    kind: str
-    eps: float
-    weight: Tensor | None
-    shift: Tensor | None
-    running_mean: Tensor | None = None
-    running_var: Tensor | None = None
-    num_batches_tracked: Tensor | None = None
-    momentum: float = 0.1
-    training: bool = False
-    renorm: bool = False
-    r_max: float = 1.0
-    d_max: float = 0.0
-    warmup: int = 0
-    r_max_steps: int = 1
-    d_max_steps: int = 1
-    folded_scale: Tensor | None = None
-    folded_offset: Tensor | None = None
 
-    @property
-    def code(self) -> int:
-        return KINDS[self.kind]
+def _code(norm: KernelNorm) -> int:
+    return KINDS[norm.kind]
 
-    @property
-    def shifted(self) -> bool:
-        return self.shift is not None
 
-    @property
-    def identity(self) -> bool:
-        return self.kind == "none" and self.shift is None
+def _identity(norm: KernelNorm) -> bool:
+    """No norm and no shift: the output is the input."""
+    return norm.kind == "none" and norm.shift is None
 
 
 name = "triton"
@@ -123,9 +102,9 @@ def _param(tensor: Tensor | None, like: Tensor) -> Tensor:
     return like if tensor is None else tensor
 
 
-def _normalize_rows(x: Tensor, norm: NormArgs) -> tuple[Tensor, list[Tensor]]:
+def _normalize_rows(x: Tensor, norm: KernelNorm) -> tuple[Tensor, list[Tensor]]:
     """``γ N(x) + shift`` of every row of ``x`` (..., F) at once, and the statistics its backward needs."""
-    if norm.identity:
+    if _identity(norm):
         return x, []
     features = x.shape[-1]
     flat = x.reshape(-1, features)
@@ -134,17 +113,17 @@ def _normalize_rows(x: Tensor, norm: NormArgs) -> tuple[Tensor, list[Tensor]]:
     rstd = flat.new_empty(flat.shape[0])
     rows_forward[(flat.shape[0],)](
         flat, out, _param(norm.weight, flat), _param(norm.shift, flat), mean, rstd, features, norm.eps,
-        KIND=norm.code, SHIFT=norm.shifted, BLOCK=_block(features),
+        KIND=_code(norm), SHIFT=norm.shift is not None, BLOCK=_block(features),
     )  # fmt: skip
-    stats = [mean.view(x.shape[:-1]), rstd.view(x.shape[:-1])] if norm.code else []
+    stats = [mean.view(x.shape[:-1]), rstd.view(x.shape[:-1])] if _code(norm) else []
     return out.view(x.shape), stats
 
 
 def _rows_backward(
-    dy: Tensor, x: Tensor, stats: list[Tensor], norm: NormArgs, want_dx: bool
+    dy: Tensor, x: Tensor, stats: list[Tensor], norm: KernelNorm, want_dx: bool
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """dx (``want_dx``), dL/dγ and dL/dshift of a norm applied to every row of ``x`` (..., F), given dL/dy."""
-    if norm.identity:
+    if _identity(norm):
         return dy if want_dx else None, None, None
     features = x.shape[-1]
     flat_dy, flat_x = dy.reshape(-1, features), x.reshape(-1, features)
@@ -152,15 +131,15 @@ def _rows_backward(
     programs = triton.cdiv(rows, _ROWS_EACH)
     dweight = flat_dy.new_empty(programs, features)
     dshift = flat_dy.new_empty(programs, features)
-    write_dx = want_dx and norm.code != 0
+    write_dx = want_dx and _code(norm) != 0
     dx = torch.empty_like(flat_dy) if write_dx else flat_dy
-    mean, rstd = (stats[0].reshape(-1), stats[1].reshape(-1)) if norm.code else (flat_dy, flat_dy)
+    mean, rstd = (stats[0].reshape(-1), stats[1].reshape(-1)) if _code(norm) else (flat_dy, flat_dy)
     rows_backward[(programs,)](
         flat_dy, flat_x, mean, rstd, _param(norm.weight, flat_dy), dx, dweight, dshift, rows, features,
-        KIND=norm.code, WRITE_DX=write_dx, ROWS_EACH=_ROWS_EACH, BLOCK=_block(features),
+        KIND=_code(norm), WRITE_DX=write_dx, ROWS_EACH=_ROWS_EACH, BLOCK=_block(features),
     )  # fmt: skip
-    grad_weight = dweight.sum(0) if norm.weight is not None and norm.code else None
-    grad_shift = dshift.sum(0) if norm.shifted else None
+    grad_weight = dweight.sum(0) if norm.weight is not None and _code(norm) else None
+    grad_shift = dshift.sum(0) if norm.shift is not None else None
     return (dx.view(dy.shape) if want_dx else None), grad_weight, grad_shift
 
 
@@ -190,7 +169,7 @@ def _previous_states(h0: Tensor, hs: Tensor) -> Tensor:
 
 def lstm_forward(
     inputs: Tensor, h0: Tensor, c0: Tensor, weight_hh: Tensor, mask: Tensor | None,
-    ih: NormArgs, hh: NormArgs, c_norm: NormArgs, save: bool,
+    ih: KernelNorm, hh: KernelNorm, c_norm: KernelNorm, save: bool,
 ) -> tuple[list[Tensor], list[Tensor | None], list[list[Tensor]], list[int]]:  # fmt: skip
     """The C++ ``lstm_forward``'s contract: ``([hs, h_n, c_n], saved, stats, fallbacks)``."""
     steps, rows, width = inputs.shape
@@ -202,8 +181,8 @@ def lstm_forward(
     acts = inputs.new_empty(kept, rows, width)
     tanh_cs = inputs.new_empty(kept, rows, hidden)
     raw = inputs.new_empty(kept, rows, width)
-    hh_stats = [inputs.new_empty(kept, rows), inputs.new_empty(kept, rows)] if hh.code else []
-    c_stats = [inputs.new_empty(kept, rows), inputs.new_empty(kept, rows)] if c_norm.code else []
+    hh_stats = [inputs.new_empty(kept, rows), inputs.new_empty(kept, rows)] if _code(hh) else []
+    c_stats = [inputs.new_empty(kept, rows), inputs.new_empty(kept, rows)] if _code(c_norm) else []
     scratch = hs  # what a pointer the kernel does not read points at
     weight_t = weight_hh.t()
     for t in range(steps):
@@ -220,11 +199,12 @@ def lstm_forward(
             *(stat[slot] for stat in hh_stats or (scratch, scratch)),
             *(stat[slot] for stat in c_stats or (scratch, scratch)),
             hidden, 0.0, hh.eps, c_norm.eps,
-            IH=0, IH_SHIFT=False, HH=hh.code, HH_SHIFT=hh.shifted, C=c_norm.code, C_SHIFT=c_norm.shifted,
-            HAS_MASK=mask is not None, SAVE=save, BLOCK=_block(hidden),
+            IH=0, IH_SHIFT=False, HH=_code(hh), HH_SHIFT=hh.shift is not None,
+            C=_code(c_norm), C_SHIFT=c_norm.shift is not None, HAS_MASK=mask is not None, SAVE=save,
+            BLOCK=_block(hidden),
         )  # fmt: skip
     h_n, c_n = hs[-1].clone(), cs[-1 if save else (steps - 1) % 2].clone()
-    saved: list[Tensor | None] = [cs, acts, tanh_cs, raw if hh.code else None] if save else []
+    saved: list[Tensor | None] = [cs, acts, tanh_cs, raw if _code(hh) else None] if save else []
     stats = [ih_stats, hh_stats, c_stats] if save else []
     return [hs, h_n, c_n], saved, stats, [0, 0, 0]
 
@@ -232,7 +212,7 @@ def lstm_forward(
 def lstm_backward(
     grad_hs: Tensor, grad_h_n: Tensor, grad_c_n: Tensor, inputs: Tensor, h0: Tensor, c0: Tensor,
     weight_hh: Tensor, mask: Tensor | None, hs: Tensor, saved: list[Tensor], raw: Tensor | None,
-    stats: list[list[Tensor]], ih: NormArgs, hh: NormArgs, c_norm: NormArgs,
+    stats: list[list[Tensor]], ih: KernelNorm, hh: KernelNorm, c_norm: KernelNorm,
     sequence: Tensor | None, weight_ih: Tensor | None, want_input: bool, want_weight_ih: bool,
 ) -> list[Tensor | None]:  # fmt: skip
     """The C++ ``lstm_backward``'s contract: gradients of the input (x with a projection), h0, c0, W_hh, (γ, shift)
@@ -242,8 +222,8 @@ def lstm_backward(
     steps, rows, width = acts.shape
     hidden = width // 4
     d_pre = acts.new_empty(steps, rows, width)
-    d_raw = acts.new_empty(steps, rows, width) if hh.code else d_pre
-    keep_c_out = not c_norm.identity
+    d_raw = acts.new_empty(steps, rows, width) if _code(hh) else d_pre
+    keep_c_out = not _identity(c_norm)
     d_c_out = acts.new_empty(steps, rows, hidden) if keep_c_out else d_pre
     recurrent = torch.zeros_like(h0)
     carry = grad_h_n.clone()
@@ -259,7 +239,7 @@ def lstm_backward(
             *(stat[t] for stat in c_stats or (scratch, scratch)),
             d_pre[t], d_raw[t], d_c_out[t] if keep_c_out else scratch,
             hidden,
-            HH=hh.code, C=c_norm.code, KEEP_C_OUT=keep_c_out, HAS_MASK=mask is not None, BLOCK=_block(hidden),
+            HH=_code(hh), C=_code(c_norm), KEEP_C_OUT=keep_c_out, HAS_MASK=mask is not None, BLOCK=_block(hidden),
         )  # fmt: skip
         torch.mm(d_raw[t], weight_hh, out=recurrent)
     grad_h0 = recurrent + carry
@@ -276,7 +256,7 @@ def lstm_backward(
 
 
 def gru_forward(
-    inputs: Tensor, h0: Tensor, weight_hh: Tensor, mask: Tensor | None, ih: NormArgs, hh: NormArgs, save: bool
+    inputs: Tensor, h0: Tensor, weight_hh: Tensor, mask: Tensor | None, ih: KernelNorm, hh: KernelNorm, save: bool
 ) -> tuple[list[Tensor], list[Tensor], list[list[Tensor]], list[int]]:
     """The C++ ``gru_forward``'s contract: ``([hs, h_n], saved, stats, fallbacks)``."""
     steps, rows, width = inputs.shape
@@ -287,7 +267,7 @@ def gru_forward(
     acts = inputs.new_empty(kept, rows, width)
     us = inputs.new_empty(kept, rows, width)
     raw = inputs.new_empty(kept, rows, width)
-    hh_stats = [inputs.new_empty(kept, rows), inputs.new_empty(kept, rows)] if hh.code else []
+    hh_stats = [inputs.new_empty(kept, rows), inputs.new_empty(kept, rows)] if _code(hh) else []
     scratch = hs
     weight_t = weight_hh.t()
     for t in range(steps):
@@ -299,7 +279,7 @@ def gru_forward(
             scratch, scratch, _param(hh.weight, scratch), _param(hh.shift, scratch),
             hs[t], acts[slot], us[slot], *(stat[slot] for stat in hh_stats or (scratch, scratch)),
             hidden, 0.0, hh.eps,
-            IH=0, IH_SHIFT=False, HH=hh.code, HH_SHIFT=hh.shifted, HAS_MASK=mask is not None, SAVE=save,
+            IH=0, IH_SHIFT=False, HH=_code(hh), HH_SHIFT=hh.shift is not None, HAS_MASK=mask is not None, SAVE=save,
             BLOCK=_block(hidden),
         )  # fmt: skip
     saved = [acts, us, raw] if save else []
@@ -309,7 +289,7 @@ def gru_forward(
 
 def gru_backward(
     grad_hs: Tensor, grad_h_n: Tensor, inputs: Tensor, h0: Tensor, weight_hh: Tensor, mask: Tensor | None,
-    hs: Tensor, saved: list[Tensor], stats: list[list[Tensor]], ih: NormArgs, hh: NormArgs,
+    hs: Tensor, saved: list[Tensor], stats: list[list[Tensor]], ih: KernelNorm, hh: KernelNorm,
     sequence: Tensor | None, weight_ih: Tensor | None, want_input: bool, want_weight_ih: bool,
 ) -> list[Tensor | None]:  # fmt: skip
     """The C++ ``gru_backward``'s contract: gradients of the input (x with a projection), h0, W_hh, (γ, shift) of the
@@ -320,7 +300,7 @@ def gru_backward(
     hidden = width // 3
     d_input = acts.new_empty(steps, rows, width)
     d_u = acts.new_empty(steps, rows, width)
-    d_raw = acts.new_empty(steps, rows, width) if hh.code else d_u
+    d_raw = acts.new_empty(steps, rows, width) if _code(hh) else d_u
     recurrent = torch.zeros_like(h0)
     carry = grad_h_n.clone()
     scratch = hs
@@ -331,7 +311,7 @@ def gru_backward(
             acts[t], us[t], h_prev, raw[t], _param(hh.weight, scratch),
             *(stat[t] for stat in hh_stats or (scratch, scratch)),
             d_input[t], d_u[t], d_raw[t], hidden,
-            HH=hh.code, HAS_MASK=mask is not None, BLOCK=_block(hidden),
+            HH=_code(hh), HAS_MASK=mask is not None, BLOCK=_block(hidden),
         )  # fmt: skip
         torch.mm(d_raw[t], weight_hh, out=recurrent)
     grad_h0 = recurrent + carry
@@ -347,7 +327,7 @@ def gru_backward(
 
 def generation_step(
     cell: str, x: Tensor, h: Tensor, c: Tensor | None, weight_ih_t: Tensor, weight_hh_t: Tensor,
-    ih: NormArgs, hh: NormArgs, c_norm: NormArgs, step: int,
+    ih: KernelNorm, hh: KernelNorm, c_norm: KernelNorm, step: int,
 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """The C++ ``generation_step``'s contract: ``x`` ``(B, I)`` or ``(1, B, I)``, ``h``/``c`` ``(1, B, H)``;
     returns ``(h', c')`` ``(1, B, H)`` (``c'`` ``None`` for a GRU). Three launches: two products and one step."""
@@ -358,7 +338,7 @@ def generation_step(
     raw = h[0] @ weight_hh_t
     h_new = h.new_empty(1, rows, hidden)
     scratch = h_new
-    norms = (ih.code, ih.shifted, hh.code, hh.shifted)
+    norms = (_code(ih), ih.shift is not None, _code(hh), hh.shift is not None)
     if cell == "gru":
         recurrence.gru_step[(rows,)](
             term, raw, h[0], scratch, _param(ih.weight, scratch), _param(ih.shift, scratch),
@@ -375,8 +355,8 @@ def generation_step(
         _param(hh.weight, scratch), _param(hh.shift, scratch), _param(c_norm.weight, scratch),
         _param(c_norm.shift, scratch), h_new, c_new, scratch, scratch, scratch, scratch, scratch, scratch,
         hidden, ih.eps, hh.eps, c_norm.eps,
-        IH=norms[0], IH_SHIFT=norms[1], HH=norms[2], HH_SHIFT=norms[3], C=c_norm.code, C_SHIFT=c_norm.shifted,
-        HAS_MASK=False, SAVE=False, BLOCK=_block(hidden),
+        IH=norms[0], IH_SHIFT=norms[1], HH=norms[2], HH_SHIFT=norms[3],
+        C=_code(c_norm), C_SHIFT=c_norm.shift is not None, HAS_MASK=False, SAVE=False, BLOCK=_block(hidden),
     )  # fmt: skip
     return h_new, c_new
 

@@ -27,6 +27,16 @@ __all__ = ["gru_step", "gru_step_backward", "lstm_step", "lstm_step_backward"]
 
 
 @triton.jit
+def _tile(hidden, GATES: tl.constexpr, BLOCK: tl.constexpr):
+    """A row's gates as a (4, BLOCK) tile: the gate index (a column), the feature index, each element's offset in the
+    row, which elements exist (``GATES`` gates of ``hidden`` features), which features exist."""
+    rows = tl.arange(0, 4)[:, None]
+    columns = tl.arange(0, BLOCK)
+    gate_offsets = rows * hidden + columns[None, :]
+    return rows, columns, gate_offsets, (columns[None, :] < hidden) & (rows < GATES), columns < hidden
+
+
+@triton.jit
 def _load_param(pointer, offsets, valid, USED: tl.constexpr, like):
     """A norm's γ or shift where ``USED``, else a placeholder of ``like``'s shape (never read)."""
     if USED:
@@ -55,11 +65,7 @@ def lstm_step(
     """One LSTM step of row ``program_id(0)``: pre = [N_ih(input) +] N_hh(raw) (+ shifts), the gates, c', N_c(c'),
     h'. ``input`` is the finished input term, or with ``IH`` (a generation step) W_ih x, normalized here."""
     row = tl.program_id(0)
-    rows = tl.arange(0, 4)[:, None]
-    columns = tl.arange(0, BLOCK)
-    gate_offsets = rows * hidden + columns[None, :]
-    gate_valid = (columns[None, :] < hidden) & (rows < 4)
-    valid = columns < hidden
+    rows, columns, gate_offsets, gate_valid, valid = _tile(hidden, 4, BLOCK)
     width = 4 * hidden
     term = tl.load(input_ptr + row * width + gate_offsets, mask=gate_valid, other=0.0)
     if IH != 0 or IH_SHIFT:
@@ -106,11 +112,7 @@ def lstm_step_backward(
     after) + carry (what a padded row passed on); writes the pre-activations' gradient, W_hh h's (through N_hh),
     N_c's output gradient (``KEEP_C_OUT``, for its parameters), and updates dc and carry in place."""
     row = tl.program_id(0)
-    rows = tl.arange(0, 4)[:, None]
-    columns = tl.arange(0, BLOCK)
-    gate_offsets = rows * hidden + columns[None, :]
-    gate_valid = (columns[None, :] < hidden) & (rows < 4)
-    valid = columns < hidden
+    rows, columns, gate_offsets, gate_valid, valid = _tile(hidden, 4, BLOCK)
     width = 4 * hidden
     at = row * hidden + columns
     dh = tl.load(grad_h_ptr + at, mask=valid, other=0.0)
@@ -158,11 +160,7 @@ def gru_step(
     """One GRU step of row ``program_id(0)``: u = N_hh(raw) + shift, the gates, h'; ``input`` as for
     :func:`lstm_step`. Saves the gates (r, z, n) and u for the backward."""
     row = tl.program_id(0)
-    rows = tl.arange(0, 4)[:, None]
-    columns = tl.arange(0, BLOCK)
-    gate_offsets = rows * hidden + columns[None, :]
-    gate_valid = (columns[None, :] < hidden) & (rows < 3)
-    valid = columns < hidden
+    rows, columns, gate_offsets, gate_valid, valid = _tile(hidden, 3, BLOCK)
     width = 3 * hidden
     term = tl.load(input_ptr + row * width + gate_offsets, mask=gate_valid, other=0.0)
     if IH != 0 or IH_SHIFT:
@@ -198,11 +196,7 @@ def gru_step_backward(
     """One GRU step's backward of row ``program_id(0)`` (dh as in :func:`lstm_step_backward`): the input terms'
     gradient, u's (for N_hh's parameters) and W_hh h's through N_hh; the carry dh z (dh for a padded row)."""
     row = tl.program_id(0)
-    rows = tl.arange(0, 4)[:, None]
-    columns = tl.arange(0, BLOCK)
-    gate_offsets = rows * hidden + columns[None, :]
-    gate_valid = (columns[None, :] < hidden) & (rows < 3)
-    valid = columns < hidden
+    rows, columns, gate_offsets, gate_valid, valid = _tile(hidden, 3, BLOCK)
     width = 3 * hidden
     at = row * hidden + columns
     dh = tl.load(grad_h_ptr + at, mask=valid, other=0.0)
