@@ -23,7 +23,7 @@ from torch.testing import assert_close
 import seqnorm
 from seqnorm import kernels
 from seqnorm.kernels import cpu
-from seqnorm.layers import kernel, stepping
+from seqnorm.layers import stepping
 from seqnorm.layers.plan import declared
 from tests.conftest import LAYERS, TORCH_KINDS, perturb_norm_parameters, require_kernels
 
