@@ -39,8 +39,11 @@ class Backend(Protocol):
     """Builds a norm's arguments: ``kind`` (``"none"``, ``"layer"``, ``"rms"``, ``"batch"``), ``eps``, ``weight``,
     ``shift``, BatchNorm's running statistics and options (:class:`seqnorm.kernels.KernelNorm`'s fields)."""
 
-    def unsupported(self, kind: str, dtype: torch.dtype) -> str | None:
-        """Why a norm of ``kind`` cannot run here in ``dtype``, or ``None``."""
+    def unsupported(
+        self, kinds: tuple[str, ...], dtype: torch.dtype, *, step: bool = False, training: bool = False
+    ) -> str | None:
+        """Why a cell whose norms (input, recurrent, and an LSTM's cell state) are of ``kinds`` cannot run here in
+        ``dtype`` (``step``: the no-grad generation step; ``training``: the cell's mode), or ``None``."""
         ...
 
     def lstm_forward(

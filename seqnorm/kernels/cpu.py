@@ -30,9 +30,11 @@ class CpuBackend:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.module, name)
 
-    def unsupported(self, kind: str, dtype: torch.dtype) -> str | None:
-        """Every norm kind of :class:`~seqnorm.kernels.KernelNorm` runs here, in float32 and float64."""
-        del kind
+    def unsupported(
+        self, kinds: tuple[str, ...], dtype: torch.dtype, *, step: bool = False, training: bool = False
+    ) -> str | None:
+        """Every norm kind of :class:`~seqnorm.kernels.KernelNorm`, in any mix, runs here in float32 and float64."""
+        del kinds, step, training
         return None if dtype in (torch.float32, torch.float64) else f"dtype {dtype}"
 
     def empty_like_saved(self, sizes: list[int], like: Tensor) -> Tensor:

@@ -176,18 +176,21 @@ def kernel_path(device: str) -> Path:
     return backend.name  # type: ignore[return-value]
 
 
-def _compiled_blocker(device: str, cell: RecurrentCell, dtype: torch.dtype) -> str | None:
+def _compiled_blocker(device: str, cell: RecurrentCell, dtype: torch.dtype, step: bool = False) -> str | None:
     if torch.compiler.is_compiling() or torch.compiler.is_exporting():  # opaque to both; the plain path traces
         return "torch.compile or torch.export is tracing"
     backend = kernels.native(device)  # asked last: the first miss warns why
     if backend is None:
         return f"no compiled kernels for {device!r} ({kernels.status(device)})"
-    for norm in (cell.norm_ih, cell.norm_hh, cell.norm_c):  # what the backend runs of each norm it would be given
-        if norm is not None and norm_blocker(norm, "kernel") is None:
-            unsupported = backend.unsupported(norm.kernel_norm(None).kind, dtype)  # type: ignore[operator]
-            if unsupported is not None:
-                return f"the {backend.name} backend: {unsupported}"
-    return None
+    # The norms the backend would be given: an input norm it does not run is applied before (input_terms).
+    kinds = tuple(
+        norm.kernel_norm(None).kind if norm is not None and norm_blocker(norm, "kernel") is None else "none"  # type: ignore[operator]
+        for norm in (
+            (cell.norm_ih, cell.norm_hh, cell.norm_c) if cell_kernel(cell) == "lstm" else (cell.norm_ih, cell.norm_hh)
+        )
+    )
+    unsupported = backend.unsupported(kinds, dtype, step=step, training=cell.training)
+    return None if unsupported is None else f"the {backend.name} backend: {unsupported}"
 
 
 # --- whole sequences ---
@@ -326,7 +329,8 @@ def _lean_route(cell: RecurrentCell, x: Tensor) -> Path:
     norms = (cell.norm_ih, cell.norm_hh, cell.norm_c)
     if any(norm_blocker(norm, "kernel") is not None for norm in norms):
         return "lean_step"
-    return kernel_path(x.device.type) if _compiled_blocker(x.device.type, cell, x.dtype) is None else "lean_step"
+    unbuilt = _compiled_blocker(x.device.type, cell, x.dtype, step=True)
+    return kernel_path(x.device.type) if unbuilt is None else "lean_step"
 
 
 def _lean_blocker(layer: RecurrentLayer, cells: list[RecurrentCell], x: Tensor) -> str | None:

@@ -16,8 +16,9 @@ from seqnorm.kernels.triton_backend.cells import (
     gate,
     gru_backward,
     gru_gates,
-    lstm_activations,
+    lstm_activation,
     lstm_backward,
+    lstm_cell,
     lstm_output_backward,
     tanh,
 )
@@ -76,9 +77,9 @@ def lstm_step(
     recurrent, hh_mean, hh_rstd = _normalized(
         raw, gate_valid, width, hh_eps, hh_weight_ptr, hh_shift_ptr, gate_offsets, HH, HH_SHIFT
     )
-    acts = lstm_activations(term + recurrent, rows)
+    acts = lstm_activation(term + recurrent, rows == 2)
     c_prev = tl.load(c_prev_ptr + row * hidden + columns, mask=valid, other=0.0)
-    c = gate(acts, rows, 1) * c_prev + gate(acts, rows, 0) * gate(acts, rows, 2)
+    c = lstm_cell(gate(acts, rows, 0), gate(acts, rows, 1), gate(acts, rows, 2), c_prev)
     c_out, c_mean, c_rstd = _normalized(c, valid, hidden, c_eps, c_weight_ptr, c_shift_ptr, columns, C, C_SHIFT)
     tanh_c = tanh(c_out)
     h = gate(acts, rows, 3) * tanh_c
@@ -127,7 +128,12 @@ def lstm_step_backward(
         c = tl.load(c_ptr + at, mask=valid, other=0.0)
         weight = tl.load(c_weight_ptr + columns, mask=valid, other=0.0)
         d_c = row_backward(d_c_out, c, valid, hidden, tl.load(c_mean_ptr + row), tl.load(c_rstd_ptr + row), weight, C)
-    d_pre, dc_prev = lstm_backward(dc + d_c, acts, rows, c_prev, d_o)
+    d_i, d_f, d_g, dc_prev = lstm_backward(
+        dc + d_c, gate(acts, rows, 0), gate(acts, rows, 1), gate(acts, rows, 2), c_prev
+    )
+    d_pre = tl.where(
+        rows == 0, d_i[None, :], tl.where(rows == 1, d_f[None, :], tl.where(rows == 2, d_g[None, :], d_o[None, :]))
+    )
     real = columns >= 0
     if HAS_MASK:
         real = tl.load(mask_ptr + row) != 0
@@ -172,7 +178,15 @@ def gru_step(
         raw, gate_valid, width, hh_eps, hh_weight_ptr, hh_shift_ptr, gate_offsets, HH, HH_SHIFT
     )
     h_prev = tl.load(h_prev_ptr + row * hidden + columns, mask=valid, other=0.0)
-    r, z, n, h = gru_gates(term, u, rows, h_prev)
+    r, z, n, h = gru_gates(
+        gate(term, rows, 0),
+        gate(term, rows, 1),
+        gate(term, rows, 2),
+        gate(u, rows, 0),
+        gate(u, rows, 1),
+        gate(u, rows, 2),
+        h_prev,
+    )
     if HAS_MASK:
         h = tl.where(tl.load(mask_ptr + row) != 0, h, h_prev)
     tl.store(h_ptr + row * hidden + columns, h, mask=valid)
@@ -204,9 +218,11 @@ def gru_step_backward(
     acts = tl.load(acts_ptr + row * width + gate_offsets, mask=gate_valid, other=0.0)
     u = tl.load(u_ptr + row * width + gate_offsets, mask=gate_valid, other=0.0)
     h_prev = tl.load(h_prev_ptr + at, mask=valid, other=0.0)
-    d_a, d_u, carry = gru_backward(
-        dh, gate(acts, rows, 0), gate(acts, rows, 1), gate(acts, rows, 2), gate(u, rows, 2), h_prev, rows
+    d_r, d_z, d_n, d_u_n, carry = gru_backward(
+        dh, gate(acts, rows, 0), gate(acts, rows, 1), gate(acts, rows, 2), gate(u, rows, 2), h_prev
     )
+    d_a = tl.where(rows == 0, d_r[None, :], tl.where(rows == 1, d_z[None, :], d_n[None, :]))
+    d_u = tl.where(rows == 2, d_u_n[None, :], d_a)
     if HAS_MASK:
         real = tl.load(mask_ptr + row) != 0
         d_a = tl.where(real, d_a, 0.0)

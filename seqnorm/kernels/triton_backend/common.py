@@ -1,0 +1,94 @@
+"""What the Triton backend's two layouts share: the row norms of every step at once (the input norm before the loop,
+the parameter gradients after it), the projection's gradients, the launch arguments."""
+
+from __future__ import annotations
+
+import torch
+import triton
+from torch import Tensor
+
+from seqnorm.kernels import KernelNorm
+from seqnorm.kernels.triton_backend.norms import KINDS, rows_backward, rows_forward
+
+_ROWS_EACH = 64  # rows a program of the whole-block backward sums its parameter gradients over
+
+
+def code(norm: KernelNorm) -> int:
+    """The norm's kind as the kernels' compile-time constant."""
+    return KINDS[norm.kind]
+
+
+def identity(norm: KernelNorm) -> bool:
+    """No norm and no shift: the output is the input."""
+    return norm.kind == "none" and norm.shift is None
+
+
+def block(hidden: int) -> int:
+    return triton.next_power_of_2(hidden)
+
+
+def param(tensor: Tensor | None, like: Tensor) -> Tensor:
+    """A norm's γ or shift, or ``like`` where it has none (the kernels do not read it then)."""
+    return like if tensor is None else tensor
+
+
+def normalize_rows(x: Tensor, norm: KernelNorm) -> tuple[Tensor, list[Tensor]]:
+    """``γ N(x) + shift`` of every row of ``x`` (..., F) at once, and the statistics its backward needs."""
+    if identity(norm):
+        return x, []
+    features = x.shape[-1]
+    flat = x.reshape(-1, features)
+    out = torch.empty_like(flat)
+    mean = flat.new_empty(flat.shape[0])
+    rstd = flat.new_empty(flat.shape[0])
+    rows_forward[(flat.shape[0],)](
+        flat, out, param(norm.weight, flat), param(norm.shift, flat), mean, rstd, features, norm.eps,
+        KIND=code(norm), SHIFT=norm.shift is not None, BLOCK=block(features),
+    )  # fmt: skip
+    stats = [mean.view(x.shape[:-1]), rstd.view(x.shape[:-1])] if code(norm) else []
+    return out.view(x.shape), stats
+
+
+def rows_backward_all(
+    dy: Tensor, x: Tensor, stats: list[Tensor], norm: KernelNorm, want_dx: bool
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """dx (``want_dx``), dL/dγ and dL/dshift of a norm applied to every row of ``x`` (..., F), given dL/dy."""
+    if identity(norm):
+        return dy if want_dx else None, None, None
+    features = x.shape[-1]
+    flat_dy, flat_x = dy.reshape(-1, features), x.reshape(-1, features)
+    rows = flat_dy.shape[0]
+    programs = triton.cdiv(rows, _ROWS_EACH)
+    dweight = flat_dy.new_empty(programs, features)
+    dshift = flat_dy.new_empty(programs, features)
+    write_dx = want_dx and code(norm) != 0
+    dx = torch.empty_like(flat_dy) if write_dx else flat_dy
+    mean, rstd = (stats[0].reshape(-1), stats[1].reshape(-1)) if code(norm) else (flat_dy, flat_dy)
+    rows_backward[(programs,)](
+        flat_dy, flat_x, mean, rstd, param(norm.weight, flat_dy), dx, dweight, dshift, rows, features,
+        KIND=code(norm), WRITE_DX=write_dx, ROWS_EACH=_ROWS_EACH, BLOCK=block(features),
+    )  # fmt: skip
+    grad_weight = dweight.sum(0) if norm.weight is not None and code(norm) else None
+    grad_shift = dshift.sum(0) if norm.shift is not None else None
+    return (dx.view(dy.shape) if want_dx else None), grad_weight, grad_shift
+
+
+def mask_arg(mask: Tensor | None, like: Tensor) -> Tensor:
+    return like if mask is None else mask
+
+
+def projection_grads(
+    grad_inputs: Tensor, sequence: Tensor | None, weight_ih: Tensor | None, want_input: bool, want_weight: bool
+) -> tuple[Tensor | None, Tensor | None]:
+    """The input's gradient (of x with a projection W_ih x, else of the input terms) and W_ih's, as large matmuls."""
+    if sequence is None or weight_ih is None:
+        return (grad_inputs if want_input else None), None
+    flat = grad_inputs.reshape(-1, grad_inputs.shape[-1])
+    grad_x = (flat @ weight_ih).view(*sequence.shape[:-1], weight_ih.shape[1]) if want_input else None
+    grad_w = flat.t() @ sequence.reshape(-1, sequence.shape[-1]) if want_weight else None
+    return grad_x, grad_w
+
+
+def previous_states(h0: Tensor, hs: Tensor) -> Tensor:
+    """Each step's h_{t-1}, (T, B, H): h0, then hs but the last."""
+    return torch.cat([h0.unsqueeze(0), hs[:-1]])

@@ -1,0 +1,227 @@
+"""The Triton backend's row layout: a program per row of the batch, for cells whose norms keep their statistics per
+row (none, LayerNorm, RMSNorm), and the generation step (where per-timestep BatchNorm comes folded into a scale and
+an offset per feature). Launches the kernels of :mod:`.recurrence`."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from seqnorm.kernels import KernelNorm
+from seqnorm.kernels.triton_backend import recurrence
+from seqnorm.kernels.triton_backend.common import (
+    block,
+    code,
+    identity,
+    mask_arg,
+    normalize_rows,
+    param,
+    previous_states,
+    projection_grads,
+    rows_backward_all,
+)
+
+# --- LSTM ---
+
+
+def lstm_forward(
+    inputs: Tensor, h0: Tensor, c0: Tensor, weight_hh: Tensor, mask: Tensor | None,
+    ih: KernelNorm, hh: KernelNorm, c_norm: KernelNorm, save: bool,
+) -> tuple[list[Tensor], list[Tensor | None], list[list[Tensor]], list[int]]:  # fmt: skip
+    """The C++ ``lstm_forward``'s contract: ``([hs, h_n, c_n], saved, stats, fallbacks)``."""
+    steps, rows, width = inputs.shape
+    hidden = width // 4
+    terms, ih_stats = normalize_rows(inputs, ih)
+    kept = steps if save else 1
+    hs = inputs.new_empty(steps, rows, hidden)
+    cs = inputs.new_empty(steps if save else 2, rows, hidden)
+    acts = inputs.new_empty(kept, rows, width)
+    tanh_cs = inputs.new_empty(kept, rows, hidden)
+    raw = inputs.new_empty(kept, rows, width)
+    hh_stats = [inputs.new_empty(kept, rows), inputs.new_empty(kept, rows)] if code(hh) else []
+    c_stats = [inputs.new_empty(kept, rows), inputs.new_empty(kept, rows)] if code(c_norm) else []
+    scratch = hs  # what a pointer the kernel does not read points at
+    weight_t = weight_hh.t()
+    for t in range(steps):
+        slot = t if save else 0
+        c_slot = t if save else t % 2
+        h_prev = h0 if t == 0 else hs[t - 1]
+        c_prev = c0 if t == 0 else cs[t - 1 if save else (t - 1) % 2]
+        torch.mm(h_prev, weight_t, out=raw[slot])
+        recurrence.lstm_step[(rows,)](
+            terms[t], raw[slot], h_prev, c_prev, mask_arg(None if mask is None else mask[t], scratch),
+            scratch, scratch, param(hh.weight, scratch), param(hh.shift, scratch),
+            param(c_norm.weight, scratch), param(c_norm.shift, scratch),
+            hs[t], cs[c_slot], acts[slot], tanh_cs[slot],
+            *(stat[slot] for stat in hh_stats or (scratch, scratch)),
+            *(stat[slot] for stat in c_stats or (scratch, scratch)),
+            hidden, 0.0, hh.eps, c_norm.eps,
+            IH=0, IH_SHIFT=False, HH=code(hh), HH_SHIFT=hh.shift is not None,
+            C=code(c_norm), C_SHIFT=c_norm.shift is not None, HAS_MASK=mask is not None, SAVE=save,
+            BLOCK=block(hidden),
+        )  # fmt: skip
+    h_n, c_n = hs[-1].clone(), cs[-1 if save else (steps - 1) % 2].clone()
+    saved: list[Tensor | None] = [cs, acts, tanh_cs, raw if code(hh) else None] if save else []
+    stats = [ih_stats, hh_stats, c_stats] if save else []
+    return [hs, h_n, c_n], saved, stats, [0, 0, 0]
+
+
+def lstm_backward(
+    grad_hs: Tensor, grad_h_n: Tensor, grad_c_n: Tensor, inputs: Tensor, h0: Tensor, c0: Tensor,
+    weight_hh: Tensor, mask: Tensor | None, hs: Tensor, saved: list[Tensor], raw: Tensor | None,
+    stats: list[list[Tensor]], ih: KernelNorm, hh: KernelNorm, c_norm: KernelNorm,
+    sequence: Tensor | None, weight_ih: Tensor | None, want_input: bool, want_weight_ih: bool,
+) -> list[Tensor | None]:  # fmt: skip
+    """The C++ ``lstm_backward``'s contract: gradients of the input (x with a projection), h0, c0, W_hh, (γ, shift)
+    of the input, recurrent and cell-state norms, then W_ih (with a projection)."""
+    cs, acts, tanh_cs = saved
+    ih_stats, hh_stats, c_stats = stats
+    steps, rows, width = acts.shape
+    hidden = width // 4
+    d_pre = acts.new_empty(steps, rows, width)
+    d_raw = acts.new_empty(steps, rows, width) if code(hh) else d_pre
+    keep_c_out = not identity(c_norm)
+    d_c_out = acts.new_empty(steps, rows, hidden) if keep_c_out else d_pre
+    recurrent = torch.zeros_like(h0)
+    carry = grad_h_n.clone()
+    dc = grad_c_n.clone()
+    scratch = hs
+    for t in range(steps - 1, -1, -1):
+        c_prev = c0 if t == 0 else cs[t - 1]
+        recurrence.lstm_step_backward[(rows,)](
+            grad_hs[t], recurrent, carry, dc, mask_arg(None if mask is None else mask[t], scratch),
+            acts[t], tanh_cs[t], cs[t], c_prev, raw[t] if raw is not None else scratch,
+            param(hh.weight, scratch), param(c_norm.weight, scratch),
+            *(stat[t] for stat in hh_stats or (scratch, scratch)),
+            *(stat[t] for stat in c_stats or (scratch, scratch)),
+            d_pre[t], d_raw[t], d_c_out[t] if keep_c_out else scratch,
+            hidden,
+            HH=code(hh), C=code(c_norm), KEEP_C_OUT=keep_c_out, HAS_MASK=mask is not None, BLOCK=block(hidden),
+        )  # fmt: skip
+        torch.mm(d_raw[t], weight_hh, out=recurrent)
+    grad_h0 = recurrent + carry
+    grad_weight_hh = d_raw.reshape(-1, width).t() @ previous_states(h0, hs).reshape(-1, hidden)
+    _, hh_weight, hh_shift = rows_backward_all(d_pre, raw if raw is not None else d_pre, hh_stats, hh, False)
+    _, c_weight, c_shift = rows_backward_all(d_c_out, cs, c_stats, c_norm, False) if keep_c_out else (None, None, None)
+    grad_inputs, ih_weight, ih_shift = rows_backward_all(d_pre, inputs, ih_stats, ih, True)
+    grad_x, grad_weight_ih = projection_grads(grad_inputs, sequence, weight_ih, want_input, want_weight_ih)
+    return [grad_x, grad_h0, dc, grad_weight_hh, ih_weight, ih_shift, hh_weight, hh_shift, c_weight, c_shift,
+            grad_weight_ih]  # fmt: skip
+
+
+# --- GRU ---
+
+
+def gru_forward(
+    inputs: Tensor, h0: Tensor, weight_hh: Tensor, mask: Tensor | None, ih: KernelNorm, hh: KernelNorm, save: bool
+) -> tuple[list[Tensor], list[Tensor], list[list[Tensor]], list[int]]:
+    """The C++ ``gru_forward``'s contract: ``([hs, h_n], saved, stats, fallbacks)``."""
+    steps, rows, width = inputs.shape
+    hidden = width // 3
+    terms, ih_stats = normalize_rows(inputs, ih)
+    kept = steps if save else 1
+    hs = inputs.new_empty(steps, rows, hidden)
+    acts = inputs.new_empty(kept, rows, width)
+    us = inputs.new_empty(kept, rows, width)
+    raw = inputs.new_empty(kept, rows, width)
+    hh_stats = [inputs.new_empty(kept, rows), inputs.new_empty(kept, rows)] if code(hh) else []
+    scratch = hs
+    weight_t = weight_hh.t()
+    for t in range(steps):
+        slot = t if save else 0
+        h_prev = h0 if t == 0 else hs[t - 1]
+        torch.mm(h_prev, weight_t, out=raw[slot])
+        recurrence.gru_step[(rows,)](
+            terms[t], raw[slot], h_prev, mask_arg(None if mask is None else mask[t], scratch),
+            scratch, scratch, param(hh.weight, scratch), param(hh.shift, scratch),
+            hs[t], acts[slot], us[slot], *(stat[slot] for stat in hh_stats or (scratch, scratch)),
+            hidden, 0.0, hh.eps,
+            IH=0, IH_SHIFT=False, HH=code(hh), HH_SHIFT=hh.shift is not None, HAS_MASK=mask is not None, SAVE=save,
+            BLOCK=block(hidden),
+        )  # fmt: skip
+    saved = [acts, us, raw] if save else []
+    stats = [ih_stats, hh_stats] if save else []
+    return [hs, hs[-1].clone()], saved, stats, [0, 0]
+
+
+def gru_backward(
+    grad_hs: Tensor, grad_h_n: Tensor, inputs: Tensor, h0: Tensor, weight_hh: Tensor, mask: Tensor | None,
+    hs: Tensor, saved: list[Tensor], stats: list[list[Tensor]], ih: KernelNorm, hh: KernelNorm,
+    sequence: Tensor | None, weight_ih: Tensor | None, want_input: bool, want_weight_ih: bool,
+) -> list[Tensor | None]:  # fmt: skip
+    """The C++ ``gru_backward``'s contract: gradients of the input (x with a projection), h0, W_hh, (γ, shift) of the
+    input and recurrent norms, then W_ih (with a projection)."""
+    acts, us, raw = saved
+    ih_stats, hh_stats = stats
+    steps, rows, width = acts.shape
+    hidden = width // 3
+    d_input = acts.new_empty(steps, rows, width)
+    d_u = acts.new_empty(steps, rows, width)
+    d_raw = acts.new_empty(steps, rows, width) if code(hh) else d_u
+    recurrent = torch.zeros_like(h0)
+    carry = grad_h_n.clone()
+    scratch = hs
+    for t in range(steps - 1, -1, -1):
+        h_prev = h0 if t == 0 else hs[t - 1]
+        recurrence.gru_step_backward[(rows,)](
+            grad_hs[t], recurrent, carry, mask_arg(None if mask is None else mask[t], scratch),
+            acts[t], us[t], h_prev, raw[t], param(hh.weight, scratch),
+            *(stat[t] for stat in hh_stats or (scratch, scratch)),
+            d_input[t], d_u[t], d_raw[t], hidden,
+            HH=code(hh), HAS_MASK=mask is not None, BLOCK=block(hidden),
+        )  # fmt: skip
+        torch.mm(d_raw[t], weight_hh, out=recurrent)
+    grad_h0 = recurrent + carry
+    grad_weight_hh = d_raw.reshape(-1, width).t() @ previous_states(h0, hs).reshape(-1, hidden)
+    _, hh_weight, hh_shift = rows_backward_all(d_u, raw, hh_stats, hh, False)
+    grad_inputs, ih_weight, ih_shift = rows_backward_all(d_input, inputs, ih_stats, ih, True)
+    grad_x, grad_weight_ih = projection_grads(grad_inputs, sequence, weight_ih, want_input, want_weight_ih)
+    return [grad_x, grad_h0, grad_weight_hh, ih_weight, ih_shift, hh_weight, hh_shift, grad_weight_ih]
+
+
+# --- the generation step ---
+
+
+def _step_norm(norm: KernelNorm, step: int, like: Tensor) -> tuple[int, Tensor, Tensor, bool]:
+    """A norm for the generation step: (kind, γ, shift, whether it shifts); a per-timestep BatchNorm in evaluation
+    as its step's row of folded scale and offset (the offset holds the shift)."""
+    if norm.kind == "batch":
+        assert norm.folded_scale is not None and norm.folded_offset is not None, "unsupported() refuses the rest"
+        row = min(step, norm.folded_scale.shape[0] - 1)
+        return 4, norm.folded_scale[row], norm.folded_offset[row], True
+    return code(norm), param(norm.weight, like), param(norm.shift, like), norm.shift is not None
+
+
+def generation_step(
+    cell: str, x: Tensor, h: Tensor, c: Tensor | None, weight_ih_t: Tensor, weight_hh_t: Tensor,
+    ih: KernelNorm, hh: KernelNorm, c_norm: KernelNorm, step: int,
+) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """The C++ ``generation_step``'s contract: ``x`` ``(B, I)`` or ``(1, B, I)``, ``h``/``c`` ``(1, B, H)``;
+    returns ``(h', c')`` ``(1, B, H)`` (``c'`` ``None`` for a GRU). Three launches: two products and one step."""
+    x = x[0] if x.dim() == 3 else x
+    rows, hidden = x.shape[0], weight_hh_t.shape[0]
+    term = x @ weight_ih_t
+    raw = h[0] @ weight_hh_t
+    h_new = h.new_empty(1, rows, hidden)
+    scratch = h_new
+    ih_kind, ih_weight, ih_shift, ih_shifted = _step_norm(ih, step, scratch)
+    hh_kind, hh_weight, hh_shift, hh_shifted = _step_norm(hh, step, scratch)
+    if cell == "gru":
+        recurrence.gru_step[(rows,)](
+            term, raw, h[0], scratch, ih_weight, ih_shift, hh_weight, hh_shift,
+            h_new, scratch, scratch, scratch, scratch, hidden, ih.eps, hh.eps,
+            IH=ih_kind, IH_SHIFT=ih_shifted, HH=hh_kind, HH_SHIFT=hh_shifted, HAS_MASK=False, SAVE=False,
+            BLOCK=block(hidden),
+        )  # fmt: skip
+        return h_new, None
+    assert c is not None
+    c_new = h.new_empty(1, rows, hidden)
+    c_kind, c_weight, c_shift, c_shifted = _step_norm(c_norm, step, scratch)
+    recurrence.lstm_step[(rows,)](
+        term, raw, h[0], c[0], scratch, ih_weight, ih_shift, hh_weight, hh_shift, c_weight, c_shift,
+        h_new, c_new, scratch, scratch, scratch, scratch, scratch, scratch,
+        hidden, ih.eps, hh.eps, c_norm.eps,
+        IH=ih_kind, IH_SHIFT=ih_shifted, HH=hh_kind, HH_SHIFT=hh_shifted, C=c_kind, C_SHIFT=c_shifted,
+        HAS_MASK=False, SAVE=False, BLOCK=block(hidden),
+    )  # fmt: skip
+    return h_new, c_new
