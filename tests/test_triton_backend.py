@@ -15,6 +15,7 @@ import os
 import re
 import tokenize
 from collections.abc import Iterator
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -273,3 +274,36 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(kernels, "_LOADED", {})
     with pytest.raises(ValueError, match="SEQNORM_BACKEND: expected auto or triton, got 'cuda'"):
         kernels.native("cpu")
+
+
+def _autocast_run(layer: Any, x: torch.Tensor, autocast: bool, plain: bool) -> list[torch.Tensor]:
+    layer = copy.deepcopy(layer)
+    x = x.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), kernels.disabled() if plain else nullcontext():
+        if autocast and not plain:
+            assert layer.plan(x).path == "triton"
+        output, _ = layer(x)
+    output.sum().backward()
+    return [output.detach(), x.grad, *(p.grad for p in layer.parameters())]
+
+
+@pytest.mark.parametrize("norm", KERNEL_NORMS)
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_under_autocast_the_backend_is_as_accurate_as_the_plain_path(kind: str, norm: str) -> None:
+    """Under bf16 autocast the input projection runs in bf16 and the recurrence in float32 (statistics, gates,
+    states): no further from float32 without autocast than the plain path under autocast is (which also runs W_hh h
+    in bf16), and with the same dtypes."""
+    torch.manual_seed(2)
+    layer = seqnorm.LAYERS[kind](4, 6, norm=norm, **_options(norm, 3))
+    x = torch.randn(5, 3, 4)
+    reference = _autocast_run(layer, x, autocast=False, plain=True)
+    fast = _autocast_run(layer, x, autocast=True, plain=False)
+    plain = _autocast_run(layer, x, autocast=True, plain=True)
+
+    def error(run: list[torch.Tensor]) -> float:
+        return max(
+            ((a - r).abs().max() / r.abs().max().clamp(min=1)).item() for a, r in zip(run, reference, strict=True)
+        )
+
+    assert [t.dtype for t in fast] == [t.dtype for t in plain]
+    assert error(fast) <= 2 * error(plain) + 1e-3, (error(fast), error(plain))

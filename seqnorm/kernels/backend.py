@@ -40,10 +40,17 @@ class Backend(Protocol):
     ``shift``, BatchNorm's running statistics and options (:class:`seqnorm.kernels.KernelNorm`'s fields)."""
 
     def unsupported(
-        self, kinds: tuple[str, ...], dtype: torch.dtype, *, step: bool = False, training: bool = False
+        self,
+        kinds: tuple[str, ...],
+        dtype: torch.dtype,
+        *,
+        step: bool = False,
+        training: bool = False,
+        autocast: bool = False,
     ) -> str | None:
         """Why a cell whose norms (input, recurrent, and an LSTM's cell state) are of ``kinds`` cannot run here in
-        ``dtype`` (``step``: the no-grad generation step; ``training``: the cell's mode), or ``None``."""
+        ``dtype`` (``step``: the no-grad generation step; ``training``: the cell's mode; ``autocast``: under
+        autocast, ``dtype`` being the parameters'), or ``None``."""
         ...
 
     def lstm_forward(

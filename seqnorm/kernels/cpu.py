@@ -31,11 +31,20 @@ class CpuBackend:
         return getattr(self.module, name)
 
     def unsupported(
-        self, kinds: tuple[str, ...], dtype: torch.dtype, *, step: bool = False, training: bool = False
+        self,
+        kinds: tuple[str, ...],
+        dtype: torch.dtype,
+        *,
+        step: bool = False,
+        training: bool = False,
+        autocast: bool = False,
     ) -> str | None:
-        """Every norm kind of :class:`~seqnorm.kernels.KernelNorm`, in any mix, runs here in float32 and float64."""
+        """Every norm kind of :class:`~seqnorm.kernels.KernelNorm`, in any mix, runs here in float32 and float64;
+        not under autocast (torch's CPU LSTM kernel fails in bfloat16, and the plain path is autocast's reference)."""
         del kinds, step, training
-        return None if dtype in (torch.float32, torch.float64) else f"dtype {dtype}"
+        if autocast or dtype not in (torch.float32, torch.float64):
+            return "half precision or autocast"
+        return None
 
     def empty_like_saved(self, sizes: list[int], like: Tensor) -> Tensor:
         """An uninitialized tensor for a recurrence's large saved tensors, on a kept block where one fits."""

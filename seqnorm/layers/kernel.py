@@ -91,6 +91,10 @@ def run_recurrence(
     """
     kernels = native(sequence.device.type)  # the backend the plan found for the device
     assert kernels is not None, "the plan routes here only where the kernels are loaded"
+    if torch.is_autocast_enabled(sequence.device.type):  # a backend that runs autocast: in the parameters' dtype
+        dtype = cell.weight_hh.dtype
+        sequence = sequence.to(dtype)
+        state = tuple(t.to(dtype) for t in state) if isinstance(state, tuple) else state.to(dtype)
     lstm = cell_kernel(cell) == "lstm"
     beta = {name: None if norm is None else norm.bias for name, norm in _norms(cell).items()}
     weight_ih: Tensor | None = None

@@ -156,8 +156,8 @@ def bptt_blocker(
         blocker = norm_blocker(norm, form)
         if blocker is not None:
             return f"a recurrent or cell-state norm: {blocker}"
-    if dtype not in _FLOATS or torch.is_autocast_enabled(device_type):
-        return "half precision or autocast"
+    if form != "kernel" and (dtype not in _FLOATS or torch.is_autocast_enabled(device_type)):
+        return "half precision or autocast"  # the kernels' backend says what it runs of these (_compiled_blocker)
     return None
 
 
@@ -189,7 +189,10 @@ def _compiled_blocker(device: str, cell: RecurrentCell, dtype: torch.dtype, step
             (cell.norm_ih, cell.norm_hh, cell.norm_c) if cell_kernel(cell) == "lstm" else (cell.norm_ih, cell.norm_hh)
         )
     )
-    unsupported = backend.unsupported(kinds, dtype, step=step, training=cell.training)
+    autocast = torch.is_autocast_enabled(device)
+    if autocast:  # the recurrence runs in the parameters' dtype, its input projection under autocast
+        dtype = cell.weight_hh.dtype
+    unsupported = backend.unsupported(kinds, dtype, step=step, training=cell.training, autocast=autocast)
     return None if unsupported is None else f"the {backend.name} backend: {unsupported}"
 
 

@@ -53,12 +53,16 @@ def NormArgs(**fields: Any) -> KernelNorm:
 
 
 def unsupported(
-    kinds: tuple[str, ...], dtype: torch.dtype, *, step: bool = False, training: bool = False
+    kinds: tuple[str, ...], dtype: torch.dtype, *, step: bool = False, training: bool = False, autocast: bool = False
 ) -> str | None:
     """Why this backend cannot run a cell whose norms (input, recurrent, cell state) are of ``kinds`` in ``dtype``
-    (``step``: the no-grad generation step; ``training``: the cell's mode), or ``None``."""
+    (``step``: the no-grad generation step; ``training``: the cell's mode), or ``None``. Under ``autocast`` the
+    recurrence runs in the parameters' ``dtype`` (statistics, gates and states in float32: the plain path's
+    precision) and the input projection in autocast's."""
     if dtype not in _FLOATS:
         return f"dtype {dtype}"
+    if autocast and step:
+        return "a generation step under autocast"
     if step:  # evaluation's BatchNorm comes folded into a scale and offset per feature: any mix runs by rows
         return "a generation step in training with batch statistics" if training and "batch" in kinds else None
     input_kind, *recurrent = kinds
