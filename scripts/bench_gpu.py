@@ -3,8 +3,8 @@
 Prints the versions and the GPU; checks the Triton backend against the plain-PyTorch path on the GPU (outputs and
 gradients of an LN-LSTM and an LN-GRU, float32 with TF32 off); then median milliseconds of a training step (forward
 and backward of ``output.sum()``, the input requiring a gradient) at ``--size`` (T x B x I x H, default
-100x64x512x512) in three precisions — float32 with TF32 off, float32 with TF32, bf16 autocast (which the Triton
-backend does not run yet: its row reads "plain") — with ratios to cuDNN and to the plain path, and a batch-1
+100x64x512x512) in three precisions — float32 with TF32 off, float32 with TF32, bf16 autocast (the input
+projection in bf16, the recurrence in float32) — with ratios to cuDNN and to the plain path, and a batch-1
 generation step against ``nn.LSTMCell``/``nn.GRUCell``. Markdown tables, for BENCHMARKS.md. Without CUDA it says
 so and exits 0.
 
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # seqnorm from 
 import seqnorm
 from seqnorm import kernels
 
-NORMS = ("layer", "rms")
+NORMS = ("layer", "rms", "batch")
 
 
 def _median_ms(run: Callable[[], object], repeats: int, warmup: int = 3) -> float:
