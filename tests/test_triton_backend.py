@@ -9,6 +9,7 @@ sizes that are not multiples of the block, two layers, bidirectional; float32 an
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import inspect
 import os
@@ -307,3 +308,72 @@ def test_under_autocast_the_backend_is_as_accurate_as_the_plain_path(kind: str, 
 
     assert [t.dtype for t in fast] == [t.dtype for t in plain]
     assert error(fast) <= 2 * error(plain) + 1e-3, (error(fast), error(plain))
+
+
+# --- bad calls: every entry point checks its arguments before a kernel reads them ---
+
+
+def _recorded(backend: Any, monkeypatch: pytest.MonkeyPatch, kind: str, norm: str) -> dict[str, tuple]:
+    """The arguments the layer hands each entry point: a training step and a generation step."""
+    calls: dict[str, tuple] = {}
+    for entry in (f"{kind}_forward", f"{kind}_backward", "generation_step"):
+        real = getattr(backend, entry)
+
+        def record(*args: Any, _entry: str = entry, _real: Any = real) -> Any:
+            calls.setdefault(_entry, args)
+            return _real(*args)
+
+        monkeypatch.setattr(backend, entry, record)
+    layer = seqnorm.LAYERS[kind](3, 4, norm=norm)
+    output, _ = layer(torch.randn(3, 2, 3, requires_grad=True), lengths=torch.tensor([3, 2]))
+    output.sum().backward()
+    with torch.no_grad():
+        layer.eval().step(torch.randn(2, 3))
+    monkeypatch.undo()
+    return calls
+
+
+def _bad_variants(args: tuple) -> list[tuple[int, str, Any]]:
+    """(argument index, what is wrong, the bad value) for each tensor argument and norm."""
+    variants: list[tuple[int, str, Any]] = []
+    for index, value in enumerate(args):
+        if isinstance(value, torch.Tensor) and value.numel() > 1:
+            variants.append((index, "shape", value.reshape(-1)[:-1]))
+            variants.append((index, "dtype", value.to(torch.float16 if value.is_floating_point() else torch.float32)))
+            if value.dim() >= 2:
+                variants.append((index, "strides", value.transpose(-1, -2).contiguous().transpose(-1, -2)[..., :-1]))
+        elif isinstance(value, kernels.KernelNorm) and value.weight is not None:
+            variants.append((index, "γ", dataclasses.replace(value, weight=value.weight[:-1])))
+            if value.folded_scale is not None:  # evaluation's generation step reads the folded rows only
+                variants.append((index, "folded", dataclasses.replace(value, folded_scale=value.folded_scale[:, 1:])))
+            elif value.running_mean is not None:
+                variants.append((index, "running", dataclasses.replace(value, running_mean=value.running_mean[:, 1:])))
+    return variants
+
+
+@pytest.mark.parametrize("norm", ["layer", "batch"])
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_every_entry_point_refuses_what_it_cannot_run(
+    triton_backend: Any, monkeypatch: pytest.MonkeyPatch, kind: str, norm: str
+) -> None:
+    calls = _recorded(triton_backend, monkeypatch, kind, norm)
+    assert set(calls) == {f"{kind}_forward", f"{kind}_backward", "generation_step"}
+    refused = 0
+    for entry, args in calls.items():
+        for index, what, value in _bad_variants(args):
+            bad = (*args[:index], value, *args[index + 1 :])
+            try:
+                with torch.no_grad():  # as autograd calls the backward, and the layers the forward without a graph
+                    getattr(triton_backend, entry)(*bad)
+            except (ValueError, TypeError) as error:
+                assert str(error).startswith(f"seqnorm kernels: {entry}: expected "), (index, what, error)
+            else:
+                pytest.fail(f"{entry}: argument {index} with a wrong {what} was accepted")
+            refused += 1
+    assert refused >= 20
+    cell, x, h, c, *rest = calls["generation_step"]
+    with pytest.raises(ValueError, match="generation_step: expected cell 'lstm' or 'gru', got 'rnn'"):
+        triton_backend.generation_step("rnn", x, h, c, *rest)
+    if kind == "lstm":
+        with pytest.raises(ValueError, match=r"generation_step: expected c of shape \(1, B, H\)"):
+            triton_backend.generation_step(cell, x, h, None, *rest)

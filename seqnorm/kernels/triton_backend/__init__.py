@@ -23,6 +23,7 @@ from torch import Tensor
 
 from seqnorm.kernels import KernelNorm
 from seqnorm.kernels.triton_backend import column_layout, rows
+from seqnorm.kernels.triton_backend.checks import check_backward, check_forward, check_step
 
 __all__ = [
     "NormArgs",
@@ -82,6 +83,7 @@ def lstm_forward(
     ih: KernelNorm, hh: KernelNorm, c_norm: KernelNorm, save: bool,
 ) -> tuple[list[Tensor], list[Tensor | None], list[list[Tensor]], list[int]]:  # fmt: skip
     """The C++ ``lstm_forward``'s contract: ``([hs, h_n, c_n], saved, stats, fallbacks)``."""
+    check_forward("lstm_forward", 4, inputs, h0, c0, weight_hh, mask, (ih, hh, c_norm))
     layout = column_layout if _columns(ih, hh, c_norm) else rows
     return layout.lstm_forward(inputs, h0, c0, weight_hh, mask, ih, hh, c_norm, save)
 
@@ -89,6 +91,7 @@ def lstm_forward(
 def lstm_backward(*args: Any) -> list[Tensor | None]:
     """The C++ ``lstm_backward``'s contract (:class:`~seqnorm.kernels.backend.Backend`)."""
     ih, hh, c_norm = args[12:15]
+    check_backward("lstm_backward", 4, args[:3], *args[3:9], [*args[9], args[10]], (ih, hh, c_norm), *args[15:17])
     return (column_layout if _columns(ih, hh, c_norm) else rows).lstm_backward(*args)
 
 
@@ -96,6 +99,7 @@ def gru_forward(
     inputs: Tensor, h0: Tensor, weight_hh: Tensor, mask: Tensor | None, ih: KernelNorm, hh: KernelNorm, save: bool
 ) -> tuple[list[Tensor], list[Tensor], list[list[Tensor]], list[int]]:
     """The C++ ``gru_forward``'s contract: ``([hs, h_n], saved, stats, fallbacks)``."""
+    check_forward("gru_forward", 3, inputs, h0, None, weight_hh, mask, (ih, hh))
     layout = column_layout if _columns(ih, hh) else rows
     return layout.gru_forward(inputs, h0, weight_hh, mask, ih, hh, save)
 
@@ -103,10 +107,19 @@ def gru_forward(
 def gru_backward(*args: Any) -> list[Tensor | None]:
     """The C++ ``gru_backward``'s contract (:class:`~seqnorm.kernels.backend.Backend`)."""
     ih, hh = args[9:11]
+    check_backward("gru_backward", 3, args[:2], args[2], args[3], None, *args[4:7], args[7], (ih, hh), *args[11:13])
     return (column_layout if _columns(ih, hh) else rows).gru_backward(*args)
 
 
-generation_step = rows.generation_step
+def generation_step(
+    cell: str, x: Tensor, h: Tensor, c: Tensor | None, weight_ih_t: Tensor, weight_hh_t: Tensor,
+    ih: KernelNorm, hh: KernelNorm, c_norm: KernelNorm, step: int,
+) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """The C++ ``generation_step``'s contract (:mod:`.rows`)."""
+    check_step(cell, x, h, c, weight_ih_t, weight_hh_t, (ih, hh, c_norm))
+    if step < 0:
+        raise ValueError(f"seqnorm kernels: generation_step: expected step >= 0, got {step}")
+    return rows.generation_step(cell, x, h, c, weight_ih_t, weight_hh_t, ih, hh, c_norm, step)
 
 
 def prepare_step(weights: tuple[Tensor, Tensor], batch: int, fixed: Callable[[Tensor, Tensor], Any]) -> Any:
