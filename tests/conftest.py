@@ -24,6 +24,12 @@ KINDS = list(CELLS)
 # The cells that declare torch's step: parity with torch.nn, torch's kernel, the hand-written BPTT, the lean step.
 TORCH_KINDS = [kind for kind, cell in CELLS.items() if declared(cell, "torch_kernel", None)]
 
+# Triton reads TRITON_INTERPRET when it is first imported (its own language functions are decorated then), and other
+# parts of the suite may import it (torch's compiler, onnx export): set before anything does, so that the Triton
+# backend's tests can run its kernels on CPU tensors through the interpreter (tests/test_triton_backend.py).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # The suite's models are tiny: a second intra-op thread only adds synchronization, and on a busy 2-core machine a
 # descheduled OpenMP worker stalls every small op for milliseconds. One thread keeps `make test` fast and steady.
 torch.set_num_threads(1)
