@@ -182,16 +182,29 @@ def lstm_backward(
             TRAINING=training, HAS_MASK=mask is not None, BLOCK_B=_block_rows(rows), BLOCK=_BLOCK,
         )  # fmt: skip
         torch.mm(d_raw[t], weight_hh, out=recurrent)
-    grad_h0 = recurrent + carry
-    grad_weight_hh = d_raw.reshape(-1, width).t() @ previous_states(h0, hs).reshape(-1, hidden)
-    if step_ih is ih:  # BatchNorm on W_ih x: its gradient and parameters' came from the steps
-        grad_inputs = d_input
-        ih_weight, ih_shift = _results(ih, ih_dweight, ih_dshift)
-    else:  # the finished input terms' gradient, through the norm per row applied before the loop
-        grad_inputs, ih_weight, ih_shift = rows_backward_all(d_input, inputs, stats[0], ih, True)
-    grad_x, grad_weight_ih = projection_grads(grad_inputs, sequence, weight_ih, want_input, want_weight_ih)
-    return [grad_x, grad_h0, dc, grad_weight_hh, ih_weight, ih_shift, *_results(hh, hh_dweight, hh_dshift),
+    grad_x, grad_h0, grad_weight_hh, ih_grads, grad_weight_ih = _after_the_loop(
+        recurrent, carry, d_raw, d_input, h0, hs, inputs, stats[0], ih, (ih_dweight, ih_dshift), sequence, weight_ih,
+        want_input, want_weight_ih,
+    )  # fmt: skip
+    return [grad_x, grad_h0, dc, grad_weight_hh, *ih_grads, *_results(hh, hh_dweight, hh_dshift),
             *_results(c_norm, c_dweight, c_dshift), grad_weight_ih]  # fmt: skip
+
+
+def _after_the_loop(
+    recurrent: Tensor, carry: Tensor, d_raw: Tensor, d_input: Tensor, h0: Tensor, hs: Tensor, inputs: Tensor,
+    ih_stats: list[Tensor], ih: KernelNorm, ih_totals: tuple[Tensor, Tensor], sequence: Tensor | None,
+    weight_ih: Tensor | None, want_input: bool, want_weight_ih: bool,
+) -> tuple[Tensor | None, Tensor, Tensor, tuple[Tensor | None, Tensor | None], Tensor | None]:  # fmt: skip
+    """The backward's large products and the input side: (the input's gradient, h0's, W_hh's, the input norm's
+    (γ, shift), W_ih's)."""
+    width, hidden = d_raw.shape[-1], hs.shape[-1]
+    grad_weight_hh = d_raw.reshape(-1, width).t() @ previous_states(h0, hs).reshape(-1, hidden)
+    if ih.kind == "batch":  # BatchNorm on W_ih x: its gradient and parameters' came from the steps
+        grad_inputs, ih_grads = d_input, _results(ih, *ih_totals)
+    else:  # the finished input terms' gradient, through the norm per row applied before the loop
+        grad_inputs, *ih_grads = rows_backward_all(d_input, inputs, ih_stats, ih, True)
+    grad_x, grad_weight_ih = projection_grads(grad_inputs, sequence, weight_ih, want_input, want_weight_ih)
+    return grad_x, recurrent + carry, grad_weight_hh, tuple(ih_grads), grad_weight_ih  # type: ignore[return-value]
 
 
 def _results(norm: KernelNorm, dweight: Tensor, dshift: Tensor) -> tuple[Tensor | None, Tensor | None]:
@@ -260,13 +273,8 @@ def gru_backward(
             TRAINING=training, HAS_MASK=mask is not None, BLOCK_B=_block_rows(rows), BLOCK=_BLOCK,
         )  # fmt: skip
         torch.mm(d_raw[t], weight_hh, out=recurrent)
-    grad_h0 = recurrent + carry
-    grad_weight_hh = d_raw.reshape(-1, width).t() @ previous_states(h0, hs).reshape(-1, hidden)
-    if step_ih is ih:
-        grad_inputs = d_input
-        ih_weight, ih_shift = _results(ih, ih_dweight, ih_dshift)
-    else:
-        grad_inputs, ih_weight, ih_shift = rows_backward_all(d_input, inputs, stats[0], ih, True)
-    grad_x, grad_weight_ih = projection_grads(grad_inputs, sequence, weight_ih, want_input, want_weight_ih)
-    return [grad_x, grad_h0, grad_weight_hh, ih_weight, ih_shift, *_results(hh, hh_dweight, hh_dshift),
-            grad_weight_ih]  # fmt: skip
+    grad_x, grad_h0, grad_weight_hh, ih_grads, grad_weight_ih = _after_the_loop(
+        recurrent, carry, d_raw, d_input, h0, hs, inputs, stats[0], ih, (ih_dweight, ih_dshift), sequence, weight_ih,
+        want_input, want_weight_ih,
+    )  # fmt: skip
+    return [grad_x, grad_h0, grad_weight_hh, *ih_grads, *_results(hh, hh_dweight, hh_dshift), grad_weight_ih]

@@ -37,6 +37,16 @@ def _rows(mask_ptr, rows, BLOCK_B: tl.constexpr, HAS_MASK: tl.constexpr):
 
 
 @triton.jit
+def _tile(mask_ptr, rows, hidden, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr):
+    """The program's hidden units (``program_id(0) * BLOCK + [0, BLOCK)``) and which exist; the batch's rows (a
+    column), which are real at this step and how many; which elements of the (rows x units) tile exist."""
+    units = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = units < hidden
+    batch, real, count = _rows(mask_ptr, rows, BLOCK_B, HAS_MASK)
+    return units, valid, batch, real, count, (batch < rows) & valid[None, :]
+
+
+@triton.jit
 def _norm(
     x, real, count, columns, valid, row, seen, slot, steps, features,
     weight_ptr, shift_ptr, mean_ptr, var_ptr, stats_ptr, options_ptr,
@@ -98,10 +108,7 @@ def lstm_columns(
     TRAINING: tl.constexpr, HAS_MASK: tl.constexpr, SAVE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """One LSTM step of the hidden units ``program_id(0) * BLOCK + [0, BLOCK)`` for every row."""
-    units = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    valid = units < hidden
-    batch, real, count = _rows(mask_ptr, rows, BLOCK_B, HAS_MASK)
-    tile = (batch < rows) & valid[None, :]
+    units, valid, batch, real, count, tile = _tile(mask_ptr, rows, hidden, BLOCK_B, BLOCK, HAS_MASK)
     width = 4 * hidden
     ih_seen = _seen(ih_seen, IH)
     hh_seen = _seen(hh_seen, HH)
@@ -197,10 +204,7 @@ def lstm_columns_backward(
     """One LSTM step's backward of the hidden units ``program_id(0) * BLOCK + [0, BLOCK)`` for every row: dh and
     dc as :func:`seqnorm.kernels.triton_backend.recurrence.lstm_step_backward` takes them; writes the gradients of
     W_ih x (or the input term) and W_hh h, adds the norms' parameter gradients of the step."""
-    units = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    valid = units < hidden
-    batch, real, count = _rows(mask_ptr, rows, BLOCK_B, HAS_MASK)
-    tile = (batch < rows) & valid[None, :]
+    units, valid, batch, real, count, tile = _tile(mask_ptr, rows, hidden, BLOCK_B, BLOCK, HAS_MASK)
     width = 4 * hidden
     at = batch * hidden + units[None, :]
     dh = tl.load(grad_h_ptr + at, mask=tile, other=0.0)
@@ -248,10 +252,7 @@ def gru_columns(
 ):  # fmt: skip
     """One GRU step of the hidden units ``program_id(0) * BLOCK + [0, BLOCK)`` for every row; saves the gates
     (r, z, n) and the recurrent terms u for the backward."""
-    units = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    valid = units < hidden
-    batch, real, count = _rows(mask_ptr, rows, BLOCK_B, HAS_MASK)
-    tile = (batch < rows) & valid[None, :]
+    units, valid, batch, real, count, tile = _tile(mask_ptr, rows, hidden, BLOCK_B, BLOCK, HAS_MASK)
     width = 3 * hidden
     ih_seen = _seen(ih_seen, IH)
     hh_seen = _seen(hh_seen, HH)
@@ -289,10 +290,7 @@ def gru_columns_backward(
 ):  # fmt: skip
     """One GRU step's backward of the hidden units ``program_id(0) * BLOCK + [0, BLOCK)`` for every row (dh as for
     :func:`lstm_columns_backward`)."""
-    units = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    valid = units < hidden
-    batch, real, count = _rows(mask_ptr, rows, BLOCK_B, HAS_MASK)
-    tile = (batch < rows) & valid[None, :]
+    units, valid, batch, real, count, tile = _tile(mask_ptr, rows, hidden, BLOCK_B, BLOCK, HAS_MASK)
     width = 3 * hidden
     at = batch * hidden + units[None, :]
     dh = tl.load(grad_h_ptr + at, mask=tile, other=0.0)
