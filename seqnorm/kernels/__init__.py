@@ -1,4 +1,4 @@
-"""seqnorm's compiled kernels: fused, vectorized CPU loops for the normalized LSTM/GRU recurrence and generation step.
+"""seqnorm's kernels: fused loops for the normalized LSTM/GRU recurrence and generation step, per device.
 
 The C++ sources are in ``seqnorm/csrc`` (``norms.h``: each norm's step and backward; ``cells.h``: the gates;
 ``recurrence.cpp``: the time loops). They are compiled once per machine with torch's ``cpp_extension`` by the
@@ -29,10 +29,10 @@ the generation step update them in place, as the module's forward does); they ma
 argument (checked). Everything else is read only. Inside a call a norm's output may be written over its addend,
 never over its own input (``StepNorm::forward_row``).
 
-Devices: :func:`native` returns the kernels for a device type (``"cpu"`` here). A CUDA or Triton implementation
-would register itself in :data:`BACKENDS` under ``"cuda"`` with the same five entry points (``lstm_forward``,
-``lstm_backward``, ``gru_forward``, ``gru_backward``, ``generation_step``) and the same ``NormArgs``; the autograd
-Function in :mod:`seqnorm.layers.kernel` and the plan stay as they are (README: "The compiled kernels").
+Devices: :func:`native` returns a device type's :class:`~seqnorm.kernels.backend.Backend` (:data:`BACKENDS`): the C++
+kernels above on the CPU (:class:`~seqnorm.kernels.cpu.CpuBackend`), the Triton kernels on CUDA
+(:mod:`seqnorm.kernels.triton_backend`, imported only when a CUDA tensor, or ``SEQNORM_BACKEND=triton``, asks for
+it), with the same entry points; the autograd Function in :mod:`seqnorm.layers.kernel` and the plan serve both.
 """
 
 from __future__ import annotations
