@@ -377,3 +377,16 @@ def test_every_entry_point_refuses_what_it_cannot_run(
     if kind == "lstm":
         with pytest.raises(ValueError, match=r"generation_step: expected c of shape \(1, B, H\)"):
             triton_backend.generation_step(cell, x, h, None, *rest)
+
+
+@pytest.mark.parametrize("norm", KERNEL_NORMS)
+def test_a_forward_without_lengths_reads_nothing_back_from_the_device(norm: str) -> None:
+    """No host read in the whole forward (what CUDA-graph capture needs), BN's running statistics and fallback count
+    included; with lengths, the layer reads the lengths once to lay out the padding."""
+    layer = seqnorm.LSTM(4, 6, norm=norm, num_layers=2)
+    x = torch.randn(5, 3, 4, requires_grad=True)
+    assert layer.plan(x).path == "triton"
+    layer(x)
+    with _Ops() as ops:
+        layer(x)
+    assert not [name for name in ops.names if name in _SYNCS]

@@ -66,12 +66,17 @@ class _Norm:
             self.seen[t:] if self.batch else like,
         )  # fmt: skip
 
-    def finish(self) -> int:
-        """After the loop: the rows' update counts added; the fallback steps (one read of the device)."""
+    def finish(self, full_rows: int | None) -> int:
+        """After the loop: the rows' update counts added; the fallback steps, known on the host where every step has
+        all ``full_rows`` rows (no mask), else one read of the device."""
         if not self.batch:
             return 0
         self.norm.num_batches_tracked.index_add_(0, self.rows, self.updates.long())  # type: ignore[union-attr]
-        return int((~self.updates).sum()) if self.norm.training else 0
+        if not self.norm.training:
+            return 0
+        if full_rows is not None:
+            return 0 if full_rows >= 2 else self.rows.shape[0]
+        return int((~self.updates).sum())
 
 
 def _counts(mask: Tensor | None, steps: int, rows: int, like: Tensor) -> Tensor:
@@ -138,7 +143,7 @@ def lstm_forward(
             C=flags[6], C_SHIFT=flags[7], C_RENORM=flags[8], TRAINING=any(n.norm.training for n in norms if n.batch),
             HAS_MASK=mask is not None, SAVE=save, BLOCK_B=_block_rows(rows), BLOCK=_BLOCK,
         )  # fmt: skip
-    fallbacks = [norm.finish() for norm in norms]
+    fallbacks = [norm.finish(rows if mask is None else None) for norm in norms]
     saved: list[Tensor | None] = [cs, acts, tanh_cs, raw] if save else []
     stats = [ih_row_stats or [norms[0].stats], [norms[1].stats], [norms[2].stats]] if save else []
     return [hs, hs[-1].clone(), cs[-1 if save else (steps - 1) % 2].clone()], saved, stats, fallbacks
@@ -241,7 +246,7 @@ def gru_forward(
             TRAINING=any(n.norm.training for n in norms if n.batch), HAS_MASK=mask is not None, SAVE=save,
             BLOCK_B=_block_rows(rows), BLOCK=_BLOCK,
         )  # fmt: skip
-    fallbacks = [norm.finish() for norm in norms]
+    fallbacks = [norm.finish(rows if mask is None else None) for norm in norms]
     saved = [acts, us, raw] if save else []
     stats = [ih_row_stats or [norms[0].stats], [norms[1].stats]] if save else []
     return [hs, hs[-1].clone()], saved, stats, fallbacks
