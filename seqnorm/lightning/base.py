@@ -21,7 +21,6 @@ from seqnorm.data.loader import ResumableDataLoader
 from seqnorm.layers.fast import Impl
 from seqnorm.lightning.checkpoint_io import (
     CheckpointError,
-    check_hyper_parameters,
     checked_stream,
     corrupt_checkpoint,
     read_checkpoint,
@@ -141,9 +140,8 @@ class TaskModule(pl.LightningModule):
         The file is read once, with ``weights_only=True``, and checked: its ``_class_path`` must name this class or
         one of its subclasses, and its hyperparameters must hold plain values only. A crafted or foreign file is a
         :class:`~seqnorm.lightning.checkpoint_io.CheckpointError` and nothing in it runs. The model is built from
-        the checked contents, never from a second read of the path. ``hparams_file`` (YAML or CSV, as in
-        Lightning) replaces the saved hyperparameters and passes the same checks; ``kwargs`` replace single
-        hyperparameters, as in Lightning.
+        the checked contents, never from a second read of the path. ``hparams_file`` (a YAML file) replaces the saved
+        hyperparameters and passes the same checks; ``kwargs`` replace single hyperparameters, as in Lightning.
         """
         flag = f"{cls.__name__}.load_from_checkpoint"
         checkpoint = read_checkpoint(checkpoint_path, flag)
@@ -161,10 +159,10 @@ class TaskModule(pl.LightningModule):
         strict: bool | None = None,
         **kwargs: Any,
     ) -> Self:
-        """The model of ``checkpoint``, a dict :func:`read_checkpoint` returned for ``checkpoint_path``; errors name
-        the file as ``flag`` (``--ckpt_path`` for the CLI)."""
+        """The model of ``checkpoint``, a dict :func:`read_checkpoint` returned for ``checkpoint_path`` (its
+        hyperparameters checked there, or by :func:`read_hparams_file`); errors name the file as ``flag``
+        (``--ckpt_path`` for the CLI)."""
         where = f"{flag} {checkpoint_path}"
-        check_hyper_parameters(checkpoint["hyper_parameters"], where)  # again: a replaced hparams_file's too
         task_class(checkpoint, _subclasses(cls), checkpoint_path, flag)
         saved = checkpoint["hyper_parameters"]
         renamed = current_hparams(saved)
