@@ -544,7 +544,11 @@ def test_the_product_route_is_measured_and_can_be_forced(product_route: Any) -> 
         assert native.product_route(weight, 70) == route
     product_route("packed")
     assert native.product_route(weight, 1) in {"blas", "brgemm"}  # one row is never packed
-    with pytest.raises(ValueError, match="expected auto, brgemm, packed or blas"):
+    assert native.product_route(weight, 1) in routes | {"gemv"}
+    product_route("gemv")
+    assert native.product_route(weight, 1) == "gemv"
+    assert native.product_route(weight, 70) == "blas"  # more than one row: never the matrix-vector product
+    with pytest.raises(ValueError, match="expected auto, brgemm, packed, blas or gemv"):
         native.set_product_route("fast")
 
 
@@ -662,6 +666,26 @@ def test_every_product_route_equals_the_reference(kind: str, norm: str, route: s
     for layer in (reference, compiled):
         leaf = x.clone().requires_grad_()
         output, _ = layer(leaf, lengths=lengths)
+        results.append((output, torch.autograd.grad(output.square().sum(), [leaf, *layer.parameters()])))
+    assert_close(results[1], results[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("norm", ["none", "layer", "rms"])
+@pytest.mark.parametrize("kind", TORCH_KINDS)
+@pytest.mark.parametrize("hidden_size", [37, 128])
+def test_the_matrix_vector_route_equals_the_reference(
+    kind: str, norm: str, hidden_size: int, product_route: Any
+) -> None:
+    """Batch size 1 on the gemv route (product.h): the forward's dot products with W_hh's rows, read in place, and
+    the backward's pass over W_hh's rows; 37 hidden units leave partial vectors and column blocks, 128 split the
+    columns between threads where there are several."""
+    product_route("gemv")
+    reference, compiled = _pair(kind, norm, dtype=torch.float32, hidden_size=hidden_size)
+    x = torch.randn(6, 1, 3)
+    results = []
+    for layer in (reference, compiled):
+        leaf = x.clone().requires_grad_()
+        output, _ = layer(leaf)
         results.append((output, torch.autograd.grad(output.square().sum(), [leaf, *layer.parameters()])))
     assert_close(results[1], results[0], rtol=1e-4, atol=1e-4)
 
