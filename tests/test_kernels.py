@@ -648,6 +648,30 @@ def test_deterministic_algorithms_fix_the_route_and_the_layout(monkeypatch: pyte
         torch.use_deterministic_algorithms(before)
 
 
+def test_the_input_projection_s_layout_is_measured_on_the_projections(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recurrence's input projection multiplies by a row-major copy of W^T or by the transposed view, whichever
+    its own calls measured faster (kernels' Trials: 24 calls); either gives the same product. With deterministic
+    algorithms it is the copy, as it always was, and nothing is timed."""
+    monkeypatch.setattr(cpu, "_PROJECTION_LAYOUTS", {})
+    monkeypatch.setattr(cpu, "_PROJECTION_TRIALS", {})
+    native = kernels.native("cpu")
+    x, weight = torch.randn(7, 3, 5), torch.randn(12, 5)
+    block, rounds = native.Trials(2).block, native.Trials(2).rounds
+    for _ in range(2 * block * rounds):
+        assert_close(native.project_kept(x, weight, torch.empty(7, 3, 12)), x @ weight.t())
+    [choice] = cpu._PROJECTION_LAYOUTS.values()
+    assert choice.copy_wins is not None and not cpu._PROJECTION_TRIALS
+    clock = _count_clock_reads(monkeypatch)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert cpu.ProjectionLayout.of(weight, 21).copy_wins is True
+        assert_close(native.project_kept(x, weight, torch.empty(7, 3, 12)), x @ weight.t())
+        assert clock["reads"] == 0
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
 @pytest.mark.parametrize("route", ["brgemm", "packed", "blas"])
 @pytest.mark.parametrize("norm", ["layer", "batch"])
 @pytest.mark.parametrize("kind", TORCH_KINDS)
