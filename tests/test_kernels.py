@@ -544,7 +544,11 @@ def test_the_product_route_is_measured_and_can_be_forced(product_route: Any) -> 
         assert native.product_route(weight, 70) == route
     product_route("packed")
     assert native.product_route(weight, 1) in {"blas", "brgemm"}  # one row is never packed
-    with pytest.raises(ValueError, match="expected auto, brgemm, packed or blas"):
+    assert native.product_route(weight, 1) in routes | {"gemv"}
+    product_route("gemv")
+    assert native.product_route(weight, 1) == "gemv"
+    assert native.product_route(weight, 70) == "blas"  # more than one row: never the matrix-vector product
+    with pytest.raises(ValueError, match="expected auto, brgemm, packed, blas or gemv"):
         native.set_product_route("fast")
 
 
@@ -644,6 +648,30 @@ def test_deterministic_algorithms_fix_the_route_and_the_layout(monkeypatch: pyte
         torch.use_deterministic_algorithms(before)
 
 
+def test_the_input_projection_s_layout_is_measured_on_the_projections(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recurrence's input projection multiplies by a row-major copy of W^T or by the transposed view, whichever
+    its own calls measured faster (kernels' Trials: 24 calls); either gives the same product. With deterministic
+    algorithms it is the copy, as it always was, and nothing is timed."""
+    monkeypatch.setattr(cpu, "_PROJECTION_LAYOUTS", {})
+    monkeypatch.setattr(cpu, "_PROJECTION_TRIALS", {})
+    native = kernels.native("cpu")
+    x, weight = torch.randn(7, 3, 5), torch.randn(12, 5)
+    block, rounds = native.Trials(2).block, native.Trials(2).rounds
+    for _ in range(2 * block * rounds):
+        assert_close(native.project_kept(x, weight, torch.empty(7, 3, 12)), x @ weight.t())
+    [choice] = cpu._PROJECTION_LAYOUTS.values()
+    assert choice.copy_wins is not None and not cpu._PROJECTION_TRIALS
+    clock = _count_clock_reads(monkeypatch)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert cpu.ProjectionLayout.of(weight, 21).copy_wins is True
+        assert_close(native.project_kept(x, weight, torch.empty(7, 3, 12)), x @ weight.t())
+        assert clock["reads"] == 0
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
 @pytest.mark.parametrize("route", ["brgemm", "packed", "blas"])
 @pytest.mark.parametrize("norm", ["layer", "batch"])
 @pytest.mark.parametrize("kind", TORCH_KINDS)
@@ -662,6 +690,26 @@ def test_every_product_route_equals_the_reference(kind: str, norm: str, route: s
     for layer in (reference, compiled):
         leaf = x.clone().requires_grad_()
         output, _ = layer(leaf, lengths=lengths)
+        results.append((output, torch.autograd.grad(output.square().sum(), [leaf, *layer.parameters()])))
+    assert_close(results[1], results[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("norm", ["none", "layer", "rms"])
+@pytest.mark.parametrize("kind", TORCH_KINDS)
+@pytest.mark.parametrize("hidden_size", [37, 128])
+def test_the_matrix_vector_route_equals_the_reference(
+    kind: str, norm: str, hidden_size: int, product_route: Any
+) -> None:
+    """Batch size 1 on the gemv route (product.h): the forward's dot products with W_hh's rows, read in place, and
+    the backward's pass over W_hh's rows; 37 hidden units leave partial vectors and column blocks, 128 split the
+    columns between threads where there are several."""
+    product_route("gemv")
+    reference, compiled = _pair(kind, norm, dtype=torch.float32, hidden_size=hidden_size)
+    x = torch.randn(6, 1, 3)
+    results = []
+    for layer in (reference, compiled):
+        leaf = x.clone().requires_grad_()
+        output, _ = layer(leaf)
         results.append((output, torch.autograd.grad(output.square().sum(), [leaf, *layer.parameters()])))
     assert_close(results[1], results[0], rtol=1e-4, atol=1e-4)
 

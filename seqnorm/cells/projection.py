@@ -21,25 +21,30 @@ __all__ = ["project"]
 _FLOATS = (torch.float32, torch.float64)
 
 
-def project(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, out: Tensor | None = None) -> Tensor:
+def project(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, *, out: Tensor | None = None, copy: bool = True
+) -> Tensor:
     """``F.linear(x, weight, bias)`` for ``x`` ``(..., in)``, ``weight`` ``(out, in)``.
 
     ``out``: a contiguous tensor of the result's shape to write it into, for a caller that computes the projection's
     gradients itself (autograd records nothing then): :mod:`seqnorm.layers.kernel`'s recurrence, whose projection
-    goes into the kernels' kept memory."""
+    goes into the kernels' kept memory. ``copy=False`` (with ``out``): multiply by the transposed view of ``W``
+    rather than a row-major copy of ``W^T``, for a caller that measured it faster here
+    (:meth:`seqnorm.kernels.cpu.CpuBackend.project_kept`)."""
     fast = x.device.type == "cpu" and x.dtype in _FLOATS and not torch.is_autocast_enabled("cpu") and x.dim() >= 2
     if out is not None:
         with torch.no_grad():
-            return _multiply(x, weight, bias, out) if fast else out.copy_(F.linear(x, weight, bias))
+            return _multiply(x, weight, bias, out, copy) if fast else out.copy_(F.linear(x, weight, bias))
     if not fast:
         return F.linear(x, weight, bias)
     return _Projection.apply(x, weight, bias)
 
 
-def _multiply(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None = None) -> Tensor:
-    """``x W^T (+ b)`` with ``W^T`` copied row-major (the module's docstring), into ``out`` if given."""
+def _multiply(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None = None, copy: bool = True) -> Tensor:
+    """``x W^T (+ b)`` with ``W^T`` copied row-major (the module's docstring; ``copy=False``: the transposed view),
+    into ``out`` if given."""
     rows = x.reshape(-1, x.shape[-1])
-    weight_t = weight.t().contiguous()
+    weight_t = weight.t().contiguous() if copy else weight.t()
     flat = None if out is None else out.view(-1, weight.shape[0])
     if bias is None:
         result = torch.mm(rows, weight_t, out=flat)

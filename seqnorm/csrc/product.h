@@ -9,6 +9,9 @@
 //   call: MKL otherwise repacks W at every step (8 % of an LN-LSTM training step on an Intel Xeon).
 // - "blas": at::mm_out by W^T laid out row-major (float64, or no MKL / oneDNN): MKL's small-batch GEMM was 25-45 %
 //   faster with it than with the transposed view.
+// - "gemv": one row only (batch size 1), a plain vectorized matrix-vector product here (gemv_columns), its columns
+//   split between the threads. At one row brgemm and MKL's sgemv ran at a fraction of the memory's speed (EPYC Zen 4,
+//   1x256 by 256x1024, one thread: brgemm 22.9 us, at::mm 18.7 us, this 11.9 us).
 // Which route is fastest depends on the CPU, the shape and the thread count, so in float32 the candidates are
 // measured once per process, shape and thread count: not on probe products before the work starts (that paused the
 // first call at each new shape by 30-40 ms on an Intel Xeon), but on the products the recurrences run anyway. Until a
@@ -37,11 +40,16 @@
 #include <tuple>
 #include <vector>
 
+#if defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
 #include "process_mutex.h"
+#include "vec.h"
 
 namespace seqnorm {
 
-enum class Route { kBlas, kPacked, kBrgemm };
+enum class Route { kBlas, kPacked, kBrgemm, kGemv };
 
 inline const char* route_name(Route route) {
   switch (route) {
@@ -49,6 +57,8 @@ inline const char* route_name(Route route) {
       return "brgemm";
     case Route::kPacked:
       return "packed";
+    case Route::kGemv:
+      return "gemv";
     default:
       return "blas";
   }
@@ -64,14 +74,14 @@ inline std::atomic<int>& route_setting() {
 
 // Sets route_setting() from its name: "auto", "brgemm", "packed" or "blas".
 inline void set_route_setting(const std::string& name) {
-  for (const Route route : {Route::kBrgemm, Route::kPacked, Route::kBlas}) {
+  for (const Route route : {Route::kBrgemm, Route::kPacked, Route::kBlas, Route::kGemv}) {
     if (name == route_name(route)) {
       route_setting().store(int(route));
       return;
     }
   }
   if (name != "auto") {
-    throw std::invalid_argument("set_product_route: expected auto, brgemm, packed or blas, got " + name);
+    throw std::invalid_argument("set_product_route: expected auto, brgemm, packed, blas or gemv, got " + name);
   }
   route_setting().store(-1);
 }
@@ -253,7 +263,12 @@ class StepProduct {
       return tuning_ != nullptr ? std::find(candidates.begin(), candidates.end(), route) != candidates.end()
                                 : route_ == route;
     };
-    if (needs(Route::kBrgemm) || needs(Route::kBlas)) right_ = right.contiguous();
+    // The gemv route reads a transposed view of a row-major W (the forward's W_hh^T) as it is: no copy per call.
+    const bool rows_given = !right.is_contiguous() && right.t().is_contiguous();
+    if (needs(Route::kGemv) && rows_given) weight_rows_ = right.t();
+    if (needs(Route::kBrgemm) || needs(Route::kBlas) || (needs(Route::kGemv) && !rows_given)) {
+      right_ = right.contiguous();
+    }
     if (needs(Route::kPacked)) {
       weight_ = right.t().contiguous();
       packed_ = packed_linear()->reorder.call(weight_, rows_);
@@ -266,6 +281,8 @@ class StepProduct {
     if (brgemm_works()) candidates.push_back(Route::kBrgemm);
     if (rows >= kPackedRows && packed_linear() != nullptr) candidates.push_back(Route::kPacked);
     candidates.push_back(Route::kBlas);
+    // Last: the deterministic route below stays what it was before this route came (a change of rounding).
+    if (rows == 1) candidates.push_back(Route::kGemv);
     const int setting = route_setting().load();
     // Deterministic algorithms (torch.use_deterministic_algorithms, Lightning's deterministic=True): one fixed route,
     // the first available of brgemm, packed, at::mm. The measured choice depends on the machine's load when it is
@@ -274,7 +291,7 @@ class StepProduct {
     if (setting < 0) return candidates;
     const auto forced = std::find_if(candidates.begin(), candidates.end(),
                                      [&](Route route) { return setting == int(route); });
-    return {forced != candidates.end() ? *forced : candidates.back()};
+    return {forced != candidates.end() ? *forced : Route::kBlas};
   }
 
   // Whether this product's route is chosen (else its products are still timing the candidates).
@@ -361,11 +378,9 @@ class StepProduct {
   void settle(Route route) {
     route_ = route;
     tuning_ = nullptr;
-    if (route_ == Route::kPacked) {
-      right_ = at::Tensor();
-    } else {
-      weight_ = packed_ = at::Tensor();
-    }
+    if (route_ == Route::kPacked || (route_ == Route::kGemv && weight_rows_.defined())) right_ = at::Tensor();
+    if (route_ != Route::kPacked) weight_ = packed_ = at::Tensor();
+    if (route_ != Route::kGemv) weight_rows_ = at::Tensor();
   }
 
   void run(Route route, const at::Tensor& x, at::Tensor& out, const at::Tensor* add = nullptr) const {
@@ -373,6 +388,12 @@ class StepProduct {
       case Route::kBrgemm:
         if (out.is_contiguous()) {
           brgemm(x, out, add);
+          return;
+        }
+        break;
+      case Route::kGemv:
+        if (out.is_contiguous() && x.size(0) == 1) {
+          gemv(x, out, add);
           return;
         }
         break;
@@ -422,7 +443,117 @@ class StepProduct {
     });
   }
 
+  // out (1 x N, contiguous) = x (1 x K) right (+ add), the columns split between threads in blocks of kBlock where
+  // the product is big enough to pay for the fork: by rows of `right` (gemv_columns), or by dot products with the
+  // rows of right^T where that is what the caller has (gemv_dots).
+  void gemv(const at::Tensor& x, at::Tensor& out, const at::Tensor* add) const {
+    const at::Tensor a = x.contiguous();
+    const bool dots = weight_rows_.defined();
+    const int64_t k = dots ? weight_rows_.size(1) : right_.size(0), n = dots ? weight_rows_.size(0) : right_.size(1);
+    float* pc = out.data_ptr<float>();
+    const float* pd = nullptr;
+    if (add != nullptr) {
+      if (!add->is_contiguous()) out.copy_(*add);
+      pd = add->is_contiguous() ? add->data_ptr<float>() : pc;
+    }
+    const float* pa = a.data_ptr<float>();
+    const float* pb = dots ? weight_rows_.data_ptr<float>() : right_.data_ptr<float>();
+    const int64_t blocks = (n + kBlock - 1) / kBlock;
+    const auto columns = [&](int64_t begin, int64_t end) {
+      if (dots) {
+        gemv_dots(pa, pb, pd, pc, k, begin * kBlock, std::min(end * kBlock, n));
+      } else {
+        gemv_columns(pa, pb, pd, pc, k, n, begin * kBlock, std::min(end * kBlock, n));
+      }
+    };
+    if (k * n >= kParallelProduct && at::get_num_threads() > 1 && !at::in_parallel_region()) {
+      at::parallel_for(0, blocks, 1, columns);
+    } else {
+      columns(0, blocks);
+    }
+  }
+
+  // Products of fewer multiply-adds than this run on one thread (gemv).
+  static constexpr int64_t kParallelProduct = 65536;
+
+  // out[j] = add[j] (or 0) + sum_p x[p] right[p][j] for the columns j in [begin, end), right row-major (depth x n);
+  // four rows of `right` per pass over the columns (each output vector loaded and stored once per four), each
+  // column summed in the order of p whatever the split between threads. `add` may be `out`.
+  static void gemv_columns(const float* x, const float* right, const float* add, float* out, int64_t depth,
+                           int64_t n, int64_t begin, int64_t end) {
+    using V = Vec<float>;
+    constexpr int64_t width = V::size();
+    for (int64_t j = begin; j < end; j += width) {
+      const int64_t count = std::min(width, end - j);
+      store(add != nullptr ? load(add + j, count) : V(0.f), out + j, count);
+    }
+    int64_t p = 0;
+    for (; p + 4 <= depth; p += 4) {
+      const V x0(x[p]), x1(x[p + 1]), x2(x[p + 2]), x3(x[p + 3]);
+      const float* r0 = right + p * n;
+      const float *r1 = r0 + n, *r2 = r1 + n, *r3 = r2 + n;
+      for (int64_t j = begin; j < end; j += width) {
+        const int64_t count = std::min(width, end - j);
+        V sum = load(out + j, count);
+        sum = at::vec::fmadd(x0, load(r0 + j, count), sum);
+        sum = at::vec::fmadd(x1, load(r1 + j, count), sum);
+        sum = at::vec::fmadd(x2, load(r2 + j, count), sum);
+        sum = at::vec::fmadd(x3, load(r3 + j, count), sum);
+        store(sum, out + j, count);
+      }
+    }
+    for (; p < depth; ++p) {
+      const V xp(x[p]);
+      const float* row = right + p * n;
+      for (int64_t j = begin; j < end; j += width) {
+        const int64_t count = std::min(width, end - j);
+        store(at::vec::fmadd(xp, load(row + j, count), load(out + j, count)), out + j, count);
+      }
+    }
+  }
+
+  // out[j] = add[j] (or 0) + sum_p x[p] weight[j][p] for j in [begin, end), weight row-major (n x depth): eight rows
+  // of `weight` at a time against each vector of x, the eight sums reduced into one vector at the end (AVX2), each
+  // output summed in the same order whatever the split between threads. `add` may be `out`.
+  static void gemv_dots(const float* x, const float* weight, const float* add, float* out, int64_t depth,
+                        int64_t begin, int64_t end) {
+    using V = Vec<float>;
+    constexpr int64_t width = V::size();
+    const auto sums = [&](const float* rows, int64_t count, V* partial) {
+      for (int64_t r = 0; r < count; ++r) partial[r] = V(0.f);
+      for (int64_t p = 0; p < depth; p += width) {
+        const int64_t lanes = std::min(width, depth - p);
+        const V xp = load(x + p, lanes);
+        for (int64_t r = 0; r < count; ++r) {
+          partial[r] = at::vec::fmadd(load(rows + r * depth + p, lanes), xp, partial[r]);
+        }
+      }
+    };
+    int64_t j = begin;
+#if defined(CPU_CAPABILITY_AVX2)
+    if constexpr (width == 8) {
+      for (; j + 8 <= end; j += 8) {
+        V partial[8];
+        sums(weight + j * depth, 8, partial);
+        const __m256 t0 = _mm256_hadd_ps(partial[0], partial[1]), t1 = _mm256_hadd_ps(partial[2], partial[3]);
+        const __m256 t2 = _mm256_hadd_ps(partial[4], partial[5]), t3 = _mm256_hadd_ps(partial[6], partial[7]);
+        const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // per 128-bit half: sums 0-3, 4-7
+        V total = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+        if (add != nullptr) total = total + V::loadu(add + j);
+        total.store(out + j);
+      }
+    }
+#endif
+    for (; j < end; ++j) {
+      V partial[1];
+      sums(weight + j * depth, 1, partial);
+      const float total = hsum(partial[0]);
+      out[j] = add != nullptr ? add[j] + total : total;
+    }
+  }
+
   at::Tensor right_, weight_, packed_;  // x right; right^T and its MKL-packed form for the packed route
+  at::Tensor weight_rows_;  // right^T where it is row-major as given, for the gemv route (undefined otherwise)
   int64_t rows_;
   Route route_ = Route::kBlas;
   Tuning* tuning_ = nullptr;  // while the shape's route is being measured

@@ -2,10 +2,10 @@
 // the no-grad generation step, composed from the cells' gates (cells.h) and the norms' steps (norms.h).
 //
 // The matmuls stay BLAS-class calls into preallocated buffers (StepProduct, product.h: oneDNN's brgemm, MKL's packed
-// GEMM or at::mm_out, whichever was measured fastest for the shape); everything between them is one vectorized pass
-// over the step's rows that takes each row through every norm and gate while it is in cache (two passes where a
-// norm's statistics span the rows), split between threads by rows (at::parallel_for, OpenMP) where the block is big
-// enough.
+// GEMM, at::mm_out or, at one row, a vectorized matrix-vector loop, whichever was measured fastest for the shape);
+// everything between them is one vectorized pass over the step's rows that takes each row through every norm and
+// gate while it is in cache (two passes where a norm's statistics span the rows), split between threads by rows
+// (at::parallel_for, OpenMP) where the block is big enough.
 // seqnorm/layers/kernel.py wraps these in a torch.autograd.Function (the layers have checked every argument; the
 // bindings at the end of this file check them again, for any caller); the plain-PyTorch paths
 // (seqnorm/layers/bptt.py, the reference loop) are what the tests compare them with.

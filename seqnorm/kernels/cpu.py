@@ -50,6 +50,26 @@ class CpuBackend:
         """An uninitialized tensor for a recurrence's large saved tensors, on a kept block where one fits."""
         return self.module.saved_empty(sizes, like.dtype)
 
+    def project_kept(self, sequence: Tensor, weight: Tensor, out: Tensor) -> Tensor:
+        """The recurrence's input projection ``W x`` of the whole sequence into ``out``
+        (:func:`~seqnorm.cells.projection.project`), ``W^T`` as a row-major copy or as the transposed view, whichever
+        multiplied faster here for the shape (:class:`ProjectionLayout`)."""
+        from seqnorm.cells.projection import project  # here: seqnorm.cells imports the kernels' package
+
+        rows = sequence.numel() // max(1, sequence.shape[-1])
+        choice = ProjectionLayout.of(weight, rows)
+        if choice.copy_wins is not None:
+            return project(sequence, weight, out=out, copy=choice.copy_wins)
+        trials = _PROJECTION_TRIALS.setdefault(choice, self.module.Trials(2))  # by identity, as LayoutChoice
+        turn = trials.turn()
+        start = time.perf_counter()
+        result = project(sequence, weight, out=out, copy=turn == _COPY)
+        trials.record(turn, time.perf_counter() - start)
+        if choice.copy_wins is None and trials.chosen is not None:
+            choice.copy_wins = trials.chosen == _COPY
+            del _PROJECTION_TRIALS[choice]
+        return result
+
     def prepare_step(self, weights: tuple[Tensor, Tensor], rows: int, fixed: Callable[[Tensor, Tensor], Any]) -> Any:
         """The generation step ``fixed(W_ih^T, W_hh^T)`` with each ``W^T`` in the layout measured fastest here for
         ``rows`` rows (:class:`LayoutChoice`), the copies written and the choice timed on the first steps."""
@@ -164,3 +184,27 @@ class LayoutChoice:
 
 # The layout choices in this process, per weight shape, dtype, device, rows and threads.
 _LAYOUTS: dict[tuple[Any, ...], LayoutChoice] = {}
+
+
+class ProjectionLayout(LayoutChoice):
+    """:class:`LayoutChoice` for the input projection of a whole sequence (:meth:`CpuBackend.project_kept`), per
+    weight shape, dtype, rows and thread count, measured on the projections themselves (``kernels.Trials``: 24 calls).
+
+    The copy of ``W^T`` is made at every call (a cached one would go stale where ``W.data`` is written in place), and
+    it pays only where the product is long enough: on an Intel Xeon ``(3200 x 128) @ W^T`` took 9.2 ms by the view and
+    4.7 ms by the copy (1 thread; BENCHMARKS.md); on an AMD EPYC (Zen 4, 2 threads) the view was as fast at every
+    size tried, and at batch size 1 (``100 x 128`` by ``128 x 1024``) the copy made the projection 180 -> 310 us of
+    an LSTM's 1.5 ms no-grad forward. With deterministic algorithms it is always the copy, as before the choice."""
+
+    @classmethod
+    def of(cls, weight: Tensor, rows: int) -> LayoutChoice:
+        if torch.are_deterministic_algorithms_enabled():  # the layout it always had: each rounds differently
+            return cls(copy_wins=True)
+        key = (tuple(weight.shape), weight.dtype, weight.device.type, rows, torch.get_num_threads())
+        return _PROJECTION_LAYOUTS.setdefault(key, cls())
+
+
+# The input projection's layout choices in this process, per weight shape, dtype, device, rows and threads, and the
+# trials of those still undecided.
+_PROJECTION_LAYOUTS: dict[tuple[Any, ...], LayoutChoice] = {}
+_PROJECTION_TRIALS: dict[LayoutChoice, Any] = {}

@@ -130,7 +130,8 @@ def _kept_projection(kernels: Any, sequence: Tensor, weight_ih: Tensor) -> Tenso
     """``W_ih x`` of the whole sequence, in memory the kernels keep between calls (``csrc/buffers.h``): a training
     step saves it, and at the sizes where that matters a fresh block paid its page faults at every call."""
     out = kernels.empty_like_saved([*sequence.shape[:-1], weight_ih.shape[0]], sequence)
-    return project(sequence, weight_ih, out=out)
+    projecting = getattr(kernels, "project_kept", None)  # a backend's own choice of the operands' layout
+    return project(sequence, weight_ih, out=out) if projecting is None else projecting(sequence, weight_ih, out)
 
 
 def _wants_gradient(*tensors: Tensor | None) -> bool:
