@@ -90,6 +90,11 @@ class Backend(Protocol):
         fastest here (the CPU measures it; a GPU takes the transposed views)."""
         ...
 
+    def project_kept(self, sequence: Tensor, weight: Tensor, out: Tensor) -> Tensor:
+        """The input projection ``W x`` of the whole sequence into ``out`` (:func:`seqnorm.cells.projection.project`),
+        with the operands in whatever layout is fastest here."""
+        ...
+
     def empty_like_saved(self, sizes: list[int], like: Tensor) -> Tensor:
         """An uninitialized tensor of ``like``'s dtype and device for a recurrence's large saved tensors."""
         ...

@@ -30,7 +30,6 @@ import torch
 from torch import Tensor, nn
 
 from seqnorm.cells.base import RecurrentCell
-from seqnorm.cells.projection import project
 from seqnorm.kernels import NO_NORM, KernelNorm, native
 from seqnorm.layers.plan import cell_kernel, norm_blocker
 from seqnorm.layers.stack import PaddingLayout
@@ -130,8 +129,7 @@ def _kept_projection(kernels: Any, sequence: Tensor, weight_ih: Tensor) -> Tenso
     """``W_ih x`` of the whole sequence, in memory the kernels keep between calls (``csrc/buffers.h``): a training
     step saves it, and at the sizes where that matters a fresh block paid its page faults at every call."""
     out = kernels.empty_like_saved([*sequence.shape[:-1], weight_ih.shape[0]], sequence)
-    projecting = getattr(kernels, "project_kept", None)  # a backend's own choice of the operands' layout
-    return project(sequence, weight_ih, out=out) if projecting is None else projecting(sequence, weight_ih, out)
+    return kernels.project_kept(sequence, weight_ih, out)  # the backend's choice of the operands' layout
 
 
 def _wants_gradient(*tensors: Tensor | None) -> bool:

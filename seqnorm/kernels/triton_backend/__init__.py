@@ -37,6 +37,7 @@ __all__ = [
     "lstm_forward",
     "name",
     "prepare_step",
+    "project_kept",
     "set_cache_limit",
     "unsupported",
 ]
@@ -126,6 +127,13 @@ def prepare_step(weights: tuple[Tensor, Tensor], batch: int, fixed: Callable[[Te
     """The generation step on the transposed views of the weights (cuBLAS takes either layout alike)."""
     del batch
     return fixed(*(weight.t() for weight in weights))
+
+
+def project_kept(sequence: Tensor, weight: Tensor, out: Tensor) -> Tensor:
+    """The input projection of the whole sequence into ``out`` (one cuBLAS product; either layout of ``W`` alike)."""
+    from seqnorm.cells.projection import project  # here: seqnorm.cells imports the kernels' package
+
+    return project(sequence, weight, out=out)
 
 
 # --- memory: torch's caching allocator keeps CUDA memory; nothing is kept here ---
