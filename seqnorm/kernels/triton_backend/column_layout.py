@@ -50,7 +50,9 @@ class _Norm:
             self.seen = norm.num_batches_tracked[self.rows] + torch.cumsum(shared, 0) - shared.long()
             self.last = last
             options = (norm.eps, norm.momentum, norm.r_max, norm.d_max, norm.warmup, norm.r_max_steps, norm.d_max_steps)
-            self.options = torch.tensor(options, dtype=like.dtype).to(like.device, non_blocking=True)
+            self.options = like.new_empty(len(options))
+            for index, value in enumerate(options):  # filled on the device: no copy from the host (graph capture)
+                self.options[index] = value
         else:
             self.options = like
 
