@@ -65,6 +65,7 @@ def _run(layer: torch.nn.Module) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("name", list(NORMS))
 @pytest.mark.parametrize("kind", list(LAYERS))
+@pytest.mark.usefixtures("one_route")  # three models' calls compared bit for bit
 def test_spec_builds_the_model_of_name_and_keywords(kind: str, name: str) -> None:
     options = _options(name, kind)
     keywords = {key: value for key, value in options.items() if key in NORM_KEYWORDS}
