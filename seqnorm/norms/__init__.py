@@ -300,7 +300,7 @@ def resolve_norm(
     ``norm`` is a registry name (its default spec) or a spec. ``keywords`` (a subset of :data:`NORM_KEYWORDS`)
     and ``norm_options`` are folded into the spec; a keyword at its default is not given. A given option that the
     norm does not have is a ``ValueError`` naming it — except ``max_steps``, which every cell and layer accepts
-    (``shared/DESIGN.md``) and norms without per-timestep statistics ignore. An option set both in a spec and as a
+    (the public API contract) and norms without per-timestep statistics ignore. An option set both in a spec and as a
     keyword (to different values) is an error too. A spec passed alone is returned as it is: it was checked when
     it was made.
     """

@@ -213,7 +213,7 @@ class WeightNormSpec(_Statistics):
         super().check(owner)
         _check_choice(owner, "mean_only_bn", self.mean_only_bn, (True, False))
         if not self.mean_only_bn:
-            # max_steps is accepted whatever the norm (shared/DESIGN.md), so it is ignored here rather than refused
+            # max_steps is accepted whatever the norm (the public API contract): ignored here rather than refused
             unused = {key: value for key, value in self.options().items() if key not in ("mean_only_bn", "max_steps")}
             if unused:
                 raise _fail(

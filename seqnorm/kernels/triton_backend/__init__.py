@@ -24,6 +24,7 @@ from torch import Tensor
 from seqnorm.kernels import KernelNorm
 from seqnorm.kernels.triton_backend import column_layout, rows
 from seqnorm.kernels.triton_backend.checks import check_backward, check_forward, check_step
+from seqnorm.kernels.triton_backend.common import FLOATS
 
 __all__ = [
     "NormArgs",
@@ -46,7 +47,6 @@ name = "triton"
 """The plan's path for this backend (``layer.plan(x).path``)."""
 
 _ROW_KINDS = ("none", "layer", "rms")
-_FLOATS = (torch.float32, torch.float64)
 
 
 def NormArgs(**fields: Any) -> KernelNorm:
@@ -61,7 +61,7 @@ def unsupported(
     (``step``: the no-grad generation step; ``training``: the cell's mode), or ``None``. Under ``autocast`` the
     recurrence runs in the parameters' ``dtype`` (statistics, gates and states in float32: the plain path's
     precision) and the input projection in autocast's."""
-    if dtype not in _FLOATS:
+    if dtype not in FLOATS:
         return f"dtype {dtype}"
     if autocast and step:
         return "a generation step under autocast"

@@ -11,11 +11,10 @@ import torch
 from torch import Tensor
 
 from seqnorm.kernels import KernelNorm
+from seqnorm.kernels.triton_backend.common import FLOATS
+from seqnorm.kernels.triton_backend.norms import KINDS
 
 __all__ = ["Checks"]
-
-_FLOATS = (torch.float32, torch.float64)
-_KINDS = ("none", "layer", "rms", "batch")
 
 
 class Checks:
@@ -25,7 +24,7 @@ class Checks:
         self.entry = entry
         if not isinstance(like, Tensor):
             self.fail(f"expected {name} to be a tensor, got {type(like).__name__}")
-        if like.dtype not in _FLOATS:
+        if like.dtype not in FLOATS:
             raise TypeError(f"seqnorm kernels: {entry}: expected {name} of float32 or float64, got {like.dtype}")
         self.dtype, self.device = like.dtype, like.device
 
@@ -58,8 +57,8 @@ class Checks:
     def norm(self, name: str, norm: object, features: int, *, folded: bool = False) -> None:
         """A norm's arguments for ``features`` features: its kind, γ and shift, BatchNorm's running statistics (or,
         ``folded``, evaluation's folded rows)."""
-        if not isinstance(norm, KernelNorm) or norm.kind not in _KINDS:
-            self.fail(f"expected {name} to be a norm's arguments (NormArgs) of kind {_KINDS}, got {norm!r}")
+        if not isinstance(norm, KernelNorm) or norm.kind not in KINDS:
+            self.fail(f"expected {name} to be a norm's arguments (NormArgs) of kind {tuple(KINDS)}, got {norm!r}")
         assert isinstance(norm, KernelNorm)
         if norm.kind != "none":
             self.tensor(f"{name}.weight", norm.weight, (features,), "(F,)")

@@ -18,6 +18,7 @@ from torch import Tensor
 from seqnorm.kernels import KernelNorm
 from seqnorm.kernels.triton_backend import columns
 from seqnorm.kernels.triton_backend.common import (
+    code,
     mask_arg,
     normalize_rows,
     param,
@@ -58,7 +59,7 @@ class _Norm:
 
     def flags(self) -> tuple[int, bool, bool]:
         """(KIND, SHIFT, RENORM)."""
-        return 3 if self.batch else 0, self.norm.shift is not None, self.norm.renorm
+        return code(self.norm), self.norm.shift is not None, self.norm.renorm
 
     def forward_args(self, t: int) -> tuple:
         norm, like = self.norm, self.like
@@ -86,11 +87,6 @@ def _counts(mask: Tensor | None, steps: int, rows: int, like: Tensor) -> Tensor:
     if mask is None:
         return torch.full((steps,), rows, dtype=torch.long, device=like.device)
     return mask.sum(1)
-
-
-def _grads(norm: KernelNorm, features: int, like: Tensor) -> tuple[Tensor, Tensor]:
-    """Zeroed totals of dL/dγ and dL/dshift, which the backward's steps add to."""
-    return like.new_zeros(features), like.new_zeros(features)
 
 
 def _input_terms(inputs: Tensor, ih: KernelNorm) -> tuple[Tensor, list[Tensor], KernelNorm]:
@@ -153,7 +149,7 @@ def lstm_forward(
 
 def _backward_args(norm: KernelNorm, stats: list[Tensor], features: int, like: Tensor) -> tuple[tuple, Tensor, Tensor]:
     """A norm's arguments for a backward step kernel: (γ, statistics, dγ, dshift), and the two totals."""
-    dweight, dshift = _grads(norm, features, like)
+    dweight, dshift = like.new_zeros(features), like.new_zeros(features)  # the totals the steps add to
     statistics = stats[0] if norm.kind == "batch" else like
     return (param(norm.weight, like), statistics, dweight, dshift), dweight, dshift
 
@@ -183,9 +179,9 @@ def lstm_backward(
             grad_hs[t], recurrent, carry, dc, mask_arg(None if mask is None else mask[t], hs), acts[t], tanh_cs[t],
             cs[t], c0 if t == 0 else cs[t - 1], inputs[t] if step_ih.kind == "batch" else hs, raw[t], d_input[t],
             d_raw[t], *ih_args, *hh_args, *c_args, rows, hidden, t, steps,
-            IH=3 if step_ih.kind == "batch" else 0, IH_SHIFT=step_ih.shift is not None,
-            HH=3 if hh.kind == "batch" else 0, HH_SHIFT=hh.shift is not None,
-            C=3 if c_norm.kind == "batch" else 0, C_SHIFT=c_norm.shift is not None,
+            IH=code(step_ih), IH_SHIFT=step_ih.shift is not None,
+            HH=code(hh), HH_SHIFT=hh.shift is not None,
+            C=code(c_norm), C_SHIFT=c_norm.shift is not None,
             TRAINING=training, HAS_MASK=mask is not None, BLOCK_B=_block_rows(rows), BLOCK=_BLOCK,
         )  # fmt: skip
         torch.mm(d_raw[t], weight_hh, out=recurrent)
@@ -275,8 +271,8 @@ def gru_backward(
             grad_hs[t], recurrent, carry, mask_arg(None if mask is None else mask[t], hs), acts[t], us[t],
             h0 if t == 0 else hs[t - 1], inputs[t] if step_ih.kind == "batch" else hs, raw[t], d_input[t], d_raw[t],
             *ih_args, *hh_args, rows, hidden, t, steps,
-            IH=3 if step_ih.kind == "batch" else 0, IH_SHIFT=step_ih.shift is not None,
-            HH=3 if hh.kind == "batch" else 0, HH_SHIFT=hh.shift is not None,
+            IH=code(step_ih), IH_SHIFT=step_ih.shift is not None,
+            HH=code(hh), HH_SHIFT=hh.shift is not None,
             TRAINING=training, HAS_MASK=mask is not None, BLOCK_B=_block_rows(rows), BLOCK=_BLOCK,
         )  # fmt: skip
         torch.mm(d_raw[t], weight_hh, out=recurrent)

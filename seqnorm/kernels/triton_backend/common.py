@@ -10,11 +10,14 @@ from torch import Tensor
 from seqnorm.kernels import KernelNorm
 from seqnorm.kernels.triton_backend.norms import KINDS, rows_backward, rows_forward
 
+FLOATS = (torch.float32, torch.float64)
+"""The dtypes the kernels compute in."""
+
 _ROWS_EACH = 64  # rows a program of the whole-block backward sums its parameter gradients over
 
 
 def code(norm: KernelNorm) -> int:
-    """The norm's kind as the kernels' compile-time constant."""
+    """The norm's kind as the kernels' compile-time constant (:data:`~seqnorm.kernels.triton_backend.norms.KINDS`)."""
     return KINDS[norm.kind]
 
 
