@@ -1,7 +1,7 @@
 """The Triton backend on a CUDA GPU against cuDNN's ``nn.LSTM``/``nn.GRU`` and against seqnorm's plain path.
 
-Prints the versions and the GPU; checks the Triton backend against the plain-PyTorch path on the GPU (outputs and
-gradients of an LN-LSTM and an LN-GRU, float32 with TF32 off); then median milliseconds of a training step (forward
+Prints the versions and the GPU; checks the Triton backend against the plain-PyTorch path on the GPU (every cell and
+norm, training and evaluation, float32 with TF32 off and float64, plus generation steps); then median milliseconds of a training step (forward
 and backward of ``output.sum()``, the input requiring a gradient) at ``--size`` (T x B x I x H, default
 100x64x512x512) in three precisions — float32 with TF32 off, float32 with TF32, bf16 autocast (the input
 projection in bf16, the recurrence in float32) — with ratios to cuDNN and to the plain path, and a batch-1
@@ -70,28 +70,60 @@ def _training_step(layer: torch.nn.Module, x: torch.Tensor) -> Callable[[], obje
     return run
 
 
-def check(device: torch.device) -> list[str]:
-    """The Triton backend against the plain path on the GPU: the largest differences, one line per cell."""
-    lines = []
+def _difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """The largest difference between paired tensors, relative to each reference tensor's scale."""
+    return max(((x - y).abs().max() / y.abs().max().clamp(min=1)).item() for x, y in zip(a, b, strict=True))
+
+
+def _run(layer: torch.nn.Module, x: torch.Tensor, lengths: torch.Tensor, plain: bool) -> list[torch.Tensor]:
+    layer.zero_grad()
+    x.grad = None
+    with kernels.disabled() if plain else contextlib.nullcontext():
+        output, (h_n, *rest) = layer(x, lengths=lengths)
+        if not layer.training:
+            return [output, h_n, *rest]
+        (output.sum() + h_n.square().sum()).backward()
+    grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in layer.parameters()]
+    return [output.detach(), h_n.detach(), x.grad.clone(), *grads]
+
+
+def check(device: torch.device) -> tuple[list[str], float]:
+    """The Triton backend against the plain path on the GPU, for every cell and norm: training (outputs, final
+    states, every gradient) and evaluation, float32 (TF32 off) and float64, two bidirectional layers with lengths;
+    then 20 generation steps. One line per case and the largest difference of all of them."""
+    lines, worst_of_all = [], 0.0
+    lengths = torch.tensor([20, 15, 20, 3, 9, 20, 1, 12])
     for kind in ("lstm", "gru"):
-        torch.manual_seed(0)
-        layer = seqnorm.LAYERS[kind](32, 64, num_layers=2, bidirectional=True, norm="layer").to(device)
-        x = torch.randn(20, 8, 32, device=device, requires_grad=True)
-        lengths = torch.tensor([20, 15, 20, 3, 9, 20, 1, 12])
-        path = layer.plan(x, lengths=lengths).path
-        results = []
-        with _precision("fp32"):
-            for off in (False, True):
-                layer.zero_grad()
-                x.grad = None
-                with kernels.disabled() if off else contextlib.nullcontext():
-                    output, _ = layer(x, lengths=lengths)
-                    output.sum().backward()
-                results.append([output.detach(), x.grad.clone(), *(p.grad.clone() for p in layer.parameters())])
-        worst = max(((a - b).abs().max() / b.abs().max().clamp(min=1)).item() for a, b in zip(*results, strict=True))
-        lines.append(f"- {kind.upper()}(norm='layer'), 2 layers, bidirectional, lengths: path {path!r}; largest "
-                     f"difference from the plain path, relative to each tensor's scale: {worst:.1e}")  # fmt: skip
-    return lines
+        for norm in seqnorm.NORMS:
+            for dtype in (torch.float32, torch.float64):
+                torch.manual_seed(0)
+                layer = seqnorm.LAYERS[kind](32, 64, num_layers=2, bidirectional=True, norm=norm)
+                layer = layer.to(device=device, dtype=dtype)
+                x = torch.randn(20, 8, 32, device=device, dtype=dtype, requires_grad=True)
+                worst, paths = 0.0, []
+                with _precision("fp32"):
+                    for training in (True, False):
+                        layer.train(training)
+                        paths.append(layer.plan(x, lengths=lengths).path)
+                        with torch.set_grad_enabled(training):
+                            ours, plain = _run(layer, x, lengths, False), _run(layer, x, lengths, True)
+                        worst = max(worst, _difference(ours, plain))
+                    step = seqnorm.LAYERS[kind](32, 64, num_layers=2, norm=norm).to(device=device, dtype=dtype)
+                    step.eval()
+                    with torch.no_grad():
+                        outputs = []
+                        for off in (False, True):
+                            state, ys = None, []
+                            with kernels.disabled() if off else contextlib.nullcontext():
+                                for t in range(20):
+                                    y, state = step.step(x[t, :1].detach(), state)
+                                    ys.append(y)
+                            outputs.append(torch.stack(ys))
+                    worst = max(worst, _difference(outputs[:1], outputs[1:]))
+                worst_of_all = max(worst_of_all, worst)
+                lines.append(f"- {kind} {norm} {str(dtype).removeprefix('torch.')}: paths train/eval "
+                             f"{paths[0]}/{paths[1]}; largest relative difference {worst:.1e}")  # fmt: skip
+    return lines, worst_of_all
 
 
 def main() -> None:
@@ -108,8 +140,9 @@ def main() -> None:
     steps, batch, inputs, hidden = (int(v) for v in args.size.split("x"))
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, triton {triton.__version__}, "
           f"GPU {torch.cuda.get_device_name(device)}; seqnorm kernels on cuda: {kernels.status('cuda')}\n")  # fmt: skip
-    print("Check against the plain path (float32, TF32 off):")
-    print("\n".join(check(device)) + "\n")
+    print("Check against the plain path (TF32 off; training: outputs, states, gradients; evaluation; generation):")
+    lines, worst = check(device)
+    print("\n".join(lines) + f"\n\nLargest difference of all: {worst:.1e}\n")
     print(f"Training step, T={steps} B={batch} I={inputs} H={hidden} (median ms of {args.repeats}):\n")
     print("| cell | norm | precision | path | seqnorm ms | torch (cuDNN) ms | × torch | plain ms | plain / seqnorm |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -89,10 +89,11 @@ def _terms(
 
 @triton.jit
 def _seen(pointer, KIND: tl.constexpr):
-    """How many updates the step's row of running statistics saw before this step (BatchNorm only)."""
+    """How many updates the step's row of running statistics saw before this step (BatchNorm only), as int64 on
+    both branches (a GPU build refuses a function whose returns differ in type)."""
     if KIND == 3:
-        return tl.load(pointer)
-    return 0
+        return tl.load(pointer).to(tl.int64)
+    return tl.full((), 0, tl.int64)
 
 
 @triton.jit
