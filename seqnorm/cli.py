@@ -5,9 +5,12 @@ Examples::
 
     seqnorm fit --model LanguageModel --data TextCorpus --data.path my.txt --model.norm layer
     seqnorm fit --config configs/char_lm.yaml --config configs/norm/batch.yaml --data.path my.txt
-    seqnorm fit ... --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt    # resume: continues version_0
-    seqnorm predict ... --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt  # -> version_N/predictions.jsonl
-    seqnorm generate --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt --prompt "The " --length 200
+    seqnorm fit ... --ckpt_path lightning_logs/lstm-layer-h256/version_0/checkpoints/last.ckpt  # resume: continues it
+    seqnorm predict ... --ckpt_path lightning_logs/lstm-layer-h256/version_0/checkpoints/last.ckpt  # -> version_1/
+    seqnorm generate --ckpt_path lightning_logs/lstm-layer-h256/version_0/checkpoints/last.ckpt --prompt "The "
+
+Each run gets ``lightning_logs/<run name>/version_N``, named after what it trains (:func:`seqnorm.cli_runs.run_name`);
+a prediction run writes its ``predictions.jsonl`` there.
 
 User errors (a missing file, bad text, an impossible setting, a checkpoint that is not one) end with a
 one-paragraph message and exit code 2, not a traceback; set ``SEQNORM_DEBUG=1`` to see the traceback.
@@ -52,6 +55,8 @@ from seqnorm.cli_runs import (
     DataInstantiator,
     ModelInstantiator,
     continued_run_logger,
+    run_logger,
+    run_name,
     with_checkpoint_model,
 )
 from seqnorm.cli_threads import THREADS_HELP, configure_threads
@@ -96,7 +101,7 @@ DEFAULT_CALLBACKS: list[dict[str, Any]] = [
 ]
 PREDICT_CALLBACKS: list[dict[str, Any]] = [
     *DEFAULT_CALLBACKS,
-    # One JSON line per input under the run directory (lightning_logs/version_N/predictions.jsonl).
+    # One JSON line per input under the run directory (lightning_logs/<run name>/version_N/predictions.jsonl).
     {"class_path": "seqnorm.lightning.prediction_writer.PredictionWriter"},
 ]
 # The progress bar is not listed here but added when the Trainer is built (seqnorm.cli_trainer: a RichProgressBar
@@ -237,20 +242,26 @@ class SeqnormCLI(LightningCLI):
             self._resumed = None
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
-        adjust_trainer_config(config)  # enable_checkpointing false, logger false, the progress bar (cli_trainer)
+        name = run_name(self.model)
+        adjust_trainer_config(config, name)  # enable_checkpointing false, logger false, the progress bar (cli_trainer)
         # --trainer.sync_batchnorm true: seqnorm's per-timestep BN too, through Lightning's LayerSync mechanism.
         plugins = config.get("plugins") or []
         plugins = list(plugins) if isinstance(plugins, list | tuple) else [plugins]
         if config.get("sync_batchnorm") and not any(isinstance(plugin, LayerSync) for plugin in plugins):
             config["plugins"] = [*plugins, SyncBatchNorm()]
-        # A resumed fit with the default logger continues its run directory: one TensorBoard run, one version_N.
-        # validate/test/predict keep Lightning's new version: their config.yaml, metrics and predictions are theirs.
-        if self.subcommand == "fit" and config.get("logger") in (None, True):
-            logger = continued_run_logger(self.config["fit"].get("ckpt_path"), config.get("default_root_dir"))
+        # The default logger is Lightning's, in a folder named after what the run trains (cli_runs.run_logger). A
+        # resumed fit continues its run directory: one TensorBoard run, one version_N. validate/test/predict get a
+        # new version: their config.yaml, metrics and predictions are theirs.
+        if config.get("logger") in (None, True) and not config.get("barebones"):  # barebones refuses any logger
+            root = config.get("default_root_dir")
+            logger = None
+            if self.subcommand == "fit":
+                logger = continued_run_logger(self.config["fit"].get("ckpt_path"), root)
             if logger is not None:
-                config["logger"], self._continues_run = logger, True
+                self._continues_run = True
                 # config.yaml is there already: it becomes the resumed run's (Lightning refuses to overwrite it)
                 self.save_config_kwargs = {**self.save_config_kwargs, "overwrite": True}
+            config["logger"] = logger if logger is not None else run_logger(root, name)
         if self.subcommand == "predict":
             given = config.get("callbacks") or []
             given = list(given) if isinstance(given, list | tuple) else [given]

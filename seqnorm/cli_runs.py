@@ -1,4 +1,5 @@
-"""How the ``seqnorm`` command records a run: the model's hyperparameters, and the run directory a resumed fit uses.
+"""How the ``seqnorm`` command records a run: the model's hyperparameters, the run's directory
+(``lightning_logs/<run name>/version_N``, named after what it trains) and the one a resumed fit continues.
 
 Kept apart from :mod:`seqnorm.cli` so that the command itself stays a short list of LightningCLI hooks.
 """
@@ -10,9 +11,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.cli import LightningCLI, _InstantiatorFn
-from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from torch import nn
 
+from seqnorm.layers import LAYERS, RecurrentLayer
 from seqnorm.lightning.atomic_io import local_path
 from seqnorm.lightning.checkpoint_io import read_checkpoint, task_class
 
@@ -21,7 +25,11 @@ __all__ = [
     "LOGS_NAME",
     "DataInstantiator",
     "ModelInstantiator",
+    "checkpoint_run_dir",
     "continued_run_logger",
+    "run_dir",
+    "run_logger",
+    "run_name",
     "with_checkpoint_model",
 ]
 
@@ -29,7 +37,63 @@ EVALUATIONS = ("validate", "test", "predict")
 """The subcommands that evaluate a checkpoint (a resumed ``fit`` trains on, and must read the same data)."""
 
 LOGS_NAME = "lightning_logs"
-"""The folder under ``--trainer.default_root_dir`` where Lightning's default logger puts its ``version_N`` runs."""
+"""The folder under ``--trainer.default_root_dir`` that holds the runs, ``<run name>/version_N`` each."""
+
+
+def run_name(model: nn.Module) -> str | None:
+    """What a run trains, as its folder under ``lightning_logs/`` names it: ``<cell>-<norm>-h<hidden_size>``, then
+    ``-<N>layers`` for a stack and ``-bi`` for a bidirectional layer (``lstm-layer-h128``,
+    ``gru-batch-h64-2layers-bi``).
+
+    Read from the first seqnorm layer in ``model`` (the cell by its name in :data:`seqnorm.LAYERS`, the norm by its
+    spec's registry name); ``None`` for a model without one. TensorBoard lists runs by folder, so LN and BN runs of
+    one task read apart in its run list instead of as ``version_0``, ``version_1``.
+    """
+    layer = next((module for module in model.modules() if isinstance(module, RecurrentLayer)), None)
+    if layer is None:
+        return None
+    cell = next(name for name, kind in LAYERS.items() if type(layer) is kind)
+    parts = [cell, layer.norm_spec.name, f"h{layer.hidden_size}"]
+    if layer.num_layers > 1:
+        parts.append(f"{layer.num_layers}layers")
+    if layer.bidirectional:
+        parts.append("bi")
+    return "-".join(parts)
+
+
+def _logs_dir(default_root_dir: str | None) -> str:
+    # Where the Trainer's default logger writes (its default_root_dir: the working directory, `~` expanded)
+    root = default_root_dir if default_root_dir is not None else os.getcwd()
+    local = local_path(root)
+    return os.path.join(os.path.normpath(os.path.expanduser(local)) if local is not None else root, LOGS_NAME)
+
+
+def run_logger(default_root_dir: str | None, name: str | None, version: str | None = None) -> TensorBoardLogger:
+    """The ``seqnorm`` command's default logger: Lightning's (TensorBoard, a SLURM job's id as its version), writing
+    into ``<default_root_dir>/lightning_logs/<name>/version_N`` (``lightning_logs/version_N`` when ``name`` is
+    ``None``: Lightning's own layout); ``version`` (a folder name) continues that run instead of numbering a new one."""
+    name = name or ""
+    return TensorBoardLogger(_logs_dir(default_root_dir), name=name, version=version or SLURMEnvironment.job_id())
+
+
+def run_dir(default_root_dir: str | None, name: str | None) -> str:
+    """The folder :func:`run_logger` would open now for a new run (numbered the same way; nothing is created):
+    where a run without a logger keeps its config.yaml and checkpoints."""
+    # CSVLogger numbers runs as TensorBoardLogger does, without needing tensorboard
+    return CSVLogger(_logs_dir(default_root_dir), name=name or "", version=SLURMEnvironment.job_id()).log_dir
+
+
+def checkpoint_run_dir(ckpt_path: str | None) -> Path | None:
+    """The run directory a local checkpoint was saved in by the default checkpoint callback: the folder holding its
+    ``checkpoints/`` (``lightning_logs/<run name>/version_N``, or ``lightning_logs/version_N`` for runs of before
+    the runs were named), where that run's ``config.yaml`` is; ``None`` for a checkpoint anywhere else."""
+    checkpoint_file = local_path(ckpt_path) if ckpt_path is not None else None
+    if checkpoint_file is None:
+        return None
+    checkpoint = Path(checkpoint_file).resolve()
+    if not checkpoint.is_file() or checkpoint.parent.name != "checkpoints":
+        return None
+    return checkpoint.parent.parent
 
 
 class ModelInstantiator(_InstantiatorFn):
@@ -81,31 +145,29 @@ class DataInstantiator(_InstantiatorFn):
 
 
 def continued_run_logger(ckpt_path: str | None, default_root_dir: str | None) -> TensorBoardLogger | None:
-    """The default logger (TensorBoard under ``lightning_logs/``), writing into the run a checkpoint belongs to.
+    """The default logger (:func:`run_logger`), writing into the run a checkpoint belongs to.
 
     Returns a logger when ``ckpt_path`` is a local file in the layout the default logger writes under this run's
-    root directory, ``<default_root_dir>/lightning_logs/<version>/checkpoints/<file>``; the resumed fit then adds
-    to that run's TensorBoard curves, ``config.yaml`` and top-k checkpoints instead of opening ``version_N+1``.
-    ``None`` (Lightning's default: a new version) for a checkpoint anywhere else, e.g. one kept outside the run
-    folders or written under another ``--trainer.default_root_dir``. A run folder moved or copied into
-    ``lightning_logs/`` continues too (:class:`~seqnorm.lightning.checkpoint.ResumableCheckpoint` rebases its
-    saved state).
+    root directory, ``<default_root_dir>/lightning_logs/<run name>/<version>/checkpoints/<file>`` (or, from before
+    runs were named, ``lightning_logs/<version>/checkpoints/<file>``); the resumed fit then adds to that run's
+    TensorBoard curves, ``config.yaml`` and top-k checkpoints instead of opening ``version_N+1``. ``None`` (a new
+    run) for a checkpoint anywhere else, e.g. one kept outside the run folders or written under another
+    ``--trainer.default_root_dir``. A run folder moved or copied into ``lightning_logs/`` continues too
+    (:class:`~seqnorm.lightning.checkpoint.ResumableCheckpoint` rebases its saved state).
     """
-    checkpoint_file = local_path(ckpt_path) if ckpt_path is not None else None
-    save_dir = default_root_dir if default_root_dir is not None else os.getcwd()  # what the Trainer's default uses
-    if checkpoint_file is None or local_path(save_dir) is None:  # remote paths: Lightning's default
+    run = checkpoint_run_dir(ckpt_path)
+    root = default_root_dir if default_root_dir is not None else os.getcwd()
+    if run is None or local_path(root) is None:  # remote paths: Lightning's default
         return None
-    checkpoint = Path(checkpoint_file).resolve()
-    run = checkpoint.parent.parent
-    if (
-        not checkpoint.is_file()
-        or checkpoint.parent.name != "checkpoints"
-        or run.parent != Path(save_dir).resolve() / LOGS_NAME
-    ):
+    logs = Path(_logs_dir(root)).resolve()
+    if run.parent == logs:
+        name = None
+    elif run.parent.parent == logs:
+        name = run.parent.name
+    else:
         return None
-    # The Trainer's own default logger, plus the version (the run's directory name): the same paths as the first
-    # run's, so ModelCheckpoint recognizes its saved dirpath and restores its top-k state.
-    return TensorBoardLogger(save_dir=save_dir, name=LOGS_NAME, version=run.name)
+    # The same paths as the first run's, so ModelCheckpoint recognizes its saved dirpath and restores its top-k state.
+    return run_logger(root, name, version=run.name)
 
 
 _RUN_SUBCOMMANDS = ("fit", "validate", "test", "predict")

@@ -1,17 +1,18 @@
 """What the ``seqnorm`` command changes in the Trainer it builds, so Lightning's own flags keep their meaning.
 
 seqnorm's default callbacks (a :class:`~seqnorm.lightning.checkpoint.ResumableCheckpoint`) and its run layout
-(everything of a run in ``lightning_logs/version_N``) must not turn Lightning's switches into errors:
+(everything of a run in ``lightning_logs/<run name>/version_N``, :mod:`seqnorm.cli_runs`) must not turn Lightning's
+switches into errors:
 
 - ``--trainer.enable_checkpointing false`` drops the default checkpoint callback (Lightning refuses a
   ModelCheckpoint among the callbacks when checkpointing is off). A ModelCheckpoint the user added is still refused,
   by Lightning, with an error naming both (:func:`seqnorm.cli.main` shows it as one paragraph, exit 2).
 - ``--trainer.logger false``: without a logger Lightning writes config.yaml and ``checkpoints/`` straight into
   ``--trainer.default_root_dir``. When that is not set (the working directory), the run gets a folder of its own
-  instead, ``lightning_logs/version_N`` as the default logger would number it (config.yaml and checkpoints, no
-  TensorBoard files): no stray ``./checkpoints``, and a second run does not stop on the first one's config.yaml.
-  When it is set, Lightning's layout is kept, and a folder that already holds a run's config.yaml is refused
-  before training with a message naming both flags (Lightning would raise a RuntimeError there).
+  instead, ``lightning_logs/<run name>/version_N`` as the default logger would number it (config.yaml and
+  checkpoints, no TensorBoard files): no stray ``./checkpoints``, and a second run does not stop on the first one's
+  config.yaml. When it is set, Lightning's layout is kept, and a folder that already holds a run's config.yaml is
+  refused before training with a message naming both flags (Lightning would raise a RuntimeError there).
 - The progress bar is :class:`~seqnorm.lightning.progress.SeqnormProgressBar` ("Epoch 0", not "Epoch 0/-2", for
   runs bounded by ``max_steps``) unless it is disabled or the user gave one.
 """
@@ -23,12 +24,12 @@ from typing import Any
 
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
-from lightning.pytorch.loggers import CSVLogger
 
+from seqnorm.cli_runs import run_dir
 from seqnorm.lightning.checkpoint import ResumableCheckpoint
 from seqnorm.lightning.progress import SeqnormProgressBar
 
-__all__ = ["CONFIG_FILENAME", "adjust_trainer_config", "run_dir_without_logger"]
+__all__ = ["CONFIG_FILENAME", "adjust_trainer_config"]
 
 CONFIG_FILENAME = "config.yaml"
 """What LightningCLI's SaveConfigCallback writes into the run's folder (its default ``config_filename``)."""
@@ -45,14 +46,9 @@ def _no_logger(logger: Any) -> bool:
     return logger is False or (isinstance(logger, list | tuple) and not logger)
 
 
-def run_dir_without_logger(root: str | None = None) -> str:
-    """The next ``<root>/lightning_logs/version_N``, numbered as Lightning's default logger numbers its runs."""
-    # CSVLogger, not TensorBoardLogger: the same name and numbering, without needing tensorboard; nothing is created
-    return CSVLogger(save_dir=root or ".").log_dir
-
-
-def adjust_trainer_config(config: dict[str, Any]) -> None:
-    """Edit the Trainer's keyword arguments (callbacks already instantiated) as the module docstring says."""
+def adjust_trainer_config(config: dict[str, Any], name: str | None = None) -> None:
+    """Edit the Trainer's keyword arguments (callbacks already instantiated) as the module docstring says; ``name``
+    is the run's name (:func:`seqnorm.cli_runs.run_name`)."""
     accumulate = config.get("accumulate_grad_batches", 1)
     if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
         # Lightning divides by it in its loop: a ZeroDivisionError traceback mid-run
@@ -71,11 +67,11 @@ def adjust_trainer_config(config: dict[str, Any]) -> None:
         root = config.get("default_root_dir")
         if root is None:
             # only the Trainer's copy: the saved config.yaml keeps what the user wrote, so it reruns the same way
-            config["default_root_dir"] = run_dir_without_logger(root)
+            config["default_root_dir"] = run_dir(root, name)
         elif "://" not in root and (Path(root) / CONFIG_FILENAME).is_file():
             raise ValueError(
                 f"--trainer.logger false: --trainer.default_root_dir {root} already holds a run "
                 f"({CONFIG_FILENAME}; without a logger, config.yaml and checkpoints/ go straight into that folder): "
                 "pass another --trainer.default_root_dir, or leave it unset (each run then gets its own "
-                "lightning_logs/version_N)"
+                "lightning_logs/<run name>/version_N)"
             )

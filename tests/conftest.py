@@ -94,6 +94,13 @@ def story(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return write_story(tmp_path / "story.txt")
 
 
+def run_path(version: int = 0, root: Path | str = ".") -> Path:
+    """``<root>/lightning_logs/<run name>/version_<version>``, the run of that number (the test's runs share a name)."""
+    runs = sorted(Path(root).glob(f"lightning_logs/*/version_{version}"))
+    assert len(runs) == 1, f"expected one run version_{version} under {root}/lightning_logs, found {runs}"
+    return runs[0]
+
+
 def logged_scalars(run: Path) -> dict[str, list[tuple[int, float]]]:
     """Every scalar a TensorBoard run directory holds: tag -> [(step, value), ...] in the order written."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -14,7 +14,7 @@ import seqnorm
 from seqnorm.cli import main
 from seqnorm.data import TextCorpus
 from seqnorm.lightning import LanguageModel, PreciseBN
-from tests.conftest import QUIET
+from tests.conftest import QUIET, run_path
 
 TINY = ["--model.hidden_size", "24", "--model.embedding_dim", "8", "--model.norm", "batch"]
 
@@ -40,7 +40,7 @@ def test_bn_trains_from_the_cli_on_variable_length_lines_and_counts_fallbacks(st
     steps = 12
     args = _lines(story, 8, "--data.bucket", "false", "--trainer.max_steps", str(steps))
     main(["fit", *args, "--trainer.log_every_n_steps", "1", "--trainer.val_check_interval", "6"])
-    scalars = _scalars(Path("lightning_logs/version_0"))
+    scalars = _scalars(run_path(0))
     # The batches the run took: epoch 0's order is a function of the seed alone.
     loader = iter(TextCorpus(path=str(story), level="char", unit="line", batch_size=8, bucket=False).train_dataloader())
     expected = [_tail_steps(next(loader)["lengths"]) for _ in range(steps)]
@@ -76,7 +76,7 @@ def test_precise_bn_from_the_cli_leaves_exact_statistics_in_the_checkpoint(story
     # starts from, and recomputing it from the checkpoint must give the same numbers.
     args = _lines(story, 8, "--data.unit", "window", "--data.window_length", "24", callback)
     main(["fit", *args, "--trainer.max_steps", "10", "--trainer.val_check_interval", "5"])
-    checkpoint = Path("lightning_logs/version_0/checkpoints/last.ckpt")
+    checkpoint = run_path(0) / "checkpoints/last.ckpt"
     model = LanguageModel.load_from_checkpoint(checkpoint)
     saved = _norm_buffers(model)
     assert saved

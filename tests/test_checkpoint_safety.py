@@ -24,7 +24,7 @@ from seqnorm.lightning import LanguageModel, checkpoint_io
 from seqnorm.lightning.base import TaskModule
 from seqnorm.lightning.checkpoint import ResumableCheckpoint
 from seqnorm.lightning.checkpoint_io import CheckpointError
-from tests.conftest import QUIET, logged_scalars, write_story
+from tests.conftest import QUIET, logged_scalars, run_path, write_story
 
 TINY = ["--model.hidden_size", "16", "--model.embedding_dim", "8", *QUIET]
 SHORT = ["--trainer.max_steps", "4", "--trainer.limit_val_batches", "2"]
@@ -37,14 +37,14 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("trained")
     story = write_story(root / "story.txt", lines=200)
     main(["fit", *LM, "--data.path", str(story), *TINY, *SHORT, "--trainer.default_root_dir", str(root)])
-    return root / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    return run_path(0, root) / "checkpoints" / "last.ckpt"
 
 
 @pytest.fixture
 def story(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, trained: Path) -> Path:
     """The story the checkpoint was trained on, in a fresh working directory."""
     monkeypatch.chdir(tmp_path)
-    return Path(shutil.copy(trained.parents[3] / "story.txt", tmp_path / "story.txt"))
+    return Path(shutil.copy(trained.parents[4] / "story.txt", tmp_path / "story.txt"))
 
 
 def _fails(capsys: pytest.CaptureFixture, args: list[str]) -> str:
@@ -213,12 +213,12 @@ def _received_run(story: Path, trained: Path, monkeypatch: pytest.MonkeyPatch) -
     """``(checkpoint, victim)``: a copy of the trained run, entered, whose checkpoint state records a "previous
     last.ckpt" that leads out of its folder to ``victim``, a directory with a file in it."""
     run = story.parent / "received"
-    shutil.copytree(trained.parents[2], run / "lightning_logs")
+    shutil.copytree(trained.parents[3], run / "lightning_logs")
     monkeypatch.chdir(run)  # as one resumes a run folder one was sent
     victim = story.parent / "victim"
     victim.mkdir()
     (victim / "precious.txt").write_text("keep\n", encoding="utf-8")
-    checkpoint_path = run / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    checkpoint_path = run_path(0, run) / "checkpoints" / "last.ckpt"
     checkpoint = torch.load(checkpoint_path, weights_only=True)
     (key,) = [key for key in checkpoint["callbacks"] if key.startswith("ResumableCheckpoint")]
     state = checkpoint["callbacks"][key]
@@ -369,7 +369,7 @@ def test_resume_fills_unset_flags_from_the_checkpoint(story: Path, trained: Path
     # --model.hidden_size as in the checkpoint, --model.embedding_dim unset (its default, 64, is not what was used)
     args = ["fit", *LM, "--data.path", str(story), "--model.hidden_size", "16", *QUIET]
     main([*args, "--trainer.max_steps", "6", "--trainer.limit_val_batches", "2", "--ckpt_path", str(trained)])
-    run = Path("lightning_logs/version_0")
+    run = run_path(0)
     resumed = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
     assert resumed["global_step"] > torch.load(trained, weights_only=True)["global_step"]
     saved = yaml.safe_load((run / "config.yaml").read_text())["model"]["init_args"]
@@ -435,7 +435,7 @@ def test_evaluation_reads_new_text_with_the_checkpoints_vocabulary(story: Path, 
     losses = []
     for extra in ([], ["--data.test_path", str(held_out)], ["--data.test_path", str(other)]):
         main(["test", *LM, "--data.path", str(story), *extra, *QUIET, "--ckpt_path", str(trained)])
-        losses.append(logged_scalars(Path(f"lightning_logs/version_{len(losses)}"))["test/loss"][-1][1])
+        losses.append(logged_scalars(run_path(len(losses)))["test/loss"][-1][1])
     assert losses[1] == pytest.approx(losses[0], rel=1e-6)
     assert all(loss == loss and loss < 10 for loss in losses)  # finite: unknown characters read as <unk>
 

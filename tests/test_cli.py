@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import Callback
 import seqnorm
 from seqnorm.cli import main
 from seqnorm.lightning import LanguageModel, SequenceClassifier
-from tests.conftest import QUIET, WORDS, logged_scalars
+from tests.conftest import QUIET, WORDS, logged_scalars, run_path
 
 TINY_LM = ["--model.hidden_size", "48", "--model.embedding_dim", "16", "--model.lr", "0.01"]
 
@@ -24,7 +24,7 @@ TINY_LM = ["--model.hidden_size", "48", "--model.embedding_dim", "16", "--model.
 def test_char_lm_on_own_file_trains_resumes_and_generates(story: Path, capsys: pytest.CaptureFixture) -> None:
     base = ["--model", "LanguageModel", "--data", "TextCorpus", "--data.path", str(story), "--data.batch_size", "16"]
     main(["fit", *base, *TINY_LM, *QUIET, "--trainer.max_steps", "90", "--trainer.log_every_n_steps", "10"])
-    run = Path("lightning_logs/version_0")
+    run = run_path(0)
     last = run / "checkpoints" / "last.ckpt"
     assert last.is_file() and list((run / "checkpoints").glob("best-*.ckpt"))
     scalars = logged_scalars(run)
@@ -40,7 +40,7 @@ def test_char_lm_on_own_file_trains_resumes_and_generates(story: Path, capsys: p
 
     # stop, then resume from last.ckpt: the step count and the optimizer state continue, in the same run directory
     main(["fit", *base, *TINY_LM, *QUIET, "--trainer.max_steps", "120", "--ckpt_path", str(last)])
-    assert [path.name for path in Path("lightning_logs").iterdir()] == ["version_0"]
+    assert [path.name for path in run_path(0).parent.iterdir()] == ["version_0"]
     resumed_checkpoint = torch.load(last, weights_only=False)
     assert resumed_checkpoint["global_step"] == 120
     adam_steps = {float(state["step"]) for state in resumed_checkpoint["optimizer_states"][0]["state"].values()}
@@ -63,7 +63,7 @@ def test_char_lm_on_own_file_trains_resumes_and_generates(story: Path, capsys: p
 
     # test reads the same checkpoint, in a run directory of its own
     main(["test", *base, *TINY_LM, *QUIET, "--ckpt_path", str(last)])
-    tested = logged_scalars(Path("lightning_logs/version_1"))
+    tested = logged_scalars(run_path(1))
     assert {"test/loss", "test/bpc"} <= set(tested)
     assert tested["test/bpc"][0][1] < 1.3
 
@@ -98,7 +98,7 @@ def test_interrupted_run_resumes_from_last_checkpoint(story: Path) -> None:
             )
     finally:
         signal.signal(signal.SIGINT, sigint)  # Lightning ignores further Ctrl-C while shutting down
-    last = Path("lightning_logs/version_0/checkpoints/last.ckpt")
+    last = run_path(0) / "checkpoints/last.ckpt"
     assert torch.load(last, weights_only=False)["global_step"] == 12
     assert not list(last.parent.glob("best-*"))  # Ctrl-C writes last.ckpt only: nothing was validated at step 12
     main(["fit", *base, "--trainer.max_steps", "20", "--ckpt_path", str(last)])
@@ -108,7 +108,7 @@ def test_interrupted_run_resumes_from_last_checkpoint(story: Path) -> None:
 def test_word_lm_reports_perplexity(story: Path) -> None:
     args = ["--model", "LanguageModel", "--data", "TextCorpus", "--data.path", str(story), "--data.level", "word"]
     main(["fit", *args, *TINY_LM, *QUIET, "--trainer.max_steps", "40", "--data.batch_size", "16"])
-    scalars = logged_scalars(Path("lightning_logs/version_0"))
+    scalars = logged_scalars(run_path(0))
     assert "val/ppl" in scalars and "val/bpc" not in scalars
     # 14 words + <eos> + specials: a trained model is far below the uniform perplexity
     assert scalars["val/ppl"][-1][1] < 14
@@ -126,7 +126,7 @@ def test_classifier_on_own_tsv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     base = ["--model", "SequenceClassifier", "--data", "LabeledText", "--data.train_path", "train.tsv"]
     options = ["--model.hidden_size", "32", "--model.embedding_dim", "16", "--model.lr", "0.01"]
     main(["fit", *base, *options, *QUIET, "--trainer.max_epochs", "8", "--data.batch_size", "16"])
-    scalars = logged_scalars(Path("lightning_logs/version_0"))
+    scalars = logged_scalars(run_path(0))
     assert scalars["val/acc"][-1][1] >= 0.9, scalars["val/acc"]
     assert {"train/loss", "val/loss"} <= set(scalars)
 
@@ -138,12 +138,13 @@ def test_fit_with_no_data_arguments_trains_the_embedded_task(tmp_path: Path, mon
     switches = ["--model.rnn_options", '{"norm_placement": "joint", "zoneout_h": 0.1}']
     main(["fit", "--model", "LanguageModel", "--data", "TextCorpus", *TINY_LM, *switches, *short])
     main(["fit", "--model", "SequenceClassifier", "--data", "LabeledText", "--model.hidden_size", "16", *short])
-    assert "val/bpc" in logged_scalars(Path("lightning_logs/version_0"))
-    checkpoint = torch.load("lightning_logs/version_0/checkpoints/last.ckpt", weights_only=False)
+    language_model, classifier = Path("lightning_logs/lstm-layer-h48"), Path("lightning_logs/lstm-layer-h16")
+    assert "val/bpc" in logged_scalars(language_model / "version_0")
+    checkpoint = torch.load(language_model / "version_0/checkpoints/last.ckpt", weights_only=False)
     assert checkpoint["hyper_parameters"]["rnn_options"] == {"norm_placement": "joint", "zoneout_h": 0.1}
     assert any(".norm_gates_l0." in key for key in checkpoint["state_dict"])
-    assert "val/acc" in logged_scalars(Path("lightning_logs/version_1"))
-    assert Path("lightning_logs/version_1/checkpoints/last.ckpt").is_file()
+    assert "val/acc" in logged_scalars(classifier / "version_0")
+    assert (classifier / "version_0/checkpoints/last.ckpt").is_file()
 
 
 def test_rnn_options_reach_the_layer_and_bad_ones_are_named() -> None:

@@ -17,7 +17,7 @@ import torch
 from seqnorm.cli import main
 from seqnorm.data import TextCorpus
 from seqnorm.lightning import LanguageModel, SequenceClassifier
-from tests.conftest import QUIET, WORDS, logged_scalars, write_story
+from tests.conftest import QUIET, WORDS, logged_scalars, run_path, write_story
 
 TINY = ["--model.hidden_size", "16", "--model.embedding_dim", "8", "--model.lr", "0.01", "--data.batch_size", "16"]
 # a validation every 3 steps, so a resumed run's validations continue the curve
@@ -29,7 +29,8 @@ TASKS = {
 }
 TASKS["LanguageModel"] += ["--data.unit", "line"]  # one sequence per line: one prediction per line
 TASKS["SequenceClassifier"] += ["--data.test_path", "test.tsv"]
-LAST = Path("lightning_logs/version_0/checkpoints/last.ckpt")
+# Both tasks' runs are named after what they train (an LSTM with LayerNorm, hidden_size 16): cli_runs.run_name
+LAST = Path("lightning_logs/lstm-layer-h16/version_0/checkpoints/last.ckpt")
 
 
 def _write_labeled(path: Path, rows: int, seed: int) -> list[str]:
@@ -46,7 +47,7 @@ def _write_labeled(path: Path, rows: int, seed: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Per task, a folder with its data and ``lightning_logs/version_0`` of a ``STEPS``-step run."""
+    """Per task, a folder with its data and ``lightning_logs/<run name>/version_0`` of a ``STEPS``-step run."""
     folders = {}
     for task, args in TASKS.items():
         folder = tmp_path_factory.mktemp(task)
@@ -80,7 +81,7 @@ def test_evaluation_from_a_checkpoint(run: tuple[str, list[str]], command: str) 
     main([command, *args, "--ckpt_path", str(LAST)])
     stage = "val" if command == "validate" else "test"
     # a new run directory: the evaluation's config.yaml and metrics are its own, the training run is left as it was
-    logged = logged_scalars(Path("lightning_logs/version_1"))
+    logged = logged_scalars(run_path(1))
     assert {f"{stage}/loss", f"{stage}/{_metric(task)}"} <= set(logged)
 
 
@@ -90,27 +91,27 @@ def test_the_checkpoint_names_the_model_when_no_flag_does(run: tuple[str, list[s
     without_model = args[2:]  # drops "--model <task>": the checkpoint's class is used
     assert "--model" not in without_model
     main(["test", *without_model, "--ckpt_path", str(LAST)])
-    assert f"test/{_metric(task)}" in logged_scalars(Path("lightning_logs/version_1"))
-    config = Path("lightning_logs/version_1/config.yaml").read_text(encoding="utf-8")
+    assert f"test/{_metric(task)}" in logged_scalars(run_path(1))
+    config = (run_path(1) / "config.yaml").read_text(encoding="utf-8")
     assert f"class_path: seqnorm.lightning.{task}" in config
 
 
 @pytest.mark.parametrize("run", list(TASKS), indirect=True)
 def test_resumed_fit_continues_the_same_run(run: tuple[str, list[str]]) -> None:
     _, args = run
-    before = logged_scalars(Path("lightning_logs/version_0"))
+    before = logged_scalars(run_path(0))
     main(["fit", *args, *SCHEDULE, "--trainer.max_steps", str(STEPS + 3), "--ckpt_path", str(LAST)])
-    assert sorted(path.name for path in Path("lightning_logs").iterdir()) == ["version_0"]
+    assert sorted(path.name for path in run_path(0).parent.iterdir()) == ["version_0"]
     assert torch.load(LAST, weights_only=True)["global_step"] == STEPS + 3
     # the copied run's top-k files are tracked on from their new place: last.ckpt is rewritten, not a last-v1.ckpt
     assert not list(LAST.parent.glob("last-v*"))
-    after = logged_scalars(Path("lightning_logs/version_0"))
+    after = logged_scalars(run_path(0))
     # one TensorBoard run whose curves go on: the earlier points are kept, the resumed run's follow them
     assert [step for step, _ in before["val/loss"]] == [2, 5]  # steps count from 0: after steps 3 and 6
     assert [step for step, _ in after["val/loss"]] == [2, 5, 8]
     assert after["val/loss"][:2] == before["val/loss"]
     assert max(step for step, _ in after["train/loss"]) == STEPS + 2
-    config = Path("lightning_logs/version_0/config.yaml").read_text(encoding="utf-8")
+    config = (run_path(0) / "config.yaml").read_text(encoding="utf-8")
     assert f"max_steps: {STEPS + 3}" in config  # the resumed run's own config replaced the first one's
 
 
@@ -119,8 +120,8 @@ def test_classifier_predictions_are_label_names_that_score_what_test_reports(run
     _, args = run
     main(["test", *args, "--ckpt_path", str(LAST)])
     main(["predict", *args, "--ckpt_path", str(LAST)])
-    tested = logged_scalars(Path("lightning_logs/version_1"))["test/acc"][-1][1]
-    rows = [json.loads(line) for line in Path("lightning_logs/version_2/predictions.jsonl").read_text().splitlines()]
+    tested = logged_scalars(run_path(1))["test/acc"][-1][1]
+    rows = [json.loads(line) for line in (run_path(2) / "predictions.jsonl").read_text().splitlines()]
     truth = [line.split("\t")[0] for line in Path("test.tsv").read_text().splitlines()]
     assert [row["index"] for row in rows] == list(range(len(truth)))  # one row per input line, in input order
     assert {row["label"] for row in rows} <= {"pets", "other"}
@@ -139,8 +140,7 @@ def test_classifier_labels_unlabelled_text(run: tuple[str, list[str]]) -> None:
     main(["predict", *args, "--ckpt_path", str(LAST)])
     main(["predict", *args, "--data.predict_path", "unlabelled.txt", "--ckpt_path", str(LAST)])
     labelled, unlabelled = (
-        [json.loads(line) for line in Path(f"lightning_logs/version_{n}/predictions.jsonl").read_text().splitlines()]
-        for n in (1, 2)
+        [json.loads(line) for line in (run_path(n) / "predictions.jsonl").read_text().splitlines()] for n in (1, 2)
     )
     assert len(unlabelled) == len(texts)
     for got, expected in zip(unlabelled, labelled, strict=True):
@@ -151,10 +151,10 @@ def test_classifier_labels_unlabelled_text(run: tuple[str, list[str]]) -> None:
 @pytest.mark.parametrize("run", ["LanguageModel"], indirect=True)
 def test_predict_with_the_runs_own_config_still_writes_predictions(run: tuple[str, list[str]]) -> None:
     """The fit run's config.yaml lists fit's callbacks, which replace predict's default list (its writer)."""
-    own = ["--config", "lightning_logs/version_0/config.yaml", "--trainer.default_root_dir", "."]  # not the original's
+    own = ["--config", str(run_path(0) / "config.yaml"), "--trainer.default_root_dir", "."]  # not the original's
     main(["predict", *own, "--ckpt_path", str(LAST)])
-    assert Path("lightning_logs/version_1/predictions.jsonl").read_text().splitlines()
-    config = Path("lightning_logs/version_1/config.yaml").read_text(encoding="utf-8")
+    assert (run_path(1) / "predictions.jsonl").read_text().splitlines()
+    config = (run_path(1) / "config.yaml").read_text(encoding="utf-8")
     assert "PredictionWriter" not in config  # the writer came from the fallback, not from the list
 
 
@@ -164,7 +164,7 @@ def test_language_model_predictions_are_per_sequence_losses(
 ) -> None:
     _, args = run
     main(["predict", *args, "--ckpt_path", str(LAST)])
-    written = Path("lightning_logs/version_1/predictions.jsonl")
+    written = run_path(1) / "predictions.jsonl"
     rows = [json.loads(line) for line in written.read_text().splitlines()]
     test_split = TextCorpus(path="story.txt", unit="line").datasets["test"]
     assert [row["index"] for row in rows] == list(range(len(test_split)))
@@ -210,7 +210,7 @@ def test_checkpoint_written_before_the_fix_still_reads(run: tuple[str, list[str]
     checkpoint["hyper_parameters"]["level"] = "word"  # what the linked level left in classifier checkpoints
     torch.save(checkpoint, "old.ckpt")
     main(["test", *args, "--ckpt_path", "old.ckpt"])
-    assert "test/acc" in logged_scalars(Path("lightning_logs/version_1"))
+    assert "test/acc" in logged_scalars(run_path(1))
 
 
 def test_stream_language_model_predicts_every_window(story: Path) -> None:
@@ -218,7 +218,7 @@ def test_stream_language_model_predicts_every_window(story: Path) -> None:
     args = ["--model", "LanguageModel", "--data", "TextCorpus", "--data.path", str(story), *TINY, *QUIET]
     main(["fit", *args, "--data.window_length", "65", "--trainer.max_steps", "2", "--trainer.limit_val_batches", "1"])
     main(["predict", *args, "--data.window_length", "65", "--ckpt_path", str(LAST)])
-    rows = [json.loads(line) for line in Path("lightning_logs/version_1/predictions.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_path(1) / "predictions.jsonl").read_text().splitlines()]
     windows = TextCorpus(path=str(story), batch_size=16, window_length=65).datasets["test"]
     assert [(row["window"], row["stream"]) for row in rows] == [(w, s) for w in range(len(windows)) for s in range(16)]
     assert [row["index"] for row in rows] == list(range(len(rows)))

@@ -20,7 +20,7 @@ from seqnorm.cli_threads import DEFAULT_THREADS, THREADS_ENV, choose_threads
 from seqnorm.data import TextCorpus
 from seqnorm.lightning import LanguageModel, SequenceClassifier
 from seqnorm.lightning.progress import SeqnormProgressBar
-from tests.conftest import QUIET
+from tests.conftest import QUIET, run_path
 
 ROOT = Path(__file__).resolve().parent.parent
 LM = ["--model", "LanguageModel", "--data", "TextCorpus", "--model.hidden_size", "16", "--model.embedding_dim", "8"]
@@ -112,7 +112,7 @@ def test_a_plain_run_prints_nothing_avoidable(tmp_path: Path) -> None:
     assert "Epoch 0 " in result.stdout and "/-2" not in result.stdout
     # logger false: the run still gets its own folder, not ./config.yaml and ./checkpoints
     assert sorted(path.name for path in tmp_path.iterdir()) == ["lightning_logs"]
-    assert (tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt").is_file()
+    assert (run_path(0, tmp_path) / "checkpoints" / "last.ckpt").is_file()
 
 
 def test_progress_bar_names_the_last_epoch_only_when_there_is_one() -> None:
@@ -130,8 +130,8 @@ def test_logger_false_twice_gives_each_run_its_folder(tmp_path: Path, monkeypatc
     monkeypatch.chdir(tmp_path)
     for _ in range(2):
         main(["fit", *LM, *QUIET, *SHORT, "--trainer.logger", "false"])
-    for version in ("version_0", "version_1"):
-        run = tmp_path / "lightning_logs" / version
+    for version in (0, 1):
+        run = run_path(version, tmp_path)
         assert (run / "config.yaml").is_file() and (run / "checkpoints" / "last.ckpt").is_file()
         assert not list(run.glob("events.out.tfevents*"))  # no logger: no TensorBoard files
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "config.yaml").exists()
@@ -151,7 +151,7 @@ def test_enable_checkpointing_false_and_train_loss_per_step_and_epoch(
     args = ["fit", *LM, *QUIET, "--trainer.max_steps", "6", "--trainer.limit_val_batches", "1"]
     args += ["--trainer.val_check_interval", "3", "--trainer.log_every_n_steps", "1"]
     main([*args, "--trainer.enable_checkpointing", "false"])
-    run = tmp_path / "lightning_logs" / "version_0"
+    run = run_path(0, tmp_path)
     assert not (run / "checkpoints").exists()
     accumulator = EventAccumulator(str(run))
     accumulator.Reload()
@@ -175,7 +175,7 @@ def test_small_batch_error_names_the_flag_that_works(tmp_path: Path, monkeypatch
     assert "--model.small_batch running" in error and "--model.norm layer" in error
     assert 'small_batch="running"' not in error
     main([*bn_at_batch_one, "--model.small_batch", "running"])  # the flag the message names does work
-    assert (tmp_path / "lightning_logs" / "version_1" / "checkpoints" / "last.ckpt").is_file()
+    assert (run_path(1, tmp_path) / "checkpoints" / "last.ckpt").is_file()
 
 
 def test_only_suggested_model_arguments_become_flags() -> None:
@@ -233,7 +233,7 @@ def test_checkpoints_that_saved_max_steps_load_as_norm_max_steps(
     assert _rows(loaded) == 7 and loaded.hparams.norm_max_steps == 7 and "max_steps" not in loaded.hparams
     # through the CLI, which fills in the model flags from the checkpoint: evaluation runs on the old checkpoint
     main(["test", *LM, *QUIET, "--model.norm", "batch", "--trainer.limit_test_batches", "1", "--ckpt_path", str(path)])
-    config = (tmp_path / "lightning_logs" / "version_0" / "config.yaml").read_text()
+    config = (run_path(0, tmp_path) / "config.yaml").read_text()
     assert re.search(r"^\s+norm_max_steps: 7$", config, re.MULTILINE), config
 
 
@@ -254,7 +254,7 @@ def test_train_loss_is_the_mean_since_the_last_written_point(tmp_path: Path, mon
         root = tmp_path / f"every{every}"
         main(["fit", *classifier, *QUIET, "--trainer.max_steps", "6", "--trainer.log_every_n_steps", str(every),
               "--trainer.default_root_dir", str(root)])  # fmt: skip
-        accumulator = EventAccumulator(str(root / "lightning_logs" / "version_0"))
+        accumulator = EventAccumulator(str(run_path(0, root)))
         accumulator.Reload()
         return [(event.step, event.value) for event in accumulator.Scalars("train/loss")]
 
@@ -275,6 +275,6 @@ def test_a_run_shorter_than_its_first_validation_keeps_last_without_a_warning(
         warnings.simplefilter("always")
         main(["fit", *LM, *QUIET, "--trainer.max_steps", "3"])  # an epoch is longer: no validation
     assert not [str(w.message) for w in caught if "could not find the monitored key" in str(w.message)]
-    checkpoints = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
+    checkpoints = run_path(0, tmp_path) / "checkpoints"
     assert [path.name for path in checkpoints.iterdir()] == ["last.ckpt"]
     assert torch.load(checkpoints / "last.ckpt", weights_only=True)["global_step"] == 3

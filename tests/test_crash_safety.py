@@ -22,12 +22,14 @@ from lightning.pytorch.callbacks import Callback
 from seqnorm.cli import SIGTERM_EXIT_CODE, main
 from seqnorm.lightning import atomic_io
 from seqnorm.lightning.atomic_io import AtomicCheckpointIO
-from tests.conftest import QUIET
+from tests.conftest import QUIET, run_path
 
 TINY = ["--model.hidden_size", "16", "--model.embedding_dim", "8"]
 VAL_EVERY = 5
 # A save of this model takes a few milliseconds, long enough for a poll to see its temporary file and kill then.
 SAVES_TAKE_A_WHILE = ["--model.hidden_size", "64", "--model.embedding_dim", "32"]
+# The run folders, named after what they train (cli_runs.run_name): an LSTM with LayerNorm, hidden_size 16 or 64
+TINY_RUN, SLOW_SAVES_RUN = "lightning_logs/lstm-layer-h16/version_0", "lightning_logs/lstm-layer-h64/version_0"
 UNREACHED = 10**6  # max_steps of a run that is to be killed: however fast the machine, it is still training
 LAUNCH_DEADLINE = 180.0  # seconds; only a guard against a hung child on an overloaded machine, never an assertion
 
@@ -89,7 +91,7 @@ def test_a_crash_in_training_writes_last_but_no_best(story: Path, monkeypatch: p
     seen = _watch_publications(monkeypatch)
     with pytest.raises(RuntimeError, match="crash at step 7"):
         main(_fit_args(story, 20, "--trainer.callbacks+=tests.test_crash_safety.RaiseAt", "--trainer.callbacks.step=7"))
-    steps = _check_directory(Path("lightning_logs/version_0/checkpoints"))
+    steps = _check_directory(run_path(0) / "checkpoints")
     assert steps == {"last.ckpt": 7, "best-epoch=0-step=5.ckpt": 5}
     # the validation at step 5 wrote last.ckpt first, then the best file from it
     assert seen[:2] == [{"last.ckpt": 5}, {"last.ckpt": 5, "best-epoch=0-step=5.ckpt": 5}]
@@ -100,7 +102,7 @@ def test_every_validation_refreshes_last_even_without_improvement(story: Path, m
     # would leave last.ckpt at step 5 for the rest of the run; a kill would then lose all steps after it.
     seen = _watch_publications(monkeypatch)
     main(_fit_args(story, 17, "--model.lr", "0"))
-    steps = _check_directory(Path("lightning_logs/version_0/checkpoints"))
+    steps = _check_directory(run_path(0) / "checkpoints")
     assert steps == {"last.ckpt": 17, "best-epoch=0-step=5.ckpt": 5}
     assert [state["last.ckpt"] for state in seen] == [5, 5, 10, 15, 17]
 
@@ -168,7 +170,7 @@ def test_a_full_disk_during_fit_surfaces_and_keeps_the_last_good_checkpoint(
     with pytest.raises(OSError) as error:
         main(_fit_args(story, 20))
     assert error.value.errno == errno.ENOSPC
-    directory = Path("lightning_logs/version_0/checkpoints")
+    directory = run_path(0) / "checkpoints"
     assert _check_directory(directory) == seen[-1] == {"last.ckpt": 5, "best-epoch=0-step=5.ckpt": 5}
 
 
@@ -233,7 +235,7 @@ def test_sigkill_at_random_moments_then_resume(
     env = _child_env(tmp_path, child_tmp)
     rng = random.Random(f"sigkill {tmpdir}")
     resume: list[str] = []
-    directory = tmp_path / "lightning_logs/version_0/checkpoints"  # a resumed fit continues the run it resumes
+    directory = tmp_path / SLOW_SAVES_RUN / "checkpoints"  # a resumed fit continues the run it resumes
     for run, during_save in enumerate([False, True, False] if child_tmp else [True, False]):
         log, previous = tmp_path / f"run{run}.log", _identity(directory / "last.ckpt")
         process = _launch(story, env, log, UNREACHED, *SAVES_TAKE_A_WHILE, *resume)
@@ -257,7 +259,7 @@ def test_sigkill_at_random_moments_then_resume(
 
 
 def test_sigterm_saves_last_writes_no_best_and_exits_nonzero(story: Path, tmp_path: Path) -> None:
-    directory, log = tmp_path / "lightning_logs/version_0/checkpoints", tmp_path / "run.log"
+    directory, log = tmp_path / TINY_RUN / "checkpoints", tmp_path / "run.log"
     process = _launch(story, _child_env(tmp_path, None), log, UNREACHED)
     try:
         assert _wait_for((directory / "last.ckpt").exists, process), log.read_text()[-2000:]

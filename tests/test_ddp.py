@@ -11,7 +11,7 @@ import torch
 from seqnorm.data.sampler import BucketBatchSampler, RandomBatchSampler
 from seqnorm.lightning import SyncBatchNorm
 from seqnorm.norms.sync import SyncTimestepBatchNorm
-from tests.conftest import QUIET
+from tests.conftest import QUIET, run_path
 
 
 def test_training_shards_are_disjoint_and_equal_evaluation_keeps_every_batch() -> None:
@@ -87,7 +87,7 @@ def test_two_process_fit_with_synchronized_bn_and_resume(story: Path) -> None:
     first = _fit(story, "--trainer.max_steps", "8")
     assert first.returncode == 0, first.stderr[-3000:]
     assert "sync_dist" not in first.stderr  # every epoch-level value is logged synchronized
-    last = story.parent / "lightning_logs/version_0/checkpoints/last.ckpt"
+    last = run_path(0, story.parent) / "checkpoints/last.ckpt"
     checkpoint = torch.load(last, weights_only=True)
     assert checkpoint["global_step"] == 8
     assert any(key.endswith("running_mean") for key in checkpoint["state_dict"])

@@ -21,7 +21,7 @@ from torch.testing import assert_close
 
 from seqnorm.cli import main
 from seqnorm.norms import LayerNorm, RMSNorm, TimestepBatchNorm, TimestepBatchRenorm
-from tests.conftest import CELLS, KINDS, LAYERS, NORMS, QUIET
+from tests.conftest import CELLS, KINDS, LAYERS, NORMS, QUIET, run_path
 
 TOLERANCE = {torch.bfloat16: 0.2, torch.float16: 0.03, torch.float64: 1e-5}
 DTYPES = list(TOLERANCE)
@@ -123,7 +123,7 @@ def test_cli_trains_in_bf16_true(story: Path, norm: str) -> None:
     args += ["--model.hidden_size", "24", "--model.embedding_dim", "8", "--model.norm", norm, "--model.lr", "0.01"]
     args += ["--trainer.precision", "bf16-true", "--trainer.max_steps", "12", "--trainer.log_every_n_steps", "1"]
     main(["fit", *args, *QUIET, "--trainer.limit_val_batches", "2", "--trainer.val_check_interval", "6"])
-    run = Path("lightning_logs/version_0")
+    run = run_path(0)
     checkpoint = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
     assert checkpoint["global_step"] == 12
     rnn = {key: value for key, value in checkpoint["state_dict"].items() if key.startswith("model.rnn.")}

@@ -20,7 +20,7 @@ from seqnorm.lightning import LanguageModel
 from seqnorm.lightning.checkpoint_io import CheckpointError, read_checkpoint
 from seqnorm.norms import NORM_KEYWORDS, NORMS, NormSpec, spec_from_dict
 from seqnorm.norms.specs import default_of, field_names
-from tests.conftest import CELLS, LAYERS
+from tests.conftest import CELLS, LAYERS, run_path
 from tests.test_cli import QUIET, WORDS
 
 F64 = {"dtype": torch.float64}
@@ -271,10 +271,10 @@ def test_cli_trains_with_a_spec_and_test_rebuilds_it_from_the_checkpoint(story: 
     data = ["--model", "LanguageModel", "--data", "TextCorpus", "--data.path", str(story)]
     short = ["--trainer.max_steps", "3", "--trainer.limit_val_batches", "1"]
     main(["fit", *data, *TINY, *SPEC, "--model.small_batch", "running", *short])
-    last = Path("lightning_logs/version_0/checkpoints/last.ckpt")
+    last = run_path(0) / "checkpoints/last.ckpt"
     saved = torch.load(last, weights_only=True)["hyper_parameters"]
     assert saved["norm"] == norms.BatchRenormSpec(r_max=2.0).to_dict()
-    config = yaml.safe_load(Path("lightning_logs/version_0/config.yaml").read_text())["model"]["init_args"]["norm"]
+    config = yaml.safe_load((run_path(0) / "config.yaml").read_text())["model"]["init_args"]["norm"]
     assert config["class_path"] == "seqnorm.norms.BatchRenormSpec" and config["init_args"]["r_max"] == 2.0
     expected = norms.BatchRenormSpec(r_max=2.0, small_batch="running")
     tested = SeqnormCLI(args=["test", *data, *TINY, "--trainer.limit_test_batches", "1", "--ckpt_path", str(last)])

@@ -51,7 +51,7 @@ def test_a_config_callback_joins_the_default_callbacks() -> None:
 def test_callbacks_append_from_the_command_line(tmp_path: Path) -> None:
     args = ["fit", "--model", "SequenceClassifier", "--data", "LabeledText", "--data.batch_size=8", *TINY]
     main([*args, "--trainer.callbacks+=seqnorm.callbacks.HiddenStateStats", "--trainer.callbacks.every_n_steps=1"])
-    (run,) = (tmp_path / "lightning_logs").glob("version_*")
+    (run,) = (tmp_path / "lightning_logs").glob("*/version_*")
     logged = events(run)
     assert [event.step for event in logged.Scalars("hidden/l0/h_std")] == [0, 1]
     assert 0 < logged.Scalars("hidden/l0/val_h_std")[-1].value < 1
@@ -60,6 +60,6 @@ def test_callbacks_append_from_the_command_line(tmp_path: Path) -> None:
 
 def test_shipped_config_runs_with_the_callback(tmp_path: Path) -> None:
     main(["fit", "--config", str(ROOT / "configs" / "embedded_classifier.yaml"), "--data.batch_size=8", *TINY])
-    (run,) = (tmp_path / "lightning_logs").glob("version_*")
+    (run,) = (tmp_path / "lightning_logs").glob("*/version_*")
     logged = events(run)
     assert logged.Scalars("grad/l0/last_over_first")[0].value > 0

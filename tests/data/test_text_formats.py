@@ -14,6 +14,7 @@ import torch
 
 from seqnorm.data import DataError, TextCorpus
 from seqnorm.data.registry import MANIFEST
+from tests.conftest import run_path
 
 WORDS = ["the", "cat", "dog", "sat", "on", "a", "mat", "n't", "big", "red", "<unk>", "co.", "$", "N"]
 SPECIALS = 4
@@ -148,7 +149,7 @@ def test_cli_fits_tests_and_generates_on_a_ptb_char_file(
     model = ["--model", "LanguageModel", "--model.hidden_size", "16", "--model.embedding_dim", "8"]
     short = ["--trainer.max_steps", "3", "--trainer.limit_val_batches", "1", *quiet]
     main(["fit", *model, *data, "--data.text_format", "ptb_char", *short])
-    last = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    last = run_path(0, tmp_path) / "checkpoints" / "last.ckpt"
     state = torch.load(last, weights_only=True)[DATA_STATE_KEY]
     assert state["text_format"] == "ptb_char" and "_" not in state["vocab"]["tokens"]
 
@@ -156,7 +157,7 @@ def test_cli_fits_tests_and_generates_on_a_ptb_char_file(
     # plain-text check would stop it otherwise); a format named against the checkpoint's is refused by name.
     main(["test", *model, *data, "--data.text_format", "ptb_char", *quiet, "--ckpt_path", str(last)])
     main(["test", *model, *data, *quiet, "--ckpt_path", str(last)])
-    tested = sorted((tmp_path / "lightning_logs").glob("version_*/hparams.yaml"))
+    tested = sorted((tmp_path / "lightning_logs").glob("*/version_*/hparams.yaml"))
     assert len(tested) == 3
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_code:
