@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import math
 from typing import Any
 
 import lightning.pytorch as pl
@@ -11,11 +13,18 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
-from seqnorm.callbacks.observe import GATE_NAMES, CellSummary, Observation, ObservedCell, find_cells, train_eval_gap
-from seqnorm.callbacks.render import custom_scalars_layout, render_profiles
+from seqnorm.callbacks.observe import (
+    CellSummary,
+    Observation,
+    ObservedCell,
+    find_cells,
+    logged_statistics,
+    train_eval_gap,
+)
+from seqnorm.callbacks.render import custom_scalars_layout, layer_of, render_lines, render_profiles
 from seqnorm.validation import check_finite
 
-__all__ = ["HiddenStateStats"]
+__all__ = ["HiddenStateStats", "fixed_batch_index"]
 
 GROUPS = ("hidden", "gates", "grad", "norm")
 # Per-step profiles drawn as heatmaps; the rest of each group's statistics are scalars only.
@@ -41,9 +50,10 @@ class HiddenStateStats(Callback):
     """Logs hidden-state, gate, gradient and normalization statistics of every seqnorm cell through time.
 
     The callback observes the model through each cell's ``observer`` hook (no model code is patched) on every
-    ``every_n_steps``-th training step and on the first validation batch of every validation run (a fixed batch
-    as long as the validation loader does not shuffle). Between observations no hook is registered, so layers keep
-    their fast path. Padding rows (``lengths`` / ``mask``) are excluded from every statistic.
+    ``every_n_steps``-th training step and on one fixed validation batch of every validation run: the longest one
+    (:func:`fixed_batch_index`), so that the last steps, where batch statistics rest on few real rows, are seen
+    (under length bucketing the first batch is the shortest). Between observations no hook is registered, so layers
+    keep their fast path. Padding rows (``lengths`` / ``mask``) are excluded from every statistic.
 
     Tags are ``{group}/{cell}/{statistic}``; ``{cell}`` is ``l{layer}`` or ``l{layer}_reverse``, prefixed by the
     module path (``encoder.rnn/l0``) when the model holds more than one seqnorm layer; a cell used on its own is
@@ -63,10 +73,12 @@ class HiddenStateStats(Callback):
       statistics and RNG state left untouched).
 
     Scalars averaged "over time" weight each step by its real rows. Per-step profiles are images
-    ``{group}/profile`` and ``{group}/val_profile`` (time step × cell, one panel per statistic); histograms are
+    ``{group}/profile`` and ``{group}/val_profile``, one panel per statistic: a line plot of value against time step
+    for a one-layer model (a line per direction), a heatmap (time step × cell) for several layers; histograms are
     ``hidden/{cell}/h``, ``c``, ``gates/{cell}/gate_{gate}``, ``norm/{cell}/ih_post`` (``ih_pre`` without a norm),
     ``grad/{cell}/h_norm_per_step`` and ``norm/{cell}/active_rows`` (bucket ``t`` holds the real rows at step
-    ``t``). Custom-scalars charts group the scalars of all cells. Scalars go to every logger of the trainer; images,
+    ``t``). Custom-scalars charts put the cells side by side, one statistic per chart, at most
+    :data:`~seqnorm.callbacks.render.MAX_CHART_CELLS` cells a chart. Scalars go to every logger of the trainer; images,
     histograms and the layout need a :class:`~lightning.pytorch.loggers.TensorBoardLogger`.
 
     Args:
@@ -74,7 +86,7 @@ class HiddenStateStats(Callback):
             under 10% (see ``BENCHMARKS.md``).
         media_every_n_steps: also write images and histograms on training steps that are multiples of this;
             ``None`` for validation batches only. Default: 500.
-        validation_batch: observe the first validation batch of each validation run. Default: ``True``.
+        validation_batch: observe the fixed (longest) validation batch of each validation run. Default: ``True``.
         zero_threshold: ``|h|`` below this counts as a near-zero unit. Default: 0.01.
 
     Example::
@@ -112,11 +124,15 @@ class HiddenStateStats(Callback):
         self._step = -1
         self._last_train_step = -1
         self._grad_scale = 1.0
+        self._one_layer = False
+        self._val_index: int | None = None
 
     # --- checks ------------------------------------------------------------------------------------------------
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._cells = find_cells(pl_module)
+        self._one_layer = len({layer_of(cell.name) for cell in self._cells}) == 1
+        self._val_index = None  # chosen at the first validation run of this fit, validate, ...
         if not self._cells:
             raise ValueError(
                 f"HiddenStateStats: expected the model to contain a seqnorm layer or cell (seqnorm.LSTM, seqnorm.GRU, "
@@ -146,9 +162,8 @@ class HiddenStateStats(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._enabled or not trainer.is_global_zero or self._tensorboard is None:
             return
-        gates = sorted({gate for cell in self._cells for gate in GATE_NAMES.get(cell.cell.num_gates, ())})
-        batch_norm = any(cell.batch_statistics for cell in self._cells)
-        self._tensorboard.experiment.add_custom_scalars(custom_scalars_layout(gates, batch_norm))
+        logged = {cell.name: logged_statistics(cell) for cell in self._cells}
+        self._tensorboard.experiment.add_custom_scalars(custom_scalars_layout(logged))
 
     # --- observed training steps ---------------------------------------------------------------------------------
 
@@ -183,6 +198,13 @@ class HiddenStateStats(Callback):
 
     # --- the fixed validation batch --------------------------------------------------------------------------------
 
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._enabled and self.validation_batch and not trainer.sanity_checking and self._val_index is None:
+            loaders = trainer.val_dataloaders
+            loader = loaders[0] if isinstance(loaders, list | tuple) else loaders
+            limit = trainer.num_val_batches[0] if trainer.num_val_batches else math.inf
+            self._val_index = fixed_batch_index(loader, None if math.isinf(limit) else int(limit))
+
     def on_validation_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
@@ -190,7 +212,7 @@ class HiddenStateStats(Callback):
             not self._enabled
             or not self.validation_batch
             or trainer.sanity_checking
-            or batch_idx != 0
+            or batch_idx != self._val_index
             or dataloader_idx != 0
             or self._observation is not None
         ):
@@ -271,7 +293,8 @@ class HiddenStateStats(Callback):
                     experiment.add_histogram(f"{group}/{name}/{prefix}{value_name}", values, self._step)
             if summary.active_rows is not None and ("norm", "active_rows") in summary.profiles:
                 _add_step_histogram(experiment, f"norm/{name}/{prefix}active_rows", summary.active_rows, self._step)
-        title = "fixed validation batch" if self._phase == "val" else f"training step {self._step}"
+        title = f"fixed validation batch {self._val_index}" if self._phase == "val" else f"training step {self._step}"
+        render = render_lines if self._one_layer else render_profiles
         for group in GROUPS:
             panels: dict[str, dict[str, Tensor]] = {}
             for name, summary in summaries.items():
@@ -283,8 +306,31 @@ class HiddenStateStats(Callback):
                 for name, (profile, _) in gaps.items():
                     panels.setdefault("train_eval_gap", {})[name] = profile
             if panels:
-                image = render_profiles(f"{group}: {title}", panels)
+                image = render(f"{group}: {title}", panels)
                 experiment.add_image(f"{group}/{prefix}profile", image, self._step, dataformats="HWC")
+
+
+def fixed_batch_index(loader: Any, limit: int | None = None) -> int:
+    """Which validation batch :class:`HiddenStateStats` observes: among the first ``limit`` batches, the one with the
+    longest sequence among those with the most rows (a full batch; a last, smaller batch of longer sequences would
+    show a few rows only). Ties go to the earlier batch.
+
+    The batches are read from the loader's ``batch_sampler`` (lists of example indices, as evaluation runs them;
+    nothing is loaded) and the lengths from its dataset's ``lengths`` (one per example, as seqnorm's datasets and
+    :class:`~seqnorm.data.BucketBatchSampler` declare them). Under length bucketing evaluation batches come
+    shortest first: the first batch of TREC's questions had 5 steps, too few to show how batch statistics fare at
+    the late steps where few rows are still real. A loader that declares neither gets batch 0, the first.
+    """
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    lengths = getattr(getattr(loader, "dataset", None), "lengths", None)
+    if batch_sampler is None or lengths is None:
+        return 0
+    best, best_key = 0, (-1, -1)
+    for index, indices in enumerate(itertools.islice(batch_sampler, limit)):
+        key = (len(indices), max((int(lengths[i]) for i in indices), default=0))
+        if key > best_key:
+            best, best_key = index, key
+    return best
 
 
 def _add_step_histogram(experiment: Any, tag: str, counts: Tensor, step: int) -> None:

@@ -23,7 +23,7 @@ from seqnorm.layers.base import RecurrentLayer
 from seqnorm.norms import TimestepBatchNorm
 from seqnorm.norms.sync import local_statistics
 
-__all__ = ["CellSummary", "Observation", "ObservedCell", "find_cells", "train_eval_gap"]
+__all__ = ["CellSummary", "Observation", "ObservedCell", "find_cells", "logged_statistics", "train_eval_gap"]
 
 GATE_NAMES = {4: ("i", "f", "g", "o"), 3: ("r", "z", "n")}
 TANH_GATE = 2  # LSTM g and GRU n are the tanh gates; every other gate is a sigmoid
@@ -62,6 +62,54 @@ def find_cells(module: nn.Module) -> list[ObservedCell]:
     return cells
 
 
+def _gate_names(cell: RecurrentCell) -> tuple[str, ...]:
+    return GATE_NAMES.get(cell.num_gates, tuple(f"gate{k}" for k in range(cell.num_gates)))
+
+
+def _moment_sources(cell: RecurrentCell) -> dict[str, str]:
+    """statistic -> the step record's key it is computed from; moments (``_mean``, ``_std``) are reported for each."""
+    sources = {"h": "h", "ih_pre": "input_raw", "hh_pre": "recurrent_raw"}
+    if cell.has_cell_state:
+        sources["c"] = "c"
+    if cell.norm_ih is not None:
+        sources.update(ih_post="input_term", hh_post="recurrent_term")
+    if cell.norm_gates is not None:
+        sources["gates_post"] = "input_term"  # the joint norm's output plus both biases
+    if cell.has_cell_state and cell.norm_c is not None:
+        sources["c_post"] = "c_out"
+    return sources
+
+
+def _batch_norms(cell: RecurrentCell) -> list[tuple[str, TimestepBatchNorm]]:
+    """The cell's per-timestep batch norms, each with the prefix of its running-statistics scalars."""
+    norms = (("ih", cell.norm_ih), ("hh", cell.norm_hh), ("gates", cell.norm_gates), ("c", cell.norm_c))
+    return [(prefix, norm) for prefix, norm in norms if isinstance(norm, TimestepBatchNorm)]
+
+
+def _value_group(name: str) -> str:
+    if name.startswith("gate_"):
+        return "gates"
+    return "hidden" if name in ("h", "c") else "norm"
+
+
+def logged_statistics(observed: ObservedCell) -> set[tuple[str, str]]:
+    """``(group, statistic)`` of every scalar that observing ``observed`` logs: those of training steps, and the
+    ``val_`` ones of the fixed validation batch (no gradients there; the train/eval gap of batch norms in a layer)."""
+    cell = observed.cell
+    train = {(_value_group(name), f"{name}_{moment}") for name in _moment_sources(cell) for moment in ("mean", "std")}
+    train.add(("hidden", "h_zero_frac"))
+    train.update(("gates", f"{gate}_sat") for gate in _gate_names(cell))
+    if observed.batch_statistics:
+        train.add(("norm", "active_rows_min"))
+        for prefix, _ in _batch_norms(cell):
+            train.update({("norm", f"{prefix}_running_mean"), ("norm", f"{prefix}_running_var")})
+    validation = {(group, f"val_{statistic}") for group, statistic in train}
+    if observed.batch_statistics and observed.layer is not None:
+        validation.add(("norm", "val_train_eval_gap"))
+    gradients = {("grad", statistic) for statistic in ("h_norm", "h_norm_first", "h_norm_last", "last_over_first")}
+    return train | gradients | validation
+
+
 @dataclass
 class CellSummary:
     """What one observation saw in one cell.
@@ -92,17 +140,8 @@ class _CellRecorder:
         self.threshold = threshold
         self.keep_values = keep_values
         self.gradients = gradients
-        self.gates = GATE_NAMES.get(cell.num_gates, tuple(f"gate{k}" for k in range(cell.num_gates)))
-        # statistic -> record key; moments are reported for each
-        self.sources = {"h": "h", "ih_pre": "input_raw", "hh_pre": "recurrent_raw"}
-        if cell.has_cell_state:
-            self.sources["c"] = "c"
-        if cell.norm_ih is not None:
-            self.sources.update(ih_post="input_term", hh_post="recurrent_term")
-        if cell.norm_gates is not None:
-            self.sources["gates_post"] = "input_term"  # the joint norm's output plus both biases
-        if cell.has_cell_state and cell.norm_c is not None:
-            self.sources["c_post"] = "c_out"
+        self.gates = _gate_names(cell)
+        self.sources = _moment_sources(cell)
         self.entries: list[tuple[int, Tensor | None, dict[str, Tensor]]] = []
         self.grads: dict[int, Tensor] = {}  # entry index -> dL/dh of that step
         self.biases: dict[str, Tensor] = {}
@@ -212,11 +251,7 @@ class _CellRecorder:
             self._add(summary, "gates", f"{gate}_sat", saturated, sums[f"{gate}_sat"].sum() / units.sum())
 
     def _running_statistics(self, summary: CellSummary, steps: int) -> None:
-        cell = self.observed.cell
-        norms = (("ih", cell.norm_ih), ("hh", cell.norm_hh), ("gates", cell.norm_gates), ("c", cell.norm_c))
-        for prefix, norm in norms:
-            if not isinstance(norm, TimestepBatchNorm):
-                continue
+        for prefix, norm in _batch_norms(self.observed.cell):
             index = torch.arange(steps).clamp(max=norm.max_steps - 1)
             for stat, buffer in (("running_mean", norm.running_mean), ("running_var", norm.running_var)):
                 profile = buffer.detach()[index].mean(1).to(torch.float64).cpu()
@@ -259,12 +294,6 @@ def _subsample(values: Tensor, steps: int) -> Tensor:
     flat = values.flatten()
     stride = max(1, math.ceil(flat.numel() / (HISTOGRAM_VALUES_PER_STEP * steps)))
     return flat[::stride].float().cpu()
-
-
-def _value_group(name: str) -> str:
-    if name.startswith("gate_"):
-        return "gates"
-    return "hidden" if name in ("h", "c") else "norm"
 
 
 class Observation:

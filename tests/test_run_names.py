@@ -1,0 +1,75 @@
+"""Runs named after what they train: ``lightning_logs/<cell>-<norm>-h<hidden>/version_N``, as TensorBoard lists them
+(before, every run was ``version_N`` and an LN run could not be told from a BN one in the run list)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+from seqnorm.cli import main
+from seqnorm.cli_runs import checkpoint_run_dir, run_name
+from seqnorm.cli_threads import THREADS_ENV
+from seqnorm.lightning import LanguageModel, SequenceClassifier
+from seqnorm.norms import BatchNormSpec
+from tests.conftest import QUIET
+
+ROOT = Path(__file__).resolve().parents[1]
+# The embedded classification task (no file), tiny: two steps and one validation batch
+CLASSIFIER = ["--model", "SequenceClassifier", "--data", "LabeledText", "--data.batch_size", "8"]
+TINY = [*CLASSIFIER, "--model.hidden_size", "8", "--model.embedding_dim", "4", *QUIET]
+TINY += ["--trainer.max_steps", "2", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1"]
+
+
+def _runs(root: Path) -> list[str]:
+    return sorted(str(run.relative_to(root / "lightning_logs")) for run in root.glob("lightning_logs/**/version_*"))
+
+
+def test_runs_of_ln_and_bn_read_apart_in_tensorboards_run_list(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    main(["fit", *TINY, "--model.norm", "layer"])
+    # the BN run as a user starts it: the seqnorm command, in a fresh process
+    env = {key: value for key, value in os.environ.items() if key not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    env.update({THREADS_ENV: "1", "PYTHONPATH": str(ROOT)})
+    command = [sys.executable, "-m", "seqnorm.cli", "fit", *TINY, "--model.norm", "batch"]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    runs = EventMultiplexer().AddRunsFromDirectory(str(tmp_path / "lightning_logs")).Runs()
+    assert sorted(runs) == ["lstm-batch-h8/version_0", "lstm-layer-h8/version_0"]  # `tensorboard --logdir` names
+
+    # A resumed fit continues its own run; an evaluation of a checkpoint is a new version beside its training run.
+    batch_norm = Path("lightning_logs/lstm-batch-h8/version_0/checkpoints/last.ckpt")
+    main(["fit", *TINY, "--model.norm", "batch", "--trainer.max_steps", "3", "--ckpt_path", str(batch_norm)])
+    assert torch.load(batch_norm, weights_only=True)["global_step"] == 3
+    layer_norm = Path("lightning_logs/lstm-layer-h8/version_0/checkpoints/last.ckpt")
+    main(["validate", *CLASSIFIER, *QUIET, "--trainer.limit_val_batches", "1", "--ckpt_path", str(layer_norm)])
+    assert _runs(tmp_path) == ["lstm-batch-h8/version_0", "lstm-layer-h8/version_0", "lstm-layer-h8/version_1"]
+    assert Path("lightning_logs/lstm-layer-h8/version_1/config.yaml").is_file()
+    assert checkpoint_run_dir(str(layer_norm)) == (tmp_path / "lightning_logs/lstm-layer-h8/version_0").resolve()
+
+
+def test_a_run_of_the_unnamed_layout_resumes_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run written before runs were named (``lightning_logs/version_0``) continues there, not in a new folder."""
+    monkeypatch.chdir(tmp_path)
+    main(["fit", *TINY])
+    shutil.move("lightning_logs/lstm-layer-h8/version_0", "lightning_logs/version_0")
+    Path("lightning_logs/lstm-layer-h8").rmdir()
+    last = Path("lightning_logs/version_0/checkpoints/last.ckpt")
+    main(["fit", *TINY, "--trainer.max_steps", "3", "--ckpt_path", str(last)])
+    assert torch.load(last, weights_only=True)["global_step"] == 3
+    assert _runs(tmp_path) == ["version_0"]
+
+
+def test_the_name_says_cell_norm_size_depth_and_direction() -> None:
+    assert run_name(LanguageModel(20)) == "lstm-layer-h256"
+    classifier = SequenceClassifier(20, 3, cell="gru", norm=BatchNormSpec(momentum=0.2), hidden_size=64)
+    assert run_name(classifier) == "gru-batch-h64"
+    stacked = SequenceClassifier(20, 3, norm="rms", hidden_size=32, num_layers=2, bidirectional=True)
+    assert run_name(stacked) == "lstm-rms-h32-2layers-bi"
+    assert run_name(torch.nn.Linear(2, 2)) is None  # no seqnorm layer: Lightning's own lightning_logs/version_N
