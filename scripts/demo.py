@@ -40,9 +40,10 @@ def banner(text: str) -> None:
 
 
 def train_with_tensorboard(norm: str, steps: int) -> Path:
-    """A short CLI run of the embedded char LM with ``norm``; returns its lightning_logs version folder."""
+    """A short CLI run of the embedded char LM with ``norm``; returns its run folder, ``lightning_logs/<run
+    name>/version_N`` (``lstm-layer-h64/version_0``)."""
     logs = Path("lightning_logs")
-    before = set(logs.glob("version_*")) if logs.is_dir() else set()
+    before = set(logs.glob("*/version_*")) if logs.is_dir() else set()
     seqnorm_main(
         [
             "fit",
@@ -64,7 +65,7 @@ def train_with_tensorboard(norm: str, steps: int) -> Path:
             "false",
         ]
     )
-    (run,) = set(logs.glob("version_*")) - before
+    (run,) = set(logs.glob("*/version_*")) - before
     return run
 
 
