@@ -27,7 +27,7 @@ from seqnorm.validation import check_finite
 __all__ = ["HiddenStateStats", "fixed_batch_index"]
 
 GROUPS = ("hidden", "gates", "grad", "norm")
-# Per-step profiles drawn as heatmaps; the rest of each group's statistics are scalars only.
+# Per-step profiles drawn as images (line plots or heatmaps); the rest of each group's statistics are scalars only.
 IMAGE_STATISTICS = {
     "hidden": ("h_mean", "h_std", "h_zero_frac", "c_mean", "c_std"),
     "grad": ("h_norm",),
