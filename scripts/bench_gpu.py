@@ -1,12 +1,12 @@
 """The Triton backend on a CUDA GPU against cuDNN's ``nn.LSTM``/``nn.GRU`` and against seqnorm's plain path.
 
 Prints the versions and the GPU; checks the Triton backend against the plain-PyTorch path on the GPU (every cell and
-norm, training and evaluation, float32 with TF32 off and float64, plus generation steps); then median milliseconds of a training step (forward
-and backward of ``output.sum()``, the input requiring a gradient) at ``--size`` (T x B x I x H, default
-100x64x512x512) in three precisions — float32 with TF32 off, float32 with TF32, bf16 autocast (the input
-projection in bf16, the recurrence in float32) — with ratios to cuDNN and to the plain path, and a batch-1
-generation step against ``nn.LSTMCell``/``nn.GRUCell``. Markdown tables, for BENCHMARKS.md. Without CUDA it says
-so and exits 0.
+norm, training and evaluation, float32 with TF32 off and float64, plus generation steps); then median milliseconds
+of a training step (forward and backward of ``output.sum()``, the input requiring a gradient) at ``--size`` (T x B x
+I x H, default 100x64x512x512) in three precisions — float32 with TF32 off, float32 with TF32, bf16 autocast (the
+input projection in bf16, the recurrence in float32) — with ratios to cuDNN and to the plain path, and a batch-1
+generation step against ``nn.LSTMCell``/``nn.GRUCell``. Markdown tables, for BENCHMARKS.md. Without CUDA it says so
+and exits 0.
 
 It needs torch, triton and seqnorm's core only (no training extras): ``PYTHONPATH=. python scripts/bench_gpu.py``
 from the checkout (``make bench-gpu``). Each timing is a CUDA-event median over ``--repeats`` runs after warm-ups;
