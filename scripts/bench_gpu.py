@@ -4,7 +4,8 @@ Prints the versions and the GPU; checks the Triton backend against the plain-PyT
 norm, training and evaluation, float32 with TF32 off and float64, plus generation steps); then median milliseconds
 of a training step (forward and backward of ``output.sum()``, the input requiring a gradient) at ``--size`` (T x B x
 I x H, default 100x64x512x512) in three precisions — float32 with TF32 off, float32 with TF32, bf16 autocast (the
-input projection in bf16, the recurrence in float32) — with ratios to cuDNN and to the plain path, and a batch-1
+input projection in bf16, the recurrence in float32) — with ratios to cuDNN, to the plain path (the
+hand-written BPTT where a cell declares it) and to the reference loop (``impl="reference"``), and a batch-1
 generation step against ``nn.LSTMCell``/``nn.GRUCell``. Markdown tables, for BENCHMARKS.md. Without CUDA it says so
 and exits 0.
 
@@ -144,8 +145,9 @@ def main() -> None:
     lines, worst = check(device)
     print("\n".join(lines) + f"\n\nLargest difference of all: {worst:.1e}\n")
     print(f"Training step, T={steps} B={batch} I={inputs} H={hidden} (median ms of {args.repeats}):\n")
-    print("| cell | norm | precision | path | seqnorm ms | torch (cuDNN) ms | × torch | plain ms | plain / seqnorm |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| cell | norm | precision | path | seqnorm ms | torch (cuDNN) ms | × torch | plain ms | plain / seqnorm "
+          "| reference loop ms | reference / plain |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     x = torch.randn(steps, batch, inputs, device=device, requires_grad=True)
     for kind in ("lstm", "gru"):
         torch.manual_seed(0)
@@ -158,9 +160,14 @@ def main() -> None:
                     ours = _median_ms(_training_step(layer, x), args.repeats)
                     theirs = _median_ms(_training_step(reference, x), args.repeats)
                     with kernels.disabled():
+                        plain_path = layer.plan(x).path
                         plain = _median_ms(_training_step(layer, x), max(3, args.repeats // 4), warmup=1)
+                    layer.impl = "reference"  # the autograd loop over the cell's step: what the plain BPTT replaces
+                    loop = _median_ms(_training_step(layer, x), max(3, args.repeats // 4), warmup=1)
+                    layer.impl = "auto"
                 print(f"| {kind} | {norm} | {precision} | {path} | {ours:.2f} | {theirs:.2f} | {ours / theirs:.2f} "
-                      f"| {plain:.2f} | {plain / ours:.1f} |")  # fmt: skip
+                      f"| {plain:.2f} ({plain_path}) | {plain / ours:.1f} "
+                      f"| {loop:.2f} | {loop / plain:.2f} |")  # fmt: skip
     print("\nGeneration step, batch 1, no_grad, eval (median µs over 200 steps of each):\n")
     print("| cell | norm | seqnorm µs | torch cell µs | × torch |")
     print("|---|---|---|---|---|")
