@@ -17,7 +17,9 @@ the whole run is sized to finish in a few minutes.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import contextlib
+import pstats
 import statistics
 import sys
 from collections.abc import Callable, Iterator
@@ -127,10 +129,40 @@ def check(device: torch.device) -> tuple[list[str], float]:
     return lines, worst_of_all
 
 
+def profile(device: torch.device, size: str) -> None:
+    """Where a training step's time goes: the device's busy time (the sum of its kernels' durations) against the
+    step's wall time, and the host-side calls that take the most time, for the LN- and BN-LSTM at ``size``."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    steps, batch, inputs, hidden = (int(v) for v in size.split("x"))
+    x = torch.randn(steps, batch, inputs, device=device, requires_grad=True)
+    for norm in ("layer", "batch"):
+        layer = seqnorm.LSTM(inputs, hidden, norm=norm).to(device)
+        run = _training_step(layer, x)
+        wall = _median_ms(run, 5)
+        with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
+            run()
+            torch.cuda.synchronize()
+        events = trace.key_averages()
+        busy = sum(event.self_device_time_total for event in events) / 1000
+        launches = sum(event.count for event in events if event.self_device_time_total > 0)
+        print(f"\nLSTM norm={norm!r}, T={steps} B={batch} I={inputs} H={hidden}: wall {wall:.2f} ms a step, "
+              f"device busy {busy:.2f} ms ({busy / wall:.0%}), {launches} kernel launches; host calls by self CPU "
+              "time:\n")  # fmt: skip
+        print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+        python = cProfile.Profile()
+        python.runcall(run)
+        torch.cuda.synchronize()
+        print("Python functions by own time (one step):")
+        pstats.Stats(python).sort_stats("tottime").print_stats(12)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="100x64x512x512", help="T x B x I x H of the training step")
     parser.add_argument("--repeats", type=int, default=20, help="timed runs per variant (median)")
+    parser.add_argument("--profile", action="store_true", help="only profile a training step (device busy vs wall)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_gpu: no CUDA device here (torch.cuda.is_available() is False): nothing to measure")
@@ -141,6 +173,9 @@ def main() -> None:
     steps, batch, inputs, hidden = (int(v) for v in args.size.split("x"))
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, triton {triton.__version__}, "
           f"GPU {torch.cuda.get_device_name(device)}; seqnorm kernels on cuda: {kernels.status('cuda')}\n")  # fmt: skip
+    if args.profile:
+        profile(device, args.size)
+        return
     print("Check against the plain path (TF32 off; training: outputs, states, gradients; evaluation; generation):")
     lines, worst = check(device)
     print("\n".join(lines) + f"\n\nLargest difference of all: {worst:.1e}\n")
