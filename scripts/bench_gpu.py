@@ -17,8 +17,8 @@ the whole run is sized to finish in a few minutes.
 from __future__ import annotations
 
 import argparse
-import cProfile
 import contextlib
+import cProfile
 import pstats
 import statistics
 import sys
