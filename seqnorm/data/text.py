@@ -14,7 +14,7 @@ from seqnorm.data.files import read_text
 from seqnorm.data.formats import TEXT_FORMATS, TextFormat, apply_text_format
 from seqnorm.data.loader import ResumableDataLoader
 from seqnorm.data.registry import DatasetSpec, fetch_dataset, get_spec
-from seqnorm.data.sampler import InOrderBatchSampler
+from seqnorm.data.sampler import InOrderBatchSampler, process_share
 from seqnorm.data.streams import StreamWindows, collate_stream, contiguous_streams
 from seqnorm.data.synthetic import synthetic_lines
 from seqnorm.data.units import (
@@ -45,9 +45,10 @@ class TextCorpus(SequenceDataModule):
     the state starts from zero: Cooijmans et al.'s protocol). ``stream`` units cut each split's token stream into
     ``batch_size`` contiguous streams read in consecutive windows, in order, for stateful truncated BPTT: row ``b``
     of batch ``k + 1`` continues row ``b`` of batch ``k`` (:mod:`seqnorm.data.streams`), and
-    :class:`~seqnorm.lightning.LanguageModel` carries its state across them. The vocabulary comes from the training
-    split only. Nothing is read until first needed, and then only once: :attr:`vocab_size` works right after
-    construction (LightningCLI links it to the model on instantiation).
+    :class:`~seqnorm.lightning.LanguageModel` carries its state across them. Under DDP each of the ``W`` processes
+    reads ``batch_size / W`` of the streams (every window of them), so ``W`` processes train on the batches of one.
+    The vocabulary comes from the training split only. Nothing is read until first needed, and then only once:
+    :attr:`vocab_size` works right after construction (LightningCLI links it to the model on instantiation).
 
     Args:
         path: one text file, split contiguously into train, val and test (train first) by ``val_fraction`` and
@@ -62,8 +63,10 @@ class TextCorpus(SequenceDataModule):
             BPTT, the char-rnn setup); else ``"line"`` (word level, the embedded task).
         window_length: ids per window for ``unit="window"`` and ``"stream"`` (the truncated-BPTT length plus one),
             and the most any natural unit is cut into (inputs are at most ``window_length - 1`` long).
-        batch_size: sequences per batch (1 or more); with ``unit="stream"`` the number of streams, in every split
-            (each split must hold at least ``2 * batch_size`` tokens).
+        batch_size: sequences per batch (1 or more), per process under DDP; with ``unit="stream"`` the number of
+            streams, in every split (each split must hold at least ``2 * batch_size`` tokens), for all processes
+            together: under DDP a multiple of the world size, each process reading ``batch_size / world_size`` of
+            them (the text is cut the same whatever the number of processes, and so is what a checkpoint carries).
         bucket: batch sequences of similar length together (:class:`BucketBatchSampler`) to reduce padding
             (ignored by ``unit="stream"``, whose batches are in stream order).
         min_freq: tokens seen fewer times in training map to ``<unk>``.
@@ -82,8 +85,9 @@ class TextCorpus(SequenceDataModule):
         dataset_hash: a checksum (``sha256:<hex>`` or ``md5:<hex>``) for a dataset with none registered (text8).
 
     Batches are dicts: ``inputs`` and ``targets`` ``(B, T)`` int64 padded with :attr:`pad_index`, ``lengths``
-    ``(B,)`` int64; with ``unit="stream"`` also ``window`` (the window's index in the epoch, 0-d int64) and
-    ``start`` (the stream position of its first input): see :func:`~seqnorm.data.streams.collate_stream`.
+    ``(B,)`` int64; with ``unit="stream"`` also ``window`` (the window's index in the epoch, 0-d int64), ``start``
+    (the stream position of its first input), ``first_stream`` and ``num_streams`` (which of the split's streams
+    the rows are): see :func:`~seqnorm.data.streams.collate_stream`.
 
     Example:
         >>> corpus = TextCorpus(batch_size=4)  # the embedded bracket task, offline
@@ -271,17 +275,11 @@ class TextCorpus(SequenceDataModule):
             raise DataError(
                 f"{self.source}: no {split} text: raise --data.{split}_fraction or pass --data.{split}_path"
             )
-        dataset = self.datasets[split]
+        dataset = self._stream_share(split)
         # One item is a whole batch, in order: the state carried from batch k into batch k+1 continues each stream.
-        # Resumable in every split (only training is ever resumed; the others merely share the loader).
-        sampler = InOrderBatchSampler(len(dataset), 1, seed=self.seed)
-        if sampler.num_replicas > 1:
-            # Sharding the windows would hand a stream's consecutive windows to different processes, whose carried
-            # states could not follow them; each process would need streams of its own.
-            raise DataError(
-                f"--data.unit stream: expected one process, got {sampler.num_replicas} (torch.distributed): stateful "
-                "stream windows cannot be sharded across processes yet; use --data.unit window or line with DDP"
-            )
+        # Every process reads every window of its own streams (unsharded sampler). Resumable in every split (only
+        # training is ever resumed; the others merely share the loader).
+        sampler = InOrderBatchSampler(len(dataset), 1, seed=self.seed, num_replicas=1, rank=0)
         return ResumableDataLoader(
             dataset,
             batch_sampler=sampler,
@@ -291,8 +289,15 @@ class TextCorpus(SequenceDataModule):
             generator=torch.Generator().manual_seed(self.seed),
         )
 
+    def _stream_share(self, split: str) -> StreamWindows:
+        """This process's streams of ``split`` (all of them without DDP): see :meth:`StreamWindows.share`."""
+        dataset = self.datasets[split]
+        assert isinstance(dataset, StreamWindows)
+        return dataset.share(*process_share())
+
     def predict_dataloader(self) -> DataLoader:
-        """The test split in file order; with ``unit="stream"`` its windows in order, each one batch."""
+        """The test split in file order; with ``unit="stream"`` its windows in order, each one batch (under DDP each
+        process predicts its own streams)."""
         loader = super().predict_dataloader()
         if self.unit != "stream":
             return loader
@@ -300,7 +305,7 @@ class TextCorpus(SequenceDataModule):
         # which ResumableDataLoader refuses (its sampler is the position a resumed fit restores); nothing resumes
         # a prediction.
         return DataLoader(
-            loader.dataset,
+            self._stream_share("test"),
             batch_size=1,
             shuffle=False,
             collate_fn=collate_stream,
