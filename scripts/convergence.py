@@ -154,9 +154,10 @@ def budgets(items: Sequence[tuple[int | None, int]], batch_sizes: Sequence[int])
 def gradient_through_time(
     model: nn.Module, windows: _data.Sequences, batch_size: int, rows: int
 ) -> tuple[list[float], list[float]]:
-    """Mean over ``rows`` windows of ``||dL/dh_t||`` at every step t of the first layer: for L the window's mean
-    loss (``total``) and for L the loss at its last position (``last``). Training mode (BN with the statistics of
-    batches of ``batch_size``, as in training) on a copy, so the model's running statistics stay untouched."""
+    """Mean over ``rows`` windows (at least one batch) of ``||dL/dh_t||`` at every step t of the first layer: for L
+    the window's mean loss (``total``) and for L the loss at its last position (``last``). Training mode (BN with the
+    statistics of batches of ``batch_size``, as in training) on a copy, so the model's running statistics stay
+    untouched."""
     probe = copy.deepcopy(model).train()
     steps = windows.steps
     total, last = torch.zeros(steps, dtype=torch.float64), torch.zeros(steps, dtype=torch.float64)
@@ -168,7 +169,8 @@ def gradient_through_time(
     handle = probe.rnn.cells[0].observer.register_forward_hook(keep)
     count = 0
     try:
-        for start in range(0, min(rows, len(windows)) - batch_size + 1, batch_size):
+        # at least one batch: fewer rows than B would leave BN without its training-time batch
+        for start in range(0, min(max(rows, batch_size), len(windows)) - batch_size + 1, batch_size):
             batch = windows.batch(torch.arange(start, start + batch_size))
             states.clear()
             losses = F.cross_entropy(probe(batch.inputs).transpose(1, 2), batch.targets, reduction="none")  # (B, T)
@@ -295,7 +297,7 @@ def run_cell(
     if selection:
         other = _protocol.other_key(norm, args)
         if other is not None:
-            summary["lr_other_metric"] = _protocol.choose_lr([{**t} for t in selection], other)
+            summary["lr_other_metric"] = _protocol.choose_lr(selection, other)
     summary.update(
         headline=value + key.removeprefix("val_loss"),
         chosen=cell.chosen,
@@ -316,7 +318,6 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     for steps in args.seq_lens:
         corpus, data = _data.load_sequences(args, steps, "window", vocab_from=corpus)
         data["val"] = data["val"].head(args.val_tokens)
-        value = _data.value_name(corpus.level)
         print(
             f"{corpus.source}: T = {steps}, {len(data['train'])} training windows, {data['val'].tokens} validation "
             f"tokens; updates per run {args.updates}",
