@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,8 @@ import yaml
 from seqnorm.cli import main
 from seqnorm.cli_threads import THREADS_ENV
 from seqnorm.data import LabeledText, TextCorpus
+from seqnorm.data.base import SequenceDataModule
+from seqnorm.lightning.checkpoint_io import CheckpointError
 from tests.conftest import QUIET, logged_scalars, write_story
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,8 +77,7 @@ def test_a_checkpoint_is_tested_on_a_new_file_with_nothing_else(run: Path) -> No
     alone = _seqnorm(run, "test", "--ckpt_path", LAST, "--data.test_path", "C.txt", *QUIET)
     assert alone.returncode == 0, alone.stderr
     # the full original command, the test file added: the same data set-up, so the same number
-    full = _seqnorm(run, "test", *FIT, "--data.test_path", "C.txt", "--ckpt_path", LAST, *QUIET)
-    assert full.returncode == 0, full.stderr
+    main(["test", *FIT, "--data.test_path", "C.txt", "--ckpt_path", LAST, *QUIET])
     assert _bpc(run, 1) == _bpc(run, 2)
     config = yaml.safe_load((run / "lightning_logs/version_1/config.yaml").read_text(encoding="utf-8"))
     data = config["data"]
@@ -161,14 +163,16 @@ def test_nothing_is_carved_from_the_training_file_when_a_validation_file_is_name
     assert len(asked.train_dataloader()) < batches  # a test share only when asked for
 
 
-def test_what_is_carved_is_printed_once_with_the_sizes(tmp_path: Path) -> None:
+def test_what_is_carved_is_printed_once_with_the_sizes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     _write_texts(tmp_path)
-    args = ["fit", "--model", "LanguageModel", "--data", "TextCorpus", "--data.path", "A.txt", *SIZES, *SHORT]
-    result = _seqnorm(tmp_path, *args)
-    assert result.returncode == 0, result.stderr
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level(logging.INFO):
+        main(["fit", "--model", "LanguageModel", "--data", "TextCorpus", "--data.path", "A.txt", *SIZES, *SHORT])
     total = len((tmp_path / "A.txt").read_text(encoding="utf-8"))
     carved = round(total * 0.1)
-    lines = [line for line in result.stderr.splitlines() if "carved" in line]
+    lines = [record.getMessage() for record in caplog.records if "carved" in record.getMessage()]
     assert lines == [
         f"TextCorpus: carved from the end of --data.path A.txt ({total} characters): {carved} for val "
         f"(--data.val_fraction 0.1) and {carved} for test (--data.test_fraction 0.1); {total - 2 * carved} "
@@ -217,4 +221,17 @@ def test_a_foreign_data_class_in_a_checkpoint_is_refused_without_importing_it(
     assert exit_info.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert "--ckpt_path foreign.ckpt: refused: " in error and "datamodule_hyper_parameters" in error
+    with pytest.raises(CheckpointError, match=re.escape("TextCorpus.load_from_checkpoint foreign.ckpt: refused: ")):
+        TextCorpus.load_from_checkpoint("foreign.ckpt")
     assert not marker.exists() and "foreign_data_module" not in sys.modules
+
+
+def test_a_data_module_loads_from_a_checkpoint_as_the_run_made_it(run: Path) -> None:
+    saved = torch.load(LAST, weights_only=True)["seqnorm_data"]
+    for cls in (SequenceDataModule, TextCorpus):  # the class from the checkpoint, among seqnorm's
+        data = cls.load_from_checkpoint(LAST, test_path="C.txt")
+        assert type(data) is TextCorpus and data.paths == {"train": "A.txt", "val": "B.txt", "test": "C.txt"}
+        assert (data.batch_size, data.window_length, data.unit, data.level) == (4, 33, "stream", "char")
+        assert data.vocab.to_dict() == saved["vocab"]
+    with pytest.raises(CheckpointError, match="which is not one of LabeledText"):
+        LabeledText.load_from_checkpoint(LAST)
