@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 
 from seqnorm.data.base import SPLITS, SequenceDataModule, check_at_least, check_fraction
@@ -30,10 +31,13 @@ from seqnorm.data.units import (
 )
 from seqnorm.data.vocab import Vocabulary
 
-__all__ = ["SYNTHETIC_LM_LINES", "TextCorpus"]
+__all__ = ["DEFAULT_TEST_FRACTION", "SYNTHETIC_LM_LINES", "TextCorpus"]
 
 SYNTHETIC_LM_LINES = 5000
 """Lines of the embedded bracket task used when no file and no dataset is given (about 210k characters)."""
+
+DEFAULT_TEST_FRACTION = 0.1
+"""The share carved for test when ``test_fraction`` is not given and the training text is the only text."""
 
 
 class TextCorpus(SequenceDataModule):
@@ -53,9 +57,12 @@ class TextCorpus(SequenceDataModule):
     Args:
         path: one text file, split contiguously into train, val and test (train first) by ``val_fraction`` and
             ``test_fraction``. Same as ``train_path`` alone.
-        train_path: the training text. Splits without their own file are carved from its end.
+        train_path: the training text. Validation is carved from its end when there is no ``val_path``, and test
+            as ``test_fraction`` says; what is carved is printed once, with the sizes.
         val_path: the validation text.
-        test_path: the test text (also used by ``predict``).
+        test_path: the test text (also used by ``predict``). ``val_path``/``test_path`` without a training text
+            are read only with a vocabulary loaded from a checkpoint (``seqnorm test --ckpt_path X --data.test_path
+            new.txt``: the checkpoint supplies the rest).
         dataset: a registered corpus, see :data:`seqnorm.data.DATASETS` (downloaded once into ``cache_dir``).
         level: ``"char"`` or ``"word"`` tokens. ``None``: the dataset's default, else ``"char"``.
         unit: ``"line"``, ``"paragraph"``, ``"sentence"``, ``"window"`` or ``"stream"``. ``None``: the dataset's
@@ -78,7 +85,10 @@ class TextCorpus(SequenceDataModule):
             a file that looks like PTB-char is refused (its separators would make bpc falsely good); pass
             ``"plain"`` to read such a file as it is.
         val_fraction: share of the units carved for validation when there is no ``val_path``.
-        test_fraction: share of the units carved for test when there is no ``test_path``.
+        test_fraction: share of the units carved for test when there is no ``test_path``. ``None``:
+            :data:`DEFAULT_TEST_FRACTION` when the training text is the only text (one file, the embedded task, a
+            corpus without splits), nothing when a validation text is given (``val_path``): naming a validation file
+            keeps the whole training file for training unless a test share is asked for.
         seed: seeds the embedded task and the batch order.
         num_workers: DataLoader worker processes.
         cache_dir: where datasets are downloaded; ``None``: ``$SEQNORM_CACHE`` or ``~/.cache/seqnorm``.
@@ -116,27 +126,30 @@ class TextCorpus(SequenceDataModule):
         encoding: str = "utf-8",
         text_format: Literal["plain", "ptb_char"] | None = None,
         val_fraction: float = 0.1,
-        test_fraction: float = 0.1,
+        test_fraction: float | None = None,
         seed: int = 0,
         num_workers: int = 0,
         cache_dir: str | None = None,
         dataset_hash: str | None = None,
     ) -> None:
         super().__init__(batch_size, bucket, encoding, seed, num_workers)
+        # The arguments as given go into checkpoints (datamodule_hyper_parameters), so that evaluating one needs no
+        # data flags but the new file. logger=False: Lightning would log them beside the model's hyperparameters,
+        # and refuses a key of both with two values (the given `level=None` and the model's linked `level`).
+        self.save_hyperparameters(logger=False)
         check_at_least("window_length", window_length, 2)
         check_at_least("min_freq", min_freq, 1)
         check_at_least("max_vocab_size", max_vocab_size, 5)  # the 4 specials and at least one token
         check_fraction("val_fraction", val_fraction)
-        check_fraction("test_fraction", test_fraction)
-        if val_fraction + test_fraction >= 1.0:
+        if test_fraction is not None:
+            check_fraction("test_fraction", test_fraction)
+        if val_fraction + (test_fraction or 0.0) >= 1.0:
             raise DataError(
                 f"--data.val_fraction {val_fraction} plus --data.test_fraction {test_fraction} leave no training "
                 "text: their sum must be below 1"
             )
         if path is not None and train_path is not None:
             raise DataError("--data.path and --data.train_path both given: pass one (they mean the same)")
-        if (val_path is not None or test_path is not None) and path is None and train_path is None:
-            raise DataError("--data.val_path / --data.test_path need --data.train_path (the training text)")
         self.spec: DatasetSpec | None = None
         if dataset is not None:
             if any(p is not None for p in (path, train_path, val_path, test_path)):
@@ -164,8 +177,6 @@ class TextCorpus(SequenceDataModule):
         self.unit: Literal["line", "paragraph", "sentence", "window", "stream"] = unit or (  # type: ignore[assignment]
             self.spec.unit if self.spec else default_unit
         )
-        # No save_hyperparameters(): under LightningCLI it would record the given `level=None`, which Lightning
-        # refuses to merge with the model's linked `level`; the CLI's config.yaml records every data argument.
         self.paths = {"train": train_path or path, "val": val_path, "test": test_path}
         self._train_flag = "--data.train_path" if train_path is not None else "--data.path"
         self.window_length = window_length
@@ -182,15 +193,22 @@ class TextCorpus(SequenceDataModule):
         """Where the text comes from, as named in messages."""
         if self.spec is not None:
             return f"--data.dataset {self.spec.name}"
-        return self.paths["train"] or "the embedded synthetic task"
+        given = [path for path in self.paths.values() if path is not None]  # a training text first, if any
+        return given[0] if given else "the embedded synthetic task"
 
     def prepare_data(self) -> None:
         """Download the registered dataset, if any (Lightning calls this on one process only)."""
         if self.spec is not None:
             fetch_dataset(self.spec.name, self.cache_dir, self.dataset_hash)
 
+    @property
+    def _evaluation_only(self) -> bool:
+        """Validation or test files without a training text: read with a checkpoint's vocabulary."""
+        return self.spec is None and self.paths["train"] is None and any(self.paths.values())
+
     def _read(self) -> dict[str, str | None]:
-        """Each split's text, ``None`` for splits to be carved from the training text."""
+        """Each split's text, ``None`` for splits to be carved from the training text (or, with evaluation files
+        only, for splits there are none of)."""
         if self.spec is not None:
             files = fetch_dataset(self.spec.name, self.cache_dir, self.dataset_hash)
             texts: dict[str, str | None] = {}
@@ -199,7 +217,7 @@ class TextCorpus(SequenceDataModule):
                 source = f"--data.dataset {self.spec.name} ({files.get(split)})"
                 texts[split] = apply_text_format(text, self.text_format, source) if text is not None else None
             return texts
-        if self.paths["train"] is None:
+        if self.paths["train"] is None and not self._evaluation_only:
             return {"train": "\n".join(synthetic_lines(SYNTHETIC_LM_LINES, self.seed)), "val": None, "test": None}
         flags = {"train": self._train_flag}
         flags.update(val="--data.val_path", test="--data.test_path")
@@ -218,19 +236,51 @@ class TextCorpus(SequenceDataModule):
     def _load_items(self) -> dict[str, Any]:
         texts = self._read()
         items = {split: self._units(text) if text is not None else None for split, text in texts.items()}
-        train, val, test = carve(
-            items["train"],
-            self.val_fraction if items["val"] is None else None,
-            self.test_fraction if items["test"] is None else None,
-        )
+        if items["train"] is None:  # evaluation files only: nothing to train on, nothing to carve
+            empty = self._units("")
+            return {split: value if value is not None else empty for split, value in items.items()}
+        test_fraction = self.test_fraction
+        if test_fraction is None:  # a named validation text keeps the training text whole
+            test_fraction = DEFAULT_TEST_FRACTION if items["val"] is None else 0.0
+        fractions = {
+            "val": self.val_fraction if items["val"] is None else None,
+            "test": test_fraction if items["test"] is None else None,
+        }
+        train, val, test = carve(items["train"], fractions["val"], fractions["test"])
+        carved = {"val": (len(val), fractions["val"]), "test": (len(test), fractions["test"])}
+        self._report_carved(len(items["train"]), len(train), carved)
         return {
             "train": train,
             "val": items["val"] if items["val"] is not None else val,
             "test": items["test"] if items["test"] is not None else test,
         }
 
+    def _report_carved(self, total: int, kept: int, carved: dict[str, tuple[int, float | None]]) -> None:
+        """Say once (on rank 0) what was carved from the training text, with the sizes."""
+        parts = [
+            f"{size} for {split} (--data.{split}_fraction {fraction})"
+            for split, (size, fraction) in carved.items()
+            if size
+        ]
+        if not parts:
+            return
+        what = "tokens" if self.unit in STREAM_UNITS else f"{self.unit}s"
+        if self.unit in STREAM_UNITS and self.level == "char":
+            what = "characters"
+        source = f"{self._train_flag} {self.paths['train']}" if self.paths["train"] else self.source
+        rank_zero_info(
+            f"TextCorpus: carved from the end of {source} ({total} {what}): {' and '.join(parts)}; {kept} {what} "
+            "left for training"
+        )
+
     def _build(self) -> dict[str, Dataset]:
         if self._items is None:
+            if self._evaluation_only and self._vocab is None:
+                raise DataError(
+                    "--data.val_path / --data.test_path need --data.train_path (the training text, from which the "
+                    "vocabulary is built), unless a checkpoint supplies the vocabulary (seqnorm validate|test|"
+                    "predict --ckpt_path)"
+                )
             self._items = self._load_items()
         if self._vocab is None:
             counts = vocab_counts(self._items["train"], self.level, self.unit)
@@ -244,7 +294,7 @@ class TextCorpus(SequenceDataModule):
             else:
                 sequences = encode_units(items, self._vocab, self.level, self.window_length)
             datasets[split] = LanguageModelingDataset(sequences)
-        if len(datasets["train"]) < self.batch_size:
+        if len(datasets["train"]) < self.batch_size and not self._evaluation_only:
             raise DataError(
                 f"{self.source}: the training split has {len(datasets['train'])} sequences ({self.unit} units of "
                 f"at most --data.window_length {self.window_length} tokens) but --data.batch_size is "
