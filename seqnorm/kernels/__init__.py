@@ -211,8 +211,8 @@ def _library(directory: Path) -> Path:
 
 
 BUILD_TIME = "1-3 minutes"
-"""How long a cold build takes, for the first-use notice: the one compile of ``recurrence.cpp`` is about 45 s of CPU
-time on one core (AMD EPYC), 87-150 s of wall time on a busy 2-core machine (README, "Built on first use")."""
+"""How long a cold build takes, for the first-use notice: the one compile of ``recurrence.cpp`` is about 40 s of CPU
+time on one core of an AMD EPYC, 87-165 s of wall time on its 2 shared cores (README, "Built on first use")."""
 
 
 def _failed(directory: Path) -> Path:
@@ -267,6 +267,9 @@ def _compile(directory: Path, capability: str, verbose: bool) -> Path:
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(work),
                 verbose=verbose,
+                # dlopen'ed only, not imported as a module: imported, it was the module _load_cpu got back too
+                # (CPython keeps an extension's first module), with the __file__ of this directory, renamed below
+                is_python_module=False,
             )
     except BaseException as error:  # an interrupted build (Ctrl-C) leaves nothing behind and is not a failure
         shutil.rmtree(work, ignore_errors=True)
