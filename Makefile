@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch is pinned to the CPU build that lies on this machine's disk; a bare `torch` would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test lint venv kernels clean
+.PHONY: demo test test-slow lint venv kernels clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,7 +15,8 @@ $(BIN)/.installed: pyproject.toml
 	touch $@
 
 # The compiled kernels (seqnorm/csrc), built once per machine into ~/.cache/seqnorm/kernels (python -m seqnorm.kernels):
-# here, so that neither the demo nor the tests pay the build. Without a compiler it says so and the plain path runs.
+# here, so that neither the demo nor the tests pay the build (a layer would build them on first use). Without a compiler
+# it says so and the plain path runs.
 $(BIN)/.kernels: $(BIN)/.installed $(wildcard seqnorm/csrc/*)
 	$(BIN)/python -m seqnorm.kernels
 	touch $@
@@ -26,7 +27,12 @@ kernels: $(BIN)/.kernels
 
 test: venv
 	$(BIN)/python -m ruff check seqnorm tests scripts examples
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -m "not slow"
+
+# The tests marked slow: a fresh venv with the package pip-installed, whose first layer compiles the kernels (a
+# minute or two on 2 cores). .ci/run runs them after `make test`.
+test-slow: venv
+	$(BIN)/python -m pytest -m slow
 
 lint: venv
 	$(BIN)/python -m ruff check seqnorm tests scripts examples

@@ -47,8 +47,9 @@ def one_route() -> Iterator[None]:
 
 
 def require_kernels() -> None:
-    """Skip when this machine cannot build the compiled kernels (no C++ compiler); fail when it can and they are not
-    built (``make venv`` builds them: a test run must not silently fall back to the plain paths)."""
+    """Skip when this machine cannot build the compiled kernels (no C++ compiler); fail when it can and they did not
+    load (``make venv`` builds them, or else the first layer does: a test run must not silently fall back to the
+    plain paths)."""
     if seqnorm.kernels.native("cpu") is not None:
         return
     if shutil.which(os.environ.get("CXX", "c++")) is None:
