@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch is pinned to the CPU build that lies on this machine's disk; a bare `torch` would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test test-slow lint venv kernels clean
+.PHONY: demo test lint venv kernels clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,12 +27,7 @@ kernels: $(BIN)/.kernels
 
 test: venv
 	$(BIN)/python -m ruff check seqnorm tests scripts examples
-	$(BIN)/python -m pytest -m "not slow"
-
-# The tests marked slow: a fresh venv with the package pip-installed, whose first layer compiles the kernels (a
-# minute or two on 2 cores). .ci/run runs them after `make test`.
-test-slow: venv
-	$(BIN)/python -m pytest -m slow
+	$(BIN)/python -m pytest
 
 lint: venv
 	$(BIN)/python -m ruff check seqnorm tests scripts examples

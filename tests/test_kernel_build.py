@@ -4,8 +4,9 @@ start together build once (a file lock) and the others wait and load, later proc
 ``SEQNORM_KERNELS=0`` builds nothing, and a failed build is recorded and not retried by every process after it.
 
 The compile itself is stubbed: it records its call and puts this machine's real build where torch would have written
-it, so the processes load and run the real kernels. ``tests/test_packaging.py`` runs the real compile once, in a fresh
-virtual environment with the package installed by pip (marked ``slow``).
+it, so the processes load and run the real kernels (``tests/test_packaging.py`` does the same in a fresh virtual
+environment with the package installed by pip). The real compile runs through the same ``build()`` in every fresh
+set-up (``make venv``).
 """
 
 from __future__ import annotations
@@ -31,17 +32,19 @@ WAITING = "seqnorm: waiting for another process to finish building"
 
 # A process as a user's: its first normalized layer asks for the kernels. The compile is replaced by one that records
 # the call (one line per build, in argv[1]) and copies the real library (argv[2]) into torch's build directory.
-FIRST_LAYER = """
+COMPILE_STUB = """
 import shutil, sys
 from pathlib import Path
-import torch
 from torch.utils import cpp_extension
-import seqnorm
 
 def compile_stub(name, sources, build_directory, **kwargs):
     with open(sys.argv[1], "a") as record:
         record.write("built\\n")
     shutil.copy(sys.argv[2], Path(build_directory) / "seqnorm_kernels.so")
+"""
+FIRST_LAYER = COMPILE_STUB + """
+import torch
+import seqnorm
 
 cpp_extension.load = compile_stub
 layer = seqnorm.LSTM(3, 4, norm="layer")
