@@ -57,6 +57,13 @@ def require_kernels() -> None:
     pytest.fail(f"the compiled kernels are not loaded: {seqnorm.kernels.status()}")
 
 
+@pytest.fixture
+def built_library() -> Path:
+    """This machine's real build of the kernels, which a stubbed compile hands out (tests/test_kernel_build.py)."""
+    require_kernels()
+    return Path(seqnorm.kernels.native("cpu").__file__)  # type: ignore[union-attr]
+
+
 def running_fallback(norm: str) -> dict[str, str]:
     """``small_batch="running"`` where ``norm`` has batch statistics; other norms refuse an option they lack."""
     return {"small_batch": "running"} if seqnorm.NORMS[norm].batch_statistics else {}

@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from seqnorm.cli import main
-from tests.test_kernel_build import COMPILE_STUB, built_library  # noqa: F401 (a fixture)
 from seqnorm.shipped_configs import config_dir, config_path, resolve_config_names, shipped_configs
+from tests.test_kernel_build import COMPILE_STUB
 
 ROOT = Path(__file__).resolve().parent.parent
 # The compiler replaced by one that records its call (argv[1]) and hands out this machine's build (argv[2]).
