@@ -29,17 +29,22 @@ import torch.nn.functional as F
 from _data import Sequences, load_sequences, load_windows, loss_value, unigram_loss, value_name
 from torch import Tensor, nn
 
-from seqnorm.data import DATASETS
+from seqnorm.data import DATASETS, TEXT_FORMATS, BucketBatchSampler
 from seqnorm.models import RNNLanguageModel
 
 __all__ = [
+    "FORGET_BIAS",
+    "LIBRARY_FORGET_BIAS",
     "RENORM_SCHEDULE",
     "RunLog",
     "Sequences",
     "TrainResult",
+    "add_forget_bias",
     "build_model",
     "describe_error",
     "evaluate",
+    "forget_bias_text",
+    "forget_bias_value",
     "load_sequences",
     "load_windows",
     "loss_value",
@@ -82,6 +87,47 @@ positive_int = _number(int, 0, True, "an int >= 1")
 non_negative_int = _number(int, 0, False, "an int >= 0")
 positive_float = _number(float, 0.0, True, "a number > 0")
 
+# Every norm gets the same forget-gate bias, the plain LSTM included: a different one for normalized cells (the
+# library's default: 1 for them, torch's U(-1/sqrt(H), 1/sqrt(H)) for norm="none") would mix initialization into
+# "normalization helps". 1 is the usual LSTM practice (Gers et al. 2000; Jozefowicz et al. 2015) and the library's
+# value for normalized cells, so their rows keep their meaning and only the plain LSTM's initialization changes.
+FORGET_BIAS = 1.0
+LIBRARY_FORGET_BIAS = "library"
+
+
+def forget_bias_value(text: str) -> float | str:
+    """An argparse ``type`` for ``--forget-bias``: a finite number, or ``library`` (each norm's library default)."""
+    if text == LIBRARY_FORGET_BIAS:
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number or {LIBRARY_FORGET_BIAS!r}, got {text!r}")
+    return value
+
+
+def add_forget_bias(parser: argparse.ArgumentParser) -> None:
+    """``--forget-bias``: the LSTM forget-gate bias after initialization, the same for every norm."""
+    parser.add_argument(
+        "--forget-bias",
+        type=forget_bias_value,
+        default=FORGET_BIAS,
+        metavar="B",
+        help=f"forget-gate bias after initialization, the same for every norm, plain LSTM included (default "
+        f"{FORGET_BIAS:g}); '{LIBRARY_FORGET_BIAS}': the library's defaults (1 for normalized cells, torch's "
+        "initialization for norm='none'), which confound initialization with normalization",
+    )
+
+
+def forget_bias_text(args: argparse.Namespace) -> str:
+    """The forget-bias setting in words, for tables and notes."""
+    value = getattr(args, "forget_bias", LIBRARY_FORGET_BIAS)
+    if value == LIBRARY_FORGET_BIAS:
+        return "forget bias: library defaults (1 for normalized cells, torch's init for the plain LSTM)"
+    return f"forget bias {value:g} for every norm (plain LSTM included)"
+
 
 def make_parser(description: str, name: str) -> argparse.ArgumentParser:
     """A parser with the options every experiment script shares; ``name`` sets the default ``--out``."""
@@ -92,9 +138,17 @@ def make_parser(description: str, name: str) -> argparse.ArgumentParser:
     source.add_argument(
         "--dataset", metavar="NAME", choices=sorted(DATASETS), help=f"a registered corpus: {', '.join(DATASETS)}"
     )
+    parser.add_argument(
+        "--text-format",
+        choices=TEXT_FORMATS,
+        help="how --text is read, as the seqnorm command's --data.text_format: plain, or ptb_char (characters "
+        "separated by spaces, '_' between words; the separators dropped). Default: plain text, and a file that "
+        "looks like PTB-char is refused (its separators would make bpc falsely good)",
+    )
     parser.add_argument("--cache-dir", help="where --dataset downloads go (default $SEQNORM_CACHE or ~/.cache/seqnorm)")
     parser.add_argument("--out", type=Path, default=Path("results") / name, help="output directory")
     parser.add_argument("--seed", type=non_negative_int, default=0)
+    add_forget_bias(parser)
     parser.add_argument(
         "--threads",
         type=positive_int,
@@ -134,10 +188,14 @@ def build_model(
     """The LSTM language model of ``args.hidden``/``args.embedding`` with ``norm``, initialized from ``seed``.
 
     ``seed`` defaults to ``args.seed``. ``batch_renorm`` gets :data:`RENORM_SCHEDULE` unless ``norm_options`` says
-    otherwise.
+    otherwise. An LSTM gets ``args.forget_bias`` (``--forget-bias``) whatever the norm; without it, or with
+    ``library``, the library's default of each norm.
     """
     if norm == "batch_renorm":
         rnn_kwargs.setdefault("norm_options", RENORM_SCHEDULE)
+    forget_bias = getattr(args, "forget_bias", LIBRARY_FORGET_BIAS)
+    if forget_bias != LIBRARY_FORGET_BIAS and getattr(args, "cell", "lstm") == "lstm":
+        rnn_kwargs.setdefault("forget_bias", forget_bias)
     torch.manual_seed(args.seed if seed is None else seed)
     return RNNLanguageModel(
         vocab_size,
@@ -227,19 +285,25 @@ def train_language_model(
     max_updates: int | None = None,
     evaluate_every: int | None = None,
     evaluate_fn: Callable[[nn.Module], float] | None = None,
+    bucket: bool = False,
 ) -> TrainResult:
     """Adam on shuffled sequences in batches of ``batch_size`` until ``tokens`` target tokens have been seen
     (stream windows, ``train.stateful``: in stream order, the state carried).
 
     ``max_updates`` instead stops after that many updates (the equal-updates view; ``tokens`` is then ignored).
     Every sequence is used once per epoch (the last partial batch of an epoch is dropped), so a budget below one
-    epoch is the online regime: each sequence seen once. Batches are drawn at random (no length bucketing), so with
-    lines a batch's rows end at different steps. A ``ValueError`` from the model (per-timestep BN at batch size 1)
-    or a non-finite loss ends the run with that reason as its status instead of raising.
+    epoch is the online regime: each sequence seen once. Batches are drawn at random, so with lines a batch's rows
+    end at different steps; ``bucket`` instead groups sequences of similar length, as the library's
+    :class:`~seqnorm.data.BucketBatchSampler` does (shuffled pools sorted by length, the batches shuffled; seeded
+    from ``seed`` and the epoch), so a batch's rows end at nearly the same step. A ``ValueError`` from the model
+    (per-timestep BN at batch size 1) or a non-finite loss ends the run with that reason as its status instead of
+    raising.
     """
     if len(train) < batch_size:
         return TrainResult(f"skipped: {len(train)} training sequences, fewer than the batch size {batch_size}")
     generator = torch.Generator().manual_seed(seed)
+    sampler = BucketBatchSampler(train.lengths.tolist(), batch_size, drop_last=True, seed=seed) if bucket else None
+    epoch = 0
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     result = TrainResult("ok")
     losses: list[float] = []
@@ -259,6 +323,10 @@ def train_language_model(
             if not batches:
                 if train.stateful:  # in order: window k of every stream, then k + 1; a new epoch starts from zeros
                     batches, state = train.stream_batches(batch_size)[::-1], None
+                elif sampler is not None:
+                    sampler.set_epoch(epoch)
+                    batches = [torch.tensor(batch) for batch in sampler][::-1]
+                    epoch += 1
                 else:
                     order = torch.randperm(len(train), generator=generator)
                     batches = list(order[: len(order) - len(order) % batch_size].split(batch_size))[::-1]

@@ -29,9 +29,27 @@ from torch import Tensor
 from seqnorm.data import DataError, TextCorpus
 from seqnorm.data.streams import contiguous_streams
 
-__all__ = ["UNITS", "Sequences", "load_sequences", "load_windows", "loss_value", "unigram_loss", "value_name"]
+__all__ = [
+    "UNITS",
+    "Sequences",
+    "load_sequences",
+    "load_windows",
+    "loss_value",
+    "open_corpus",
+    "script_message",
+    "unigram_loss",
+    "value_name",
+]
 
 UNITS = ("window", "line", "stream")
+# The library's data errors name the `seqnorm` command's flags; the scripts' own flags for the same settings.
+SCRIPT_FLAGS = {
+    "--data.train_path": "--text",
+    "--data.path": "--text",
+    "--data.text_format": "--text-format",
+    "--data.dataset": "--dataset",
+    "--data.cache_dir": "--cache-dir",
+}
 
 
 @dataclass
@@ -100,36 +118,62 @@ def _stack(sequences: list[Tensor]) -> Sequences:
     return Sequences(padded[:, :-1], targets, lengths)
 
 
+def script_message(error: DataError) -> str:
+    """``error``'s message as one line naming the scripts' flags (``--text``, ``--text-format``) where the library
+    names the ``seqnorm`` command's (``--data.path``, ``--data.text_format``)."""
+    message = " ".join(str(error).split())
+    for library_flag, script_flag in SCRIPT_FLAGS.items():
+        message = message.replace(library_flag, script_flag)
+    return f"error: {message}"
+
+
+def open_corpus(
+    args: argparse.Namespace, unit: str, window_length: int, vocab_from: TextCorpus | None = None
+) -> TextCorpus:
+    """The :class:`TextCorpus` of ``--text``/``--dataset`` (else the embedded corpus), read as ``--text-format``
+    says, its datasets built; a data error (a PTB-char file read as plain text, say) ends the script with one line
+    naming the file and the scripts' flag (:func:`script_message`), not a traceback whose advice names the CLI's."""
+    try:
+        corpus = TextCorpus(
+            path=args.text,
+            dataset=args.dataset,
+            unit=unit,  # type: ignore[arg-type]
+            window_length=window_length,
+            batch_size=1,  # batching happens in the scripts' own loop
+            text_format=getattr(args, "text_format", None),
+            seed=args.seed,
+            cache_dir=args.cache_dir,
+        )
+        if vocab_from is not None:
+            corpus.load_state_dict(vocab_from.state_dict())
+        corpus.datasets  # noqa: B018 -- reads, checks and encodes the text now, inside this handler
+    except DataError as error:
+        raise SystemExit(script_message(error)) from None
+    return corpus
+
+
 def load_sequences(
     args: argparse.Namespace, steps: int, unit: str = "window", vocab_from: TextCorpus | None = None
 ) -> tuple[TextCorpus, dict[str, Sequences]]:
     """The ``train`` and ``val`` splits of ``--text``/``--dataset`` (else the embedded corpus) cut by ``unit``.
 
     ``steps`` is the window's number of predictions, or for lines the most any piece of a line has. ``vocab_from``
-    shares another corpus's vocabulary (the same text cut another way; the vocabularies of one text agree).
+    shares another corpus's vocabulary (the same text cut another way; the vocabularies of one text agree). Data
+    errors end the script with one line (:func:`open_corpus`).
     """
     if unit not in UNITS:
         raise ValueError(f"load_sequences: expected unit to be one of {', '.join(UNITS)}, got {unit!r}")
-    corpus = TextCorpus(
-        path=args.text,
-        dataset=args.dataset,
-        unit="window" if unit == "stream" else unit,  # type: ignore[arg-type]
-        window_length=steps + 1,
-        batch_size=1,  # batching happens in the scripts' own loop
-        seed=args.seed,
-        cache_dir=args.cache_dir,
-    )
-    if vocab_from is not None:
-        corpus.load_state_dict(vocab_from.state_dict())
+    corpus = open_corpus(args, "window" if unit == "stream" else unit, steps + 1, vocab_from)
     splits = {}
     for split in ("train", "val"):
         sequences = corpus.datasets[split].sequences  # type: ignore[attr-defined]
         if unit != "line":
             sequences = [s for s in sequences if len(s) == steps + 1]
         if not sequences:
-            raise DataError(
+            error = DataError(
                 f"{corpus.source}: the {split} split has no window of {steps + 1} tokens; add text or use fewer steps"
             )
+            raise SystemExit(script_message(error))
         splits[split] = _stack(sequences)
         splits[split].stateful = unit == "stream"
     return corpus, splits

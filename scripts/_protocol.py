@@ -7,16 +7,28 @@ one initialization. So every cell of a script's grid (a norm at a batch size, sa
    initialization and the order of the batches; the data split is fixed by ``--seed``);
 2. takes the learning rate with the lowest mean validation loss over seeds (``--select mean``, every lr x seed
    run), or the cheaper rule ``--select first``: the best lr on the first seed, then the other seeds at that lr
-   only. A rate at which any seed fails (an error, divergence) is not eligible;
+   only. A rate at which any seed fails (an error, divergence) is not eligible. When the best rate is the
+   largest or the smallest one tried, the comparison is not settled (a rate beyond the edge may be better still),
+   so the grid extends itself: one more rate beyond that edge, by the ratio of the edge to its neighbour (rounded
+   to 2 significant digits), until the best rate is interior or ``--lr-extensions`` rates were added to the cell
+   (the cap; ``lrs_added`` and ``lr_edge`` say what happened: ``lr_edge`` is ``top``/``bottom`` when the cap
+   stopped the search with the best rate still at an edge);
 3. reports the mean and the sample standard deviation over the seeds at the chosen rate (``_std`` columns), with
-   the grid and the chosen rate in the tables, and every single run in ``trials.csv``;
+   the grid and the chosen rate in the tables, and every single run in ``trials.csv``; and, against the plain
+   LSTM (``norm="none"``) of the same setting, the paired per-seed differences (a seed fixes the initialization
+   draw and the batch order for every norm): their mean, a 95% t-interval and in how many seeds the sign held
+   (:func:`paired_difference`);
 4. trains on an equal budget of real target tokens (padding excluded), so smaller batches take more updates; the
    ``updates`` column says how many, and ``--updates`` (where a script has it) gives the equal-updates view;
 5. for norms with batch statistics (``batch``, ``batch_renorm``), is evaluated twice: with the running averages
    the model kept while training (``val_loss``), and after :func:`seqnorm.update_bn` recomputed them as exact
    averages over training data (``val_loss_exact``); ``ema_gap`` is the difference. With few updates, running
    averages lag behind the weights (momentum 0.1: after 12 updates 0.9^12 = 28% of the initial statistics remain),
-   which is a fault of the estimate, not of BN; the exact column removes it.
+   which is a fault of the estimate, not of BN; the exact column removes it. BN's rate is chosen on the metric
+   the tables headline (``--bn-select exact``, the default: the exact statistics; ``running``: the running
+   averages), and the rate the other metric would have chosen is reported beside it (``lr_other_metric``);
+6. initializes every norm's forget-gate bias alike (``--forget-bias``, default 1 for all, the plain LSTM
+   included: :data:`_common.FORGET_BIAS`), stated in the notes and in the ``forget_bias`` column.
 
 The validation split both selects the rate and reports the loss; with a grid of 2-3 rates the optimism this adds
 is small next to the seed spread, and it is the same for every norm.
@@ -44,29 +56,42 @@ import seqnorm
 from seqnorm.norms import TimestepBatchNorm
 
 __all__ = [
+    "BN_METRICS",
     "FULL",
+    "PAIRED_COLUMNS",
     "QUICK",
     "SELECTIONS",
     "Cell",
+    "Paired",
     "TrialCache",
     "add_arguments",
+    "add_paired",
     "choose_lr",
     "exact_statistics",
     "fallback_per_update",
     "grid_row",
     "notes",
+    "other_key",
+    "paired_against",
+    "paired_columns",
+    "paired_difference",
+    "paired_text",
     "pm",
     "run_cell",
+    "selection_key",
     "summarize",
+    "t_quantile_975",
     "trial",
     "uses_batch_statistics",
 ]
 
 SELECTIONS = ("mean", "first")
-QUICK = {"lrs": [3e-3, 1e-2], "seeds": 2, "select": "first", "bn_stats_tokens": 10_000}
-# On tinyshakespeare (README) batches of 1-8 chose 0.01 and batches of 32-64 chose 0.03 from this grid; a run of
-# 2M characters at batch 64 found every norm's best rate inside {0.003, ..., 0.1}.
-FULL = {"lrs": [3e-3, 1e-2, 3e-2], "seeds": 3, "select": "mean", "bn_stats_tokens": 50_000}
+BN_METRICS = ("exact", "running")
+# At most one rate added per cell in the quick settings (make demo stays a few minutes), three in the full ones.
+QUICK = {"lrs": [3e-3, 1e-2], "seeds": 2, "select": "first", "bn_stats_tokens": 10_000, "lr_extensions": 1}
+# On tinyshakespeare (README) batches of 1-8 chose 0.01 and batches of 32-64 chose 0.03 from this grid, the top:
+# on PTB-char 0.1 was better still at B >= 32, which the self-extending grid finds (0.09, 0.27, ...).
+FULL = {"lrs": [3e-3, 1e-2, 3e-2], "seeds": 3, "select": "mean", "bn_stats_tokens": 50_000, "lr_extensions": 3}
 
 Trial = dict[str, Any]
 
@@ -87,6 +112,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "other seeds at that lr only (cheaper)",
     )
     group.add_argument(
+        "--lr-extensions",
+        type=_common.non_negative_int,
+        metavar="N",
+        help="the cap of the self-extending grid: at most N rates added to a cell whose best rate is at an edge of "
+        "the rates tried (one step beyond it by the edge's ratio to its neighbour); 0 keeps --lrs as given",
+    )
+    group.add_argument(
+        "--bn-select",
+        choices=BN_METRICS,
+        default="exact",
+        help="the metric BN's rate is chosen on and headlined by: exact statistics (seqnorm.update_bn, default) or "
+        "the running averages; the rate the other would choose is reported too",
+    )
+    group.add_argument(
         "--bn-stats-tokens",
         type=_common.positive_int,
         help="training tokens seqnorm.update_bn averages BN's exact statistics over",
@@ -103,6 +142,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def uses_batch_statistics(norm: str) -> bool:
     """Whether ``norm`` normalizes with batch statistics in training (then it is evaluated twice)."""
     return seqnorm.NORMS[norm].batch_statistics
+
+
+def selection_key(norm: str, args: argparse.Namespace, key: str = "val_loss") -> str:
+    """The metric ``norm``'s rate is chosen on: ``key``, or for BN its exact twin under ``--bn-select exact``."""
+    exact = uses_batch_statistics(norm) and getattr(args, "bn_select", "exact") == "exact"
+    return f"{key}_exact" if exact else key
+
+
+def other_key(norm: str, args: argparse.Namespace, key: str = "val_loss") -> str | None:
+    """BN's metric that did not choose the rate (its choice is reported beside); ``None`` for other norms."""
+    if not uses_batch_statistics(norm):
+        return None
+    return key if selection_key(norm, args, key) != key else f"{key}_exact"
 
 
 def exact_statistics(model: nn.Module, train: Sequences, tokens: int, batch_size: int = 64) -> nn.Module:
@@ -196,10 +248,16 @@ class Cell:
     Attributes:
         lr: the chosen learning rate, ``None`` if no rate trained.
         trials: every run, each with its ``lr`` and ``seed``.
+        added: the rates the self-extending grid added beyond the given ones, in the order tried.
+        edge: ``"top"``/``"bottom"`` when the chosen rate is still the largest/smallest tried (the cap stopped
+            the extension, or it was 0), ``"only rate"`` for a grid of one rate, ``""`` when it is interior or
+            no rate trained.
     """
 
     lr: float | None
     trials: list[Trial]
+    added: list[float] = field(default_factory=list)
+    edge: str = ""
 
     @property
     def chosen(self) -> list[Trial]:
@@ -243,6 +301,7 @@ class TrialCache:
     def for_args(cls, args: argparse.Namespace, script: str, ignore: Sequence[str] = ()) -> TrialCache:
         """The cache of ``--trials-cache``; settings are ``args`` except what only picks cells or places output."""
         skipped = {"out", "threads", "quick", "trials_cache", "cache_dir", "lrs", "seeds", "select", *ignore}
+        skipped |= {"lr_extensions", "bn_select"}  # these pick rates, not a run's outcome
         skipped |= {"norms", "batch_sizes", "no_pooled", "no_untrained_stats"}  # these pick cells
         settings = {"script": script, **{k: v for k, v in vars(args).items() if k not in skipped}}
         text = settings.get("text")
@@ -264,6 +323,23 @@ class TrialCache:
         return row
 
 
+def _edge(lr: float | None, rates: Sequence[float]) -> str:
+    """Where ``lr`` sits among the ``rates`` tried: ``top``, ``bottom``, ``only rate`` or ``""`` (interior)."""
+    if lr is None:
+        return ""
+    if len(set(rates)) < 2:
+        return "only rate"
+    return "top" if lr == max(rates) else "bottom" if lr == min(rates) else ""
+
+
+def _beyond(rates: Sequence[float], edge: str) -> float:
+    """One step beyond the ``edge`` of ``rates``: the edge times its ratio to its neighbour, at 2 significant digits
+    (so that a rate prints and caches as the number it is: 0.09, not 0.09000000000000001)."""
+    ordered = sorted(set(rates))
+    outer, inner = (ordered[-1], ordered[-2]) if edge == "top" else (ordered[0], ordered[1])
+    return float(f"{outer * outer / inner:.2g}")
+
+
 def run_cell(
     train_one: Callable[[float, int], Trial],
     lrs: Sequence[float],
@@ -272,10 +348,14 @@ def run_cell(
     key: str = "val_loss",
     cache: TrialCache | None = None,
     name: str = "",
+    extensions: int = 0,
 ) -> Cell:
     """Run ``train_one(lr, seed)`` over the grid by the ``select`` rule and choose the learning rate by ``key``.
 
-    With a ``cache``, runs are stored and read back under ``name`` (the cell), the rate and the seed.
+    While the chosen rate is the largest or smallest tried, and fewer than ``extensions`` rates were added, one rate
+    beyond that edge is run (all seeds under ``mean``, seed 0 under ``first``) and the choice made again (the module
+    docstring's step 2). With a ``cache``, runs are stored and read back under ``name`` (the cell), the rate and the
+    seed.
     """
     if select not in SELECTIONS:
         raise ValueError(f"run_cell: expected select to be one of {', '.join(SELECTIONS)}, got {select!r}")
@@ -286,36 +366,168 @@ def run_cell(
         return {"lr": lr, "seed": seed, **cache.run(f"{name}|lr={lr!r}|seed={seed}", lambda: train_one(lr, seed))}
 
     first_seeds = range(seeds) if select == "mean" else range(1)
-    trials = [one(lr, seed) for lr in lrs for seed in first_seeds]
+    rates = list(dict.fromkeys(lrs))
+    trials = [one(lr, seed) for lr in rates for seed in first_seeds]
     lr = choose_lr(trials, key)
+    added: list[float] = []
+    while len(added) < extensions and _edge(lr, rates) in ("top", "bottom"):
+        beyond = _beyond(rates, _edge(lr, rates))
+        if beyond in rates:  # the rounding landed on a rate tried (a grid of steps under 5%)
+            break
+        rates.append(beyond)
+        added.append(beyond)
+        trials += [one(beyond, seed) for seed in first_seeds]
+        lr = choose_lr(trials, key)
+    edge = _edge(lr, rates)
     if select == "first" and lr is not None:
         trials += [one(lr, seed) for seed in range(1, seeds)]
         if choose_lr([row for row in trials if row["lr"] == lr], key) is None:
-            lr = None  # a later seed failed at the rate seed 0 chose
-    return Cell(lr, trials)
+            lr, edge = None, ""  # a later seed failed at the rate seed 0 chose
+    return Cell(lr, trials, added, edge)
 
 
-def summarize(cell: Cell) -> dict[str, Any]:
+def summarize(cell: Cell, key: str = "val_loss", other_key: str | None = None) -> dict[str, Any]:
     """Mean over the chosen runs of every numeric column, its sample std as ``<column>_std``, and the status.
 
-    ``status`` is ``ok`` when every chosen run trained, else the first failure's reason; ``seeds`` counts the runs.
+    ``status`` is ``ok`` when every chosen run trained, else the first failure's reason; ``seeds`` counts the runs;
+    ``lrs_added`` the rates the grid added (space-separated) and ``lr_edge`` :attr:`Cell.edge`; ``lr_chosen_on``
+    is ``key``; with ``other_key`` (BN's other metric), ``lr_other_metric`` is the rate ``other_key`` would choose
+    from the same runs (under ``--select first``: from seed 0's).
     """
     runs = cell.chosen
     failures = [row["status"] for row in runs if row["status"] != "ok"]
-    summary: dict[str, Any] = {"lr": cell.lr, "seeds": len(runs), "status": failures[0] if failures else "ok"}
+    summary: dict[str, Any] = {
+        "lr": cell.lr,
+        "seeds": len(runs),
+        "status": failures[0] if failures else "ok",
+        "lrs_added": " ".join(f"{lr:g}" for lr in cell.added),
+        "lr_edge": cell.edge,
+        "lr_chosen_on": key,
+    }
+    if other_key is not None:
+        # under --select first only the chosen rate has every seed: the rates are compared on seed 0 alone then
+        every_seed = len({row["lr"] for row in cell.trials if row["seed"] != 0}) > 1
+        pool = cell.trials if every_seed else [row for row in cell.trials if row["seed"] == 0]
+        summary["lr_other_metric"] = choose_lr(pool, other_key)
     numeric = [
-        key
-        for key in dict.fromkeys(key for row in runs for key in row)
-        if key not in ("lr", "seed") and any(isinstance(row.get(key), int | float) for row in runs)
+        column
+        for column in dict.fromkeys(column for row in runs for column in row)
+        if column not in ("lr", "seed") and any(isinstance(row.get(column), int | float) for row in runs)
     ]
-    for key in numeric:
-        values = [float(row.get(key, math.nan)) for row in runs]
-        summary[key] = statistics.fmean(values)
-        if all(isinstance(row.get(key), int) for row in runs) and len(set(values)) == 1:
-            summary[key] = runs[0][key]  # a count every run shares (updates, tokens) stays an integer
+    for column in numeric:
+        values = [float(row.get(column, math.nan)) for row in runs]
+        summary[column] = statistics.fmean(values)
+        if all(isinstance(row.get(column), int) for row in runs) and len(set(values)) == 1:
+            summary[column] = runs[0][column]  # a count every run shares (updates, tokens) stays an integer
         finite = len(values) > 1 and all(math.isfinite(value) for value in values)
-        summary[f"{key}_std"] = statistics.stdev(values) if finite else math.nan
+        summary[f"{column}_std"] = statistics.stdev(values) if finite else math.nan
     return summary
+
+
+# Two-sided 95% quantiles of Student's t by degrees of freedom (scipy.stats.t.ppf(0.975, df)); scipy is not a
+# dependency, and the seeds of these runs are few.
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
+         20: 2.086, 25: 2.060, 30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980}  # fmt: skip
+
+
+def t_quantile_975(df: int) -> float:
+    """The 97.5% quantile of Student's t with ``df`` degrees of freedom (a df between table entries takes the
+    next smaller one: the wider, conservative interval; above 120, the normal 1.960)."""
+    if df < 1:
+        raise ValueError(f"t_quantile_975: expected df >= 1, got {df}")
+    if df > 120:
+        return 1.960
+    return _T975[max(k for k in _T975 if k <= df)]
+
+
+@dataclass(frozen=True)
+class Paired:
+    """Paired per-seed differences ``norm - baseline`` of one metric.
+
+    Attributes:
+        n: seeds where both trained.
+        mean: the mean difference (negative: lower than the baseline, better for a loss).
+        low, high: its 95% t-interval (``nan`` for one seed).
+        held: seeds whose difference has the sign of the mean (0 when the mean is 0).
+        differences: the per-seed differences, by seed.
+    """
+
+    n: int
+    mean: float
+    low: float
+    high: float
+    held: int
+    differences: dict[int, float]
+
+
+def paired_difference(values: Mapping[int, float], baseline: Mapping[int, float]) -> Paired | None:
+    """The paired differences ``values[seed] - baseline[seed]`` over the seeds both have finite values for, or
+    ``None`` when they share none. The interval is the mean ± t(0.975, n-1) · s / sqrt(n)."""
+    seeds = sorted(seed for seed in values if seed in baseline)
+    differences = {
+        seed: values[seed] - baseline[seed]
+        for seed in seeds
+        if math.isfinite(values[seed]) and math.isfinite(baseline[seed])
+    }
+    if not differences:
+        return None
+    n, mean = len(differences), statistics.fmean(differences.values())
+    half = t_quantile_975(n - 1) * statistics.stdev(differences.values()) / math.sqrt(n) if n > 1 else math.nan
+    sign = (mean > 0) - (mean < 0)
+    held = sum(1 for value in differences.values() if sign and (value > 0) - (value < 0) == sign)
+    return Paired(n, mean, mean - half, mean + half, held, differences)
+
+
+def paired_against(
+    runs: Sequence[Trial], baseline: Sequence[Trial], key: str, baseline_key: str | None = None
+) -> Paired | None:
+    """:func:`paired_difference` of ``key`` over the ``runs`` (a cell's chosen runs) against ``baseline_key``
+    (default ``key``) over the plain LSTM's, paired by seed; failed runs are left out."""
+
+    def by_seed(rows: Sequence[Trial], name: str) -> dict[int, float]:
+        return {row["seed"]: float(row[name]) for row in rows if row["status"] == "ok" and name in row}
+
+    return paired_difference(by_seed(runs, key), by_seed(baseline, baseline_key or key))
+
+
+PAIRED_COLUMNS = ["diff_vs_none", "diff_vs_none_low", "diff_vs_none_high", "diff_vs_none_held", "diff_vs_none_n"]
+
+
+def paired_columns(paired: Paired | None, prefix: str = "diff_vs_none") -> dict[str, Any]:
+    """CSV columns of a paired comparison: ``<prefix>``, ``_low``, ``_high``, ``_held`` and ``_n``."""
+    if paired is None:
+        return {}
+    return {
+        prefix: paired.mean,
+        f"{prefix}_low": paired.low,
+        f"{prefix}_high": paired.high,
+        f"{prefix}_held": paired.held,
+        f"{prefix}_n": paired.n,
+    }
+
+
+def add_paired(rows: Sequence[dict[str, Any]], setting: Callable[[dict[str, Any]], Any]) -> None:
+    """Add to each summary row its paired difference from the plain LSTM's row of the same ``setting(row)`` (a
+    batch size, say): the :func:`paired_columns` and ``paired`` (:func:`paired_text`).
+
+    Rows carry ``norm``, ``chosen`` (the cell's chosen runs) and ``headline``, the metric compared (BN's exact
+    twin under ``--bn-select exact``, its headline); rows without a plain LSTM of their setting get nothing.
+    """
+    baselines = {setting(row): row for row in rows if row["norm"] == "none"}
+    for row in rows:
+        baseline = baselines.get(setting(row))
+        if baseline is not None and row is not baseline:
+            paired = paired_against(row["chosen"], baseline["chosen"], row["headline"], baseline["headline"])
+            row.update(paired_columns(paired), paired=paired_text(paired))
+
+
+def paired_text(paired: Paired | None, digits: int = 3) -> str:
+    """``"-0.052 [-0.071, -0.033], 3/3"`` for a table cell: mean, 95% interval, seeds where the sign held."""
+    if paired is None:
+        return ""
+    interval = "" if math.isnan(paired.low) else f" [{paired.low:+.{digits}f}, {paired.high:+.{digits}f}]"
+    return f"{paired.mean:+.{digits}f}{interval}, {paired.held}/{paired.n}"
 
 
 def pm(mean: float, std: float, digits: int = 3) -> str:
@@ -344,13 +556,28 @@ def notes(args: argparse.Namespace, cache: TrialCache | None = None) -> list[str
         if args.select == "mean"
         else "the lowest validation loss of seed 0, then the other seeds at that rate only"
     )
+    extensions = getattr(args, "lr_extensions", 0)
+    extension = (
+        f"When a cell's best rate was the largest or smallest tried, one rate beyond that edge was added (the "
+        f"edge times its ratio to its neighbour, 2 significant digits) until the best was interior, at most "
+        f"{extensions} per cell (the cap): `lrs_added` lists them, and `lr_edge` says top/bottom where the cap "
+        "stopped the search with the best still at an edge (that comparison is not settled)."
+        if extensions
+        else "The grid was not extended (--lr-extensions 0): a best rate at an edge of the grid (`lr_edge`) leaves "
+        "that comparison unsettled."
+    )
+    bn_metric = getattr(args, "bn_select", "exact")
     return [
         f"Fair protocol: each cell chose its Adam learning rate from {{{', '.join(f'{lr:g}' for lr in args.lrs)}}} "
         f"by {rule}; values are mean ± sample std over {args.seeds} seeds (initialization and batch order) at "
         "the chosen rate; every run is in trials.csv. A rate where any seed failed was not eligible.",
+        extension,
+        f"Initialization: {_common.forget_bias_text(args)}.",
         "Per-timestep BN (batch, batch_renorm) is evaluated twice: `_exact` columns after seqnorm.update_bn "
         f"recomputed its statistics as exact averages over {args.bn_stats_tokens} training tokens; `ema_gap` is the "
-        "running averages' value minus the exact one (their lag; positive = running averages worse).",
+        "running averages' value minus the exact one (their lag; positive = running averages worse). BN's rate was "
+        f"chosen on the {'exact statistics' if bn_metric == 'exact' else 'running averages'} (--bn-select "
+        f"{bn_metric}); `lr_other_metric` is the rate the other evaluation would have chosen.",
         *(
             [f"{cache.hits} runs were read back from {cache.path} (same settings, cell, rate and seed) instead of "
              "trained again."]

@@ -11,8 +11,12 @@ the corpus's lines, padded per batch: rows end at different steps, so a batch's 
 (down to one, which BN's default ``small_batch`` policy normalizes with that step's running statistics).
 ``--unit stream`` trains on the windows as stateful truncated BPTT: the windows read as ``B`` contiguous streams,
 each window starting from the previous one's final state (detached); validation reads its split as one stream.
-``--updates N`` replaces the equal token budget by equal updates; ``--evaluations K`` records validation curves
-(``curves.csv``) and how much the last stretch of training still gained (``last_gain``: how far from convergence).
+``--unit line --bucket`` batches lines of similar length together (the library's ``BucketBatchSampler``), so few
+tail steps are left with one active row: how many there are depends on the corpus's length distribution and on
+bucketing. ``--updates N`` replaces the equal token budget by equal updates; ``--evaluations K`` records validation
+curves (``curves.csv``) and how much the last stretch of training still gained (``last_gain``: how far from
+convergence). Every norm is compared with the plain LSTM of its batch size by paired per-seed differences
+(``diff_vs_none``: mean, 95% interval, seeds where the sign held).
 
     python scripts/batch_size_sweep.py --quick            # none/layer/batch x 1/4/32, 2 lrs x 2 seeds, ~1-2 min
     python scripts/batch_size_sweep.py --text FILE        # all six norms x 1..64, 3 lrs x 3 seeds
@@ -68,6 +72,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="window",
         help="fixed windows, variable lines, or the windows as stateful streams (state carried across windows)",
     )
+    parser.add_argument(
+        "--bucket",
+        action="store_true",
+        help="with --unit line: batch lines of similar length together (seqnorm.data.BucketBatchSampler) instead of "
+        "at random",
+    )
     parser.add_argument("--tokens", type=_common.positive_int, help="training tokens per run (the equal budget)")
     parser.add_argument(
         "--updates", type=_common.positive_int, help="train every run for this many updates instead (equal updates)"
@@ -84,7 +94,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--evaluations", type=_common.non_negative_int, default=0, help="validation points along each run (curves.csv)"
     )
     _protocol.add_arguments(parser)
-    return _common.resolve(parser.parse_args(argv), QUICK, FULL)
+    args = parser.parse_args(argv)
+    if args.bucket and args.unit != "line":
+        parser.error(f"--bucket groups lines of similar length: it needs --unit line, got --unit {args.unit}")
+    return _common.resolve(args, QUICK, FULL)
 
 
 def run_grid(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
@@ -127,6 +140,7 @@ def run_grid(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[
                     if args.evaluations
                     else None,
                     evaluate_fn=(lambda m: measure(m)[value]) if args.evaluations else None,
+                    bucket=args.bucket,
                 )
                 row["curve"] = [[tokens, loss] for tokens, loss in result.curve] if result.status == "ok" else []
                 if len(row["curve"]) >= 2:
@@ -134,7 +148,10 @@ def run_grid(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[
                 return row
 
             name = f"{norm}|B={batch_size}"
-            cell = _protocol.run_cell(train_one, args.lrs, args.seeds, args.select, cache=cache, name=name)
+            key = _protocol.selection_key(norm, args)
+            cell = _protocol.run_cell(
+                train_one, args.lrs, args.seeds, args.select, key, cache, name, args.lr_extensions
+            )
             trials += [{"norm": norm, "batch_size": batch_size, **row} for row in cell.trials]
             curves += [
                 {
@@ -148,7 +165,14 @@ def run_grid(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[
                 for t in cell.trials
                 for tokens, point in t["curve"]
             ]
-            row = {"norm": norm, "batch_size": batch_size, **_protocol.summarize(cell)}
+            row = {
+                "norm": norm,
+                "batch_size": batch_size,
+                **_protocol.summarize(cell, key, _protocol.other_key(norm, args)),
+            }
+            row["headline"] = f"{value}_exact" if key.endswith("_exact") else value
+            row["forget_bias"] = args.forget_bias
+            row["chosen"] = cell.chosen
             rows.append(row)
             exact = f", exact {row[value + '_exact']:.4f}" if value + "_exact" in row else ""
             print(
@@ -157,6 +181,7 @@ def run_grid(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[
                 flush=True,
             )
             row["grid"] = _protocol.grid_row(cell, value)
+    _protocol.add_paired(rows, lambda row: row["batch_size"])
     facts = {
         "level": corpus.level,
         "unigram": _data.unigram_loss(train, val, corpus.vocab_size),
@@ -191,8 +216,11 @@ def outcome(row: dict[str, Any], key: str) -> str:
 
 
 def summary(rows: Sequence[dict[str, Any]], value: str) -> list[dict[str, Any]]:
-    """One row per norm, one column per batch size: ``mean ± std`` of ``value``, or why the cell could not train."""
-    return by_batch_size(rows, lambda row: outcome(row, value))
+    """One row per norm, one column per batch size: ``mean ± std`` of ``value`` (BN: of its headline metric, the
+    exact statistics under --bn-select exact, and the norm named so), or why the cell could not train."""
+    table = by_batch_size(rows, lambda row: outcome(row, row.get("headline", value)))
+    exact = {row["norm"] for row in rows if row.get("headline", value) != value}
+    return [{**row, "norm": f"{row['norm']} (exact stats)"} if row["norm"] in exact else row for row in table]
 
 
 def summary_columns(rows: Sequence[dict[str, Any]]) -> list[str]:
@@ -274,6 +302,8 @@ def notes(args: argparse.Namespace, rows: Sequence[dict[str, Any]], facts: dict[
         "stream": f"windows of {args.steps} steps read as B contiguous streams in order, each window starting from "
         "the previous one's final state (detached); validation reads its split as one stream",
     }[args.unit]
+    if args.bucket:
+        shape = shape.replace("batches drawn at random", "batches of similar lengths (BucketBatchSampler)")
     lines = [
         f"Equal budget: {budget_text} per run, in {shape}; {facts['train_tokens']} "
         f"training tokens in the split, {facts['val_tokens']} validation tokens. LSTM hidden {args.hidden}, "
@@ -301,26 +331,53 @@ def extra_tables(
 ) -> list[tuple[str, list[dict[str, Any]], list[str]]]:
     """The norm x batch size views: values, BN with exact statistics, updates, chosen rates, and the rate grid."""
     columns = ["norm", *summary_columns(rows)]
-    tables = [(f"{value}, mean ± std over seeds (norm x batch size)", summary(rows, value), columns)]
-    bn_rows = [row for row in rows if _protocol.uses_batch_statistics(row["norm"])]
-    if bn_rows:
-        exact = by_batch_size(bn_rows, lambda r: outcome(r, f"{value}_exact"))
-        gap = by_batch_size(bn_rows, lambda r: outcome(r, "ema_gap"))
+    bn_metric = "exact statistics" if args.bn_select == "exact" else "running averages"
+    tables = [
+        (
+            f"{value}, mean ± std over seeds (norm x batch size; BN with {bn_metric}, its rate chosen on them)",
+            summary(rows, value),
+            columns,
+        )
+    ]
+    paired = [row for row in rows if "paired" in row]
+    if paired:
         tables.append(
             (
-                f"BN with exact statistics (seqnorm.update_bn): {value}_exact; ema_gap = running - exact",
-                [{**r, "norm": f"{r['norm']} exact"} for r in exact]
-                + [{**r, "norm": f"{r['norm']} ema_gap"} for r in gap],
+                f"Paired per-seed difference from the plain LSTM (none) of the same batch size, {value} (BN: "
+                f"{bn_metric}): mean [95% t-interval], seeds where the sign held",
+                by_batch_size(paired, lambda r: r["paired"]),
+                columns,
+            )
+        )
+    bn_rows = [row for row in rows if _protocol.uses_batch_statistics(row["norm"])]
+    if bn_rows:
+        running = by_batch_size(bn_rows, lambda r: outcome(r, value))
+        exact = by_batch_size(bn_rows, lambda r: outcome(r, f"{value}_exact"))
+        gap = by_batch_size(bn_rows, lambda r: outcome(r, "ema_gap"))
+        other = by_batch_size(bn_rows, lambda r: r.get("lr_other_metric"))
+        tables.append(
+            (
+                f"BN both ways (rate chosen on the {bn_metric}): {value} with running averages, with exact statistics "
+                "(seqnorm.update_bn), ema_gap = running - exact, and the rate the other evaluation would choose",
+                [{**r, "norm": f"{r['norm']} running"} for r in running]
+                + [{**r, "norm": f"{r['norm']} exact"} for r in exact]
+                + [{**r, "norm": f"{r['norm']} ema_gap"} for r in gap]
+                + [{**r, "norm": f"{r['norm']} lr_other_metric"} for r in other],
                 columns,
             )
         )
     tables.append(("Updates per run (norm x batch size)", by_batch_size(rows, lambda r: r["updates"]), columns))
     tables.append(("Chosen learning rate (norm x batch size)", by_batch_size(rows, lambda r: r["lr"]), columns))
+    rates = sorted({float(key[3:]) for row in rows for key in row["grid"]})
     tables.append(
         (
-            f"Learning-rate grid: mean {value} over the seeds run at each rate (n; * = chosen)",
-            [{"norm": row["norm"], "batch_size": row["batch_size"], **row["grid"]} for row in rows],
-            ["norm", "batch_size", *[f"lr={lr:g}" for lr in args.lrs]],
+            f"Learning-rate grid: mean {value} over the seeds run at each rate (n; * = chosen; rates beyond --lrs "
+            "were added where the best was at an edge; lr_edge: still at an edge when the cap stopped it)",
+            [
+                {"norm": row["norm"], "batch_size": row["batch_size"], **row["grid"], "lr_edge": row["lr_edge"]}
+                for row in rows
+            ],
+            ["norm", "batch_size", *[f"lr={lr:g}" for lr in rates], "lr_edge"],
         )
     )
     return tables
@@ -336,12 +393,15 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     measured += ["last_gain"] if args.evaluations else []
     columns = ["norm", "batch_size", "status", "lr", "seeds"]
     columns += [name for key in measured for name in (key, f"{key}_std")]
-    columns += ["updates", "tokens", "seconds"]
+    columns += ["updates", "tokens", "seconds", "lr_chosen_on", "lrs_added", "lr_edge", "lr_other_metric"]
+    columns += _protocol.PAIRED_COLUMNS
+    columns += ["forget_bias"]
     _common.write_results(
         args.out,
         rows,
         columns,
-        title=f"Batch-size sweep ({args.unit}s): {value.replace('_', ' ')} by norm and batch size",
+        title=f"Batch-size sweep ({args.unit}s{', bucketed' if args.bucket else ''}): {value.replace('_', ' ')} by "
+        f"norm and batch size; {_common.forget_bias_text(args)}",
         run=run,
         notes=notes(args, rows, facts),
         extra_tables=extra_tables(args, rows, value),

@@ -1,12 +1,13 @@
 """The Triton backend on a CUDA GPU against cuDNN's ``nn.LSTM``/``nn.GRU`` and against seqnorm's plain path.
 
 Prints the versions and the GPU; checks the Triton backend against the plain-PyTorch path on the GPU (every cell and
-norm, training and evaluation, float32 with TF32 off and float64, plus generation steps); then median milliseconds of a training step (forward
-and backward of ``output.sum()``, the input requiring a gradient) at ``--size`` (T x B x I x H, default
-100x64x512x512) in three precisions — float32 with TF32 off, float32 with TF32, bf16 autocast (the input
-projection in bf16, the recurrence in float32) — with ratios to cuDNN and to the plain path, and a batch-1
-generation step against ``nn.LSTMCell``/``nn.GRUCell``. Markdown tables, for BENCHMARKS.md. Without CUDA it says
-so and exits 0.
+norm, training and evaluation, float32 with TF32 off and float64, plus generation steps); then median milliseconds
+of a training step (forward and backward of ``output.sum()``, the input requiring a gradient) at ``--size`` (T x B x
+I x H, default 100x64x512x512) in three precisions — float32 with TF32 off, float32 with TF32, bf16 autocast (the
+input projection in bf16, the recurrence in float32) — with ratios to cuDNN, to the plain path (the
+hand-written BPTT where a cell declares it) and to the reference loop (``impl="reference"``), and a batch-1
+generation step against ``nn.LSTMCell``/``nn.GRUCell``. Markdown tables, for BENCHMARKS.md. Without CUDA it says so
+and exits 0.
 
 It needs torch, triton and seqnorm's core only (no training extras): ``PYTHONPATH=. python scripts/bench_gpu.py``
 from the checkout (``make bench-gpu``). Each timing is a CUDA-event median over ``--repeats`` runs after warm-ups;
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import pstats
 import statistics
 import sys
 from collections.abc import Callable, Iterator
@@ -126,10 +129,40 @@ def check(device: torch.device) -> tuple[list[str], float]:
     return lines, worst_of_all
 
 
+def profile(device: torch.device, size: str) -> None:
+    """Where a training step's time goes: the device's busy time (the sum of its kernels' durations) against the
+    step's wall time, and the host-side calls that take the most time, for the LN- and BN-LSTM at ``size``."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    steps, batch, inputs, hidden = (int(v) for v in size.split("x"))
+    x = torch.randn(steps, batch, inputs, device=device, requires_grad=True)
+    for norm in ("layer", "batch"):
+        layer = seqnorm.LSTM(inputs, hidden, norm=norm).to(device)
+        run = _training_step(layer, x)
+        wall = _median_ms(run, 5)
+        with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
+            run()
+            torch.cuda.synchronize()
+        events = trace.key_averages()
+        busy = sum(event.self_device_time_total for event in events) / 1000
+        launches = sum(event.count for event in events if event.self_device_time_total > 0)
+        print(f"\nLSTM norm={norm!r}, T={steps} B={batch} I={inputs} H={hidden}: wall {wall:.2f} ms a step, "
+              f"device busy {busy:.2f} ms ({busy / wall:.0%}), {launches} kernel launches; host calls by self CPU "
+              "time:\n")  # fmt: skip
+        print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+        python = cProfile.Profile()
+        python.runcall(run)
+        torch.cuda.synchronize()
+        print("Python functions by own time (one step):")
+        pstats.Stats(python).sort_stats("tottime").print_stats(12)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="100x64x512x512", help="T x B x I x H of the training step")
     parser.add_argument("--repeats", type=int, default=20, help="timed runs per variant (median)")
+    parser.add_argument("--profile", action="store_true", help="only profile a training step (device busy vs wall)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_gpu: no CUDA device here (torch.cuda.is_available() is False): nothing to measure")
@@ -140,12 +173,16 @@ def main() -> None:
     steps, batch, inputs, hidden = (int(v) for v in args.size.split("x"))
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, triton {triton.__version__}, "
           f"GPU {torch.cuda.get_device_name(device)}; seqnorm kernels on cuda: {kernels.status('cuda')}\n")  # fmt: skip
+    if args.profile:
+        profile(device, args.size)
+        return
     print("Check against the plain path (TF32 off; training: outputs, states, gradients; evaluation; generation):")
     lines, worst = check(device)
     print("\n".join(lines) + f"\n\nLargest difference of all: {worst:.1e}\n")
     print(f"Training step, T={steps} B={batch} I={inputs} H={hidden} (median ms of {args.repeats}):\n")
-    print("| cell | norm | precision | path | seqnorm ms | torch (cuDNN) ms | × torch | plain ms | plain / seqnorm |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| cell | norm | precision | path | seqnorm ms | torch (cuDNN) ms | × torch | plain ms | plain / seqnorm "
+          "| reference loop ms | reference / plain |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     x = torch.randn(steps, batch, inputs, device=device, requires_grad=True)
     for kind in ("lstm", "gru"):
         torch.manual_seed(0)
@@ -158,9 +195,14 @@ def main() -> None:
                     ours = _median_ms(_training_step(layer, x), args.repeats)
                     theirs = _median_ms(_training_step(reference, x), args.repeats)
                     with kernels.disabled():
+                        plain_path = layer.plan(x).path
                         plain = _median_ms(_training_step(layer, x), max(3, args.repeats // 4), warmup=1)
+                    layer.impl = "reference"  # the autograd loop over the cell's step: what the plain BPTT replaces
+                    loop = _median_ms(_training_step(layer, x), max(3, args.repeats // 4), warmup=1)
+                    layer.impl = "auto"
                 print(f"| {kind} | {norm} | {precision} | {path} | {ours:.2f} | {theirs:.2f} | {ours / theirs:.2f} "
-                      f"| {plain:.2f} | {plain / ours:.1f} |")  # fmt: skip
+                      f"| {plain:.2f} ({plain_path}) | {plain / ours:.1f} "
+                      f"| {loop:.2f} | {loop / plain:.2f} |")  # fmt: skip
     print("\nGeneration step, batch 1, no_grad, eval (median µs over 200 steps of each):\n")
     print("| cell | norm | seqnorm µs | torch cell µs | × torch |")
     print("|---|---|---|---|---|")

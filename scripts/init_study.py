@@ -52,7 +52,13 @@ def profile(args: argparse.Namespace, init: str, norm: str, seed: int) -> dict[s
     torch.manual_seed(seed)
     layer_class = seqnorm.LSTM if args.cell == "lstm" else seqnorm.GRU
     # float64: gradients that vanish through 200 steps reach 1e-30 and below, which float32 flushes to zero.
-    layer = layer_class(args.input_size, args.hidden, norm=norm, init=init, max_steps=args.steps, dtype=torch.float64)
+    # The same forget-gate bias for every norm (--forget-bias), as the training scripts: a saturated forget gate
+    # changes how far the gradient reaches back, which would otherwise be credited to the norm.
+    same_bias = args.cell == "lstm" and args.forget_bias != _common.LIBRARY_FORGET_BIAS
+    extra = {"forget_bias": args.forget_bias} if same_bias else {}
+    layer = layer_class(
+        args.input_size, args.hidden, norm=norm, init=init, max_steps=args.steps, dtype=torch.float64, **extra
+    )
     layer.train()
     records: list[dict[str, Any]] = []
 
@@ -127,8 +133,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     ]
     notes = [
         f"{args.cell.upper()}, hidden {args.hidden}, input {args.input_size} (N(0, 1) noise), T = {args.steps}, batch "
-        f"{args.batch_size}, mean of {args.seeds} seed(s); training mode, float64. h_std/c_std: std over batch and "
-        "units at the first / last step; saturated_last: share of sigmoid gates outside [0.05, 0.95] at the last step.",
+        f"{args.batch_size}, mean of {args.seeds} seed(s); training mode, float64; "
+        f"{_common.forget_bias_text(args) if args.cell == 'lstm' else 'no forget gate'}. h_std/c_std: std over "
+        "batch and units at the first / last step; saturated_last: share of sigmoid gates outside [0.05, 0.95] at "
+        "the last step.",
         "grad_first / grad_last: RMS of dL/dh_t at t = 0 and t = T-1 for L = <h_T, r> with a random unit-scale r; "
         "log10_grad_ratio = log10(grad_first / grad_last): 0 means the gradient reaches the first step at full "
         "size, -2 means it arrives 100x smaller.",

@@ -8,7 +8,9 @@ library's other policy: steps ``t >= T`` use the pooled statistics of all T step
 statistics of any step.
 The corpus is read as one stream, so the text at position 150 is no harder than at position 15: a model that
 generalizes in length keeps a flat loss past T. Every variant follows the fair protocol of ``_protocol`` (its own
-learning rate from ``--lrs``, chosen on the loss within T; mean ± std over ``--seeds``; BN also with exact statistics).
+learning rate from ``--lrs``, extended past an edge, chosen on the loss within T, for BN with the statistics of
+``--bn-select``; mean ± std over ``--seeds``; BN also with exact statistics; the same ``--forget-bias`` for every
+norm; ``diff_vs_none``: the paired per-seed difference of ``loss_beyond_T`` from the plain LSTM).
 
     python scripts/length_generalization.py --quick   # T = 25, L = 100, about a minute
     python scripts/length_generalization.py --text my.txt --steps 100 --eval-steps 400
@@ -148,14 +150,18 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             return row
 
         name = f"{norm}|max_steps={max_steps}|{beyond}"
-        cell = _protocol.run_cell(train_one, args.lrs, args.seeds, args.select, cache=cache, name=name)
+        key = _protocol.selection_key(norm, args)
+        cell = _protocol.run_cell(train_one, args.lrs, args.seeds, args.select, key, cache, name, args.lr_extensions)
         label = f"{norm} (max_steps={max_steps}{', pooled' if beyond == 'pooled' else ''})"
         trials += [{"variant": label, **row} for row in cell.trials]
         row: dict[str, Any] = {
             "norm": norm,
             "max_steps": max_steps,
             "stats_beyond_T": beyond_note(norm, max_steps, T, beyond),
-            **_protocol.summarize(cell),
+            **_protocol.summarize(cell, key, _protocol.other_key(norm, args)),
+            "headline": "loss_beyond_T" + key.removeprefix("val_loss"),
+            "chosen": cell.chosen,
+            "forget_bias": args.forget_bias,
         }
         chosen = [torch.tensor(t["by_position"]) for t in cell.chosen if t["by_position"]]
         if chosen:
@@ -163,18 +169,22 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         rows.append(row)
         print(f"  {label}: {row.get('beyond_minus_within', float('nan')):+.4f} (lr {row['lr']})", flush=True)
 
+    _protocol.add_paired(rows, lambda row: None)  # every variant against the plain LSTM
     columns = ["norm", "max_steps", "stats_beyond_T", "status", "lr", "seeds"]
     measured = [*MEASURED, "loss_within_T_exact", "loss_beyond_T_exact", "beyond_minus_within_exact", "ema_gap"]
     columns += [name for key in measured for name in (key, f"{key}_std") if any(name in row for row in rows)]
-    columns.append("seconds")
+    columns += ["seconds", "lr_chosen_on", "lrs_added", "lr_edge", "lr_other_metric", *_protocol.PAIRED_COLUMNS]
+    columns.append("forget_bias")
     summary = [
         {
             "variant": label,
             "lr": r["lr"],
+            "lr_edge": r["lr_edge"],
             **{
                 key: _protocol.pm(r[key], r[f"{key}_std"]) if key in r else ""
                 for key in [*MEASURED, "beyond_minus_within_exact"]
             },
+            "diff_vs_none": r.get("paired", ""),
         }
         for label, r in zip(curves if len(curves) == len(rows) else [r["norm"] for r in rows], rows, strict=True)
     ]
@@ -193,14 +203,16 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         args.out,
         rows,
         columns,
-        title=f"Length generalization: train T={T}, evaluate L={L}",
+        title=f"Length generalization: train T={T}, evaluate L={L}; {_common.forget_bias_text(args)}",
         run=run,
         notes=notes,
         extra_tables=[
             (
-                "Mean ± std over seeds (nats per token)",
+                "Mean ± std over seeds (nats per token); diff_vs_none: paired per-seed difference of loss_beyond_T "
+                "(BN: on its headline statistics) from the plain LSTM: mean [95% t-interval], seeds where the sign "
+                "held",
                 summary,
-                ["variant", "lr", *MEASURED, "beyond_minus_within_exact"],
+                ["variant", "lr", "lr_edge", *MEASURED, "beyond_minus_within_exact", "diff_vs_none"],
             )
         ],
     )

@@ -4,8 +4,10 @@ Ba et al. (2016) present layer normalization as usable in the online regime, one
 normalization is undefined. Here every model sees the same training windows (fewer than one epoch, so each window
 once), either one per update or 32 per update, and is evaluated on the validation windows at regular token counts.
 Per-timestep BN is included at both batch sizes: at batch size 1 its row records the error it raises. Every
-(norm, batch size) follows the fair protocol of ``_protocol``: its own learning rate from ``--lrs``, mean ± std over
-``--seeds``, BN also evaluated with exact statistics (``seqnorm.update_bn``); the curves are means over the seeds.
+(norm, batch size) follows the fair protocol of ``_protocol``: its own learning rate from ``--lrs`` (extended past
+an edge), mean ± std over ``--seeds``, BN also evaluated with exact statistics (``seqnorm.update_bn``) and its rate
+chosen on ``--bn-select``, the same ``--forget-bias`` for every norm, and the paired per-seed difference from the
+plain LSTM of the same batch size (``diff_vs_none``); the curves are means over the seeds.
 
     python scripts/online_training.py --quick        # layer, none, batch; 2 lrs x 2 seeds; about a minute
     python scripts/online_training.py --norms layer rms weight none batch --tokens 100000
@@ -117,9 +119,18 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                 return row
 
             name = f"{norm}|B={batch_size}"
-            cell = _protocol.run_cell(train_one, args.lrs, args.seeds, args.select, cache=cache, name=name)
+            key = _protocol.selection_key(norm, args)
+            cell = _protocol.run_cell(
+                train_one, args.lrs, args.seeds, args.select, key, cache, name, args.lr_extensions
+            )
             trials += [{"norm": norm, "batch_size": batch_size, **row} for row in cell.trials]
-            row = {"norm": norm, "batch_size": batch_size, **_protocol.summarize(cell)}
+            row = {
+                "norm": norm,
+                "batch_size": batch_size,
+                **_protocol.summarize(cell, key, _protocol.other_key(norm, args)),
+            }
+            row.update(headline=value + key.removeprefix("val_loss"), forget_bias=args.forget_bias)
+            row["chosen"] = cell.chosen
             rows.append(row)
             chosen = [trial["curve"] for trial in cell.chosen if trial["curve"]]
             for tokens, loss, std in mean_curve(chosen) if chosen else []:
@@ -139,10 +150,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                 f"{row['status']})",
                 flush=True,
             )
+    _protocol.add_paired(rows, lambda row: row["batch_size"])
     columns = ["norm", "batch_size", "status", "lr", "seeds", "updates", "tokens"]
     measured = ["val_loss", value, f"{value}_exact", "ema_gap", "best_val_loss"]
     columns += [name for key in measured for name in (key, f"{key}_std") if any(name in row for row in rows)]
-    columns.append("seconds")
+    columns += ["seconds", "lr_chosen_on", "lrs_added", "lr_edge", "lr_other_metric"]
+    columns += _protocol.PAIRED_COLUMNS
+    columns.append("forget_bias")
     notes = [
         f"Equal budget: {args.tokens} training tokens ({args.tokens / epoch_tokens:.2f} epochs"
         f"{': each window seen at most once' if args.tokens <= epoch_tokens else ''}) in windows of {args.steps} "
@@ -163,6 +177,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             f"{value}_exact": _protocol.pm(r[f"{value}_exact"], r[f"{value}_exact_std"])
             if f"{value}_exact" in r
             else "",
+            "diff_vs_none": r.get("paired", ""),
+            "lr_edge": r["lr_edge"],
         }
         for r in rows
     ]
@@ -170,14 +186,16 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         args.out,
         rows,
         columns,
-        title="Online (batch size 1) vs batch 32",
+        title=f"Online (batch size 1) vs batch 32; {_common.forget_bias_text(args)}",
         run=run,
         notes=notes,
         extra_tables=[
             (
-                f"{value}, mean ± std over seeds",
+                f"{value}, mean ± std over seeds; diff_vs_none: paired per-seed difference from the plain LSTM of the "
+                f"same batch size ({value}, BN on its headline metric): mean [95% t-interval], seeds where the sign "
+                "held",
                 summary,
-                ["norm", "batch_size", "lr", "updates", value, f"{value}_exact"],
+                ["norm", "batch_size", "lr", "lr_edge", "updates", value, f"{value}_exact", "diff_vs_none"],
             )
         ],
     )

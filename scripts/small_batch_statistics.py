@@ -31,11 +31,12 @@ from pathlib import Path
 from typing import Any
 
 import _common
+import _data
 import _protocol
 import torch
 import torch.nn.functional as F
 
-from seqnorm.data import BucketBatchSampler, TextCorpus
+from seqnorm.data import BucketBatchSampler
 
 NAME = "small_batch_statistics"
 QUICK = {
@@ -85,10 +86,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def line_lengths(args: argparse.Namespace) -> list[int]:
     """Input lengths of the training lines (natural units) of the corpus."""
-    corpus = TextCorpus(
-        path=args.text, dataset=args.dataset, unit="line", window_length=args.max_length, batch_size=1,
-        seed=args.seed, cache_dir=args.cache_dir,
-    )  # fmt: skip
+    corpus = _data.open_corpus(args, "line", args.max_length)
     return list(corpus.datasets["train"].lengths)  # type: ignore[attr-defined]
 
 
@@ -209,10 +207,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         return row
 
     # The BN model is trained under the fair protocol; the measurements below are means over its seeds.
-    cell = _protocol.run_cell(train_one, args.lrs, args.seeds, args.select)
+    key = _protocol.selection_key("batch", args)
+    cell = _protocol.run_cell(train_one, args.lrs, args.seeds, args.select, key, extensions=args.lr_extensions)
     if cell.lr is None:
         raise SystemExit(f"{NAME}: the BN model did not train: {cell.trials[0]['status']}")
-    trained = _protocol.summarize(cell)
+    trained = _protocol.summarize(cell, key, _protocol.other_key("batch", args))
     chosen = [models[(cell.lr, row["seed"])] for row in cell.chosen]
     populations = [recurrent_terms(model, val) for model in chosen]  # each (T, N, 4H)
     population = populations[0]
@@ -238,7 +237,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         try:
             gaps = [train_eval_gap(model, val, batch_size) if batch_size <= len(val) else math.nan for model in chosen]
             row["train_eval_gap"] = statistics.fmean(gaps)
-            row["train_eval_gap_std"] = statistics.stdev(gaps) if len(gaps) > 1 else math.nan
+            spread = len(gaps) > 1 and all(math.isfinite(gap) for gap in gaps)  # nan: fewer windows than B
+            row["train_eval_gap_std"] = statistics.stdev(gaps) if spread else math.nan
             row["train_mode_loss"] = trained["val_loss"] + row["train_eval_gap"]
             row["train_mode_status"] = "ok"
         except ValueError as error:
@@ -268,7 +268,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         "share of batches with a step where < 2 rows are active (small_batch='error' raises there; the default "
         "'tail' normalizes that step with its running statistics).",
         f"2. BN-LSTM (hidden {args.hidden}) trained on {trained['tokens']:.0f} tokens of {args.steps}-step windows at "
-        f"batch {args.train_batch_size}, lr {cell.lr} chosen from {args.lrs} ({args.select} rule), {len(chosen)} "
+        f"batch {args.train_batch_size}, lr {cell.lr} chosen from {args.lrs} ({args.select} rule; added past an "
+        f"edge: {trained['lrs_added'] or 'none'}, of at most {args.lr_extensions}"
+        f"{'; still at the ' + cell.edge + ' edge' if cell.edge else ''}) on the "
+        f"{'exact statistics' if key.endswith('_exact') else 'running averages'} (--bn-select {args.bn_select}; "
+        f"the other would choose {trained['lr_other_metric']}), {_common.forget_bias_text(args)}, {len(chosen)} "
         f"seeds ({trained['seconds']:.1f} s each); losses in nats per token on {len(val)} validation windows, "
         "means over the seeds (train_eval_gap_std: their spread); train_eval_gap compares both modes on the same "
         "windows, the first N - N mod B (train_mode_loss = eval_mode_loss + that gap); eval_mode_loss_exact after "

@@ -17,7 +17,10 @@ one-paragraph message and exit code 2, not a traceback; set ``SEQNORM_DEBUG=1`` 
 
 Checkpoints are untrusted input: every one is read with ``torch.load(weights_only=True)`` (see
 :mod:`seqnorm.lightning.checkpoint_io`), and with ``--ckpt_path`` the checkpoint's model hyperparameters are used
-(a flag that contradicts them is an error, see :mod:`seqnorm.cli_checks`).
+(a flag that contradicts them is an error, see :mod:`seqnorm.cli_checks`); ``validate``, ``test`` and ``predict``
+also take the data set-up from it (class, vocabulary, format, level, unit, sizes), so the new file is all they need::
+
+    seqnorm test --ckpt_path lightning_logs/lstm-layer-h256/version_0/checkpoints/last.ckpt --data.test_path new.txt
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from lightning.pytorch.plugins.layer_sync import LayerSync
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 from seqnorm.cli_checks import (
+    apply_checkpoint_data,
     apply_checkpoint_hparams,
     apply_checkpoint_text_format,
     check_data_matches,
@@ -55,6 +59,7 @@ from seqnorm.cli_runs import (
     DataInstantiator,
     ModelInstantiator,
     continued_run_logger,
+    flag_value,
     run_logger,
     run_name,
     with_checkpoint_model,
@@ -69,6 +74,7 @@ from seqnorm.lightning.checkpoint_io import (
     ALLOWED_GLOBALS,
     CheckedCheckpointIO,
     corrupt_checkpoint,
+    data_class,
     names_class,
     read_checkpoint,
     task_class,
@@ -114,9 +120,10 @@ class SeqnormCLI(LightningCLI):
 
     With ``--ckpt_path`` the checkpoint is read safely and checked before anything is built: its class must be one
     of :data:`MODELS`, its hyperparameters fill in the model flags the user did not set (one that contradicts
-    them is an error), and the data's vocabulary must be the checkpoint's. The file is read once: the Trainer
-    restores the weights and the loops' state from that checked read (:class:`CheckedCheckpointIO`), never from a
-    second read of the path, and is given ``weights_only=True`` as well.
+    them is an error), and the data's vocabulary must be the checkpoint's. Evaluating it, the run's data set-up
+    fills in the data flags the user did not set (its class one of :data:`DATAMODULES`). The file is read once: the
+    Trainer restores the weights and the loops' state from that checked read (:class:`CheckedCheckpointIO`), never
+    from a second read of the path, and is given ``weights_only=True`` as well.
     """
 
     _args: ArgsType = None
@@ -163,6 +170,14 @@ class SeqnormCLI(LightningCLI):
             )
         ckpt_path = config.get("ckpt_path")
         if ckpt_path is None:
+            typed = flag_value(sys.argv[1:] if self._args is None else self._args, "--ckpt_path")
+            if isinstance(typed, str) and typed != "null":
+                # A run's config.yaml records `ckpt_path: null`: given after --ckpt_path, it silently evaluated (or
+                # trained) a fresh model.
+                raise ValueError(
+                    f"--ckpt_path {typed}: reset to null by a --config file given after it (a run's config.yaml "
+                    "records ckpt_path: null): put --ckpt_path after --config"
+                )
             return
         checkpoint = read_checkpoint(ckpt_path)
         self._checked = (ckpt_path, checkpoint)  # what the Trainer restores (CheckedCheckpointIO): no second read
@@ -176,6 +191,9 @@ class SeqnormCLI(LightningCLI):
         hparams = checkpoint["hyper_parameters"]
         explicit = self._explicit_config()[subcommand]
         apply_checkpoint_hparams(model, explicit.get("model"), hparams, subcommand, ckpt_path)
+        data_state = checkpoint.get(DATA_STATE_KEY)
+        if subcommand in EVALUATIONS:
+            self._apply_checkpoint_data(config.get("data"), explicit.get("data"), checkpoint, data_state, ckpt_path)
         try:  # the values just taken from the checkpoint (the user's were checked when parsed)
             self.parser.validate(self.config)
         except (TypeError, KeyError, argparse.ArgumentError) as error:
@@ -183,10 +201,24 @@ class SeqnormCLI(LightningCLI):
             described = model.class_path.rpartition(".")[2]
             what = f"its hyper_parameters do not describe a {described} ({detail})"
             raise corrupt_checkpoint(f"--ckpt_path {ckpt_path}", what) from None
-        data_state = checkpoint.get(DATA_STATE_KEY)
         apply_checkpoint_text_format(config.get("data"), explicit.get("data"), data_state, ckpt_path)
         shapes = weight_shapes(checkpoint, ckpt_path)
         self._resumed = {"hparams": hparams, "data_state": data_state, "path": ckpt_path, "shapes": shapes}
+
+    def _apply_checkpoint_data(
+        self, data: Any, explicit: Any, checkpoint: dict[str, Any], data_state: Any, ckpt_path: str
+    ) -> None:
+        saved_class = data_class(checkpoint, DATAMODULES, ckpt_path)
+        class_path = data.get("class_path") if data is not None else None
+        if saved_class is None or class_path is None:
+            return
+        if not names_class(class_path, saved_class):
+            raise ValueError(
+                f"--data {class_path.rpartition('.')[2]} contradicts the checkpoint {ckpt_path}, whose run read "
+                f"its data with {saved_class.__name__}: pass --data {saved_class.__name__} (or leave --data out: the "
+                "checkpoint supplies it)"
+            )
+        apply_checkpoint_data(data, explicit, checkpoint, data_state)
 
     def _explicit_config(self) -> Any:
         """The config with only what the command line and ``--config`` files set (no defaults)."""
@@ -414,7 +446,7 @@ def main(args: list[str] | None = None) -> None:
         _usage_error(f"invalid choice: {command!r} (choose from {', '.join(repr(name) for name in COMMANDS)})")
     try:
         argv = resolve_config_names(argv)  # `--config seqnorm:NAME`: a config shipped with the package
-        argv = with_checkpoint_model(argv, MODELS)  # `test --ckpt_path X` without --model: the checkpoint's class
+        argv = with_checkpoint_model(argv, MODELS, DATAMODULES)  # `test --ckpt_path X` without --model, --data
         if args is None:
             sys.argv[1:] = argv  # LightningCLI reads sys.argv itself (and warns when given args beside it)
         else:

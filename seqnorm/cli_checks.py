@@ -19,14 +19,17 @@ import torch
 from jsonargparse import Namespace
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from seqnorm.cli_runs import checkpoint_run_dir
 from seqnorm.data.formats import TEXT_FORMATS
 from seqnorm.lightning.base import DATA_STATE_KEY, RENAMED_HPARAMS, current_hparams
-from seqnorm.lightning.checkpoint_io import corrupt_checkpoint, names_class
+from seqnorm.lightning.checkpoint_io import DATA_HPARAMS_KEY, corrupt_checkpoint, names_class
 from seqnorm.norms import NORMS, NormSpec, spec_from_dict
 
 __all__ = [
+    "DATA_SOURCES",
     "EVALUATION_FREE",
     "LINKED_FROM_DATA",
+    "apply_checkpoint_data",
     "apply_checkpoint_hparams",
     "apply_checkpoint_text_format",
     "check_data_matches",
@@ -45,6 +48,15 @@ EVALUATION_FREE = ("lr", "weight_decay", "dropout", "recurrent_dropout", "init")
 """Hyperparameters that ``validate``/``test``/``predict --ckpt_path`` may set differently: evaluation does not read
 them (dropout is off, the weights are loaded, no optimizer runs). ``fit`` accepts no difference at all: a resumed
 run continues the same run, and Lightning would restore the optimizer's learning rate from the checkpoint anyway."""
+
+DATA_SOURCES = ("path", "train_path", "val_path", "test_path", "predict_path", "dataset")
+"""The data arguments that say where the text comes from. Evaluating a checkpoint, they are taken from it together,
+and only when the command line names none of them: ``--data.test_path new.txt`` alone is the data (the checkpoint's
+vocabulary reads it), not the training files plus it."""
+
+STATE_SETUP = ("level", "unit", "window_length", "batch_size")
+"""The data set-up a checkpoint's data state holds as the run resolved it (``level: null`` in the arguments is the
+``char`` or ``word`` the run used); ``text_format`` is :func:`apply_checkpoint_text_format`'s."""
 
 _SEQNORM_DIR = str(Path(__file__).resolve().parent)
 
@@ -79,12 +91,55 @@ def apply_checkpoint_hparams(
         value = given[name]
         if _same(name, value, saved) or (subcommand != "fit" and name in EVALUATION_FREE):
             continue
-        keeps = "a resumed run keeps" if subcommand == "fit" else f"`{subcommand}` uses"
+        if subcommand == "fit":
+            keeps = "a resumed run keeps the checkpoint's model: drop the flag (or that line of the --config file)"
+        else:
+            keeps = (
+                f"`{subcommand}` uses the checkpoint's model: drop the flag (or the --config file: the checkpoint "
+                "supplies the model and the data set-up, so --ckpt_path and the new file, e.g. --data.test_path, are "
+                "enough)"
+            )
+        config = run_config(ckpt_path)
+        own = f", pass the run's own config (--config {config}, before --ckpt_path)" if config is not None else ""
         raise ValueError(
             f"--model.{name} {_shown(value)} contradicts the checkpoint {ckpt_path} ({name}={_shown(saved)}); "
-            f"{keeps} the checkpoint's model: drop the flag (or that line of the --config file), or start a new "
-            "run without --ckpt_path"
+            f"{keeps}{own}, or start a new run without --ckpt_path"
         )
+
+
+def run_config(ckpt_path: str) -> str | None:
+    """The ``config.yaml`` LightningCLI saved for the run a checkpoint belongs to (``<run>/config.yaml`` beside its
+    ``checkpoints/`` folder, :func:`~seqnorm.cli_runs.checkpoint_run_dir`), as a path in the checkpoint path's terms;
+    ``None`` when there is none."""
+    run = checkpoint_run_dir(ckpt_path)
+    config = run / "config.yaml" if run is not None else None
+    return str(config) if config is not None and config.is_file() else None
+
+
+def apply_checkpoint_data(
+    data: Namespace | None, explicit: Namespace | None, checkpoint: dict[str, Any], data_state: Any
+) -> None:
+    """Evaluating a checkpoint (``validate``/``test``/``predict``), fill the parsed ``--data`` config with the data
+    set-up of the checkpoint's run, so that ``--ckpt_path`` and the new file are the whole command.
+
+    What the user set (command line or ``--config``: ``explicit``) stays. The rest comes from the run's data
+    arguments (:data:`~seqnorm.lightning.checkpoint_io.DATA_HPARAMS_KEY`, checked plain values) and, where the run
+    resolved them (:data:`STATE_SETUP`), from its data state; the :data:`DATA_SOURCES` only when the user names none
+    (``seqnorm test --ckpt_path X`` tests on the run's own test split). The vocabulary and labels are loaded into the
+    DataModule when it is made (``DataInstantiator``). Names the DataModule does not take are ignored.
+    """
+    init_args = data.get("init_args") if data is not None else None
+    if init_args is None:
+        return
+    given = explicit.get("init_args") if explicit is not None else None
+    given_names = set(vars(given)) if isinstance(given, Namespace) else set()
+    user_sources = any(name in given_names for name in DATA_SOURCES)
+    saved = {name: value for name, value in (checkpoint.get(DATA_HPARAMS_KEY) or {}).items() if name[:1] != "_"}
+    if isinstance(data_state, dict):
+        saved.update({name: data_state[name] for name in STATE_SETUP if data_state.get(name) is not None})
+    for name, value in saved.items():
+        if name in init_args and name not in given_names and not (user_sources and name in DATA_SOURCES):
+            init_args[name] = value
 
 
 def apply_checkpoint_text_format(

@@ -18,7 +18,7 @@ from torch import nn
 
 from seqnorm.layers import LAYERS, RecurrentLayer
 from seqnorm.lightning.atomic_io import local_path
-from seqnorm.lightning.checkpoint_io import read_checkpoint, task_class
+from seqnorm.lightning.checkpoint_io import data_class, read_checkpoint, task_class
 
 __all__ = [
     "EVALUATIONS",
@@ -27,6 +27,7 @@ __all__ = [
     "ModelInstantiator",
     "checkpoint_run_dir",
     "continued_run_logger",
+    "flag_value",
     "run_dir",
     "run_logger",
     "run_name",
@@ -86,11 +87,12 @@ def run_dir(default_root_dir: str | None, name: str | None) -> str:
 def checkpoint_run_dir(ckpt_path: str | None) -> Path | None:
     """The run directory a local checkpoint was saved in by the default checkpoint callback: the folder holding its
     ``checkpoints/`` (``lightning_logs/<run name>/version_N``, or ``lightning_logs/version_N`` for runs of before
-    the runs were named), where that run's ``config.yaml`` is; ``None`` for a checkpoint anywhere else."""
+    the runs were named), where that run's ``config.yaml`` is, as a path in the checkpoint path's terms (relative
+    if it is); ``None`` for a checkpoint anywhere else. The one place that knows where a run keeps its checkpoints."""
     checkpoint_file = local_path(ckpt_path) if ckpt_path is not None else None
     if checkpoint_file is None:
         return None
-    checkpoint = Path(checkpoint_file).resolve()
+    checkpoint = Path(checkpoint_file)
     if not checkpoint.is_file() or checkpoint.parent.name != "checkpoints":
         return None
     return checkpoint.parent.parent
@@ -159,7 +161,7 @@ def continued_run_logger(ckpt_path: str | None, default_root_dir: str | None) ->
     root = default_root_dir if default_root_dir is not None else os.getcwd()
     if run is None or local_path(root) is None:  # remote paths: Lightning's default
         return None
-    logs = Path(_logs_dir(root)).resolve()
+    logs, run = Path(_logs_dir(root)).resolve(), run.resolve()
     if run.parent == logs:
         name = None
     elif run.parent.parent == logs:
@@ -171,10 +173,14 @@ def continued_run_logger(ckpt_path: str | None, default_root_dir: str | None) ->
 
 
 _RUN_SUBCOMMANDS = ("fit", "validate", "test", "predict")
-_MODEL_FLAGS = ("--model", "--config", "-c")
+_CONFIG_FLAGS = ("--config", "-c")
 
 
-def _flag_value(argv: Sequence[str], flag: str) -> str | None:
+def flag_value(argv: object, flag: str) -> str | None:
+    """The value ``flag`` has in a command line (``--flag value`` or ``--flag=value``); ``None`` when absent or
+    when ``argv`` is not a list of strings (the CLI given a config dict)."""
+    if not isinstance(argv, list | tuple):
+        return None
     for index, argument in enumerate(argv):
         if argument == flag and index + 1 < len(argv):
             return argv[index + 1]
@@ -183,19 +189,31 @@ def _flag_value(argv: Sequence[str], flag: str) -> str | None:
     return None
 
 
-def with_checkpoint_model(argv: Sequence[str], models: Sequence[type]) -> list[str]:
-    """``argv`` with ``--model <the checkpoint's class>`` added where a run subcommand has ``--ckpt_path`` but names
-    no model (no ``--model``, no ``--config`` that could): ``seqnorm test --data ... --ckpt_path X`` then evaluates
-    the checkpoint's model, as ``load_from_checkpoint`` would, instead of stopping at a missing ``--model``. The
-    checkpoint is read safely (``weights_only``) and its class must be one of ``models``."""
+def with_checkpoint_model(argv: Sequence[str], models: Sequence[type], datamodules: Sequence[type]) -> list[str]:
+    """``argv`` with ``--model <the checkpoint's class>`` added where a run subcommand has ``--ckpt_path`` but
+    names no model (no ``--model``, no ``--config`` that could), and for :data:`EVALUATIONS` ``--data <the class the
+    run read its data with>`` likewise.
+
+    ``seqnorm test --ckpt_path X --data.test_path new.txt`` then evaluates the checkpoint's model on data made as
+    the run made it (the CLI fills in the rest of the set-up, :func:`~seqnorm.cli_checks.apply_checkpoint_data`),
+    as ``load_from_checkpoint`` would, instead of stopping at a missing ``--model`` or an unaccepted
+    ``--data.test_path``. The checkpoint is read safely (``weights_only``) and its classes must be among ``models``
+    and ``datamodules``; a resumed ``fit`` names its data itself.
+    """
     arguments = list(argv)
     if not arguments or arguments[0] not in _RUN_SUBCOMMANDS:
         return arguments
-    ckpt_path = _flag_value(arguments, "--ckpt_path")
-    names_model = any(argument.partition("=")[0] in _MODEL_FLAGS for argument in arguments)
-    if ckpt_path is None or names_model:
+    ckpt_path = flag_value(arguments, "--ckpt_path")
+    flags = {argument.partition("=")[0] for argument in arguments}
+    wanted = {"--model", "--data"} if arguments[0] in EVALUATIONS else {"--model"}
+    if ckpt_path is None or flags & set(_CONFIG_FLAGS) or wanted <= flags:
         return arguments
-    saved_class = task_class(read_checkpoint(ckpt_path), models, ckpt_path)
-    if saved_class is None:  # not written by seqnorm's CLI: the parser asks for --model as usual
-        return arguments
-    return [arguments[0], "--model", saved_class.__name__, *arguments[1:]]
+    checkpoint = read_checkpoint(ckpt_path)
+    added = []
+    saved_class = task_class(checkpoint, models, ckpt_path)
+    if saved_class is not None and "--model" not in flags:  # None: not written by seqnorm's CLI, --model is asked for
+        added += ["--model", saved_class.__name__]
+    saved_data = data_class(checkpoint, datamodules, ckpt_path) if "--data" in wanted - flags else None
+    if saved_data is not None:
+        added += ["--data", saved_data.__name__]
+    return [arguments[0], *added, *arguments[1:]]

@@ -47,13 +47,21 @@ def one_route() -> Iterator[None]:
 
 
 def require_kernels() -> None:
-    """Skip when this machine cannot build the compiled kernels (no C++ compiler); fail when it can and they are not
-    built (``make venv`` builds them: a test run must not silently fall back to the plain paths)."""
+    """Skip when this machine cannot build the compiled kernels (no C++ compiler); fail when it can and they did not
+    load (``make venv`` builds them, or else the first layer does: a test run must not silently fall back to the
+    plain paths)."""
     if seqnorm.kernels.native("cpu") is not None:
         return
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         pytest.skip("no C++ compiler: the compiled kernels cannot be built here")
     pytest.fail(f"the compiled kernels are not loaded: {seqnorm.kernels.status()}")
+
+
+@pytest.fixture
+def built_library() -> Path:
+    """This machine's real build of the kernels, which a stubbed compile hands out (tests/test_kernel_build.py)."""
+    require_kernels()
+    return Path(seqnorm.kernels.native("cpu").__file__)  # type: ignore[union-attr]
 
 
 def running_fallback(norm: str) -> dict[str, str]:

@@ -148,6 +148,25 @@ def test_classifier_labels_unlabelled_text(run: tuple[str, list[str]]) -> None:
         assert got["probability"] == pytest.approx(expected["probability"], abs=1e-6)
 
 
+@pytest.mark.parametrize("run", ["SequenceClassifier"], indirect=True)
+def test_a_classifier_checkpoint_tests_and_labels_with_nothing_but_the_file(run: tuple[str, list[str]]) -> None:
+    """The checkpoint supplies the data set-up (LabeledText, its vocabulary, labels, batch size): the run's own test
+    file when none is named, a named file alone (the training file unread), and texts to label alone."""
+    _, args = run
+    main(["test", *args, "--ckpt_path", str(LAST)])  # the full command
+    main(["test", "--ckpt_path", str(LAST), *QUIET])  # the run's own test file, named by the checkpoint
+    main(["test", "--ckpt_path", str(LAST), "--data.test_path", "test.tsv", *QUIET])
+    # no training file read: the vocabulary and labels are the checkpoint's
+    assert "train_path: null" in (run_path(3) / "config.yaml").read_text(encoding="utf-8")
+    accuracies = [logged_scalars(run_path(n))["test/acc"][-1][1] for n in (1, 2, 3)]
+    assert accuracies[0] == accuracies[1] == accuracies[2]
+    texts = [line.split("\t", 1)[1] for line in Path("test.tsv").read_text().splitlines()]
+    Path("unlabelled.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
+    main(["predict", "--ckpt_path", str(LAST), "--data.predict_path", "unlabelled.txt", *QUIET])
+    rows = (run_path(4) / "predictions.jsonl").read_text().splitlines()
+    assert len(rows) == len(texts)
+
+
 @pytest.mark.parametrize("run", ["LanguageModel"], indirect=True)
 def test_predict_with_the_runs_own_config_still_writes_predictions(run: tuple[str, list[str]]) -> None:
     """The fit run's config.yaml lists fit's callbacks, which replace predict's default list (its writer)."""

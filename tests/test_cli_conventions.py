@@ -85,10 +85,13 @@ def test_threads_flag_sets_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 # ---- a plain run: clean output, the progress bar, the thread line, logger false ------------------------------------
 
-# What Lightning prints on every run by design (device summary, the stop reason) and seqnorm's thread line.
+# What Lightning prints on every run by design (device summary, the stop reason), seqnorm's thread line, and what
+# was carved from the training text for validation and test (said once).
 EXPECTED_STDERR = (
     r"Seed set to 0",
     r"seqnorm: 1 torch CPU thread: SEQNORM_THREADS=1",
+    r"TextCorpus: carved from the end of the embedded synthetic task \(5000 lines\): 500 for val "
+    r"\(--data.val_fraction 0.1\) and 500 for test \(--data.test_fraction 0.1\); 4000 lines left for training",
     r"GPU available: .*",
     r"TPU available: .*",
     r"`Trainer\(limit_val_batches=1\)` was configured so 1 batch will be used\.",

@@ -167,6 +167,28 @@ def test_carry_round_trips_through_the_checkpoint_hooks() -> None:
     assert_close(restored._logits(batches[1], "train"), model._logits(batches[1], "train"), rtol=0, atol=0)
 
 
+@pytest.mark.usefixtures("float64")
+def test_a_process_takes_its_own_streams_of_a_saved_carry() -> None:
+    """A checkpoint holds every stream's carry; a process reading streams 2..3 of 4 (DDP's rank 1 of 2) continues
+    from those rows, and a run with another number of streams starts from zeros."""
+    model = _model("lstm", "layer")
+    ids = torch.randint(4, 11, (4 * 22,))
+    whole = StreamWindows(contiguous_streams(ids, 4), 8)
+    model._logits(collate_stream([whole[0]]), "train")
+    checkpoint: dict = {}
+    model.on_save_checkpoint(checkpoint)
+    own = whole.share(2, 1)
+    restored = _model("lstm", "layer")
+    restored.on_load_checkpoint(checkpoint)
+    expected = model._logits(collate_stream([whole[1]]), "train")[2:]
+    assert_close(restored._logits(collate_stream([own[1]]), "train"), expected, rtol=1e-12, atol=1e-12)
+    assert_close(restored.carried["train"][0], model.carried["train"][0][:, 2:], rtol=1e-12, atol=1e-12)
+    other = StreamWindows(contiguous_streams(ids, 8), 8).share(2, 1)  # --data.batch_size 8: other streams
+    restored.on_load_checkpoint(checkpoint)
+    from_zeros = restored.model(other[1][0])
+    assert_close(restored._logits(collate_stream([other[1]]), "train"), from_zeros, rtol=1e-12, atol=1e-12)
+
+
 def test_cli_trains_on_stream_windows(tmp_path: Path) -> None:
     text = "".join(f"line {i % 7} of a small corpus, said the {('cat', 'dog')[i % 2]}.\n" for i in range(300))
     (tmp_path / "c.txt").write_text(text, encoding="utf-8")

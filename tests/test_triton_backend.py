@@ -16,7 +16,7 @@ import os
 import re
 import tokenize
 from collections.abc import Iterator
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import pytest
@@ -243,6 +243,112 @@ def test_at_most_two_launches_a_step_forward_and_three_backward_and_no_sync_in_t
         per_step = (after["launches"] - before["launches"]) / 4
         assert per_step <= bound, f"{phase}: {per_step} launches a step"
         assert after["syncs"] == before["syncs"], f"{phase}: a host sync inside the loop"
+
+
+# Builds each recorded launch to Triton's IR for a Hopper GPU (sm_90) in a process without the interpreter: the
+# frontend's type checks, which the interpreter does not make, run on any machine.
+_BUILD = """
+import importlib, json, sys
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.compiler.compiler import make_backend
+from triton._C.libtriton import ir
+
+target = GPUTarget("cuda", 90, 32)
+backend = make_backend(target)
+options = backend.parse_options({})
+context = ir.context()
+ir.load_dialects(context)
+backend.load_dialects(context)
+failures = []
+for module, name, signature, constants in json.load(sys.stdin):
+    kernel = getattr(importlib.import_module(module), name)
+    try:
+        ASTSource(kernel, signature, constants).make_ir(
+            target, options, backend.get_codegen_implementation(options), backend.get_module_map(), context
+        )
+    except Exception as error:
+        failures.append(f"{name} {constants}: {str(error)[-400:]}")
+print("\\n\\n".join(failures))
+sys.exit(1 if failures else 0)
+"""
+
+_POINTERS = {
+    torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16", torch.float16: "fp16",
+    torch.int64: "i64", torch.int32: "i32", torch.bool: "i1", torch.uint8: "u8", torch.int8: "i8",
+}  # fmt: skip
+
+
+def _argument_type(value: Any) -> str:
+    """Triton's name for the type of a launch argument."""
+    if isinstance(value, torch.Tensor):
+        return "*" + _POINTERS[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"a launch argument of type {type(value).__name__}")
+
+
+@contextmanager
+def _recorded_launches() -> Iterator[dict[tuple[Any, ...], list[Any]]]:
+    """Every distinct kernel specialization launched inside: module, name, argument types, compile-time constants."""
+    from triton.runtime import interpreter
+
+    launches: dict[tuple[Any, ...], list[Any]] = {}
+    run = interpreter.InterpretedFunction.run
+
+    def recording(self: Any, *args: Any, grid: Any, warmup: Any, **kwargs: Any) -> Any:
+        parameters = inspect.signature(self.fn).parameters
+        bound = {**dict(zip(self.arg_names, args, strict=False)), **kwargs}
+        signature, constants = {}, {}
+        for name, parameter in parameters.items():
+            value = bound.get(name, parameter.default)
+            if value is None or "constexpr" in str(parameter.annotation):
+                signature[name], constants[name] = "constexpr", value
+            else:
+                signature[name] = _argument_type(value)
+        record = [self.fn.__module__, self.fn.__name__, signature, constants]
+        launches[repr(record)] = record
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(interpreter.InterpretedFunction, "run", recording)
+        yield launches
+
+
+def test_every_kernel_launch_builds_for_a_gpu() -> None:
+    """The interpreter runs what a GPU build refuses: an H200 refused the BN column kernels for a helper whose two
+    returns differed in type (int64 and int32), which every interpreted test had run. Each specialization that
+    training (lengths or none), evaluation, generation and autocast launch, for every kernel norm, cell and dtype, is
+    built to Triton's IR for an sm_90 target in a process without the interpreter."""
+    import json
+    import subprocess
+    import sys
+
+    with _recorded_launches() as launches:
+        for kind in ("lstm", "gru"):
+            for norm in KERNEL_NORMS:
+                for dtype in (torch.float32, torch.float64):
+                    layer = seqnorm.LAYERS[kind](2, 3, norm=norm, **_options(norm, 2)).to(dtype)
+                    for lengths in (torch.tensor([2, 1]), None):
+                        output, _ = layer(torch.randn(2, 2, 2, dtype=dtype, requires_grad=True), lengths=lengths)
+                        output.sum().backward()
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        output, _ = layer(torch.randn(2, 2, 2, dtype=dtype, requires_grad=True))
+                    output.float().sum().backward()
+                    with torch.no_grad():
+                        layer.eval()(torch.randn(2, 2, 2, dtype=dtype))
+                        layer.step(torch.randn(1, 2, dtype=dtype))
+    assert {record[1] for record in launches.values()} >= {"lstm_columns", "gru_columns"}, "no BN kernel ran"
+    environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-c", _BUILD], input=json.dumps(list(launches.values())), env=environment,
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, f"{len(launches)} launches built; failed:\n{result.stdout}{result.stderr[-2000:]}"
 
 
 def test_kernels_use_only_what_compiles_on_a_gpu() -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
+import os
 import warnings
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
@@ -16,6 +18,9 @@ from seqnorm.data.files import check_encoding
 from seqnorm.data.loader import ResumableDataLoader
 from seqnorm.data.sampler import BucketBatchSampler, EpochBatchSampler, InOrderBatchSampler, RandomBatchSampler
 from seqnorm.data.vocab import Vocabulary
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = ["SequenceDataModule", "check_at_least", "check_fraction"]
 
@@ -61,6 +66,35 @@ class SequenceDataModule(pl.LightningDataModule):
 
     def _build(self) -> dict[str, Dataset]:
         raise NotImplementedError
+
+    @classmethod
+    def load_from_checkpoint(  # type: ignore[override]
+        cls, checkpoint_path: str | os.PathLike[str], **kwargs: Any
+    ) -> Self:
+        """The DataModule a checkpoint's run read its data with: its saved arguments (``kwargs`` replace single
+        ones) and its vocabulary, as Lightning's ``load_from_checkpoint`` makes it, from a file that passes
+        :func:`~seqnorm.lightning.checkpoint_io.read_checkpoint`.
+
+        The file is read once, with ``weights_only=True``; the arguments must be plain values, and the class they
+        name must be this class or a subclass of it, never imported on the file's say-so (a foreign one is a
+        :class:`~seqnorm.lightning.checkpoint_io.CheckpointError`).
+        """
+        # imported here: seqnorm.lightning's modules import seqnorm.data
+        from seqnorm.lightning.checkpoint_io import DATA_HPARAMS_KEY, corrupt_checkpoint, data_class, read_checkpoint
+
+        flag = f"{cls.__name__}.load_from_checkpoint"
+        checkpoint = read_checkpoint(checkpoint_path, flag)
+        target = data_class(checkpoint, _subclasses(cls), checkpoint_path, flag) or cls
+        taken = inspect.signature(target.__init__).parameters  # names no longer taken are ignored, as Lightning does
+        saved = {name: value for name, value in (checkpoint.get(DATA_HPARAMS_KEY) or {}).items() if name in taken}
+        try:
+            datamodule = target(**{**saved, **kwargs})
+            state = checkpoint.get(target.__qualname__)  # where Lightning saves the DataModule's state_dict()
+            if state is not None:
+                datamodule.load_state_dict(state)
+        except DataError as error:  # a saved value the DataModule refuses
+            raise corrupt_checkpoint(f"{flag} {checkpoint_path}", str(error)) from None
+        return datamodule  # type: ignore[return-value]
 
     @property
     def datasets(self) -> dict[str, Dataset]:
@@ -168,3 +202,8 @@ class SequenceDataModule(pl.LightningDataModule):
                 "with the texts to predict"
             )
         return self._loader("test", shuffle=False, bucket=None)
+
+
+def _subclasses(cls: type) -> list[type]:
+    """``cls`` and every subclass of it defined so far."""
+    return [cls, *(found for subclass in cls.__subclasses__() for found in _subclasses(subclass))]

@@ -9,6 +9,7 @@ from functools import partial
 from typing import Any, Literal
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 
 from seqnorm.data.base import SequenceDataModule, check_at_least, check_fraction
@@ -79,11 +80,15 @@ class LabeledText(SequenceDataModule):
     Args:
         train_path: the training file. ``None``: the embedded task (see :func:`synthetic_labeled`), whose symbols
             are space-separated so both levels work.
-        val_path: the validation file. ``None``: a seeded random ``val_fraction`` of the training file.
+        val_path: the validation file. ``None``: a seeded random ``val_fraction`` of the training file (printed
+            once, with the sizes).
         test_path: the test file (also what ``predict`` labels without ``predict_path``). ``None``: no test split
             (the embedded task has one).
         predict_path: texts to label, one per non-blank line and without labels: what ``predict`` reads when
-            given (the model's vocabulary applies; tokens outside it become ``<unk>``).
+            given (the model's vocabulary applies; tokens outside it become ``<unk>``). ``val_path``, ``test_path``
+            and ``predict_path`` without a ``train_path`` are read only with the vocabulary and labels of a
+            checkpoint (``seqnorm predict --ckpt_path X --data.predict_path new.txt``); the embedded task is used
+            when no file at all is given.
         val_fraction: share of the training examples held out when there is no ``val_path``.
         format: ``"tsv"`` (``label<TAB>text``) or ``"first_token"`` (``label text...``): how a line splits.
         level: ``"word"`` or ``"char"`` tokens.
@@ -135,8 +140,6 @@ class LabeledText(SequenceDataModule):
             raise DataError(f"--data.format {format!r}: choose tsv or first_token")
         if level not in ("word", "char"):
             raise DataError(f"--data.level {level!r}: choose word or char")
-        if train_path is None and (val_path is not None or test_path is not None):
-            raise DataError("--data.val_path / --data.test_path need --data.train_path (the training file)")
         self.paths = {"train": train_path, "val": val_path, "test": test_path}
         self.predict_path = predict_path
         self.val_fraction = val_fraction
@@ -160,8 +163,13 @@ class LabeledText(SequenceDataModule):
         """Number of classes (the classifier's output size)."""
         return len(self.labels)
 
+    @property
+    def _evaluation_only(self) -> bool:
+        """Files to evaluate or label without a training file: read with a checkpoint's vocabulary and labels."""
+        return self.paths["train"] is None and (any(self.paths.values()) or self.predict_path is not None)
+
     def _read(self) -> dict[str, list[Example]]:
-        if self.paths["train"] is None:
+        if self.paths["train"] is None and not self._evaluation_only:
             sizes = SYNTHETIC_CLASSIFICATION_SIZES
             return {
                 split: [
@@ -180,6 +188,12 @@ class LabeledText(SequenceDataModule):
         return examples
 
     def _load_examples(self) -> dict[str, list[Example]]:
+        if self._evaluation_only and (self._labels is None or self._vocab is None):
+            raise DataError(
+                "--data.val_path / --data.test_path / --data.predict_path need --data.train_path (the training file, "
+                "from which the vocabulary and labels are built), unless a checkpoint supplies them (seqnorm "
+                "validate|test|predict --ckpt_path)"
+            )
         examples = self._read()
         if self._labels is None:
             # From the whole training file, so a rare label that falls into the held-out part still has an id.
@@ -190,7 +204,7 @@ class LabeledText(SequenceDataModule):
                     "only ever predict it",
                     stacklevel=2,
                 )
-        if self.paths["val"] is None and self.val_fraction > 0:
+        if self.paths["val"] is None and self.val_fraction > 0 and not self._evaluation_only:
             train = examples["train"]
             order = list(range(len(train)))
             random.Random(self.seed).shuffle(order)
@@ -204,6 +218,12 @@ class LabeledText(SequenceDataModule):
             # Both parts keep file order, so the split depends on the seed only, not on how it was shuffled.
             examples["val"] = [example for i, example in enumerate(train) if i in held_out]
             examples["train"] = [example for i, example in enumerate(train) if i not in held_out]
+            source = f"--data.train_path {self.paths['train']}" if self.paths["train"] else "the embedded task"
+            rank_zero_info(
+                f"LabeledText: held out {n_val} of the {len(train)} examples of {source} for validation (--data."
+                f"val_fraction {self.val_fraction}, drawn with --data.seed {self.seed}); {len(train) - n_val} left for "
+                "training"
+            )
         return examples
 
     def _tokens(self, text: str) -> list[str]:
@@ -230,7 +250,7 @@ class LabeledText(SequenceDataModule):
                 sequences.append(torch.tensor(self._vocab.encode(self._tokens(example.text)), dtype=torch.int64))
                 labels.append(label_ids[example.label])
             datasets[split] = ClassificationDataset(sequences, labels)
-        if len(datasets["train"]) < self.batch_size:
+        if len(datasets["train"]) < self.batch_size and not self._evaluation_only:
             source = self.paths["train"] or "the embedded task"
             raise DataError(
                 f"{source}: the training split has {len(datasets['train'])} examples but --data.batch_size is "

@@ -29,7 +29,18 @@ from torch.utils.data import Sampler
 
 from seqnorm.data.errors import DataError
 
-__all__ = ["BucketBatchSampler", "EpochBatchSampler", "InOrderBatchSampler", "RandomBatchSampler"]
+__all__ = ["BucketBatchSampler", "EpochBatchSampler", "InOrderBatchSampler", "RandomBatchSampler", "process_share"]
+
+
+def process_share(num_replicas: int | None = None, rank: int | None = None) -> tuple[int, int]:
+    """``(num_replicas, rank)``: the processes sharing the data and this one's rank; each ``None`` is read from
+    ``torch.distributed`` if a process group is initialized (Lightning's DDP), else 1 and 0."""
+    distributed = dist.is_available() and dist.is_initialized()
+    if num_replicas is None:
+        num_replicas = dist.get_world_size() if distributed else 1
+    if rank is None:
+        rank = dist.get_rank() if distributed else 0
+    return num_replicas, rank
 
 
 class _EpochIndices(Sampler[int]):
@@ -116,9 +127,7 @@ class EpochBatchSampler(Sampler[list[int]]):
         _refuse_a_sampler(type(self).__name__, num_examples)
         if batch_size < 1:
             raise DataError(f"--data.batch_size must be at least 1, got {batch_size}")
-        distributed = dist.is_available() and dist.is_initialized()
-        self.num_replicas = num_replicas if num_replicas is not None else (dist.get_world_size() if distributed else 1)
-        self.rank = rank if rank is not None else (dist.get_rank() if distributed else 0)
+        self.num_replicas, self.rank = process_share(num_replicas, rank)
         if not 0 <= self.rank < self.num_replicas:
             raise DataError(f"{type(self).__name__}: expected rank in [0, {self.num_replicas}), got {self.rank}")
         self.num_examples = num_examples
@@ -230,8 +239,9 @@ class RandomBatchSampler(EpochBatchSampler):
 
 class InOrderBatchSampler(EpochBatchSampler):
     """Yield ``range(num_examples)`` in order, cut into batches, the same every epoch: evaluation in file order, and
-    stream windows, whose order carries the recurrent state from one batch to the next (:mod:`seqnorm.data.streams`;
-    :class:`~seqnorm.data.TextCorpus` refuses those under DDP).
+    stream windows, whose order carries the recurrent state from one batch to the next (:mod:`seqnorm.data.streams`:
+    under DDP each process reads every window of its own streams, through an unsharded sampler,
+    ``num_replicas=1``).
 
     Sharded like the others, every batch kept (evaluation); an :class:`EpochBatchSampler` so that
     :class:`~seqnorm.data.ResumableDataLoader` resumes it mid-epoch.

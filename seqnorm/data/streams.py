@@ -10,6 +10,12 @@ truncated at window boundaries.
 
 These are plain tensor functions; :class:`StreamWindows` serves them as a map-style dataset (one item = one whole
 batch) for :class:`~seqnorm.data.TextCorpus` with ``unit="stream"`` and for the experiment scripts.
+
+Under data parallelism the streams, not the windows, are shared out (:meth:`StreamWindows.share`): process ``r`` of
+``W`` reads streams ``r * B/W .. (r + 1) * B/W - 1``, every window of them, in order, so each process carries the
+states of its own streams, and the ``W`` processes together read exactly the batches of one process on all ``B``
+streams. Sharding the windows instead would hand a stream's consecutive windows to different processes, whose carried
+states could not follow them.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from torch.utils.data import Dataset
 
 from seqnorm.data.errors import DataError
 
-__all__ = ["StreamWindows", "collate_stream", "contiguous_streams", "num_windows", "stream_window"]
+__all__ = ["StreamItem", "StreamWindows", "collate_stream", "contiguous_streams", "num_windows", "stream_window"]
 
 
 def contiguous_streams(ids: Tensor, num_streams: int, *, flag: str = "--data.batch_size") -> Tensor:
@@ -83,51 +89,99 @@ def stream_window(streams: Tensor, index: int, window_length: int) -> tuple[Tens
     return window[:, :-1], window[:, 1:]
 
 
+StreamItem = tuple[Tensor, Tensor, int, int, int, int]
+"""One :class:`StreamWindows` item: ``(inputs, targets, window, start, first_stream, num_streams)``."""
+
+
 class StreamWindows(Dataset):
     """The consecutive windows of ``B`` contiguous streams; item ``k`` is the whole batch ``k``.
 
     Args:
         streams: ``(B, N)`` ids, as :func:`contiguous_streams` returns them.
         window_length: ids per window (inputs and targets are ``window_length - 1`` long; the last may be shorter).
+        first_stream: the index of row 0 among all the streams of the split (:meth:`share` sets it).
+        total_streams: how many streams the split has in all; ``None``: ``B`` (these are all of them).
 
-    Item ``k``: ``(inputs, targets, k, start)``: ``(B, T)`` tensors, the window index and the stream position of
-    the window's first input (``k * (window_length - 1)``). Read them in order, one item per batch
-    (:func:`collate_stream` unpacks a batch of one item).
+    Item ``k``: ``(inputs, targets, k, start, first_stream, total_streams)``: ``(B, T)`` tensors, the window index,
+    the stream position of the window's first input (``k * (window_length - 1)``) and which of the split's streams
+    the rows are. Read them in order, one item per batch (:func:`collate_stream` unpacks a batch of one item).
     """
 
-    def __init__(self, streams: Tensor, window_length: int) -> None:
+    def __init__(
+        self, streams: Tensor, window_length: int, *, first_stream: int = 0, total_streams: int | None = None
+    ) -> None:
         if streams.dim() != 2:
             raise DataError(f"StreamWindows: expected streams of shape (B, N), got {tuple(streams.shape)}")
+        total = streams.shape[0] if total_streams is None else total_streams
+        if not 0 <= first_stream <= total - streams.shape[0]:
+            raise DataError(
+                f"StreamWindows: expected {streams.shape[0]} streams from first_stream within {total}, got "
+                f"first_stream {first_stream}"
+            )
         self.streams = streams
         self.window_length = window_length
+        self.first_stream = first_stream
+        self.total_streams = total
         self.count = num_windows(streams.shape[1], window_length)
 
     @property
     def num_streams(self) -> int:
+        """``B``, the streams this dataset reads (a process's share under :meth:`share`)."""
         return self.streams.shape[0]
+
+    def share(self, num_replicas: int, rank: int, *, flag: str = "--data.batch_size") -> StreamWindows:
+        """Process ``rank``'s streams of ``num_replicas``: the ``rank``-th of ``num_replicas`` equal blocks of rows,
+        every window of them (module docstring). One process (``num_replicas=1``) reads them all.
+
+        Raises:
+            DataError: if ``B`` is not a multiple of ``num_replicas`` (the processes' batches must be equal: DDP
+                averages their gradients, which equals the gradient of the whole batch only for equal shares).
+        """
+        if num_replicas == 1:
+            return self
+        if self.num_streams % num_replicas:
+            lower = self.num_streams // num_replicas * num_replicas
+            suggestion = " or ".join(str(n) for n in (lower, lower + num_replicas) if n > 0)
+            raise DataError(
+                f"{flag} {self.num_streams} with --data.unit stream: expected a multiple of the world size "
+                f"{num_replicas} (--trainer.devices x --trainer.num_nodes; each process reads {flag} / {num_replicas} "
+                f"of the streams), got {self.num_streams}: pass {flag} {suggestion}"
+            )
+        per_process = self.num_streams // num_replicas
+        rows = slice(rank * per_process, (rank + 1) * per_process)
+        return StreamWindows(
+            self.streams[rows],
+            self.window_length,
+            first_stream=self.first_stream + rows.start,
+            total_streams=self.total_streams,
+        )
 
     def __len__(self) -> int:
         return self.count
 
-    def __getitem__(self, index: int) -> tuple[Tensor, Tensor, int, int]:
+    def __getitem__(self, index: int) -> StreamItem:
         inputs, targets = stream_window(self.streams, index, self.window_length)
-        return inputs, targets, index, index * (self.window_length - 1)
+        return inputs, targets, index, index * (self.window_length - 1), self.first_stream, self.total_streams
 
 
-def collate_stream(batch: Sequence[tuple[Tensor, Tensor, int, int]], pad_index: int = 0) -> dict[str, Tensor]:
+def collate_stream(batch: Sequence[StreamItem], pad_index: int = 0) -> dict[str, Tensor]:
     """A batch of exactly one :class:`StreamWindows` item as a language-modelling batch dict.
 
     ``inputs``, ``targets`` ``(B, T)`` int64, ``lengths`` ``(B,)`` (all ``T``: streams are never padded), ``window``
-    (0-d int64: the window's index in the epoch, 0 where every stream starts) and ``start`` (0-d int64: the stream
-    position of the window's first input). ``pad_index`` is accepted for the collate interface and unused.
+    (0-d int64: the window's index in the epoch, 0 where every stream starts), ``start`` (0-d int64: the stream
+    position of the window's first input), ``first_stream`` and ``num_streams`` (0-d int64: row ``b`` is stream
+    ``first_stream + b`` of the split's ``num_streams``, all processes together). ``pad_index`` is accepted for the
+    collate interface and unused.
     """
     if len(batch) != 1:
         raise DataError(f"collate_stream: expected a batch of one stream window, got {len(batch)}")
-    inputs, targets, index, start = batch[0]
+    inputs, targets, index, start, first_stream, num_streams = batch[0]
     return {
         "inputs": inputs.contiguous(),  # (B, T)
         "targets": targets.contiguous(),  # (B, T)
         "lengths": torch.full((inputs.shape[0],), inputs.shape[1], dtype=torch.int64),  # (B,)
         "window": torch.tensor(index, dtype=torch.int64),
         "start": torch.tensor(start, dtype=torch.int64),
+        "first_stream": torch.tensor(first_stream, dtype=torch.int64),
+        "num_streams": torch.tensor(num_streams, dtype=torch.int64),
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 
 from seqnorm.data.base import SPLITS, SequenceDataModule, check_at_least, check_fraction
@@ -14,7 +15,7 @@ from seqnorm.data.files import read_text
 from seqnorm.data.formats import TEXT_FORMATS, TextFormat, apply_text_format
 from seqnorm.data.loader import ResumableDataLoader
 from seqnorm.data.registry import DatasetSpec, fetch_dataset, get_spec
-from seqnorm.data.sampler import InOrderBatchSampler
+from seqnorm.data.sampler import InOrderBatchSampler, process_share
 from seqnorm.data.streams import StreamWindows, collate_stream, contiguous_streams
 from seqnorm.data.synthetic import synthetic_lines
 from seqnorm.data.units import (
@@ -30,10 +31,13 @@ from seqnorm.data.units import (
 )
 from seqnorm.data.vocab import Vocabulary
 
-__all__ = ["SYNTHETIC_LM_LINES", "TextCorpus"]
+__all__ = ["DEFAULT_TEST_FRACTION", "SYNTHETIC_LM_LINES", "TextCorpus"]
 
 SYNTHETIC_LM_LINES = 5000
 """Lines of the embedded bracket task used when no file and no dataset is given (about 210k characters)."""
+
+DEFAULT_TEST_FRACTION = 0.1
+"""The share carved for test when ``test_fraction`` is not given and the training text is the only text."""
 
 
 class TextCorpus(SequenceDataModule):
@@ -45,16 +49,20 @@ class TextCorpus(SequenceDataModule):
     the state starts from zero: Cooijmans et al.'s protocol). ``stream`` units cut each split's token stream into
     ``batch_size`` contiguous streams read in consecutive windows, in order, for stateful truncated BPTT: row ``b``
     of batch ``k + 1`` continues row ``b`` of batch ``k`` (:mod:`seqnorm.data.streams`), and
-    :class:`~seqnorm.lightning.LanguageModel` carries its state across them. The vocabulary comes from the training
-    split only. Nothing is read until first needed, and then only once: :attr:`vocab_size` works right after
-    construction (LightningCLI links it to the model on instantiation).
+    :class:`~seqnorm.lightning.LanguageModel` carries its state across them. Under DDP each of the ``W`` processes
+    reads ``batch_size / W`` of the streams (every window of them), so ``W`` processes train on the batches of one.
+    The vocabulary comes from the training split only. Nothing is read until first needed, and then only once:
+    :attr:`vocab_size` works right after construction (LightningCLI links it to the model on instantiation).
 
     Args:
         path: one text file, split contiguously into train, val and test (train first) by ``val_fraction`` and
             ``test_fraction``. Same as ``train_path`` alone.
-        train_path: the training text. Splits without their own file are carved from its end.
+        train_path: the training text. Validation is carved from its end when there is no ``val_path``, and test
+            as ``test_fraction`` says; what is carved is printed once, with the sizes.
         val_path: the validation text.
-        test_path: the test text (also used by ``predict``).
+        test_path: the test text (also used by ``predict``). ``val_path``/``test_path`` without a training text
+            are read only with a vocabulary loaded from a checkpoint (``seqnorm test --ckpt_path X --data.test_path
+            new.txt``: the checkpoint supplies the rest).
         dataset: a registered corpus, see :data:`seqnorm.data.DATASETS` (downloaded once into ``cache_dir``).
         level: ``"char"`` or ``"word"`` tokens. ``None``: the dataset's default, else ``"char"``.
         unit: ``"line"``, ``"paragraph"``, ``"sentence"``, ``"window"`` or ``"stream"``. ``None``: the dataset's
@@ -62,8 +70,10 @@ class TextCorpus(SequenceDataModule):
             BPTT, the char-rnn setup); else ``"line"`` (word level, the embedded task).
         window_length: ids per window for ``unit="window"`` and ``"stream"`` (the truncated-BPTT length plus one),
             and the most any natural unit is cut into (inputs are at most ``window_length - 1`` long).
-        batch_size: sequences per batch (1 or more); with ``unit="stream"`` the number of streams, in every split
-            (each split must hold at least ``2 * batch_size`` tokens).
+        batch_size: sequences per batch (1 or more), per process under DDP; with ``unit="stream"`` the number of
+            streams, in every split (each split must hold at least ``2 * batch_size`` tokens), for all processes
+            together: under DDP a multiple of the world size, each process reading ``batch_size / world_size`` of
+            them (the text is cut the same whatever the number of processes, and so is what a checkpoint carries).
         bucket: batch sequences of similar length together (:class:`BucketBatchSampler`) to reduce padding
             (ignored by ``unit="stream"``, whose batches are in stream order).
         min_freq: tokens seen fewer times in training map to ``<unk>``.
@@ -75,15 +85,19 @@ class TextCorpus(SequenceDataModule):
             a file that looks like PTB-char is refused (its separators would make bpc falsely good); pass
             ``"plain"`` to read such a file as it is.
         val_fraction: share of the units carved for validation when there is no ``val_path``.
-        test_fraction: share of the units carved for test when there is no ``test_path``.
+        test_fraction: share of the units carved for test when there is no ``test_path``. ``None``:
+            :data:`DEFAULT_TEST_FRACTION` when the training text is the only text (one file, the embedded task, a
+            corpus without splits), nothing when a validation text is given (``val_path``): naming a validation file
+            keeps the whole training file for training unless a test share is asked for.
         seed: seeds the embedded task and the batch order.
         num_workers: DataLoader worker processes.
         cache_dir: where datasets are downloaded; ``None``: ``$SEQNORM_CACHE`` or ``~/.cache/seqnorm``.
         dataset_hash: a checksum (``sha256:<hex>`` or ``md5:<hex>``) for a dataset with none registered (text8).
 
     Batches are dicts: ``inputs`` and ``targets`` ``(B, T)`` int64 padded with :attr:`pad_index`, ``lengths``
-    ``(B,)`` int64; with ``unit="stream"`` also ``window`` (the window's index in the epoch, 0-d int64) and
-    ``start`` (the stream position of its first input): see :func:`~seqnorm.data.streams.collate_stream`.
+    ``(B,)`` int64; with ``unit="stream"`` also ``window`` (the window's index in the epoch, 0-d int64), ``start``
+    (the stream position of its first input), ``first_stream`` and ``num_streams`` (which of the split's streams
+    the rows are): see :func:`~seqnorm.data.streams.collate_stream`.
 
     Example:
         >>> corpus = TextCorpus(batch_size=4)  # the embedded bracket task, offline
@@ -112,27 +126,30 @@ class TextCorpus(SequenceDataModule):
         encoding: str = "utf-8",
         text_format: Literal["plain", "ptb_char"] | None = None,
         val_fraction: float = 0.1,
-        test_fraction: float = 0.1,
+        test_fraction: float | None = None,
         seed: int = 0,
         num_workers: int = 0,
         cache_dir: str | None = None,
         dataset_hash: str | None = None,
     ) -> None:
         super().__init__(batch_size, bucket, encoding, seed, num_workers)
+        # The arguments as given go into checkpoints (datamodule_hyper_parameters), so that evaluating one needs no
+        # data flags but the new file. logger=False: Lightning would log them beside the model's hyperparameters,
+        # and refuses a key of both with two values (the given `level=None` and the model's linked `level`).
+        self.save_hyperparameters(logger=False)
         check_at_least("window_length", window_length, 2)
         check_at_least("min_freq", min_freq, 1)
         check_at_least("max_vocab_size", max_vocab_size, 5)  # the 4 specials and at least one token
         check_fraction("val_fraction", val_fraction)
-        check_fraction("test_fraction", test_fraction)
-        if val_fraction + test_fraction >= 1.0:
+        if test_fraction is not None:
+            check_fraction("test_fraction", test_fraction)
+        if val_fraction + (test_fraction or 0.0) >= 1.0:
             raise DataError(
                 f"--data.val_fraction {val_fraction} plus --data.test_fraction {test_fraction} leave no training "
                 "text: their sum must be below 1"
             )
         if path is not None and train_path is not None:
             raise DataError("--data.path and --data.train_path both given: pass one (they mean the same)")
-        if (val_path is not None or test_path is not None) and path is None and train_path is None:
-            raise DataError("--data.val_path / --data.test_path need --data.train_path (the training text)")
         self.spec: DatasetSpec | None = None
         if dataset is not None:
             if any(p is not None for p in (path, train_path, val_path, test_path)):
@@ -160,8 +177,6 @@ class TextCorpus(SequenceDataModule):
         self.unit: Literal["line", "paragraph", "sentence", "window", "stream"] = unit or (  # type: ignore[assignment]
             self.spec.unit if self.spec else default_unit
         )
-        # No save_hyperparameters(): under LightningCLI it would record the given `level=None`, which Lightning
-        # refuses to merge with the model's linked `level`; the CLI's config.yaml records every data argument.
         self.paths = {"train": train_path or path, "val": val_path, "test": test_path}
         self._train_flag = "--data.train_path" if train_path is not None else "--data.path"
         self.window_length = window_length
@@ -178,15 +193,22 @@ class TextCorpus(SequenceDataModule):
         """Where the text comes from, as named in messages."""
         if self.spec is not None:
             return f"--data.dataset {self.spec.name}"
-        return self.paths["train"] or "the embedded synthetic task"
+        given = [path for path in self.paths.values() if path is not None]  # a training text first, if any
+        return given[0] if given else "the embedded synthetic task"
 
     def prepare_data(self) -> None:
         """Download the registered dataset, if any (Lightning calls this on one process only)."""
         if self.spec is not None:
             fetch_dataset(self.spec.name, self.cache_dir, self.dataset_hash)
 
+    @property
+    def _evaluation_only(self) -> bool:
+        """Validation or test files without a training text: read with a checkpoint's vocabulary."""
+        return self.spec is None and self.paths["train"] is None and any(self.paths.values())
+
     def _read(self) -> dict[str, str | None]:
-        """Each split's text, ``None`` for splits to be carved from the training text."""
+        """Each split's text, ``None`` for splits to be carved from the training text (or, with evaluation files
+        only, for splits there are none of)."""
         if self.spec is not None:
             files = fetch_dataset(self.spec.name, self.cache_dir, self.dataset_hash)
             texts: dict[str, str | None] = {}
@@ -195,7 +217,7 @@ class TextCorpus(SequenceDataModule):
                 source = f"--data.dataset {self.spec.name} ({files.get(split)})"
                 texts[split] = apply_text_format(text, self.text_format, source) if text is not None else None
             return texts
-        if self.paths["train"] is None:
+        if self.paths["train"] is None and not self._evaluation_only:
             return {"train": "\n".join(synthetic_lines(SYNTHETIC_LM_LINES, self.seed)), "val": None, "test": None}
         flags = {"train": self._train_flag}
         flags.update(val="--data.val_path", test="--data.test_path")
@@ -214,19 +236,51 @@ class TextCorpus(SequenceDataModule):
     def _load_items(self) -> dict[str, Any]:
         texts = self._read()
         items = {split: self._units(text) if text is not None else None for split, text in texts.items()}
-        train, val, test = carve(
-            items["train"],
-            self.val_fraction if items["val"] is None else None,
-            self.test_fraction if items["test"] is None else None,
-        )
+        if items["train"] is None:  # evaluation files only: nothing to train on, nothing to carve
+            empty = self._units("")
+            return {split: value if value is not None else empty for split, value in items.items()}
+        test_fraction = self.test_fraction
+        if test_fraction is None:  # a named validation text keeps the training text whole
+            test_fraction = DEFAULT_TEST_FRACTION if items["val"] is None else 0.0
+        fractions = {
+            "val": self.val_fraction if items["val"] is None else None,
+            "test": test_fraction if items["test"] is None else None,
+        }
+        train, val, test = carve(items["train"], fractions["val"], fractions["test"])
+        carved = {"val": (len(val), fractions["val"]), "test": (len(test), fractions["test"])}
+        self._report_carved(len(items["train"]), len(train), carved)
         return {
             "train": train,
             "val": items["val"] if items["val"] is not None else val,
             "test": items["test"] if items["test"] is not None else test,
         }
 
+    def _report_carved(self, total: int, kept: int, carved: dict[str, tuple[int, float | None]]) -> None:
+        """Say once (on rank 0) what was carved from the training text, with the sizes."""
+        parts = [
+            f"{size} for {split} (--data.{split}_fraction {fraction})"
+            for split, (size, fraction) in carved.items()
+            if size
+        ]
+        if not parts:
+            return
+        what = "tokens" if self.unit in STREAM_UNITS else f"{self.unit}s"
+        if self.unit in STREAM_UNITS and self.level == "char":
+            what = "characters"
+        source = f"{self._train_flag} {self.paths['train']}" if self.paths["train"] else self.source
+        rank_zero_info(
+            f"TextCorpus: carved from the end of {source} ({total} {what}): {' and '.join(parts)}; {kept} {what} "
+            "left for training"
+        )
+
     def _build(self) -> dict[str, Dataset]:
         if self._items is None:
+            if self._evaluation_only and self._vocab is None:
+                raise DataError(
+                    "--data.val_path / --data.test_path need --data.train_path (the training text, from which the "
+                    "vocabulary is built), unless a checkpoint supplies the vocabulary (seqnorm validate|test|"
+                    "predict --ckpt_path)"
+                )
             self._items = self._load_items()
         if self._vocab is None:
             counts = vocab_counts(self._items["train"], self.level, self.unit)
@@ -240,7 +294,7 @@ class TextCorpus(SequenceDataModule):
             else:
                 sequences = encode_units(items, self._vocab, self.level, self.window_length)
             datasets[split] = LanguageModelingDataset(sequences)
-        if len(datasets["train"]) < self.batch_size:
+        if len(datasets["train"]) < self.batch_size and not self._evaluation_only:
             raise DataError(
                 f"{self.source}: the training split has {len(datasets['train'])} sequences ({self.unit} units of "
                 f"at most --data.window_length {self.window_length} tokens) but --data.batch_size is "
@@ -271,17 +325,11 @@ class TextCorpus(SequenceDataModule):
             raise DataError(
                 f"{self.source}: no {split} text: raise --data.{split}_fraction or pass --data.{split}_path"
             )
-        dataset = self.datasets[split]
+        dataset = self._stream_share(split)
         # One item is a whole batch, in order: the state carried from batch k into batch k+1 continues each stream.
-        # Resumable in every split (only training is ever resumed; the others merely share the loader).
-        sampler = InOrderBatchSampler(len(dataset), 1, seed=self.seed)
-        if sampler.num_replicas > 1:
-            # Sharding the windows would hand a stream's consecutive windows to different processes, whose carried
-            # states could not follow them; each process would need streams of its own.
-            raise DataError(
-                f"--data.unit stream: expected one process, got {sampler.num_replicas} (torch.distributed): stateful "
-                "stream windows cannot be sharded across processes yet; use --data.unit window or line with DDP"
-            )
+        # Every process reads every window of its own streams (unsharded sampler). Resumable in every split (only
+        # training is ever resumed; the others merely share the loader).
+        sampler = InOrderBatchSampler(len(dataset), 1, seed=self.seed, num_replicas=1, rank=0)
         return ResumableDataLoader(
             dataset,
             batch_sampler=sampler,
@@ -291,8 +339,15 @@ class TextCorpus(SequenceDataModule):
             generator=torch.Generator().manual_seed(self.seed),
         )
 
+    def _stream_share(self, split: str) -> StreamWindows:
+        """This process's streams of ``split`` (all of them without DDP): see :meth:`StreamWindows.share`."""
+        dataset = self.datasets[split]
+        assert isinstance(dataset, StreamWindows)
+        return dataset.share(*process_share())
+
     def predict_dataloader(self) -> DataLoader:
-        """The test split in file order; with ``unit="stream"`` its windows in order, each one batch."""
+        """The test split in file order; with ``unit="stream"`` its windows in order, each one batch (under DDP each
+        process predicts its own streams)."""
         loader = super().predict_dataloader()
         if self.unit != "stream":
             return loader
@@ -300,7 +355,7 @@ class TextCorpus(SequenceDataModule):
         # which ResumableDataLoader refuses (its sampler is the position a resumed fit restores); nothing resumes
         # a prediction.
         return DataLoader(
-            loader.dataset,
+            self._stream_share("test"),
             batch_size=1,
             shuffle=False,
             collate_fn=collate_stream,

@@ -2,11 +2,13 @@
 
 The C++ sources are in ``seqnorm/csrc`` (``norms.h``: each norm's step and backward; ``cells.h``: the gates;
 ``recurrence.cpp``: the time loops). They are compiled once per machine with torch's ``cpp_extension`` by the
-project's set-up (``make venv`` runs ``python -m seqnorm.kernels``) into a cache directory
-(:func:`cache_dir`), keyed by the sources, the torch version and the CPU's vector instructions, and loaded from
-there; a run never compiles. Without a build — no compiler, a failed build, ``SEQNORM_KERNELS=0`` — every layer runs
-its plain-PyTorch path (``seqnorm/layers/bptt.py`` and the loop), which is also the reference the tests compare the
-kernels with, and one warning says why.
+first layer that needs them (or ahead of time by ``python -m seqnorm.kernels``, which ``make venv`` runs) into a cache
+directory (:func:`cache_dir`), keyed by the sources, the torch version and the CPU's vector instructions, and loaded
+from there. A first-use build prints one notice (what, where, how long, how to opt out) and holds a file lock, so
+that processes starting together (DDP ranks, pytest-xdist workers) build once and the others wait and then load it.
+Without a build — no compiler, a failed build (recorded beside the cache and not retried by later processes),
+``SEQNORM_KERNELS=0`` — every layer runs its plain-PyTorch path (``seqnorm/layers/bptt.py`` and the loop), which is
+also the reference the tests compare the kernels with, and one warning says why.
 
 Memory: the large tensors of the recurrences (a training step's saved activations, the input projection) come from
 blocks the kernels keep between calls, up to :data:`CACHE_ENV` MiB (``csrc/buffers.h``; :func:`empty_cache`,
@@ -45,6 +47,8 @@ import math
 import os
 import shutil
 import sys
+import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -206,21 +210,51 @@ def _library(directory: Path) -> Path:
     return directory / (f"{NAME}.pyd" if sys.platform == "win32" else f"{NAME}.so")
 
 
-def build(verbose: bool = False) -> Path:
+BUILD_TIME = "1-3 minutes"
+"""How long a cold build takes, for the first-use notice: the one compile of ``recurrence.cpp`` is about 40 s of CPU
+time on one core of an AMD EPYC, 87-165 s of wall time on its 2 shared cores (README, "Built on first use")."""
+
+
+def _failed(directory: Path) -> Path:
+    return directory.with_name(directory.name + ".failed")
+
+
+def build(verbose: bool = False, *, first_use: bool = False) -> Path:
     """Compile the kernels for this machine into :func:`cache_dir` (a no-op when that build exists); its path.
 
-    Raises whatever torch's ``cpp_extension`` raises when there is no compiler or the build fails, after noting the
-    failure beside the build (:func:`status` and the layers' warning then say why, not only "not built").
+    One process at a time builds (a file lock beside the build): a process that finds another building waits for it,
+    says so, and takes its build. ``first_use`` (the layers' call, :func:`native`) prints the notice of what is
+    being built, where, for how long and how to opt out, and does not retry a build that failed before (an explicit
+    ``python -m seqnorm.kernels`` does). Raises whatever torch's ``cpp_extension`` raises when there is no compiler
+    or the build fails, after noting the failure beside the build (:func:`status` and the layers' warning then say
+    why, not only "not built").
     """
-    from torch.utils import cpp_extension
-
     capability = _capability()
     directory = cache_dir() / _build_key(capability)
     if _library(directory).exists():
         return _library(directory)
-    failed = directory.with_name(directory.name + ".failed")
-    # A directory of this process's own: two first builds sharing a cache (two clones, two CI jobs) deleted each
-    # other's files in one shared .partial directory, and both failed.
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with _build_lock(directory):
+        if _library(directory).exists():  # another process built it while this one waited
+            return _library(directory)
+        if first_use:
+            if _failed(directory).exists():  # another process's build just failed: do not repeat it
+                raise RuntimeError(_failed(directory).read_text(encoding="utf-8"))
+            _notice(
+                f"seqnorm: building the C++ kernels for this machine into {directory} (once per torch and seqnorm "
+                f"version; about {BUILD_TIME}). Set {ENV_SWITCH}=0 to skip them and run the plain-PyTorch path."
+            )
+        started = time.perf_counter()
+        path = _compile(directory, capability, verbose)
+        if first_use:
+            _notice(f"seqnorm: the C++ kernels are built ({time.perf_counter() - started:.0f} s).")
+        return path
+
+
+def _compile(directory: Path, capability: str, verbose: bool) -> Path:
+    from torch.utils import cpp_extension
+
+    # A directory of this process's own, renamed into place whole: a build interrupted halfway is never loaded.
     work = directory.with_name(f"{directory.name}.partial-{os.getpid()}")
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -233,28 +267,60 @@ def build(verbose: bool = False) -> Path:
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(work),
                 verbose=verbose,
+                # dlopen'ed only, not imported as a module: imported, it was the module _load_cpu got back too
+                # (CPython keeps an extension's first module), with the __file__ of this directory, renamed below
+                is_python_module=False,
             )
-    except Exception as error:
+    except BaseException as error:  # an interrupted build (Ctrl-C) leaves nothing behind and is not a failure
         shutil.rmtree(work, ignore_errors=True)
-        failed.write_text(f"{type(error).__name__}: {error}".splitlines()[0][:500], encoding="utf-8")
+        if isinstance(error, Exception):
+            reason = f"{type(error).__name__}: {error}".splitlines()[0][:500]
+            _failed(directory).write_text(reason, encoding="utf-8")
         raise
-    failed.unlink(missing_ok=True)
-    # Renamed into place whole, so a build interrupted halfway is never loaded; a build another process finished
-    # first is kept (it is the same source and flags).
+    _failed(directory).unlink(missing_ok=True)
     try:
         work.rename(directory)
-    except OSError:
+    except OSError:  # a build that holds no lock finished first (an older seqnorm sharing the cache): same sources
         shutil.rmtree(work, ignore_errors=True)
     return _library(directory)
 
 
 @contextlib.contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    """Hold ``<build>.lock`` (``filelock``: released by the system when a process dies, so never stale)."""
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(directory.with_name(directory.name + ".lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        _notice(f"seqnorm: waiting for another process to finish building the C++ kernels in {directory} ...")
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _notice(message: str) -> None:
+    # stderr, not a warning: it must show even where warnings are filtered, and a filter must not turn it into an
+    # error in the middle of a build.
+    print(message, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
 def _interpreter_tools_on_path() -> Iterator[None]:
     """The running interpreter's scripts folder on ``PATH`` while torch builds: ``ninja`` (a dependency) is
-    installed there, and torch looks for it on ``PATH``, which a venv's python run by its path does not change."""
-    scripts = str(Path(sys.executable).parent)
+    installed there, and torch looks for it on ``PATH``, which a venv's python run by its path does not change. Then
+    the folder the ``ninja`` package found its program in (``pip install --user`` puts it in ``~/.local/bin``, often
+    not on ``PATH``)."""
+    folders = [str(Path(sys.executable).parent)]
+    with contextlib.suppress(ImportError):
+        import ninja
+
+        folders += [ninja.BIN_DIR] if ninja.BIN_DIR and ninja.BIN_DIR not in folders else []
     previous = os.environ.get("PATH", "")
-    os.environ["PATH"] = scripts + os.pathsep + previous
+    os.environ["PATH"] = os.pathsep.join([*folders, previous])
     try:
         yield
     finally:
@@ -293,20 +359,28 @@ def _load_triton(device_type: str) -> Backend | None:
     return triton_backend  # type: ignore[return-value]  # the module has the Protocol's attributes
 
 
-def _load_cpu() -> Backend | None:
+def _load_cpu(build_missing: bool = True) -> Backend | None:
+    """The C++ kernels, built first when they are missing and can be (``build_missing``: the layers' first use;
+    :func:`status` only looks)."""
     if _backend_setting() == "triton":
         return _load_triton("cpu")
     directory = cache_dir() / _build_key(_capability())
     path = _library(directory)
+    if not path.exists() and build_missing and _compiler() and not _failed(directory).exists():
+        try:
+            build(first_use=True)
+        except Exception as error:  # recorded beside the build (the warning names it), unless that failed too
+            if not _failed(directory).exists():
+                _WHY_NOT["cpu"] = f"the C++ kernels could not be built ({type(error).__name__}: {error})"
+                return None
     if not path.exists():
-        failed = directory.with_name(directory.name + ".failed")
-        if failed.exists():
-            reason = failed.read_text(encoding="utf-8")
+        if _failed(directory).exists():
+            reason = _failed(directory).read_text(encoding="utf-8")
             how = f"their last build failed: {reason}; fix that, then `python -m seqnorm.kernels`"
-        elif not shutil.which(os.environ.get("CXX", "c++")):
+        elif not _compiler():
             how = "no C++ compiler was found"
         else:
-            how = "run `python -m seqnorm.kernels` (or `make venv`) once"
+            how = f"the first layer to use them builds them, about {BUILD_TIME}; or `python -m seqnorm.kernels`"
         _WHY_NOT["cpu"] = f"the C++ kernels are not built for this machine and source version ({how})"
         return None
     try:
@@ -379,9 +453,19 @@ def cache_info() -> CacheInfo:
     return CacheInfo(*module.cache_info()) if module is not None else CacheInfo(0, 0, 0, 0)
 
 
-BACKENDS: dict[str, Callable[[], Backend | None]] = {"cpu": _load_cpu, "cuda": lambda: _load_triton("cuda")}
+def _compiler() -> bool:
+    return shutil.which(os.environ.get("CXX", "c++")) is not None
+
+
+BACKENDS: dict[str, Callable[..., Backend | None]] = {
+    "cpu": _load_cpu,
+    "cuda": lambda build_missing=True: _load_triton("cuda"),
+}
 """Per device type, a loader of its :class:`~seqnorm.kernels.backend.Backend` (``None`` when it cannot run;
-``status`` says why)."""
+``status`` says why). ``build_missing=False``: look only, build nothing (:func:`status`)."""
+_LOADING = threading.Lock()  # two threads' first layers: one builds and loads, the other then finds it loaded
+if hasattr(os, "register_at_fork"):  # a fork while another thread builds must not leave the child's lock held
+    os.register_at_fork(after_in_child=lambda: globals().update(_LOADING=threading.Lock()))
 
 
 def native(device_type: str) -> Backend | None:
@@ -393,17 +477,23 @@ def native(device_type: str) -> Backend | None:
     if not _ENABLED[0]:
         return None
     if device_type not in _LOADED:
-        loader = BACKENDS.get(device_type)
-        module = None if loader is None else loader()
-        _LOADED[device_type] = module
-        if module is None and loader is not None:
-            warnings.warn(
-                f"seqnorm: {_WHY_NOT[device_type]}; the normalized layers run their plain-PyTorch path (same "
-                "results, slower).",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        with _LOADING:
+            if device_type not in _LOADED:
+                _load(device_type)
     return _LOADED[device_type]
+
+
+def _load(device_type: str) -> None:
+    loader = BACKENDS.get(device_type)
+    module = None if loader is None else loader()
+    _LOADED[device_type] = module
+    if module is None and loader is not None:
+        warnings.warn(
+            f"seqnorm: {_WHY_NOT[device_type]}; the normalized layers run their plain-PyTorch path (same "
+            "results, slower).",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
 def status(device_type: str = "cpu") -> str:
@@ -413,7 +503,7 @@ def status(device_type: str = "cpu") -> str:
     module = _LOADED.get(device_type)
     if device_type not in _LOADED:  # asked without caching a miss, so that the layers' first miss still warns
         loader = BACKENDS.get(device_type)
-        module = None if loader is None else loader()
+        module = None if loader is None else loader(build_missing=False)  # `seqnorm --version` must not compile
         if module is not None:
             _LOADED[device_type] = module
     if module is not None:

@@ -1,7 +1,8 @@
 """``python -m seqnorm.kernels``: compile seqnorm's C++ kernels for this machine (once; later runs find the build).
 
 Without a compiler, or when the build fails, it says so and exits 0 — the layers then run their plain-PyTorch path
-(``--strict``: exit 1 instead). ``make venv`` runs it.
+(``--strict``: exit 1 instead). ``make venv`` runs it; elsewhere the first layer that needs the kernels builds them,
+and this command builds them ahead of time (a Docker image, a cluster's login node) or retries a build that failed.
 """
 
 from __future__ import annotations

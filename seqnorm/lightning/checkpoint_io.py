@@ -6,8 +6,9 @@ calling it, so a crafted file is refused and nothing in it is executed. seqnorm'
 values (the vocabulary is stored as lists and dicts), so nothing needs to be allow-listed beyond
 :data:`ALLOWED_GLOBALS`.
 
-A checkpoint also names the class to build (``hyper_parameters["_class_path"]``, written by LightningCLI);
-:func:`task_class` resolves it only among classes given by the caller and never imports the named module.
+A checkpoint also names the class to build (``hyper_parameters["_class_path"]``, written by LightningCLI), and the
+data's (``datamodule_hyper_parameters["_class_path"]``); :func:`task_class` and :func:`data_class` resolve them only
+among classes given by the caller and never import the named module.
 
 Each checkpoint is read from disk once: the checks and the model built from it see the same bytes. Reading the path
 again after the checks (as Lightning's own loaders do) would let a file swapped in between — a symlink flipped to a
@@ -33,11 +34,14 @@ from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 __all__ = [
     "ALLOWED_GLOBALS",
     "CHECKPOINT_KEYS",
+    "DATA_HPARAMS_KEY",
     "CheckedCheckpointIO",
     "CheckpointError",
+    "check_data_hyper_parameters",
     "check_hyper_parameters",
     "checked_stream",
     "corrupt_checkpoint",
+    "data_class",
     "names_class",
     "read_checkpoint",
     "read_hparams_file",
@@ -52,6 +56,10 @@ Empty: everything seqnorm writes is a tensor or a plain container. Add a type he
 
 CHECKPOINT_KEYS = ("state_dict", "hyper_parameters")
 """Keys every checkpoint written by ``seqnorm fit`` holds."""
+
+DATA_HPARAMS_KEY = "datamodule_hyper_parameters"
+"""Where Lightning saves a DataModule's ``save_hyperparameters()`` (its ``CHECKPOINT_HYPER_PARAMS_KEY``): for
+seqnorm's data modules, the arguments the run's data was made with, each a plain value."""
 
 INSTANTIATOR = "lightning.pytorch.cli.instantiate_module"
 """The only ``_instantiator`` a checkpoint may name: the one LightningCLI writes (and Lightning allow-lists)."""
@@ -144,6 +152,7 @@ def read_checkpoint(path: str | os.PathLike[str], flag: str = "--ckpt_path") -> 
             f"{' and '.join(CHECKPOINT_KEYS)}, got {held or type(checkpoint).__name__}"
         )
     check_hyper_parameters(checkpoint["hyper_parameters"], where)
+    check_data_hyper_parameters(checkpoint.get(DATA_HPARAMS_KEY), where)
     return checkpoint
 
 
@@ -175,6 +184,35 @@ def check_hyper_parameters(hparams: object, where: str) -> None:
     if instantiator is not None and instantiator != INSTANTIATOR:
         raise CheckpointError(
             f"{where}: refused: its hyper_parameters name the instantiator {instantiator!r}; only {INSTANTIATOR} "
+            "is accepted, and the named one was not imported"
+        )
+
+
+def check_data_hyper_parameters(hparams: object, where: str) -> None:
+    """Refuse data hyperparameters (:data:`DATA_HPARAMS_KEY`) other than plain values under string names.
+
+    seqnorm's data modules take only names, numbers, switches and file paths; a path is typed ``str`` and never
+    read as a config, so unlike the model's strings it may name a file. ``None`` (a checkpoint without them) passes.
+
+    Raises:
+        CheckpointError: ``hparams`` is not a dict, holds a value that is not ``None``, a bool, a number or a
+            string (a nested dict or list, where jsonargparse could find a ``class_path``), or names an
+            ``_instantiator`` other than LightningCLI's.
+    """
+    if hparams is None:
+        return
+    if not isinstance(hparams, dict):
+        raise CheckpointError(f"{where}: expected {DATA_HPARAMS_KEY} to be a dict, got {type(hparams).__name__}")
+    for name, value in hparams.items():
+        if not isinstance(name, str) or not (value is None or isinstance(value, str | int | float | bool)):
+            raise CheckpointError(
+                f"{where}: refused: its {DATA_HPARAMS_KEY}.{name} is a {type(value).__name__}; seqnorm's data "
+                "arguments are plain values (names, numbers, paths), and nothing in it was parsed or imported"
+            )
+    instantiator = hparams.get("_instantiator")
+    if instantiator is not None and instantiator != INSTANTIATOR:
+        raise CheckpointError(
+            f"{where}: refused: its {DATA_HPARAMS_KEY} name the instantiator {instantiator!r}; only {INSTANTIATOR} "
             "is accepted, and the named one was not imported"
         )
 
@@ -299,13 +337,31 @@ def task_class(
     its choice. Returns ``None`` for a checkpoint written without the CLI (no ``_class_path``).
     """
     class_path = checkpoint["hyper_parameters"].get("_class_path")
-    if class_path is None:
-        return None
+    return None if class_path is None else _allowed_class(class_path, allowed, "hyper_parameters", f"{flag} {path}")
+
+
+def data_class(
+    checkpoint: dict[str, Any], allowed: Sequence[type], path: str | os.PathLike[str], flag: str = "--ckpt_path"
+) -> type | None:
+    """The DataModule class among ``allowed`` that the checkpoint's run read its data with.
+
+    Named by ``datamodule_hyper_parameters["_class_path"]`` (written by LightningCLI), or, in a checkpoint written
+    without it (before seqnorm saved its ``TextCorpus`` arguments, or by a plain ``Trainer.fit``), by the key
+    Lightning saves the DataModule's state under, its class name. Never imports anything, as :func:`task_class`.
+    Returns ``None`` when neither is there (a run without a DataModule).
+    """
+    class_path = (checkpoint.get(DATA_HPARAMS_KEY) or {}).get("_class_path")
+    if class_path is not None:
+        return _allowed_class(class_path, allowed, DATA_HPARAMS_KEY, f"{flag} {path}")
+    return next((cls for cls in allowed if isinstance(checkpoint.get(cls.__qualname__), dict)), None)
+
+
+def _allowed_class(class_path: object, allowed: Sequence[type], key: str, where: str) -> type:
     for cls in allowed:
         if names_class(class_path, cls):
             return cls
     names = ", ".join(cls.__name__ for cls in allowed)
     raise CheckpointError(
-        f"{flag} {path}: refused: the checkpoint's hyper_parameters name the class {class_path!r}, which is not "
-        f"one of {names}; the named module was not imported. Use a checkpoint written by `seqnorm fit`"
+        f"{where}: refused: the checkpoint's {key} name the class {class_path!r}, which is not one of {names}; the "
+        "named module was not imported. Use a checkpoint written by `seqnorm fit`"
     )

@@ -6,6 +6,8 @@ import math
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -30,6 +32,10 @@ class LanguageModel(TaskModule):
     of each window, detached, starts the next window of the same stage (train, val and test each keep their own),
     and window 0 (every epoch's first) starts from zeros. The training carry is saved in checkpoints, so a resumed
     run continues the streams where it stopped. ``predict`` runs every window from zeros.
+
+    Under DDP each process reads its own block of the streams (``first_stream`` in the batch) and carries their
+    states, in training and evaluation alike; a checkpoint holds the carry of every stream (gathered from all
+    processes), and each process of a resumed run, whatever their number, takes the rows of its own streams.
 
     Args:
         vocab_size: number of token ids; linked from the DataModule by the CLI.
@@ -116,7 +122,11 @@ class LanguageModel(TaskModule):
         self._init_metrics("loss")
         self.carried: dict[str, Any] = {}
         """Per stage, the detached final state of the latest stream window (``None``/absent: start from zeros)."""
-        self._carry_undo: tuple[int, Any] = (-1, None)  # (training batch counter, the carry before that batch)
+        self._carried_streams: dict[str, tuple[int, int]] = {}
+        """Per stage, which streams :attr:`carried` holds: ``(first_stream, num_streams)``, its row 0 and the split's
+        total (absent: the rows of the next window)."""
+        # (training batch counter, the carry before that batch and its streams)
+        self._carry_undo: tuple[int, Any, tuple[int, int] | None] = (-1, None, None)
 
     def forward(self, inputs: Tensor, lengths: Tensor | None = None) -> Tensor:
         return self.model(inputs, lengths)
@@ -125,19 +135,21 @@ class LanguageModel(TaskModule):
         """The batch's logits; stream windows start from the stage's carried state and leave theirs behind."""
         if "window" not in batch:
             return self(batch["inputs"], batch["lengths"])
+        rows = batch["inputs"].shape[0]
+        streams = (int(batch.get("first_stream", 0)), int(batch.get("num_streams", rows)))
         state = self.carried.get(stage) if int(batch["window"]) > 0 else None
         if state is not None:
-            state = _to(state, batch["inputs"])
-            if _rows(state) != batch["inputs"].shape[0]:
-                state = None  # another number of streams (a resumed run with another --data.batch_size)
+            state = _rows_of(_to(state, batch["inputs"]), self._carried_streams.get(stage, streams), streams, rows)
         first_step = int(batch["start"]) if self.hparams.stream_steps == "continue" else 0
         # Streams are never padded: no lengths, so no masks on the way.
         logits, final = self.model.forward_with_state(batch["inputs"], None, state, first_step=first_step)
         if stage == "train" and self._trainer is not None:
             # A checkpoint written on an exception inside this step redoes it: it must keep the carry before it.
-            self._carry_undo = (self.trainer.fit_loop.epoch_loop.batch_progress.total.ready, self.carried.get(stage))
+            counter = self.trainer.fit_loop.epoch_loop.batch_progress.total.ready
+            self._carry_undo = (counter, self.carried.get(stage), self._carried_streams.get(stage))
         # Detached: gradients stop at the window boundary (truncated BPTT); the values flow on.
         self.carried[stage] = _detach(final)
+        self._carried_streams[stage] = streams
         return logits
 
     def population_forward(self, batch: dict[str, Tensor]) -> Tensor:
@@ -177,7 +189,8 @@ class LanguageModel(TaskModule):
         """One row per sequence of :meth:`predict_step`'s output, for
         :class:`~seqnorm.lightning.prediction_writer.PredictionWriter`: ``tokens``, ``loss`` (nats per token), and
         ``bpc`` (character level) or ``ppl`` (word level) as the metrics logged in training; stream windows
-        (``unit="stream"``, each window started from zeros) add ``window`` and ``stream``, the row's position."""
+        (``unit="stream"``, each window started from zeros) add ``window`` and ``stream``, the row's position (its
+        index among all the streams, under DDP too)."""
         losses, tokens = prediction["loss"].tolist(), prediction["tokens"].tolist()
         records: list[dict[str, Any]] = []
         for row, (loss, count) in enumerate(zip(losses, tokens, strict=True)):
@@ -187,18 +200,37 @@ class LanguageModel(TaskModule):
             else:
                 record["ppl"] = math.exp(loss)
             if "window" in batch:
-                record.update(window=int(batch["window"]), stream=row)
+                record.update(window=int(batch["window"]), stream=int(batch.get("first_stream", 0)) + row)
             records.append(record)
         return records
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._batch_rewound = False
         super().on_save_checkpoint(checkpoint)
-        carried = self.carried.get("train")
+        carried, streams = self.carried.get("train"), self._carried_streams.get("train")
         if self._batch_rewound and self._carry_undo[0] == self.trainer.fit_loop.epoch_loop.batch_progress.total.ready:
-            carried = self._carry_undo[1]  # the rewound step had already carried its state on
+            _, carried, streams = self._carry_undo  # the rewound step had already carried its state on
         if carried is not None:
-            checkpoint[STREAM_STATE_KEY] = {"train": _as_dict(carried)}
+            checkpoint[STREAM_STATE_KEY] = {"train": self._every_stream(_as_dict(carried), streams)}
+
+    def _every_stream(self, carried: dict[str, Tensor], streams: tuple[int, int] | None) -> dict[str, Tensor]:
+        """The carry of every stream: each process's own rows, gathered in stream order (a collective: Lightning
+        calls ``on_save_checkpoint`` on every process, which all save together)."""
+        if self._trainer is None or self.trainer.world_size == 1 or streams is None:
+            return carried
+        # torch.distributed itself: LightningModule.all_gather goes through a deprecated autograd gather (a warning
+        # per call).
+        world_size, total = self.trainer.world_size, streams[1]
+        firsts = [torch.zeros((), dtype=torch.int64, device=self.device) for _ in range(world_size)]
+        dist.all_gather(firsts, torch.tensor(streams[0], device=self.device))
+        whole = {}
+        for name, state in carried.items():  # (num_layers, B / world_size, H) each
+            shares = [torch.empty_like(state) for _ in range(world_size)]
+            dist.all_gather(shares, state.contiguous())
+            whole[name] = state.new_zeros(state.shape[0], total, state.shape[2])
+            for first, share in zip(firsts, shares, strict=True):
+                whole[name][:, int(first) : int(first) + share.shape[1]] = share
+        return whole
 
     def _rewind_unfinished(self, trainer: pl.Trainer, checkpoint: dict[str, Any]) -> bool:
         self._batch_rewound = super()._rewind_unfinished(trainer, checkpoint)
@@ -208,6 +240,8 @@ class LanguageModel(TaskModule):
         super().on_load_checkpoint(checkpoint)
         saved = checkpoint.get(STREAM_STATE_KEY, {}).get("train")
         self.carried = {} if saved is None else {"train": _from_dict(saved)}
+        # Every stream of the split (_every_stream): each process takes its own rows at its first window.
+        self._carried_streams = {} if saved is None else {"train": (0, _rows(self.carried["train"]))}
 
     def on_validation_epoch_end(self) -> None:
         self._log_epoch("val")
@@ -241,6 +275,19 @@ def _to(state: Any, like: Tensor) -> Any:
 
 def _rows(state: Any) -> int:
     return (state if isinstance(state, Tensor) else state[0]).shape[1]
+
+
+def _rows_of(state: Any, held: tuple[int, int], wanted: tuple[int, int], rows: int) -> Any:
+    """The rows of ``state`` for the ``rows`` streams from ``wanted = (first_stream, num_streams)``, where row 0 of
+    ``state`` is stream ``held[0]`` of ``held[1]``; ``None`` (start from zeros) where ``state`` lacks them: another
+    number of streams (a resumed run with another ``--data.batch_size``)."""
+    offset = wanted[0] - held[0]
+    if held[1] != wanted[1] or offset < 0 or offset + rows > _rows(state):
+        return None
+    if offset == 0 and rows == _rows(state):
+        return state
+    pick = slice(offset, offset + rows)
+    return state[:, pick].contiguous() if isinstance(state, Tensor) else tuple(t[:, pick].contiguous() for t in state)
 
 
 def _as_dict(state: Any) -> dict[str, Tensor]:

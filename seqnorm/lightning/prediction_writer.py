@@ -15,7 +15,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 __all__ = ["PREDICTIONS_FILE", "PredictionWriter"]
 
 PREDICTIONS_FILE = "predictions.jsonl"
-"""The file name under the run directory (``lightning_logs/version_N/``)."""
+"""The file name under the run directory (``lightning_logs/<run name>/version_N/``)."""
 
 
 class PredictionWriter(BasePredictionWriter):
@@ -29,7 +29,8 @@ class PredictionWriter(BasePredictionWriter):
     writes the rows as the batches arrive, so memory does not grow with the data. ``seqnorm predict`` installs it.
 
     Args:
-        output_dir: where to write; ``None``: the trainer's ``log_dir`` (the run's ``lightning_logs/version_N``).
+        output_dir: where to write; ``None``: the trainer's ``log_dir`` (the run's
+            ``lightning_logs/<run name>/version_N``).
         filename: the file's name. With several processes, each writes its own ``<stem>.rank<R><suffix>``.
     """
 

@@ -29,7 +29,6 @@ from seqnorm.data import DataError, LabeledText, TextCorpus
         ({"level": "byte"}, "--data.level"),
         ({"unit": "page"}, "--data.unit"),
         ({"path": "a.txt", "train_path": "b.txt"}, "--data.train_path"),
-        ({"val_path": "v.txt"}, "--data.train_path"),
         ({"dataset": "ptb_char", "path": "a.txt"}, "--data.dataset"),
     ],
 )
@@ -47,12 +46,31 @@ def test_text_corpus_checks_arguments_in_the_constructor(kwargs: dict[str, Any],
         ({"max_vocab_size": 2}, "--data.max_vocab_size"),
         ({"format": "csv"}, "--data.format"),
         ({"level": "byte"}, "--data.level"),
-        ({"test_path": "t.tsv"}, "--data.train_path"),
     ],
 )
 def test_labeled_text_checks_arguments_in_the_constructor(kwargs: dict[str, Any], flag: str) -> None:
     with pytest.raises(DataError, match=re.escape(flag)):
         LabeledText(**kwargs)
+
+
+def test_files_to_evaluate_without_a_training_file_need_a_checkpoints_vocabulary(
+    write: Callable[..., str],
+) -> None:
+    """Refused when first read, not when made: evaluating a checkpoint, its vocabulary (and labels) is loaded in
+    between (``seqnorm test --ckpt_path X --data.test_path new.txt``), and then the files alone are the data."""
+    text = write("t.txt", "the cat sat\non the mat\n" * 20)
+    with pytest.raises(DataError, match=re.escape("--data.val_path / --data.test_path need --data.train_path")):
+        _ = TextCorpus(test_path=text, unit="line").vocab_size
+    trained = TextCorpus(path=text, unit="line", batch_size=2)
+    evaluated = TextCorpus(test_path=text, unit="line", batch_size=2)
+    evaluated.load_state_dict(trained.state_dict())
+    assert len(evaluated.datasets["test"]) == 40 and len(evaluated.datasets["train"]) == 0  # nothing carved
+    tsv = write("t.tsv", "pets\tthe cat\nother\tthe mat\n" * 4)
+    with pytest.raises(DataError, match=re.escape("--data.predict_path need --data.train_path")):
+        _ = LabeledText(test_path=tsv).num_classes
+    labeled = LabeledText(predict_path=tsv, batch_size=2)  # no test_path either: not the embedded task
+    labeled.load_state_dict(LabeledText(train_path=tsv, val_fraction=0.0, batch_size=2).state_dict())
+    assert labeled.labels == ["other", "pets"] and len(labeled.datasets["train"]) == 0
 
 
 def test_unknown_dataset_lists_the_choices() -> None:

@@ -67,7 +67,8 @@ def test_text_corpus_streams_every_split_in_order(write: Callable[..., str]) -> 
         assert isinstance(loader, ResumableDataLoader)
         batches = list(loader)
         assert [int(b["window"]) for b in batches] == list(range(len(batches)))  # in order, no shuffling
-        assert set(batches[0]) == {"inputs", "targets", "lengths", "window", "start"}
+        assert set(batches[0]) == {"inputs", "targets", "lengths", "window", "start", "first_stream", "num_streams"}
+        assert all(int(b["first_stream"]) == 0 and int(b["num_streams"]) == 3 for b in batches)
         assert all(b["inputs"].shape[0] == 3 for b in batches)
         # row b's targets are the b-th third of the split (remainder dropped), newlines included
         per_stream = len(split) // 3
@@ -119,13 +120,46 @@ def test_streams_without_validation_text_train_without_validation(tmp_path) -> N
         corpus.test_dataloader()
 
 
-def test_streams_are_refused_under_ddp(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _as_rank(monkeypatch: pytest.MonkeyPatch, rank: int, world_size: int) -> None:
+    """What ``torch.distributed`` answers inside process ``rank`` of a DDP run of ``world_size`` processes."""
     from seqnorm.data import sampler
 
-    (tmp_path / "text.txt").write_text("the cat sat on the mat. " * 200, encoding="utf-8")
-    corpus = TextCorpus(path=str(tmp_path / "text.txt"), unit="stream", batch_size=2, window_length=9)
     monkeypatch.setattr(sampler.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(sampler.dist, "get_world_size", lambda: 2)
-    monkeypatch.setattr(sampler.dist, "get_rank", lambda: 0)
-    with pytest.raises(DataError, match=r"--data.unit stream: expected one process, got 2"):
+    monkeypatch.setattr(sampler.dist, "get_world_size", lambda: world_size)
+    monkeypatch.setattr(sampler.dist, "get_rank", lambda: rank)
+
+
+@pytest.mark.parametrize("split", ["train", "val", "test", "predict"])
+def test_each_process_reads_every_window_of_its_own_streams(
+    write: Callable[..., str], monkeypatch: pytest.MonkeyPatch, split: str
+) -> None:
+    """Under DDP the B streams are shared out (it refused: "--data.unit stream: expected one process, got 2"):
+    process r of W reads rows r*B/W .. of every window, so the W processes read the batches of one process."""
+    path = write("s.txt", _text(3000))
+
+    def batches() -> list[dict[str, torch.Tensor]]:
+        corpus = TextCorpus(path=path, unit="stream", batch_size=6, window_length=17)
+        return list(getattr(corpus, f"{split}_dataloader")())
+
+    whole = batches()
+    shares = []
+    for rank in range(3):
+        _as_rank(monkeypatch, rank, 3)
+        shares.append(batches())
+    for rank, share in enumerate(shares):
+        assert len(share) == len(whole)  # every window: the same steps on every process, and a carry per stream
+        for own, full in zip(share, whole, strict=True):
+            assert torch.equal(own["inputs"], full["inputs"][2 * rank : 2 * rank + 2])
+            assert torch.equal(own["targets"], full["targets"][2 * rank : 2 * rank + 2])
+            assert (int(own["window"]), int(own["start"])) == (int(full["window"]), int(full["start"]))
+            assert (int(own["first_stream"]), int(own["num_streams"])) == (2 * rank, 6)
+
+
+def test_streams_not_shared_evenly_name_the_batch_size_and_world_size(
+    write: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    corpus = TextCorpus(path=write("s.txt", _text(1000)), unit="stream", batch_size=5, window_length=9)
+    _as_rank(monkeypatch, 1, 2)
+    expected = r"--data\.batch_size 5 .*multiple of the world size 2.*pass --data\.batch_size 4 or 6"
+    with pytest.raises(DataError, match=expected):
         corpus.train_dataloader()

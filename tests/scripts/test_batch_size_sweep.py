@@ -49,7 +49,7 @@ def test_protocol_chooses_the_best_mean_and_reports_every_run(tmp_path: Path, re
     out = tmp_path / "sweep"
     lrs = ["0.0001", "0.01"]
     argv = [*TINY, "--norms", "none", "layer", "--batch-sizes", "2", "8", "--lrs", *lrs, "--seeds", "3",
-            "--select", "mean", "--out", str(out)]  # fmt: skip
+            "--select", "mean", "--lr-extensions", "0", "--out", str(out)]  # fmt: skip
     returned = batch_size_sweep.main(argv)
     trials = read_csv(out / "trials.csv")
     assert len(trials) == 2 * 2 * len(lrs) * 3

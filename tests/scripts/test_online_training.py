@@ -12,7 +12,7 @@ def test_curves_and_statuses(tmp_path: Path, read_csv: Callable, finite: Callabl
     out = tmp_path / "online"
     online_training.main(
         ["--quick", "--tokens", "160", "--evaluations", "2", "--steps", "8", "--hidden", "8", "--embedding", "8",
-         "--val-tokens", "160", "--norms", "layer", "batch", "--out", str(out)]
+         "--val-tokens", "160", "--norms", "layer", "batch", "--lr-extensions", "0", "--out", str(out)]
     )  # fmt: skip
     rows = {(row["norm"], int(row["batch_size"])): row for row in read_csv(out / "results.csv")}
     assert set(rows) == {("layer", 1), ("layer", 32), ("batch", 1), ("batch", 32)}

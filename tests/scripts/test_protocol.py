@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 import _common
@@ -13,7 +16,8 @@ import _protocol
 import pytest
 import torch
 
-from seqnorm.data import synthetic_lines
+import seqnorm
+from seqnorm.data import BucketBatchSampler, synthetic_lines
 
 
 def _fake(losses: dict[tuple[float, int], float], failing: set[tuple[float, int]] = frozenset()):  # type: ignore[assignment]
@@ -180,7 +184,8 @@ def test_sweep_resumes_from_its_trials_cache(tmp_path, read_csv) -> None:  # typ
     import batch_size_sweep
 
     argv = ["--quick", "--tokens", "64", "--steps", "8", "--hidden", "8", "--embedding", "8", "--val-tokens", "64",
-            "--norms", "none", "--batch-sizes", "2", "--trials-cache", str(tmp_path / "trials.jsonl")]  # fmt: skip
+            "--norms", "none", "--batch-sizes", "2", "--lr-extensions", "0", "--trials-cache",
+            str(tmp_path / "trials.jsonl")]  # fmt: skip
     batch_size_sweep.main([*argv, "--out", str(tmp_path / "a")])
     batch_size_sweep.main([*argv, "--out", str(tmp_path / "b")])
     assert read_csv(tmp_path / "a" / "trials.csv") == read_csv(tmp_path / "b" / "trials.csv")
@@ -274,3 +279,261 @@ def test_large_numbers_keep_their_digits_in_the_tables() -> None:
     # token counts averaged over seeds (100022.3) printed as 1.000e+05
     assert _common._format(100022.3, 8) == "100022.3" and _common._format(100022.0, 4) == "100022.0"
     assert _common._format(2.8187654321, 4) == "2.819"
+
+
+# --- the self-extending grid ----------------------------------------------------------------------------------------
+
+
+def _bowl(best: float, calls: list[tuple[float, int]] | None = None):  # type: ignore[no-untyped-def]
+    """A ``train_one`` whose validation loss is (log10(lr / best))^2 (+ a per-seed offset): optimum at ``best``."""
+
+    def train_one(lr: float, seed: int) -> dict[str, object]:
+        if calls is not None:
+            calls.append((lr, seed))
+        return {"status": "ok", "val_loss": math.log10(lr / best) ** 2 + 0.01 * seed, "updates": 10}
+
+    return train_one
+
+
+def test_a_best_rate_at_the_top_edge_extends_the_grid_until_it_is_interior() -> None:
+    calls: list[tuple[float, int]] = []
+    cell = _protocol.run_cell(_bowl(0.2, calls), [0.01, 0.03], seeds=2, select="mean", extensions=5)
+    # 0.03 is the best of the grid; one step of x3 beyond it at a time: 0.09, 0.27 (best, still the top), 0.81
+    assert cell.added == [0.09, 0.27, 0.81]
+    assert cell.lr == 0.27 and cell.edge == ""
+    assert sorted(calls) == sorted((lr, seed) for lr in (0.01, 0.03, 0.09, 0.27, 0.81) for seed in (0, 1))
+    summary = _protocol.summarize(cell)
+    assert summary["lrs_added"] == "0.09 0.27 0.81" and summary["lr_edge"] == "" and summary["lr"] == 0.27
+    assert list(_protocol.grid_row(cell, "val_loss")) == ["lr=0.01", "lr=0.03", "lr=0.09", "lr=0.27", "lr=0.81"]
+
+
+def test_the_cap_stops_the_extension_and_says_the_best_is_still_at_the_edge() -> None:
+    cell = _protocol.run_cell(_bowl(0.2), [0.01, 0.03], seeds=1, extensions=2)
+    assert cell.added == [0.09, 0.27] and cell.lr == 0.27 and cell.edge == "top"
+    cell = _protocol.run_cell(_bowl(0.2), [0.01, 0.03], seeds=1)  # no extension unless asked
+    assert cell.added == [] and cell.lr == 0.03 and cell.edge == "top"
+    assert _protocol.summarize(cell)["lr_edge"] == "top"
+
+
+def test_a_best_rate_at_the_bottom_edge_extends_downwards_and_under_first_only_seed_zero_explores() -> None:
+    calls: list[tuple[float, int]] = []
+    cell = _protocol.run_cell(_bowl(1e-4, calls), [0.001, 0.003], seeds=3, select="first", extensions=5)
+    assert cell.added == [0.00033, 0.00011, 3.7e-05]  # steps of 1/3 at 2 significant digits
+    assert cell.lr == 0.00011 and cell.edge == ""
+    explored = [(0.001, 0), (0.003, 0), (0.00033, 0), (0.00011, 0), (3.7e-05, 0)]
+    assert calls == [*explored, (0.00011, 1), (0.00011, 2)]
+
+
+def test_a_rate_that_diverges_beyond_the_edge_ends_the_extension() -> None:
+    bowl = _bowl(10.0)
+
+    def train_one(lr: float, seed: int) -> dict[str, object]:
+        if lr > 0.05:
+            return {"status": "diverged: loss nan at update 3", "val_loss": math.nan, "updates": 3}
+        return bowl(lr, seed)
+
+    cell = _protocol.run_cell(train_one, [0.01, 0.03], seeds=1, extensions=5)
+    assert cell.added == [0.09] and cell.lr == 0.03 and cell.edge == ""  # bounded by a failed rate: interior
+
+
+def test_bn_chooses_its_rate_on_the_metric_it_headlines_and_reports_the_other_choice() -> None:
+    # running averages favour the larger rate (less lag after few updates), exact statistics the smaller
+    losses = {0.01: (2.0, 1.8), 0.03: (1.9, 1.95)}
+
+    def train_one(lr: float, seed: int) -> dict[str, object]:
+        running, exact = losses[lr]
+        return {"status": "ok", "val_loss": running, "val_loss_exact": exact, "updates": 10}
+
+    for metric, chosen, other in (("exact", 0.01, 0.03), ("running", 0.03, 0.01)):
+        args = argparse.Namespace(bn_select=metric)
+        key = _protocol.selection_key("batch", args)
+        cell = _protocol.run_cell(train_one, [0.01, 0.03], seeds=2, key=key)
+        summary = _protocol.summarize(cell, key, _protocol.other_key("batch", args))
+        assert (cell.lr, summary["lr_other_metric"], summary["lr_chosen_on"]) == (chosen, other, key), metric
+    assert _protocol.selection_key("layer", argparse.Namespace(bn_select="exact")) == "val_loss"
+    assert _protocol.other_key("layer", argparse.Namespace(bn_select="exact")) is None
+
+
+# --- paired differences ---------------------------------------------------------------------------------------------
+
+
+def test_paired_differences_of_known_numbers() -> None:
+    paired = _protocol.paired_difference({0: 1.0, 1: 1.2, 2: 0.9}, {0: 1.1, 1: 1.5, 2: 1.0})
+    differences = [-0.1, -0.3, -0.1]
+    half = 4.303 * statistics.stdev(differences) / math.sqrt(3)  # t(0.975, 2) = 4.303
+    assert paired is not None and paired.n == 3 and paired.held == 3
+    assert paired.mean == pytest.approx(-0.5 / 3)
+    assert (paired.low, paired.high) == pytest.approx((-0.5 / 3 - half, -0.5 / 3 + half))
+    assert _protocol.paired_text(paired) == "-0.167 [-0.454, +0.120], 3/3"
+    mixed = _protocol.paired_difference({0: 1.0, 1: 2.0, 2: 3.0}, {0: 1.5, 1: 1.8, 2: 3.1})
+    assert mixed is not None and mixed.held == 2 and mixed.mean == pytest.approx(-0.4 / 3)  # -0.5, +0.2, -0.1
+    assert _protocol.t_quantile_975(10) == 2.228 and _protocol.t_quantile_975(27) == 2.060  # between entries: wider
+
+
+def test_paired_against_pairs_runs_by_seed_and_leaves_failures_out() -> None:
+    runs = [{"seed": 2, "status": "ok", "val_bpc": 1.0}, {"seed": 0, "status": "ok", "val_bpc": 2.0},
+            {"seed": 1, "status": "diverged", "val_bpc": math.nan}]  # fmt: skip
+    baseline = [{"seed": seed, "status": "ok", "val_bpc": 1.5 + seed} for seed in range(3)]
+    paired = _protocol.paired_against(runs, baseline, "val_bpc")
+    assert paired is not None and paired.differences == {0: 0.5, 2: -2.5} and paired.n == 2
+    assert _protocol.paired_against(runs[2:], baseline, "val_bpc") is None
+
+
+def test_the_sweep_reports_paired_differences_computed_from_its_per_seed_rows(tmp_path, read_csv) -> None:  # type: ignore[no-untyped-def]
+    import batch_size_sweep
+
+    out = tmp_path / "sweep"
+    batch_size_sweep.main(
+        ["--quick", "--tokens", "96", "--steps", "8", "--hidden", "8", "--embedding", "8", "--val-tokens", "96",
+         "--norms", "none", "layer", "--batch-sizes", "2", "--seeds", "3", "--select", "mean", "--out", str(out)]
+    )  # fmt: skip
+    rows = {row["norm"]: row for row in read_csv(out / "results.csv")}
+    trials = read_csv(out / "trials.csv")
+
+    def chosen(norm: str) -> dict[int, float]:
+        lr = float(rows[norm]["lr"])
+        return {int(t["seed"]): float(t["val_bpc"]) for t in trials if t["norm"] == norm and float(t["lr"]) == lr}
+
+    differences = [chosen("layer")[seed] - chosen("none")[seed] for seed in range(3)]
+    mean = statistics.fmean(differences)
+    half = 4.303 * statistics.stdev(differences) / math.sqrt(3)
+    layer = rows["layer"]
+    assert float(layer["diff_vs_none"]) == pytest.approx(mean, abs=1e-6)
+    assert float(layer["diff_vs_none_low"]) == pytest.approx(mean - half, abs=1e-6)
+    assert float(layer["diff_vs_none_high"]) == pytest.approx(mean + half, abs=1e-6)
+    assert int(layer["diff_vs_none_held"]) == sum(1 for d in differences if (d > 0) == (mean > 0))
+    assert (
+        rows["none"]["diff_vs_none"] == "" and float(layer["forget_bias"]) == float(rows["none"]["forget_bias"]) == 1.0
+    )
+    markdown = (out / "results.md").read_text()
+    assert "Paired per-seed difference from the plain LSTM" in markdown
+    assert "forget bias 1 for every norm (plain LSTM included)" in markdown.splitlines()[0]
+    # the grid table has a column for every rate tried, those the extension added too
+    added = [rate for row in rows.values() for rate in row["lrs_added"].split()]
+    header = next(line for line in markdown.splitlines() if line.startswith("| norm | batch_size | lr="))
+    assert all(f"lr={rate} |" in header for rate in ["0.003", "0.01", *added])
+
+
+# --- forget bias ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [1.0, 0.0, 2.5])
+def test_the_forget_bias_is_the_same_for_every_norm(value: float) -> None:
+    # the plain LSTM kept torch's random init while normalized cells got 1: initialization confounded the comparison
+    args = __import__("batch_size_sweep").parse_args(["--quick", "--forget-bias", str(value)])
+    assert args.forget_bias == value
+    args.hidden, args.embedding = 6, 4
+    for norm in seqnorm.NORMS:  # every registered norm
+        cell = _common.build_model(11, args, norm, max_steps=5).rnn.cells[0]
+        hidden = cell.hidden_size
+        forget = slice(cell.forget_gate * hidden, (cell.forget_gate + 1) * hidden)
+        torch.testing.assert_close(cell.bias_ih[forget], torch.full((hidden,), value), msg=norm)
+        torch.testing.assert_close(cell.bias_hh[forget], torch.zeros(hidden), msg=norm)
+
+
+def test_the_default_forget_bias_is_one_and_library_restores_the_per_norm_defaults() -> None:
+    sweep = __import__("batch_size_sweep")
+    assert sweep.parse_args(["--quick"]).forget_bias == _common.FORGET_BIAS == 1.0
+    args = sweep.parse_args(["--quick", "--forget-bias", "library"])
+    args.hidden, args.embedding = 6, 4
+    plain = _common.build_model(11, args, "none", max_steps=5).rnn.cells[0]
+    assert plain.forget_bias is None and len(set(plain.bias_ih[6:12].tolist())) > 1  # torch's random init
+    assert _common.build_model(11, args, "layer", max_steps=5).rnn.cells[0].forget_bias == 1.0
+    with pytest.raises(SystemExit):
+        sweep.parse_args(["--quick", "--forget-bias", "nan"])
+
+
+# --- bucketed lines -------------------------------------------------------------------------------------------------
+
+
+class _Recorder(torch.nn.Module):
+    """A tiny language model that records the lengths of every batch it is trained on."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(vocab_size, vocab_size)
+        self.batches: list[list[int]] = []
+
+    def forward(self, inputs: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        self.batches.append(lengths.tolist() if lengths is not None else [inputs.shape[1]] * inputs.shape[0])
+        return self.embedding(inputs)
+
+
+def test_bucketed_lines_batch_similar_lengths_with_the_librarys_sampler(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    corpus, splits = _lines(tmp_path, count=400)
+    train = splits["train"]
+    spreads = {}
+    for bucket in (False, True):
+        model = _Recorder(corpus.vocab_size)
+        result = _common.train_language_model(
+            model, train, batch_size=4, tokens=10**9, max_updates=2 * (len(train) // 4), lr=1e-2, seed=3,
+            bucket=bucket,
+        )  # fmt: skip
+        assert result.status == "ok"
+        spreads[bucket] = statistics.fmean(max(batch) - min(batch) for batch in model.batches)
+        if bucket:  # the batches are the sampler's, epoch after epoch
+            sampler = BucketBatchSampler(train.lengths.tolist(), 4, drop_last=True, seed=3)
+            expected = []
+            for epoch in (0, 1):
+                sampler.set_epoch(epoch)
+                expected += [[int(train.lengths[i]) for i in batch] for batch in sampler]
+            assert model.batches == expected
+    assert spreads[True] < spreads[False] / 2
+
+
+def test_bucket_needs_lines() -> None:
+    with pytest.raises(SystemExit):
+        __import__("batch_size_sweep").parse_args(["--quick", "--bucket"])
+
+
+# --- text formats and data errors -----------------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_SWEEP = ["--quick", "--tokens", "48", "--steps", "6", "--hidden", "6", "--embedding", "6", "--val-tokens",
+              "48", "--norms", "none", "--batch-sizes", "2", "--seeds", "1", "--lr-extensions", "0"]  # fmt: skip
+
+
+def _ptb_char(path: Path) -> Path:
+    lines = [" ".join("_" if c == " " else c for c in line) for line in synthetic_lines(300, seed=2)]
+    path.write_text("\n".join(f" {line} " for line in lines) + "\n")
+    return path
+
+
+def test_a_ptb_char_file_read_as_plain_text_ends_the_script_with_one_line_naming_the_file_and_the_flag(
+    tmp_path: Path,
+) -> None:
+    # it ended in a traceback whose advice named the seqnorm command's --data.text_format
+    path = _ptb_char(tmp_path / "ptb.char.train.txt")
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "batch_size_sweep.py"), *TINY_SWEEP, "--text", str(path), "--out",
+         str(tmp_path / "out")],
+        capture_output=True, text=True, env=environment, timeout=300,
+    )  # fmt: skip
+    assert result.returncode != 0
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: --text {path}: expected plain text") and "pass --text-format ptb_char" in line
+    assert "--data." not in line and "Traceback" not in result.stderr
+
+
+def test_a_plain_file_named_ptb_char_is_refused_in_one_line_naming_the_scripts_flag(tmp_path: Path) -> None:
+    path = tmp_path / "plain.txt"
+    path.write_text("Some ordinary prose, with words longer than one letter.\n" * 50)
+    with pytest.raises(SystemExit) as exit_info:
+        __import__("online_training").main([*TINY_SWEEP, "--text", str(path), "--text-format", "ptb_char"])
+    (line,) = str(exit_info.value.code).splitlines()
+    assert line.startswith(f"error: --text {path}: expected PTB-char text for --text-format ptb_char")
+    assert "leave out --text-format" in line and "--data." not in line
+
+
+def test_the_text_format_flag_reads_ptb_char_as_its_characters(tmp_path: Path) -> None:
+    path = _ptb_char(tmp_path / "ptb.txt")
+    args = argparse.Namespace(text=str(path), dataset=None, seed=0, cache_dir=None, text_format="ptb_char")
+    corpus, splits = _data.load_sequences(args, 12, "line")
+    plain = tmp_path / "plain.txt"
+    plain.write_text("\n".join(synthetic_lines(300, seed=2)) + "\n")
+    expected, expected_splits = _data.load_sequences(
+        argparse.Namespace(text=str(plain), dataset=None, seed=0, cache_dir=None, text_format=None), 12, "line"
+    )
+    assert corpus.vocab_size == expected.vocab_size  # the separators are gone: the same characters
+    assert torch.equal(splits["train"].inputs, expected_splits["train"].inputs)
