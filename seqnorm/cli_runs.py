@@ -89,10 +89,10 @@ def checkpoint_run_dir(ckpt_path: str | None) -> Path | None:
     ``checkpoints/`` (``lightning_logs/<run name>/version_N``, or ``lightning_logs/version_N`` for runs of before
     the runs were named), where that run's ``config.yaml`` is, as a path in the checkpoint path's terms (relative
     if it is); ``None`` for a checkpoint anywhere else. The one place that knows where a run keeps its checkpoints."""
-    checkpoint_file = local_path(ckpt_path) if ckpt_path is not None else None
-    if checkpoint_file is None:
+    local = local_path(ckpt_path) if ckpt_path is not None else None
+    if ckpt_path is None or local is None:
         return None
-    checkpoint = Path(checkpoint_file)
+    checkpoint = Path(local if "://" in ckpt_path else ckpt_path)  # the user's terms; local_path's is absolute
     if not checkpoint.is_file() or checkpoint.parent.name != "checkpoints":
         return None
     return checkpoint.parent.parent
