@@ -18,10 +18,13 @@ Variants, for the LSTM and the GRU:
 
 Every variant runs the same inputs, interleaved round by round (``--repeats`` rounds after ``--warmup``), one thread
 unless ``--threads`` says otherwise; the table gives the median ms per training step (forward + backward), the
-median of the forward alone in µs per time step, and the ratios the issue's targets read: BN / LN (target ≤ 2) and
-LN / hand-written LN (target ≤ 1.3).
+median of the forward alone (without gradients, still in training mode) in µs per time step, and the ratios the
+issue's targets read: BN / LN (target ≤ 2) and LN / hand-written LN (target ≤ 1.3). ``--clock cpu`` times this
+thread's CPU time instead of the wall clock: on a machine shared with other jobs the wall clock counts the time the
+process waits descheduled, which varied the ratios by a third between runs (BENCHMARKS.md, issue 31).
 
-Usage: ``python scripts/bench_cells.py`` (``--cells lstm``, ``--repeats 200``; ``--quick``: a few rounds).
+Usage: ``python scripts/bench_cells.py`` (``--cells lstm``, ``--repeats 200``, ``--clock cpu``; ``--quick``: a few
+rounds). Run from the repository root with ``scripts`` importable (it reads ``bench.cpu_name``), as the other scripts.
 """
 
 from __future__ import annotations
@@ -208,16 +211,23 @@ def table(args: argparse.Namespace, results: dict[str, dict[str, tuple[float, fl
     return "\n".join(lines)
 
 
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text}")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cells", default="lstm,gru", help="comma-separated: lstm, gru")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--input-size", type=int, default=32)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=100)
+    parser.add_argument("--steps", type=positive, default=30)
+    parser.add_argument("--batch", type=positive, default=8, help="at least 2: BN trains on batch statistics")
+    parser.add_argument("--input-size", type=positive, default=32)
+    parser.add_argument("--hidden", type=positive, default=64)
+    parser.add_argument("--repeats", type=positive, default=100)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=positive, default=1)
     parser.add_argument(
         "--clock",
         choices=sorted(CLOCKS),
@@ -231,8 +241,12 @@ def main() -> None:
         args.repeats, args.warmup = 3, 1
     cells = [cell.strip() for cell in args.cells.split(",") if cell.strip()]
     unknown = sorted(set(cells) - {"lstm", "gru"})
-    if unknown:
-        parser.error(f"--cells: expected lstm and/or gru, got {', '.join(unknown)}")
+    if unknown or not cells:
+        parser.error(f"--cells: expected lstm and/or gru, got {', '.join(unknown) or 'none'}")
+    if args.batch < 2:
+        parser.error(
+            f"--batch: expected at least 2 rows (per-timestep BN trains on batch statistics), got {args.batch}"
+        )
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(table(args, {cell.upper(): measure(args, cell) for cell in cells}))
