@@ -3,8 +3,10 @@
 :class:`BatchNormPieces` is a base of :class:`~seqnorm.norms.TimestepBatchNorm` (and, through it, of
 :class:`~seqnorm.norms.TimestepBatchRenorm`, which overrides the training pieces): its methods read the module's own
 buffers and options. A BPTT step computes what ``forward_step`` computes, with the same running-statistics updates
-(torch's fused kernel on unmasked training steps), and keeps each step's mean and ``1/std``; its backward is torch's
-BatchNorm backward kernel where autograd would run it, written out for masked and running-statistics steps.
+(torch's fused kernel on a training step's real rows, masked steps included), and keeps each step's mean and
+``1/std``; its backward is torch's BatchNorm backward kernel (on a masked step's real rows), written out for
+running-statistics steps. :func:`~seqnorm.norms.protocol.step_node` runs one step of them as one autograd node: a
+cell's masked training step in a loop of the user's own (``forward_step``).
 
 The statistics helpers beside it: :func:`masked_moments` (a batch's moments over its active rows) and
 :class:`PopulationMoments` (exact moments over many batches, for :func:`seqnorm.update_bn`).
