@@ -24,7 +24,8 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 def _seqnorm(args: list[str], cwd: Path, **environ: str) -> subprocess.CompletedProcess[str]:
     """The `seqnorm` console script's entry point (seqnorm.__main__:main) in a fresh process, output piped."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **environ}
+    env = {key: value for key, value in os.environ.items() if key != "FORCE_COLOR"}  # piped: plain output
+    env.update({"PYTHONPATH": str(ROOT), **environ})
     command = [sys.executable, "-m", "seqnorm", *args]
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
@@ -117,7 +118,7 @@ def test_generate_prints_the_prompt_then_the_continuation(
     assert len(piped.stdout) == len("the ") + 20 + 1  # the prompt, 20 characters, the line break
     # On a terminal (FORCE_COLOR makes rich treat the output as one) the prompt is bold and the rest plain.
     monkeypatch.setenv("FORCE_COLOR", "1")
-    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setenv("TERM", "xterm-256color")  # TERM=dumb would keep it plain
     capsys.readouterr()
     main(sample)
     shown = capsys.readouterr().out
