@@ -57,7 +57,6 @@ from seqnorm.cli_runs import (
     EVALUATIONS,
     DataInstantiator,
     ModelInstantiator,
-    _flag_value,
     continued_run_logger,
     flag_value,
     with_checkpoint_model,
@@ -405,7 +404,7 @@ def _generate_command(args: list[str]) -> None:
     # one token at a time at batch size 1: the smallest steps there are (no --threads flag: SEQNORM_THREADS)
     configure_threads(None, has_flag=False)
     text = auto_cli(generate, args=args, prog="seqnorm generate", parser_class=FunctionFlagParser)
-    prompt = _flag_value(args, "--prompt") or ""
+    prompt = flag_value(args, "--prompt") or ""
     show_generated(text, len(prompt) if text.startswith(prompt) else 0)
 
 
