@@ -1,18 +1,24 @@
 """The ``seqnorm`` command (also ``python -m seqnorm``): :func:`seqnorm.cli.main`, once the training extra is there.
 
-A base install (``pip install seqnorm``, the library alone) has the command too; without Lightning and jsonargparse
-it said so with a traceback from ``seqnorm.cli``'s imports.
+``--version``, ``--help`` and ``configs`` are answered first, without importing Lightning or jsonargparse
+(:mod:`seqnorm.cli_commands`): they are quick, and they work on a base install (``pip install seqnorm``, the library
+alone). Every other command needs the ``train`` extra, and says so when it is missing.
 """
 
 from __future__ import annotations
 
 import sys
 
+from seqnorm.cli_commands import answer_without_lightning
+
 TRAINING_EXTRA = ("lightning", "jsonargparse", "tensorboard", "pooch", "rich", "matplotlib", "torchmetrics")
 """Top-level packages of the ``train`` extra (and what they bring) that the command imports."""
 
 
-def main() -> None:
+def main(args: list[str] | None = None) -> None:
+    """Entry point of the ``seqnorm`` console script (``args``: ``sys.argv[1:]`` when ``None``)."""
+    if answer_without_lightning(sys.argv[1:] if args is None else args):
+        return
     try:
         from seqnorm.cli import main as command
     except ModuleNotFoundError as error:
@@ -25,7 +31,7 @@ def main() -> None:
             file=sys.stderr,
         )
         raise SystemExit(2) from None
-    command()
+    command(args)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import os
 import signal
 import sys
 import warnings
-from typing import Any, NoReturn
+from typing import Any, ClassVar
 
 import torch
 from jsonargparse import Namespace, auto_cli
@@ -53,7 +53,9 @@ from seqnorm.cli_checks import (
     user_error,
     weight_shapes,
 )
-from seqnorm.cli_output import in_command_line_words, quiet_known_noise
+from seqnorm.cli_commands import answer_without_lightning
+from seqnorm.cli_flags import FlagSuggestingParser, FunctionFlagParser
+from seqnorm.cli_output import in_command_line_words, quiet_known_noise, show_generated
 from seqnorm.cli_runs import (
     EVALUATIONS,
     DataInstantiator,
@@ -81,7 +83,7 @@ from seqnorm.lightning.checkpoint_io import (
 )
 from seqnorm.lightning.generate import SAMPLING_MINIMUMS, generate_text, sampling_out_of_range
 from seqnorm.lightning.prediction_writer import PredictionWriter
-from seqnorm.shipped_configs import describe_configs, resolve_config_names
+from seqnorm.shipped_configs import resolve_config_names
 
 __all__ = ["SIGTERM_EXIT_CODE", "SeqnormCLI", "generate", "main"]
 
@@ -115,6 +117,10 @@ PREDICT_CALLBACKS: list[dict[str, Any]] = [
 # `--trainer.enable_checkpointing false`, which drops the checkpoint callback above.
 
 
+class _Parser(FlagSuggestingParser):
+    nested_classes: ClassVar[dict[str, tuple[type, ...]]] = {"model": MODELS, "data": DATAMODULES}
+
+
 class SeqnormCLI(LightningCLI):
     """LightningCLI with the sizes that come from the data linked into the model (never typed twice).
 
@@ -130,6 +136,10 @@ class SeqnormCLI(LightningCLI):
     _resumed: dict[str, Any] | None = None  # the checked checkpoint's hyper_parameters and data state
     _checked: tuple[str, dict[str, Any]] | None = None  # --ckpt_path and the checkpoint read from it, checked
     _continues_run = False  # a resumed fit logging into its checkpoint's run directory (continued_run_logger)
+
+    def __init__(self, *args: Any, parser_class: type[LightningArgumentParser] = _Parser, **kwargs: Any):
+        # a mistyped flag gets a "did you mean", also among the arguments of the --model/--data class (cli_flags)
+        super().__init__(*args, parser_class=parser_class, **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # set_defaults, not trainer_defaults: it parses class_path dicts (and `--trainer.callbacks+=X` appends)
@@ -328,7 +338,10 @@ def generate(
     top_k: int | None = None,
     seed: int | None = None,
 ) -> str:
-    """Generate text from a LanguageModel checkpoint, one token at a time at batch size 1.
+    """Continue ``prompt`` with text sampled from a LanguageModel checkpoint, one token at a time at batch size 1.
+
+    Returns the prompt as given, then the continuation (after a space where the model reads words and the prompt
+    does not end in one), so the result reads as one text: ``text[len(prompt):]`` is what the model wrote.
 
     Args:
         ckpt_path: a checkpoint written by ``seqnorm fit --model LanguageModel`` (e.g. ``.../last.ckpt``).
@@ -382,7 +395,7 @@ def generate(
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     window_length = data_state.get("window_length")  # None in checkpoints of before 2026-11-25: the index counts on
     restarts = data_state["unit"] == "stream" and model.hparams.stream_steps == "restart"
-    return generate_text(
+    continuation = generate_text(
         model.model,
         vocab,
         level=data_state["level"],
@@ -394,56 +407,25 @@ def generate(
         generator=generator,
         window_steps=window_length - 1 if restarts and isinstance(window_length, int) and window_length > 1 else None,
     )
+    words_apart = data_state["level"] == "word" and prompt and not prompt[-1].isspace()
+    return prompt + (" " if words_apart and continuation[:1] not in ("", "\n") else "") + continuation
 
 
 def _generate_command(args: list[str]) -> None:
     # one token at a time at batch size 1: the smallest steps there are (no --threads flag: SEQNORM_THREADS)
     configure_threads(None, has_flag=False)
-    text = auto_cli(generate, args=args, prog="seqnorm generate")
-    print(text)
-
-
-COMMANDS = ("fit", "validate", "test", "predict", "generate", "configs")
-OWN_COMMANDS_HELP = (
-    "    generate            Sample text from a LanguageModel checkpoint (seqnorm generate --help).\n"
-    "    configs             List the shipped configs, used as --config seqnorm:NAME."
-)
-
-
-def _version() -> str:
-    """``seqnorm --version``: this package, torch, and whether the compiled kernels run."""
-    import seqnorm
-
-    return f"seqnorm {seqnorm.__version__} (torch {torch.__version__}; compiled kernels: {seqnorm.kernels.status()})"
-
-
-def _usage_error(message: str) -> NoReturn:
-    print(f"usage: seqnorm {{{','.join(COMMANDS)}}} ...\nseqnorm: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
+    text = auto_cli(generate, args=args, prog="seqnorm generate", parser_class=FunctionFlagParser)
+    prompt = flag_value(args, "--prompt") or ""
+    show_generated(text, len(prompt) if text.startswith(prompt) else 0)
 
 
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``seqnorm`` console script."""
     argv = sys.argv[1:] if args is None else args
+    if answer_without_lightning(argv):  # --version, --help, configs, usage errors (what seqnorm.__main__ answers)
+        return
     quiet_known_noise()
-    command = argv[0] if argv else ""
-    if command in ("--version", "-V"):
-        print(_version())
-        return
-    if not command:  # LightningCLI's own error would list its subcommands only
-        _usage_error("no command given (seqnorm --help lists them)")
-    if command in ("-h", "--help"):
-        # LightningCLI lists its own subcommands; generate is ours, beside them. args=None from the console:
-        # LightningCLI reads sys.argv (["--help"] there), and warns when also given args.
-        try:
-            SeqnormCLI(args=None if args is None else ["--help"], seed_everything_default=0)
-        finally:
-            print(f"\nseqnorm's own commands:\n{OWN_COMMANDS_HELP}\n\n{_version()}")
-    if command == "configs":
-        print(describe_configs())  # the list is all there is to say, also for --help
-        return
-    if not command.startswith("-") and command not in COMMANDS:  # LightningCLI's own error omits ours
-        _usage_error(f"invalid choice: {command!r} (choose from {', '.join(repr(name) for name in COMMANDS)})")
+    command = argv[0]
     try:
         argv = resolve_config_names(argv)  # `--config seqnorm:NAME`: a config shipped with the package
         argv = with_checkpoint_model(argv, MODELS, DATAMODULES)  # `test --ckpt_path X` without --model, --data
@@ -454,7 +436,8 @@ def main(args: list[str] | None = None) -> None:
         if command == "generate":
             _generate_command(argv[1:])
         else:
-            cli = SeqnormCLI(args=args, seed_everything_default=0)  # None: LightningCLI reads sys.argv itself
+            # args None: LightningCLI reads sys.argv itself; prog: also under `python -m seqnorm`, and in tests
+            cli = SeqnormCLI(args=args, seed_everything_default=0, parser_kwargs={"prog": "seqnorm"})
             if cli.trainer.received_sigterm:  # the run finished before the loops noticed the signal
                 raise SIGTERMException
     except SIGTERMException:  # Lightning's SystemExit(None) would exit 0, as if the run had completed

@@ -1,4 +1,5 @@
-"""What the ``seqnorm`` command prints besides the run: no known noise, and errors in the command line's words.
+"""What the ``seqnorm`` command prints besides the run: no known noise, errors in the command line's words, and
+generated text with its prompt.
 
 Some messages appear on every Lightning run and say nothing about it, nor anything a user can act on; each is
 silenced where it comes from, by its text or the module that raises it, so every other warning and info line shows:
@@ -20,8 +21,15 @@ import logging
 import re
 import warnings
 from collections.abc import Iterable
+from typing import TextIO
 
-__all__ = ["in_command_line_words", "quiet_known_noise"]
+from rich.console import Console
+from rich.text import Text
+
+__all__ = ["PROMPT_STYLE", "in_command_line_words", "quiet_known_noise", "show_generated"]
+
+PROMPT_STYLE = "bold"
+"""How ``seqnorm generate`` sets the prompt apart from the continuation on a terminal."""
 
 _LIGHTNING_INFO_LOGGER = "lightning.pytorch.utilities.rank_zero"  # where rank_zero_info writes (see Lightning)
 _TIP_PREFIX = "💡 Tip: For seamless cloud"  # the litlogger tip (and litmodels', when Lightning makes the checkpointer)
@@ -67,3 +75,20 @@ def in_command_line_words(message: str, models: Iterable[type]) -> str:
         return f"--model.{name} {value}" if name in names else match.group(0)
 
     return re.sub(r'\b([a-z_][a-z0-9_]*)="([^"\s]*)"', flag, message)
+
+
+def show_generated(text: str, prompt_length: int, file: TextIO | None = None) -> None:
+    """Print ``text`` (``seqnorm generate``'s prompt, then its continuation) and a line break.
+
+    On a terminal the first ``prompt_length`` characters (the prompt) are in :data:`PROMPT_STYLE`, so the model's
+    part stands apart; piped or redirected (or ``TERM=dumb``) the text is written as it is, with no escape codes.
+    rich decides which, as for the progress bar (``FORCE_COLOR`` forces the styled form).
+    """
+    console = Console(file=file, soft_wrap=True, highlight=False, markup=False, emoji=False)
+    if console.color_system is None:
+        console.file.write(text + "\n")
+        console.file.flush()
+        return
+    styled = Text(text)
+    styled.stylize(PROMPT_STYLE, 0, prompt_length)
+    console.print(styled)

@@ -7,7 +7,8 @@ an installed package reaches them without a checkout. A config's name is its pat
 
 ``seqnorm configs`` lists them with their paths; :func:`resolve_config_names` turns every ``--config seqnorm:NAME``
 (or ``--config=seqnorm:NAME``, ``-c seqnorm:NAME``) of a command line into that file's path before LightningCLI
-parses it.
+parses it, and answers a ``--config configs/char_lm.yaml`` that does not exist (the README's commands, run outside a
+checkout) with the shipped config of that name: ``--config seqnorm:char_lm``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["CONFIG_PREFIX", "config_dir", "config_path", "describe_configs", "resolve_config_names", "shipped_configs"]
+__all__ = [
+    "CONFIG_PREFIX",
+    "config_dir",
+    "config_path",
+    "describe_configs",
+    "resolve_config_names",
+    "shipped_configs",
+    "shipped_name_of",
+]
 
 CONFIG_PREFIX = "seqnorm:"
 """What marks a ``--config`` value as the name of a shipped config rather than a path."""
@@ -54,15 +63,39 @@ def config_path(name: str) -> Path:
     return configs[key]
 
 
+def shipped_name_of(path: str) -> str | None:
+    """The shipped config a missing ``--config`` file names, if any: ``configs/norm/batch.yaml`` -> ``norm/batch``,
+    ``char_lm.yaml`` -> ``char_lm`` (a file name alone also finds ``norm/NAME`` when only one config has it)."""
+    file = Path(path)
+    if file.suffix not in (".yaml", ".yml") or "://" in path or file.exists():
+        return None
+    configs = shipped_configs()
+    nested = Path(file.parent.name, file.stem).as_posix()
+    if nested in configs:
+        return nested
+    same_stem = [name for name in configs if name.rpartition("/")[2] == file.stem]
+    return same_stem[0] if len(same_stem) == 1 else None
+
+
 def resolve_config_names(argv: Sequence[str]) -> list[str]:
-    """``argv`` with every ``seqnorm:NAME`` value of ``--config``/``-c`` replaced by that config's path."""
+    """``argv`` with every ``seqnorm:NAME`` value of ``--config``/``-c`` replaced by that config's path; a
+    ``ValueError`` suggesting ``--config seqnorm:NAME`` for a config file that does not exist but is shipped."""
     resolved = list(argv)
     for index, argument in enumerate(resolved):
         flag, equals, value = argument.partition("=")
-        if equals and flag in _CONFIG_FLAGS and value.startswith(CONFIG_PREFIX):
-            resolved[index] = f"{flag}={config_path(value)}"
-        elif argument.startswith(CONFIG_PREFIX) and index and resolved[index - 1] in _CONFIG_FLAGS:
-            resolved[index] = str(config_path(argument))
+        if equals and flag in _CONFIG_FLAGS:
+            written = f"{flag}="
+        elif index and resolved[index - 1] in _CONFIG_FLAGS:
+            flag, value, written = resolved[index - 1], argument, ""
+        else:
+            continue
+        if value.startswith(CONFIG_PREFIX):
+            resolved[index] = f"{written}{config_path(value)}"
+        elif (name := shipped_name_of(value)) is not None:  # else jsonargparse's "File does not exist" names it
+            raise ValueError(
+                f"{flag} {value}: no such file (the repository's configs/ is not in this directory); seqnorm ships "
+                f"a config of that name: pass {flag} {CONFIG_PREFIX}{name} (`seqnorm configs` lists them)"
+            )
     return resolved
 
 

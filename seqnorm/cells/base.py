@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -303,19 +304,20 @@ class RecurrentCell(PicklableParametrizations):
         run through their ``forward_step`` and nothing is recorded (the layers hoist only while no observer is hooked).
         """
         lean = input_term is not None
+        recorded = record is not None and not lean
         if input_term is None:
             input_raw = F.linear(x, self.weight_ih)  # type: ignore[arg-type]
             if input_normed is not None:
                 input_term = input_normed
             else:
-                input_term = input_raw if self.norm_ih is None else self.norm_ih(input_raw, step, mask)
+                norm_ih = self.norm_ih
+                input_term = input_raw if norm_ih is None else self.step_norm(norm_ih, recorded)(input_raw, step, mask)
             if self.bias_ih is not None and self.norm_gates is None:  # (the joint norm's biases follow it, below)
                 input_term = input_term + self.bias_ih
         recurrent_raw = torch.mm(h, (self.weight_hh if weight_hh is None else weight_hh).t())
         recurrent_term: Tensor | None
         if self.norm_gates is not None:
-            norm = self.norm_gates.forward_step if lean else self.norm_gates
-            input_term = norm(input_term + recurrent_raw, step, mask)
+            input_term = self.step_norm(self.norm_gates, recorded)(input_term + recurrent_raw, step, mask)
             recurrent_term = None
             if self.bias_ih is not None:
                 input_term = input_term + self.bias_ih + self.bias_hh
@@ -323,11 +325,11 @@ class RecurrentCell(PicklableParametrizations):
             if self.norm_hh is None:
                 recurrent_term = recurrent_raw
             else:
-                recurrent_term = (self.norm_hh.forward_step if lean else self.norm_hh)(recurrent_raw, step, mask)
+                recurrent_term = self.step_norm(self.norm_hh, recorded)(recurrent_raw, step, mask)
             bias = self.recurrent_bias() if lean else self.bias_hh
             if bias is not None:
                 recurrent_term = recurrent_term + bias
-        if record is not None and not lean:
+        if recorded:
             record.update(
                 step=step,
                 mask=mask,
@@ -337,6 +339,18 @@ class RecurrentCell(PicklableParametrizations):
                 recurrent_term=recurrent_term,
             )
         return input_term, recurrent_term
+
+    @staticmethod
+    def step_norm(norm: nn.Module, recorded: bool) -> Callable[[Tensor, int, Tensor | None], Tensor]:
+        """How a step calls ``norm``: its ``forward_step`` where the norm's class declares the ``"loop"`` form (the
+        same function, for a caller that keeps the padded rows' state, as every step does), else the module. The
+        module too while the step is recorded for an observer, or where hooks are registered on the norm (they
+        fire on module calls only): what is watched is the reference."""
+        if recorded or "loop" not in type(norm).__dict__.get("fast_forms", ()):
+            return norm
+        if norm._forward_hooks or norm._forward_pre_hooks:
+            return norm
+        return norm.forward_step  # type: ignore[return-value]
 
     def initial_state(self, batch_size: int, like: Tensor) -> Any:
         """The zero state for ``batch_size`` rows, on ``like``'s device and in its dtype."""
@@ -399,10 +413,10 @@ class RecurrentCell(PicklableParametrizations):
 
     # --- input checks --------------------------------------------------------------------------------------------
 
-    @property
+    @functools.cached_property
     def _owner(self) -> str:
         """The name errors start with: the cell's class, also under weight norm (whose parametrization makes the
-        module an instance of a generated ``Parametrized<Class>``)."""
+        module an instance of a generated ``Parametrized<Class>``). Cached: every call's checks name it."""
         return parametrize.type_before_parametrizations(self).__name__
 
     def unbatched(self, x: Tensor, state: Any, step: int | None, mask: Tensor | None) -> Any:

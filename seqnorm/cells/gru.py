@@ -109,9 +109,11 @@ class GRUCell(RecurrentCell):
         # b_hh stays on the recurrent side (recurrent_bias): its candidate part is gated by r.
         a, u = self.gate_terms(x, h_in, step, mask, record, weight_hh, input_normed, input_term)
         assert u is not None  # a GRU has no joint placement
-        hidden = self.hidden_size
-        r, z = torch.sigmoid(a[:, : 2 * hidden] + u[:, : 2 * hidden]).chunk(2, dim=1)
-        n = torch.tanh(a[:, 2 * hidden :] + r * u[:, 2 * hidden :])
+        blocks = [2 * self.hidden_size, self.hidden_size]
+        # split, not slicing: one backward node that joins the parts, where each slice's pads a zero (B, 3H) block
+        (a_rz, a_n), (u_rz, u_n) = a.split(blocks, dim=1), u.split(blocks, dim=1)
+        r, z = torch.sigmoid(a_rz + u_rz).chunk(2, dim=1)
+        n = torch.tanh(a_n + r * u_n)
         h = self.zoneout((1 - z) * n + z * h_prev, h_prev, self.zoneout_h)
         if mask is not None:
             h = torch.where(mask.unsqueeze(1), h, h_prev)

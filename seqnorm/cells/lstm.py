@@ -187,7 +187,7 @@ class LSTMCell(RecurrentCell):
         if self.norm_c is None:
             c_out = c
         else:
-            c_out = self.norm_c(c, step, mask) if input_term is None else self.norm_c.forward_step(c, step, mask)
+            c_out = self.step_norm(self.norm_c, record is not None and input_term is None)(c, step, mask)
         if self.state_norm == "carried":
             c = c_out
         h = o * torch.tanh(c_out)

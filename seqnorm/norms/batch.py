@@ -57,6 +57,7 @@ from torch import Tensor, nn
 
 from seqnorm.norms.batch_pieces import BatchNormPieces, PopulationMoments, masked_moments
 from seqnorm.norms.precision import float32_statistics
+from seqnorm.norms.protocol import step_node
 from seqnorm.validation import check_eps, check_finite, check_momentum
 
 __all__ = [
@@ -272,20 +273,31 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
 
     @float32_statistics
     def forward_step(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:
-        """``forward`` for the layers' loop: the same result and buffer updates.
+        """``forward`` for a cell's step (the layers' loop, a cell called in the user's own loop): the same result and
+        buffer updates, for a caller that, like every cell, keeps the state of the rows ``mask`` marks padding and so
+        passes them no gradient (the gradient of their output is not ``forward``'s: none reaches the statistics).
 
-        An unmasked training step of plain BN is torch's fused ``batch_norm`` (one kernel, which updates the step's
-        running row in place with the same rule: momentum, unbiased variance); no math is restated here. Kept only
-        for speed: without it a training forward+backward of ``LSTM(128, 256, norm="batch")`` on the loop path
-        (T=100, B=32, 1 thread, CPU) took ~150-154 ms instead of ~123-126 ms (best of 10, alternating runs).
-        Everything else is :meth:`forward`.
+        In training, a step whose rows are all real is torch's fused ``batch_norm`` for plain BN (one kernel, which
+        updates the step's running row in place with the same rule: momentum, unbiased variance); a masked step, or
+        any step of a norm with other training math (batch renorm), is the norm's own :class:`StepPieces` as one
+        autograd node (:func:`~seqnorm.norms.protocol.step_node`). No math is restated here; both are kept for speed.
+        The fused kernel: a training forward+backward of ``LSTM(128, 256, norm="batch")`` on the loop path (T=100,
+        B=32, 1 thread, CPU) took ~123-126 ms instead of ~150-154 ms (best of 10, alternating runs). The pieces'
+        node: ``LSTMCell(32, 64, norm="batch")`` in a user's loop of 30 masked steps at B=8 (BENCHMARKS.md, issue
+        31). Everything else (evaluation, a small-batch error to raise, what the pieces do not cover) is
+        :meth:`forward`.
         """
+        if not self.training:
+            return self.forward(x, step, mask)
+        batch = x.shape[0]
+        count = batch if mask is None else int(mask.sum())
+        if count == batch:
+            mask = None  # every row real: the unmasked step's moments
         if (
-            self.training
-            and mask is None
+            mask is None
             and self.scale
             and self.fused_update
-            and x.shape[0] >= 2
+            and batch >= 2
             and (step < self.max_steps or self.beyond_max_steps == "last")
             and type(self)._normalize_batch_steps is TimestepBatchNorm._normalize_batch_steps
         ):
@@ -296,9 +308,22 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
             with torch.no_grad():
                 self.running_mean[t] = running_mean
                 self.running_var[t] = running_var
-                self.num_batches_tracked[t] += 1
+                self.num_batches_tracked[t].add_(1)  # in place through the row's view (`+=` also writes it back)
             return y
+        if self._steps_by_pieces(batch, count):
+            return step_node(self, x, step, mask, count, self.bias)
         return self.forward(x, step, mask)
+
+    def _steps_by_pieces(self, batch: int, count: int) -> bool:
+        """Whether a training step of ``count`` real rows of ``batch`` may run :func:`step_node`: this class itself
+        declares the ``"bptt"`` form (a subclass that changes the math does not), the instance is within it (with a
+        γ), and no small-batch error is to be raised (:meth:`forward` raises it)."""
+        return (
+            "bptt" in type(self).__dict__.get("fast_forms", ())
+            and self.weight is not None
+            and self.fast_form_blocker("bptt") is None
+            and not self.raises_small_batch(batch, count)
+        )
 
     @float32_statistics
     def forward_sequence(self, x: Tensor, mask: Tensor | None = None, counts: list[int] | None = None) -> Tensor:

@@ -3,8 +3,10 @@
 :class:`BatchNormPieces` is a base of :class:`~seqnorm.norms.TimestepBatchNorm` (and, through it, of
 :class:`~seqnorm.norms.TimestepBatchRenorm`, which overrides the training pieces): its methods read the module's own
 buffers and options. A BPTT step computes what ``forward_step`` computes, with the same running-statistics updates
-(torch's fused kernel on unmasked training steps), and keeps each step's mean and ``1/std``; its backward is torch's
-BatchNorm backward kernel where autograd would run it, written out for masked and running-statistics steps.
+(torch's fused kernel on a training step's real rows, masked steps included), and keeps each step's mean and
+``1/std``; its backward is torch's BatchNorm backward kernel (on a masked step's real rows), written out for
+running-statistics steps. :func:`~seqnorm.norms.protocol.step_node` runs one step of them as one autograd node: a
+cell's masked training step in a loop of the user's own (``forward_step``).
 
 The statistics helpers beside it: :func:`masked_moments` (a batch's moments over its active rows) and
 :class:`PopulationMoments` (exact moments over many batches, for :func:`seqnorm.update_bn`).
@@ -137,13 +139,11 @@ class BatchNormPieces:
         call.scratch.setdefault("batch_steps", []).append(use_batch)
         if self.training and not use_batch:
             self.fallback_steps += 1
-        if use_batch and mask is None and self.fused_update:
+        if use_batch and self.fused_update:
             # torch's fused kernel updates the running row in place with BN's rule (momentum, unbiased variance), as
             # forward_step does; the batch is counted in bptt_finish, once for all steps.
             call.scratch.setdefault("fused_rows", []).append(row)
-            y, mean, rstd = torch_ops.batch_norm_with_stats(
-                x, weight, shift, self.running_mean[row], self.running_var[row], True, self.momentum, self.eps
-            )
+            y, mean, rstd = self._fused_step(x, mask, row, weight, shift)
             call.keep(means=mean, rstds=rstd)
             return y
         if use_batch:
@@ -158,10 +158,28 @@ class BatchNormPieces:
         y = (x - mean) * rstd * weight
         return y if shift is None else y + shift
 
+    def _fused_step(
+        self, x: Tensor, mask: Tensor | None, row: int, weight: Tensor | None, shift: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``(γ x̂ + shift, mean, 1/std)`` of a training step with batch statistics, which torch's fused kernel forms
+        over the real rows (``mask``; ``None``: all), updating running row ``row`` in place by BN's rule; padded
+        rows are normalized with the same moments. Needs :attr:`fused_update`."""
+        running = self.running_mean[row], self.running_var[row]
+        if mask is None:
+            return torch_ops.batch_norm_with_stats(x, weight, shift, *running, True, self.momentum, self.eps)
+        # The real rows gathered: one kernel for their moments and the update, instead of a dozen masked operations.
+        _, mean, rstd = torch_ops.batch_norm_with_stats(x[mask], None, None, *running, True, self.momentum, self.eps)
+        y = (x - mean) * rstd
+        if weight is not None:
+            y = y * weight
+        return (y if shift is None else y + shift), mean, rstd
+
     def bptt_finish(self, call: NormCall) -> None:
-        """Count the batches of the fused kernel's steps (the masked steps counted their own)."""
+        """Count the batches of the fused kernel's steps (the other steps counted their own)."""
         rows = call.scratch.pop("fused_rows", None)
-        if rows:
+        if rows and len(rows) == 1:  # one step (step_node): no index tensor to build
+            self.num_batches_tracked[rows[0]].add_(1)
+        elif rows:
             index = torch.tensor(rows, device=self.num_batches_tracked.device)
             self.num_batches_tracked.index_add_(0, index, torch.ones_like(index))
 
@@ -181,14 +199,13 @@ class BatchNormPieces:
         if batch_step and mask is None:
             wanted = [True, True, shift is not None]
             return torch_ops.batch_norm_backward(dy, x, weight, None, None, mean, rstd, True, self.eps, wanted)
-        return self._backward_written_out(dy, x, mask, count, weight, mean, rstd, shift, batch_step)
+        return self._masked_backward(dy, x, mask, weight, mean, rstd, shift, batch_step)
 
     @staticmethod
-    def _backward_written_out(
+    def _masked_backward(
         dy: Tensor,
         x: Tensor,
         mask: Tensor | None,
-        count: int,
         weight: Tensor,
         mean: Tensor,
         rstd: Tensor,
@@ -196,14 +213,16 @@ class BatchNormPieces:
         batch_step: bool,
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """Masked batch-statistics steps, and running-statistics steps (constants: a scaling)."""
-        scaled = dy * weight
         shift_grad = None if shift is None else dy.sum(0)
-        x_hat = (x - mean) * rstd
         if not batch_step:
-            return scaled * rstd, (dy * x_hat).sum(0), shift_grad
-        # Padded rows have dy = 0, so sums over all rows are sums over the real ones; they get no gradient.
-        dx = (scaled - scaled.sum(0) / count - x_hat * ((scaled * x_hat).sum(0) / count)) * rstd
-        return torch.where(mask.unsqueeze(1), dx, 0.0), (dy * x_hat).sum(0), shift_grad  # type: ignore[union-attr]
+            return dy * weight * rstd, (dy * ((x - mean) * rstd)).sum(0), shift_grad
+        # torch's BatchNorm backward kernel on the real rows: padded rows have dy = 0 (so every sum is over the real
+        # rows) and get no gradient.
+        real = mask.nonzero().squeeze(1)  # type: ignore[union-attr]
+        dx, weight_grad, _ = torch_ops.batch_norm_backward(
+            dy[real], x[real], weight, None, None, mean, rstd, True, 0.0, [True, True, False]
+        )
+        return x.new_zeros(x.shape).index_copy_(0, real, dx), weight_grad, shift_grad
 
     def bptt_normalized(self, x: Tensor, features: slice, call: NormCall) -> Tensor:
         mean, rstd = call.stacked["means"], call.stacked["rstds"]  # per feature: (T, F)

@@ -86,7 +86,8 @@ class _RowNorm(nn.Module):
         return text + (f", shift={self.shift_init}" if self.bias is not None and self.shift_init else "")
 
     def forward_step(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:
-        """``forward`` without the module-call overhead (the layers' fast path calls it at every step).
+        """``forward`` without the module-call overhead (a cell's step calls it: the layers' loop, a cell in a loop of
+        the user's own).
 
         Not decorated with :func:`float32_statistics`: ``forward`` is, and one check per call is enough.
         """

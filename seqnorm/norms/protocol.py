@@ -3,7 +3,8 @@
 The forms (which one runs is :mod:`seqnorm.layers.plan`'s choice):
 
 - **reference** and **loop**: the module itself — ``forward(x, step, mask)``, and for the loop ``forward_step`` (the
-  same function, fewer operations) and ``forward_sequence`` (every step of ``(T, B, F)`` at once).
+  same function, fewer operations) and ``forward_sequence`` (every step of ``(T, B, F)`` at once). A norm's
+  ``forward_step`` may run its own pieces below as one autograd node per step (:func:`step_node`).
 - **bptt**: the hand-written backward through time (:mod:`seqnorm.layers.bptt`) calls :meth:`StepPieces.bptt_step`
   at every step of its forward, :meth:`~StepPieces.bptt_finish` after it, and :meth:`~StepPieces.bptt_backward`
   (and, for a GRU's recurrent norm, :meth:`~StepPieces.bptt_normalized`) in its backward.
@@ -25,7 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-__all__ = ["NormCall", "StepPieces"]
+__all__ = ["NormCall", "StepPieces", "step_node"]
 
 
 class NormCall:
@@ -97,7 +98,8 @@ class StepPieces(Protocol):
         call: NormCall,
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """``(dL/dx, dL/dγ, dL/dshift)`` of step ``step`` given ``dy`` (zero on padded rows); ``None`` for a
-        ``weight`` or ``shift`` that is ``None``."""
+        ``weight`` or ``shift`` that is ``None``. ``step`` is the step's position among those ``call`` recorded: the
+        time index in a layer's call, which numbers its steps from 0; 0 for :func:`step_node`'s call of one step."""
         ...
 
     def bptt_normalized(self, x: Tensor, features: slice, call: NormCall) -> Tensor:
@@ -110,3 +112,54 @@ class StepPieces(Protocol):
         parameters and buffers alone computed once here (for per-timestep BN: each step's folded scale and offset).
         ``y`` is ``(..., F)``; the result is a new tensor."""
         ...
+
+
+class _StepNode(torch.autograd.Function):
+    """One step of a norm's :class:`StepPieces` as one autograd node: ``bptt_step`` (and ``bptt_finish``) forward,
+    ``bptt_backward`` backward, with a :class:`NormCall` of this one step."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: Tensor,
+        weight: Tensor,
+        shift: Tensor | None,
+        module: StepPieces,
+        step: int,
+        mask: Tensor | None,
+        count: int,
+    ) -> Tensor:
+        call = NormCall()
+        y = module.bptt_step(x, step, mask, count, weight, shift, call)
+        module.bptt_finish(call)
+        ctx.save_for_backward(x, weight, shift)
+        ctx.module, ctx.call, ctx.mask, ctx.count = module, call, mask, count
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight, shift = ctx.saved_tensors
+        dx, weight_grad, shift_grad = ctx.module.bptt_backward(dy, x, 0, ctx.mask, ctx.count, weight, shift, ctx.call)
+        wanted = ctx.needs_input_grad
+        return (
+            dx if wanted[0] else None,
+            weight_grad if wanted[1] else None,
+            shift_grad if wanted[2] else None,  # (a piece may return one for a shift that is None)
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def step_node(
+    module: StepPieces, x: Tensor, step: int, mask: Tensor | None, count: int, shift: Tensor | None
+) -> Tensor:
+    """``γ N(x) + shift`` at time index ``step`` by ``module``'s own pieces, as one autograd node.
+
+    For a cell's step (a norm's ``forward_step``): one node in the graph instead of the dozen of a masked batch
+    norm's operations. Its backward is ``bptt_backward``, which takes the rows ``mask`` marks padding to receive no
+    gradient — as in a cell, which keeps their state and never reads their output. ``count`` is the number of real
+    rows; ``γ`` is ``module.weight`` (a norm whose ``"bptt"`` form is not blocked has one).
+    """
+    return _StepNode.apply(x, module.weight, shift, module, step, mask, count)

@@ -143,11 +143,9 @@ class TimestepBatchRenorm(TimestepBatchNorm):
         running_mean, running_var = self.running_mean[row], self.running_var[row]
         running_rstd = torch.rsqrt(running_var + self.eps)  # the running moments before this step's update
         previous_mean = running_mean.clone()  # both branches below update the row in place
-        if mask is None and self.fused_update:
+        if self.fused_update:
             # The fused kernel updates the running row in place with BN's rule (momentum, unbiased variance).
-            x_hat, mean, rstd = torch_ops.batch_norm_with_stats(
-                x, None, None, running_mean, running_var, True, self.momentum, self.eps
-            )
+            x_hat, mean, rstd = self._fused_step(x, mask, row, None, None)
             call.scratch.setdefault("fused_rows", []).append(row)
         else:
             mean, var = masked_moments(x, mask, count)
@@ -191,13 +189,13 @@ class TimestepBatchRenorm(TimestepBatchNorm):
         mean, rstd = call.steps["means"][step], call.steps["rstds"][step]
         r, d = call.steps["rs"][step], call.steps["ds"][step]
         if not call.scratch["batch_steps"][step]:  # a running step (r = 1, d = 0): BatchNorm's
-            return self._backward_written_out(dy, x, mask, count, weight, mean, rstd, shift, False)
+            return self._masked_backward(dy, x, mask, weight, mean, rstd, shift, False)
         if mask is None:
             dx, weight_grad, shift_grad = torch_ops.batch_norm_backward(
                 dy, x, weight * r, None, None, mean, rstd, True, self.eps, [True, True, True]
             )
         else:
-            dx, weight_grad, _ = self._backward_written_out(dy, x, mask, count, weight * r, mean, rstd, shift, True)
+            dx, weight_grad, _ = self._masked_backward(dy, x, mask, weight * r, mean, rstd, shift, True)
             shift_grad = dy.sum(0)
         return dx, torch.addcmul(weight_grad * r, shift_grad, d), shift_grad
 

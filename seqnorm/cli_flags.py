@@ -1,0 +1,188 @@
+"""A mistyped flag of the ``seqnorm`` command: one short error naming it and the closest valid flags.
+
+jsonargparse answers ``seqnorm fit --model.hiden_size 10`` with the whole usage (about 40 lines of ``--trainer.*``)
+and a nested "Does not validate against any of the Union subtypes" report, and no "did you mean". The parser here
+checks the command line's flags first: the first one that is no option of the parser, nor an argument of the class
+chosen for ``--model``/``--data``/``--optimizer``/``--lr_scheduler`` (``--model.hidden_size``), is named with
+:func:`difflib.get_close_matches` over the valid ones, in two lines. Any other error (a bad value, a typo inside a
+``--config`` file) keeps jsonargparse's full report.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import sys
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar, NoReturn
+
+import torch
+from jsonargparse import ArgumentParser
+from lightning.pytorch.cli import LightningArgumentParser
+
+__all__ = ["FlagSuggestingParser", "FunctionFlagParser", "class_flags", "unknown_flag"]
+
+_NESTED_BASES = {"optimizer": torch.optim.Optimizer, "lr_scheduler": torch.optim.lr_scheduler.LRScheduler}
+_NESTED_MODULES = {"optimizer": torch.optim, "lr_scheduler": torch.optim.lr_scheduler}
+
+
+def _flag(token: str) -> str | None:
+    """The flag a command-line word sets (``--a.b=1`` and ``--a.b+=X`` set ``--a.b``), ``None`` for a value."""
+    if not token.startswith("--") or token == "--":
+        return None
+    return token.partition("=")[0].removesuffix("+")
+
+
+def class_flags(cls: type, key: str) -> list[str]:
+    """The flags that set ``cls``'s arguments under ``--key`` (``--model.hidden_size``), as jsonargparse makes them."""
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(cls, key, fail_untyped=False, sub_configs=True)
+    return sorted(flag for action in parser._actions for flag in action.option_strings if flag.startswith(f"--{key}."))
+
+
+def _named_class(name: str, candidates: Iterable[type]) -> type | None:
+    for cls in candidates:
+        if name in (cls.__name__, f"{cls.__module__}.{cls.__qualname__}") or name.endswith(f".{cls.__qualname__}"):
+            return cls
+    module, _, attribute = name.rpartition(".")
+    try:  # a class path of the user's own (jsonargparse imports it the same way)
+        found = getattr(importlib.import_module(module), attribute) if module else None
+    except (ImportError, ValueError):
+        return None
+    return found if isinstance(found, type) else None
+
+
+def _candidates(key: str, nested: dict[str, Sequence[type]]) -> list[type]:
+    if key in nested:
+        return list(nested[key])
+    if key in _NESTED_BASES:
+        base = _NESTED_BASES[key]
+        return [cls for cls in vars(_NESTED_MODULES[key]).values() if isinstance(cls, type) and issubclass(cls, base)]
+    return []
+
+
+def _accepted(flag: str, options: Sequence[str]) -> bool:
+    """Whether ``flag`` is one of ``options``, a unique prefix of one (argparse's abbreviations), or a key under an
+    option whose keys are not listed there (``--trainer.callbacks.step``, ``--model.norm.init_args.eps``)."""
+    if flag in options:
+        return True
+    parent = flag.rpartition(".")[0]
+    if parent and any(option.startswith(f"{parent}.") for option in options):
+        return sum(option.startswith(flag) for option in options) == 1  # its siblings are listed: it is not
+    return any(flag.startswith(f"{option}.") for option in options) or (
+        sum(option.startswith(flag) for option in options) == 1
+    )
+
+
+def _closest(flag: str, valid: Sequence[str]) -> list[str]:
+    """Up to three of ``valid`` like ``flag``: by the last name among its siblings, else by the last name or the
+    whole flag anywhere (``--hidden_size`` -> ``--model.hidden_size``)."""
+    parent, _, leaf = flag.rpartition(".")
+    siblings = {option.rpartition(".")[2]: option for option in valid if option.rpartition(".")[0] == parent}
+    close = difflib.get_close_matches(leaf, list(siblings), n=3, cutoff=0.7)
+    if close:
+        return [siblings[name] for name in close]
+    leaves = {option.rpartition(".")[2].removeprefix("--"): option for option in valid}
+    close = [leaves[name] for name in difflib.get_close_matches(leaf.removeprefix("--"), list(leaves), n=3, cutoff=0.8)]
+    return close or difflib.get_close_matches(flag, valid, n=3, cutoff=0.8)
+
+
+def unknown_flag(
+    words: Sequence[str], options: Iterable[str], nested: dict[str, Sequence[type]]
+) -> tuple[str, list[str], list[str]] | None:
+    """The first flag of ``words`` that nothing accepts: ``(flag, closest valid flags, the names of the classes it
+    was checked against)``; ``None`` when every flag is valid, or cannot be judged here (a class that does not
+    import).
+
+    ``options``: the parser's own option strings (:func:`_accepted` says which flags they take). ``nested``: the
+    classes ``--model``/``--data`` may name; their arguments, and those of torch's optimizers and schedulers, are
+    checked against the class the words choose (``--model LanguageModel``), or all of them when the words choose
+    none (a ``--config`` may).
+    """
+    options = sorted(option for option in set(options) if not option.endswith(".help"))
+    chosen: dict[str, str] = {}
+
+    def classes_of(root: str) -> list[type]:
+        classes = _candidates(root, nested)
+        if not chosen.get(root):
+            return classes
+        named = _named_class(chosen[root], classes)
+        return [named] if named is not None else []
+
+    def flags_of(root: str, classes: list[type]) -> list[str]:
+        return sorted({flag for cls in classes for flag in class_flags(cls, root) if not flag.endswith(".help")})
+
+    for index, word in enumerate(words):
+        flag = _flag(word)
+        if flag is None:
+            continue
+        key = flag[2:]
+        if key in _NESTED_BASES or key in nested:  # --model NAME: the class its flags belong to
+            value = word.partition("=")[2] if "=" in word else (words[index + 1] if index + 1 < len(words) else "")
+            chosen[key] = value
+            continue
+        root, _, rest = key.partition(".")
+        if rest and (root in _NESTED_BASES or root in nested):
+            classes = classes_of(root)
+            rest = rest.removeprefix("init_args.")
+            if not classes or rest in ("help", "class_path", "init_args", "dict_kwargs"):
+                continue
+            valid = flags_of(root, classes)
+            if _accepted(f"--{root}.{rest}", valid):
+                continue
+            return flag, _closest(f"--{root}.{rest}", valid), [cls.__name__ for cls in classes]
+        if _accepted(flag, options):
+            continue
+        pool = [option for option in options if option.startswith("--")]
+        for root in nested:  # `--hidden_size` for `--model.hidden_size`
+            pool += flags_of(root, classes_of(root))
+        return flag, _closest(flag, pool), []
+    return None
+
+
+def _either(flags: list[str]) -> str:
+    return flags[0] if len(flags) == 1 else f"{', '.join(flags[:-1])} or {flags[-1]}"
+
+
+class _SuggestsFlags(ArgumentParser):
+    """A jsonargparse parser whose error for a mistyped flag is two lines: the flag, the closest valid ones, and
+    where the full list is (module docstring). ``nested_classes``: the classes ``--model``/``--data`` may name."""
+
+    nested_classes: ClassVar[dict[str, Sequence[type]]] = {}
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        words = getattr(self, "args", None)  # what parse_args was given (jsonargparse keeps it)
+        if self.exit_on_error and isinstance(words, list):
+            try:
+                found = self._unknown_flag(words)
+            except Exception:  # a hint must never hide the error it explains: jsonargparse's report then
+                found = None
+            if found is not None:
+                command, (flag, close, owners) = found
+                where = f"not a flag of {_either(owners)}" if owners else "no such flag"
+                guess = f"; did you mean {_either(close)}?" if close else ""
+                root = flag[2:].partition(".")[0]
+                listing = f"{command} --{root}.help {owners[0]}" if len(owners) == 1 else f"{command} --help"
+                print(f"{command}: error: {flag}: {where}{guess}\n({listing} lists the flags)", file=sys.stderr)
+                raise SystemExit(2)
+        super().error(message, ex)
+
+    def _unknown_flag(self, words: list[str]) -> tuple[str, tuple[str, list[str], list[str]]] | None:
+        subcommands = self._subcommands_action
+        parsers: dict[str, Any] = dict(subcommands.choices) if subcommands is not None else {}
+        command = self.prog.replace(" [options]", "")  # as jsonargparse's own tip names it: "seqnorm fit"
+        split = next((index for index, word in enumerate(words) if word in parsers), len(words))
+        own = unknown_flag(words[:split], self._option_string_actions, self.nested_classes)
+        if own is not None or split == len(words):
+            return (command, own) if own is not None else None
+        subcommand = words[split]
+        found = unknown_flag(words[split + 1 :], parsers[subcommand]._option_string_actions, self.nested_classes)
+        return (f"{command} {subcommand}", found) if found is not None else None
+
+
+class FlagSuggestingParser(_SuggestsFlags, LightningArgumentParser):
+    """LightningCLI's parser (``SeqnormCLI``'s ``parser_class``) with the short error for a mistyped flag."""
+
+
+class FunctionFlagParser(_SuggestsFlags):
+    """jsonargparse's parser (``seqnorm generate``'s, through ``auto_cli``) with the short error for a mistyped flag."""

@@ -1,0 +1,241 @@
+"""What the `seqnorm` command says and shows: a mistyped flag, generate's prompt, the commands that need no Lightning,
+the shipped config a missing --config names, the progress bar at 80 columns and the run it names."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from seqnorm.cli import main
+from seqnorm.cli_flags import unknown_flag
+from seqnorm.lightning.progress import run_label
+from seqnorm.shipped_configs import shipped_name_of
+from tests.conftest import QUIET, run_path
+
+ROOT = Path(__file__).resolve().parent.parent
+LM = ["--model", "LanguageModel", "--data", "TextCorpus", "--model.hidden_size", "16", "--model.embedding_dim", "8"]
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _seqnorm(args: list[str], cwd: Path, **environ: str) -> subprocess.CompletedProcess[str]:
+    """The `seqnorm` console script's entry point (seqnorm.__main__:main) in a fresh process, output piped."""
+    env = {key: value for key, value in os.environ.items() if key != "FORCE_COLOR"}  # piped: plain output
+    env.update({"PYTHONPATH": str(ROOT), **environ})
+    command = [sys.executable, "-m", "seqnorm", *args]
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _error(capsys: pytest.CaptureFixture[str], args: list[str]) -> str:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        main(args)
+    error = capsys.readouterr().err
+    assert stopped.value.code == 2, error
+    return error
+
+
+# ---- a mistyped flag -----------------------------------------------------------------------------------------------
+
+
+def test_a_mistyped_model_flag_is_one_short_error_with_the_flag_meant(tmp_path: Path) -> None:
+    # It was jsonargparse's usage of every --trainer flag and a nested Union report: 45 lines, no suggestion.
+    result = _seqnorm(["fit", *LM, "--model.hiden_size", "10"], tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "seqnorm fit: error: --model.hiden_size: not a flag of LanguageModel; did you mean --model.hidden_size?",
+        "(seqnorm fit --model.help LanguageModel lists the flags)",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (
+            ["fit", *LM, "--trainer.max_stepz", "3"],
+            "--trainer.max_stepz: no such flag; did you mean --trainer.max_steps or --trainer.max_time?",
+        ),
+        (["fit", *LM, "--data.pth", "x.txt"], "--data.pth: not a flag of TextCorpus; did you mean --data.path?"),
+        (["fit", *LM, "--hidden_size", "8"], "--hidden_size: no such flag; did you mean --model.hidden_size?"),
+        (  # no --model on the command line (a --config may name it): the flags of every model
+            ["fit", "--model.hiden_size", "8"],
+            "--model.hiden_size: not a flag of LanguageModel or SequenceClassifier; did you mean --model.hidden_size?",
+        ),
+        (["fit", *LM, "--optimizer", "Adam", "--optimizer.lrr", "1"], "Adam; did you mean --optimizer.lr?"),
+        (["generate", "--ckpt_path", "x.ckpt", "--promt", "a"], "--promt: no such flag; did you mean --prompt?"),
+    ],
+)
+def test_a_mistyped_flag_names_the_closest_valid_ones(
+    capsys: pytest.CaptureFixture[str], args: list[str], expected: str
+) -> None:
+    error = _error(capsys, args)
+    assert f"seqnorm {args[0]}: error: " in error and expected in error
+    assert len(error.splitlines()) == 2 and "usage:" not in error
+
+
+@pytest.mark.parametrize(
+    "words",
+    [
+        ["--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.monitor", "val/loss"],  # under a listed option
+        ["--trainer.max_step", "3"],  # argparse takes a unique prefix
+        ["--model", "my_package.UnknownModel", "--model.anything", "1"],  # a class not importable here: not judged
+        ["--model.norm.init_args.eps", "1e-3"],  # under an argument of the model
+    ],
+)
+def test_flags_that_are_valid_or_cannot_be_judged_get_no_suggestion(words: list[str]) -> None:
+    from seqnorm.lightning import LanguageModel
+
+    options = ["--trainer", "--trainer.callbacks", "--trainer.max_steps", "--model"]
+    assert unknown_flag(words, options, {"model": (LanguageModel,)}) is None
+
+
+def test_a_bad_value_keeps_jsonargparses_report(capsys: pytest.CaptureFixture[str]) -> None:
+    error = _error(capsys, ["fit", *LM, "--model.num_layers", "many"])
+    assert "no such flag" not in error and "not a flag" not in error and "num_layers" in error
+
+
+# ---- generate shows its prompt --------------------------------------------------------------------------------------
+
+
+def _trained(directory: Path, level: str) -> Path:
+    data = ["--data.path", str(directory / "story.txt"), "--data.level", level, "--data.batch_size", "8"]
+    main(["fit", *LM, *data, *QUIET, "--trainer.max_steps", "2", "--trainer.default_root_dir", str(directory)])
+    return run_path(0, directory) / "checkpoints" / "last.ckpt"
+
+
+def test_generate_prints_the_prompt_then_the_continuation(
+    story: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    last = _trained(story.parent, "char")
+    sample = ["generate", "--ckpt_path", str(last), "--prompt", "the ", "--length", "20", "--seed", "0"]
+    piped = _seqnorm(sample, story.parent)
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout.startswith("the ") and "\x1b" not in piped.stdout  # plain text when piped
+    assert len(piped.stdout) == len("the ") + 20 + 1  # the prompt, 20 characters, the line break
+    # On a terminal (FORCE_COLOR makes rich treat the output as one) the prompt is bold and the rest plain.
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    monkeypatch.setenv("TERM", "xterm-256color")  # TERM=dumb would keep it plain
+    capsys.readouterr()
+    main(sample)
+    shown = capsys.readouterr().out
+    assert shown.startswith("\x1b[1mthe \x1b[0m")
+    assert ANSI.sub("", shown) == piped.stdout
+
+
+def test_generated_words_follow_the_prompt_after_a_space(story: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    last = _trained(story.parent, "word")
+    capsys.readouterr()
+    main(["generate", "--ckpt_path", str(last), "--prompt", "the cat", "--length", "5", "--seed", "0"])
+    out = capsys.readouterr().out
+    assert out.startswith("the cat") and out[len("the cat")] in " \n", out
+    assert len(out[len("the cat") :].split()) == 5 - out[len("the cat") :].count("\n") + out.endswith("\n")
+
+
+# ---- the commands that need no Lightning ---------------------------------------------------------------------------
+
+# Lightning and jsonargparse cannot be imported: what a base install (no `train` extra) has, and the proof that these
+# commands do not import them (each took 4-6 s for Lightning's import alone).
+BLOCKED = """
+import sys
+class Blocked:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ("lightning", "jsonargparse"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Blocked())
+sys.argv = ["seqnorm", *sys.argv[1:]]
+from seqnorm.__main__ import main
+main()
+"""
+
+
+@pytest.mark.parametrize(
+    ("command", "expected"),
+    [
+        ("--version", r"\Aseqnorm \S+ \(torch \S+; compiled kernels: .*\)\Z"),
+        ("--help", r"\Ausage: seqnorm \{fit,validate,test,predict,generate,configs\} \.\.\.\n(.|\n)*\n    configs  "),
+        ("configs", r"\Aseqnorm:char_lm +\S+char_lm\.yaml\n(.|\n)*\nUse: seqnorm fit --config seqnorm:char_lm "),
+    ],
+    ids=["version", "help", "configs"],
+)
+def test_version_help_and_configs_need_no_lightning(tmp_path: Path, command: str, expected: str) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-c", BLOCKED, command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert re.search(expected, result.stdout.strip()), result.stdout
+
+
+# ---- a --config of the repository's configs/, outside a checkout ---------------------------------------------------
+
+
+def test_a_missing_config_file_names_the_shipped_config(tmp_path: Path) -> None:
+    result = _seqnorm(["fit", "--config", "configs/char_lm.yaml", "--data.path", "my.txt"], tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "seqnorm fit: error: --config configs/char_lm.yaml: no such file (the repository's configs/ is not in this "
+        "directory); seqnorm ships a config of that name: pass --config seqnorm:char_lm (`seqnorm configs` lists them)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("path", "name"),
+    [
+        ("configs/norm/batch.yaml", "norm/batch"),
+        ("elsewhere/char_lm.yaml", "char_lm"),
+        ("batch.yaml", "norm/batch"),  # the only shipped config of that file name
+        ("configs/mine.yaml", None),
+        ("configs/char_lm.json", None),
+    ],
+)
+def test_the_shipped_config_a_missing_file_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path, name) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert shipped_name_of(path) == name
+
+
+def test_an_existing_config_file_is_read_as_it_is(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "char_lm.yaml").write_text("seed_everything: 3\n")
+    assert shipped_name_of("configs/char_lm.yaml") is None
+
+
+# ---- the progress bar ----------------------------------------------------------------------------------------------
+
+SHORT = ["--trainer.max_steps", "4", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1"]
+
+
+def _bar_lines(out: str) -> list[str]:
+    return [line.rstrip() for line in out.splitlines() if line.startswith("Epoch")]
+
+
+def test_the_progress_bar_fits_80_columns_and_names_the_run_after_a_resume(
+    story: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = ["--data.path", str(story), "--data.batch_size", "8", "--trainer.enable_model_summary", "false"]
+    monkeypatch.setenv("COLUMNS", "80")  # what rich reads when the output is not a terminal
+    capsys.readouterr()
+    main(["fit", *LM, *data, *SHORT])
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 80, out
+    # one line: the metrics wrapped onto a second one (Lightning's row is about 130 columns)
+    assert any(re.search(r"loss: \d+\.\d{3} .*val/bpc: \d+\.\d{3}$", line) for line in _bar_lines(out)), out
+    monkeypatch.setenv("COLUMNS", "200")
+    last = run_path(0, story.parent) / "checkpoints" / "last.ckpt"
+    main(["fit", *LM, *data, *SHORT[2:], "--trainer.max_steps", "6", "--ckpt_path", str(last)])
+    bars = _bar_lines(capsys.readouterr().out)
+    # the resumed run continues version_0: Lightning showed the last 4 characters of "version_0" ("on_0"), and
+    # version numbers as floats ("0.000")
+    assert bars and all(re.search(r" v_num: 0 ", line) for line in bars), bars
+
+
+@pytest.mark.parametrize(
+    ("version", "label"),
+    [(13, "13"), ("version_13", "13"), ("char_lm-layer", "char_lm-layer"), ("", None), (None, None)],
+)
+def test_run_label(version: int | str | None, label: str | None) -> None:
+    assert run_label(version) == label
