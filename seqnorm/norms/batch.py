@@ -277,14 +277,16 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
         buffer updates, for a caller that, like every cell, keeps the state of the rows ``mask`` marks padding and so
         passes them no gradient (the gradient of their output is not ``forward``'s: none reaches the statistics).
 
-        In training, a step whose rows are all real is torch's fused ``batch_norm`` for plain BN (one kernel, which
-        updates the step's running row in place with the same rule: momentum, unbiased variance); a masked step, or
-        any step of a norm with other training math (batch renorm), is the norm's own :class:`StepPieces` as one
-        autograd node (:func:`~seqnorm.norms.protocol.step_node`). No math is restated here; both are kept for speed.
-        The fused kernel: a training forward+backward of ``LSTM(128, 256, norm="batch")`` on the loop path (T=100,
-        B=32, 1 thread, CPU) took ~123-126 ms instead of ~150-154 ms (best of 10, alternating runs). The pieces'
-        node: ``LSTMCell(32, 64, norm="batch")`` in a user's loop of 30 masked steps at B=8 (BENCHMARKS.md, issue
-        31). Everything else (evaluation, a small-batch error to raise, what the pieces do not cover) is
+        In training, a step of plain BN with at least 2 real rows is torch's fused kernels
+        (:meth:`_fused_forward_step`: the real rows' moments update the step's running row in place by the same rule,
+        momentum and unbiased variance); any other step of a norm whose class declares the pieces (batch renorm's
+        r/d correction, a cumulative average) is its own :class:`StepPieces` as one autograd node
+        (:func:`~seqnorm.norms.protocol.step_node`). No math is restated here; both are kept for speed. The fused
+        kernels: a training forward+backward of ``LSTM(128, 256, norm="batch")`` on the loop path (T=100, B=32, 1
+        thread, CPU) took ~123-126 ms instead of ~150-154 ms (best of 10, alternating runs); ``LSTMCell(32, 64,
+        norm="batch")`` in a user's loop of 30 masked steps at B=8 (``scripts/bench_cells.py``, BENCHMARKS.md) is
+        under 2x the LN cell. Everything else (evaluation, a small-batch error to raise, what the pieces do not
+        cover) is
         :meth:`forward`.
         """
         if not self.training:
@@ -294,25 +296,34 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
         if count == batch:
             mask = None  # every row real: the unmasked step's moments
         if (
-            mask is None
+            count >= 2
             and self.scale
             and self.fused_update
-            and batch >= 2
             and (step < self.max_steps or self.beyond_max_steps == "last")
             and type(self)._normalize_batch_steps is TimestepBatchNorm._normalize_batch_steps
         ):
-            t = min(step, self.max_steps - 1)
-            # Copies: autograd saves the running tensors it is given, and a later step may update the same row.
-            running_mean, running_var = self.running_mean[t].clone(), self.running_var[t].clone()
-            y = F.batch_norm(x, running_mean, running_var, self.weight, self.bias, True, self.momentum, self.eps)
-            with torch.no_grad():
-                self.running_mean[t] = running_mean
-                self.running_var[t] = running_var
-                self.num_batches_tracked[t].add_(1)  # in place through the row's view (`+=` also writes it back)
-            return y
+            return self._fused_forward_step(x, min(step, self.max_steps - 1), mask)
         if self._steps_by_pieces(batch, count):
             return step_node(self, x, step, mask, count, self.bias)
         return self.forward(x, step, mask)
+
+    def _fused_forward_step(self, x: Tensor, row: int, mask: Tensor | None) -> Tensor:
+        """A training step by torch's fused kernels: the moments of the real rows update running row ``row`` in place
+        by BN's rule (``batch_norm_update_stats``, the kernel ``batch_norm`` runs) and normalize the real rows
+        (``batch_norm``, its backward torch's); the padded rows take the same moments (evaluation's kernel, no
+        gradient). No autograd node of ours, and no running tensor saved (a later step may update the same row)."""
+        real = x if mask is None else x[mask]
+        with torch.no_grad():
+            mean, var = torch.batch_norm_update_stats(
+                real, self.running_mean[row], self.running_var[row], self.momentum
+            )
+            self.num_batches_tracked[row].add_(1)  # in place through the row's view (`+=` also writes it back)
+        normalized = F.batch_norm(real, None, None, self.weight, self.bias, True, 0.0, self.eps)
+        if mask is None:
+            return normalized
+        with torch.no_grad():
+            padded = F.batch_norm(x, mean, var, self.weight, self.bias, False, 0.0, self.eps)
+        return padded.masked_scatter(mask.unsqueeze(1), normalized)
 
     def _steps_by_pieces(self, batch: int, count: int) -> bool:
         """Whether a training step of ``count`` real rows of ``batch`` may run :func:`step_node`: this class itself
