@@ -163,6 +163,7 @@ def main() -> None:
     parser.add_argument("--size", default="100x64x512x512", help="T x B x I x H of the training step")
     parser.add_argument("--repeats", type=int, default=20, help="timed runs per variant (median)")
     parser.add_argument("--profile", action="store_true", help="only profile a training step (device busy vs wall)")
+    parser.add_argument("--check-only", action="store_true", help="only the check against the plain path")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_gpu: no CUDA device here (torch.cuda.is_available() is False): nothing to measure")
@@ -179,6 +180,8 @@ def main() -> None:
     print("Check against the plain path (TF32 off; training: outputs, states, gradients; evaluation; generation):")
     lines, worst = check(device)
     print("\n".join(lines) + f"\n\nLargest difference of all: {worst:.1e}\n")
+    if args.check_only:
+        return
     print(f"Training step, T={steps} B={batch} I={inputs} H={hidden} (median ms of {args.repeats}):\n")
     print("| cell | norm | precision | path | seqnorm ms | torch (cuDNN) ms | × torch | plain ms | plain / seqnorm "
           "| reference loop ms | reference / plain |")  # fmt: skip
