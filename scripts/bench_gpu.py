@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import cProfile
 import pstats
 import statistics
@@ -126,6 +127,25 @@ def check(device: torch.device) -> tuple[list[str], float]:
                 worst_of_all = max(worst_of_all, worst)
                 lines.append(f"- {kind} {norm} {str(dtype).removeprefix('torch.')}: paths train/eval "
                              f"{paths[0]}/{paths[1]}; largest relative difference {worst:.1e}")  # fmt: skip
+    for kind in ("lstm", "gru"):  # a cell in a user's own loop, masked: on the GPU against the CPU, float64
+        for norm in ("layer", "batch", "batch_renorm"):
+            torch.manual_seed(0)
+            cell = seqnorm.CELLS[kind](32, 64, norm=norm).double()
+            x = torch.randn(20, 8, 32, dtype=torch.float64)
+            results = []
+            for where in (device, torch.device("cpu")):
+                on = copy.deepcopy(cell).to(where)
+                inputs = x.to(where).requires_grad_()
+                state = None
+                for t in range(20):
+                    state = on(inputs[t], state, step=t, mask=(t < lengths).to(where))
+                h = state[0] if isinstance(state, tuple) else state
+                h.square().sum().backward()
+                grads = [p.grad for p in on.parameters()]
+                results.append([t.detach().cpu() for t in (h, inputs.grad, *grads, *on.buffers())])
+            worst = _difference(*results)
+            worst_of_all = max(worst_of_all, worst)
+            lines.append(f"- {kind} cell {norm} float64 in a masked loop, GPU against CPU: {worst:.1e}")
     return lines, worst_of_all
 
 
