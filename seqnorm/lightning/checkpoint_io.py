@@ -180,12 +180,7 @@ def check_hyper_parameters(hparams: object, where: str) -> None:
             "file (jsonargparse would parse it, and could import and build a class it names); seqnorm's "
             "hyperparameters are plain values, and nothing in it was parsed or imported"
         )
-    instantiator = hparams.get("_instantiator")
-    if instantiator is not None and instantiator != INSTANTIATOR:
-        raise CheckpointError(
-            f"{where}: refused: its hyper_parameters name the instantiator {instantiator!r}; only {INSTANTIATOR} "
-            "is accepted, and the named one was not imported"
-        )
+    _check_instantiator(hparams, "hyper_parameters", where)
 
 
 def check_data_hyper_parameters(hparams: object, where: str) -> None:
@@ -209,11 +204,16 @@ def check_data_hyper_parameters(hparams: object, where: str) -> None:
                 f"{where}: refused: its {DATA_HPARAMS_KEY}.{name} is a {type(value).__name__}; seqnorm's data "
                 "arguments are plain values (names, numbers, paths), and nothing in it was parsed or imported"
             )
+    _check_instantiator(hparams, DATA_HPARAMS_KEY, where)
+
+
+def _check_instantiator(hparams: dict[str, Any], key: str, where: str) -> None:
+    """Refuse an ``_instantiator`` other than LightningCLI's in the hyperparameters saved under ``key``."""
     instantiator = hparams.get("_instantiator")
     if instantiator is not None and instantiator != INSTANTIATOR:
         raise CheckpointError(
-            f"{where}: refused: its {DATA_HPARAMS_KEY} name the instantiator {instantiator!r}; only {INSTANTIATOR} "
-            "is accepted, and the named one was not imported"
+            f"{where}: refused: its {key} name the instantiator {instantiator!r}; only {INSTANTIATOR} is accepted, "
+            "and the named one was not imported"
         )
 
 
