@@ -307,6 +307,7 @@ class TrialCache:
         text = settings.get("text")
         if text is not None and Path(text).is_file():  # the file's content, not only its path: an edited corpus
             settings["text_sha256"] = hashlib.sha256(Path(text).read_bytes()).hexdigest()  # is other data
+            settings["text"] = Path(text).name  # and the same corpus elsewhere (another clone) is the same data
         return cls(getattr(args, "trials_cache", None), settings)
 
     def run(self, key: str, train: Callable[[], Trial]) -> Trial:

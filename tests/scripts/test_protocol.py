@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
@@ -273,6 +274,12 @@ def test_the_trials_cache_is_keyed_on_the_texts_content(tmp_path: Path) -> None:
     text.write_text("another text\n")
     second = _protocol.TrialCache.for_args(args, "script").settings
     assert first["text"] == second["text"] and first["text_sha256"] != second["text_sha256"]
+    # the same text in another folder (another clone, another machine) is the same data: its runs are read back
+    elsewhere = tmp_path / "clone" / "corpus.txt"
+    elsewhere.parent.mkdir()
+    elsewhere.write_text("another text\n")
+    moved = _protocol.TrialCache.for_args(argparse.Namespace(**{**vars(args), "text": str(elsewhere)}), "script")
+    assert moved.settings == second and str(tmp_path) not in json.dumps(moved.settings)
 
 
 def test_large_numbers_keep_their_digits_in_the_tables() -> None:
