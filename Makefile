@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch is pinned to the CPU build that lies on this machine's disk; a bare `torch` would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test lint venv kernels clean
+.PHONY: demo test test-fast lint venv kernels clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,11 @@ kernels: $(BIN)/.kernels
 test: venv
 	$(BIN)/python -m ruff check seqnorm tests scripts examples
 	$(BIN)/python -m pytest -n auto --maxprocesses 4
+
+# The inner loop: the suite without the tests marked slow (processes, CLI runs, end-to-end training, the Triton
+# interpreter; tests/conftest.py), under 2 minutes on 2 cores.
+test-fast: venv
+	$(BIN)/python -m pytest -n auto --maxprocesses 4 -m "not slow"
 
 lint: venv
 	$(BIN)/python -m ruff check seqnorm tests scripts examples
