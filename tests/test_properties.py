@@ -4,7 +4,8 @@ Hypothesis draws the cell, norm, sizes, length, lengths (some invalid), containe
 ``PackedSequence``, unbatched), ``batch_first``, ``bidirectional``, ``num_layers``, ``proj_size``, placement switches,
 dtype (sometimes a mismatched input or state), train/eval and whether a state is given. The default path and the
 reference then run on copies of one model; both must give the same outputs, final states, gradients and buffers
-(float64: 1e-9; float32: 1e-3), or both raise the same ``ValueError("<Class>: expected ..., got ...")``.
+(float64: 1e-9; float32: judged against a float64 run, below), or both raise the same
+``ValueError("<Class>: expected ..., got ...")``.
 """
 
 from __future__ import annotations
@@ -92,8 +93,10 @@ def _call(layer: torch.nn.Module, case: dict[str, Any]) -> Any:
     if case["with_state"]:
         rows = options["num_layers"] * (2 if options["bidirectional"] else 1)
         shape = (rows, case["batch"], options.get("proj_size") or case["hidden"])
-        h = torch.randn(shape, dtype=case["dtype"])
-        hx = (h, torch.randn(rows, case["batch"], case["hidden"], dtype=case["dtype"])) if case["kind"] == "lstm" else h
+        # drawn in float64 and cast, like x: a float64 replay of a float32 case gets the same numbers
+        h = torch.randn(shape, dtype=torch.float64).to(case["dtype"])
+        c = torch.randn(rows, case["batch"], case["hidden"], dtype=torch.float64).to(case["dtype"])
+        hx = (h, c) if case["kind"] == "lstm" else h
     try:
         if case["container"] == "packed" and lengths is not None:
             x = pack_padded_sequence(x, torch.tensor(lengths), batch_first=options["batch_first"], enforce_sorted=False)
@@ -133,6 +136,7 @@ def test_any_call_matches_the_reference_or_raises_clearly(case: dict[str, Any]) 
     layer.train(case["training"])
     reference = copy.deepcopy(layer)
     reference.impl = "reference"
+    truth = copy.deepcopy(reference).double()
     got, expected = _call(layer, case), _call(reference, case)
     if isinstance(expected, Exception) or isinstance(got, Exception):
         assert type(got) is type(expected) and str(got) == str(expected), (got, expected)
@@ -141,5 +145,19 @@ def test_any_call_matches_the_reference_or_raises_clearly(case: dict[str, Any]) 
         event(f"refused at the call ({type(got).__name__}: {str(got)[:60]})")
         return
     event("ran, matched the reference")
-    tolerance = TOLERANCE[case["dtype"]]
-    assert_close(got, expected, rtol=tolerance, atol=tolerance)
+    if case["dtype"] == torch.float64:
+        assert_close(got, expected, rtol=TOLERANCE[torch.float64], atol=TOLERANCE[torch.float64])
+        return
+    # float32: within 1e-3 of each tensor's scale of the reference run in float64, or within 10x the float32
+    # reference's own distance from it. Some drawn problems are ill-conditioned in float32 (per-timestep BN over 2 real
+    # rows of hidden 2 divides by a tiny deviation: there the reference itself is 1.8e-3 off float64 and the kernels
+    # 8.8e-3, 1.2e-3 of the gradient's scale), where a fixed tolerance between the two float32 paths fails by chance.
+    exact = _call(truth, {**case, "dtype": torch.float64, "input_dtype": None})
+    for index, (ours, theirs, true) in enumerate(zip(got, expected, exact, strict=True)):
+        if not ours.is_floating_point():
+            assert torch.equal(ours, theirs), index
+            continue
+        error = (ours.double() - true).abs().max().item()
+        own = (theirs.double() - true).abs().max().item()
+        bound = max(TOLERANCE[torch.float32] * max(1.0, true.abs().max().item()), 10 * own)
+        assert error <= bound, f"tensor {index}: {error:.3g} from float64, the float32 reference {own:.3g}"
