@@ -102,6 +102,26 @@ def story(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return write_story(tmp_path / "story.txt")
 
 
+SMALL_LM = [
+    "--model", "LanguageModel", "--data", "TextCorpus", "--model.hidden_size", "16", "--model.embedding_dim", "8",
+]  # fmt: skip
+"""A small character LM on the embedded task: the CLI tests' model flags."""
+
+
+def cli_usage_error(capsys: pytest.CaptureFixture[str], args: list[str]) -> str:
+    """The ``seqnorm`` command's standard error for ``args``, run in-process: a usage error (exit code 2), no
+    traceback."""
+    from seqnorm.cli import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        main(args)
+    error = capsys.readouterr().err
+    assert stopped.value.code == 2, error
+    assert "Traceback" not in error
+    return error
+
+
 def run_path(version: int = 0, root: Path | str = ".") -> Path:
     """``<root>/lightning_logs/<run name>/version_<version>``, the run of that number (the test's runs share a name)."""
     runs = sorted(Path(root).glob(f"lightning_logs/*/version_{version}"))

@@ -20,21 +20,10 @@ from seqnorm.cli_threads import DEFAULT_THREADS, THREADS_ENV, choose_threads
 from seqnorm.data import TextCorpus
 from seqnorm.lightning import LanguageModel, SequenceClassifier
 from seqnorm.lightning.progress import SeqnormProgressBar
-from tests.conftest import QUIET, run_path
+from tests.conftest import QUIET, SMALL_LM, cli_usage_error, run_path
 
 ROOT = Path(__file__).resolve().parent.parent
-LM = ["--model", "LanguageModel", "--data", "TextCorpus", "--model.hidden_size", "16", "--model.embedding_dim", "8"]
 SHORT = ["--trainer.max_steps", "4", "--trainer.limit_val_batches", "1", "--trainer.val_check_interval", "2"]
-
-
-def _fails(capsys: pytest.CaptureFixture[str], args: list[str]) -> str:
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as stopped:
-        main(args)
-    error = capsys.readouterr().err
-    assert stopped.value.code == 2, error
-    assert "Traceback" not in error
-    return error
 
 
 # ---- threads -------------------------------------------------------------------------------------------------------
@@ -66,7 +55,7 @@ def test_the_thread_message_offers_only_what_the_command_takes() -> None:
 
 def test_a_bad_thread_variable_is_one_message(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
     monkeypatch.setenv(THREADS_ENV, "two")
-    error = _fails(capsys, ["fit", *LM, *QUIET, *SHORT])
+    error = cli_usage_error(capsys, ["fit", *SMALL_LM, *QUIET, *SHORT])
     assert f"{THREADS_ENV}=two: expected a whole number of torch threads" in error
 
 
@@ -74,10 +63,10 @@ def test_threads_flag_sets_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     monkeypatch.chdir(tmp_path)
     before = torch.get_num_threads()
     try:
-        SeqnormCLI(args=[*LM, "--threads", "2", "--trainer.logger", "false"], run=False)
+        SeqnormCLI(args=[*SMALL_LM, "--threads", "2", "--trainer.logger", "false"], run=False)
         assert torch.get_num_threads() == 2
         monkeypatch.setenv(THREADS_ENV, "0")  # leave torch's setting (the default would set 1)
-        SeqnormCLI(args=[*LM, "--trainer.logger", "false"], run=False)
+        SeqnormCLI(args=[*SMALL_LM, "--trainer.logger", "false"], run=False)
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
@@ -101,7 +90,7 @@ EXPECTED_STDERR = (
 
 def test_a_plain_run_prints_nothing_avoidable(tmp_path: Path) -> None:
     # A fresh process: what a user sees (no pytest warning filters, Lightning's own log handler).
-    command = [sys.executable, "-m", "seqnorm.cli", "fit", *LM, "--trainer.max_steps", "6"]
+    command = [sys.executable, "-m", "seqnorm.cli", "fit", *SMALL_LM, "--trainer.max_steps", "6"]
     command += ["--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "1", "--trainer.logger", "false"]
     env = {key: value for key, value in os.environ.items() if key not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     env.update({THREADS_ENV: "1", "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "default"})
@@ -132,7 +121,7 @@ def test_progress_bar_names_the_last_epoch_only_when_there_is_one() -> None:
 def test_logger_false_twice_gives_each_run_its_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     monkeypatch.chdir(tmp_path)
     for _ in range(2):
-        main(["fit", *LM, *QUIET, *SHORT, "--trainer.logger", "false"])
+        main(["fit", *SMALL_LM, *QUIET, *SHORT, "--trainer.logger", "false"])
     for version in (0, 1):
         run = run_path(version, tmp_path)
         assert (run / "config.yaml").is_file() and (run / "checkpoints" / "last.ckpt").is_file()
@@ -140,10 +129,10 @@ def test_logger_false_twice_gives_each_run_its_folder(tmp_path: Path, monkeypatc
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "config.yaml").exists()
     # An explicit default_root_dir keeps Lightning's layout (config.yaml and checkpoints/ in it); a second run there
     # would stop on the first one's config.yaml: one message naming both flags, before training.
-    explicit = ["fit", *LM, *QUIET, *SHORT, "--trainer.logger", "false", "--trainer.default_root_dir", "mine"]
+    explicit = ["fit", *SMALL_LM, *QUIET, *SHORT, "--trainer.logger", "false", "--trainer.default_root_dir", "mine"]
     main(explicit)
     assert (tmp_path / "mine" / "config.yaml").is_file() and (tmp_path / "mine" / "checkpoints").is_dir()
-    error = _fails(capsys, explicit)
+    error = cli_usage_error(capsys, explicit)
     assert "--trainer.logger false: --trainer.default_root_dir mine already holds a run" in error
 
 
@@ -151,7 +140,7 @@ def test_enable_checkpointing_false_and_train_loss_per_step_and_epoch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    args = ["fit", *LM, *QUIET, "--trainer.max_steps", "6", "--trainer.limit_val_batches", "1"]
+    args = ["fit", *SMALL_LM, *QUIET, "--trainer.max_steps", "6", "--trainer.limit_val_batches", "1"]
     args += ["--trainer.val_check_interval", "3", "--trainer.log_every_n_steps", "1"]
     main([*args, "--trainer.enable_checkpointing", "false"])
     run = run_path(0, tmp_path)
@@ -164,7 +153,8 @@ def test_enable_checkpointing_false_and_train_loss_per_step_and_epoch(
     losses = [event.value for event in accumulator.Scalars("train/loss")]
     assert min(losses) <= epoch_mean.value <= max(losses)
     # A ModelCheckpoint the user adds contradicts the switch: Lightning's sentence, exit 2, no traceback.
-    error = _fails(capsys, [*args, "--trainer.enable_checkpointing", "false", "--trainer.callbacks+=ModelCheckpoint"])
+    switches = ["--trainer.enable_checkpointing", "false", "--trainer.callbacks+=ModelCheckpoint"]
+    error = cli_usage_error(capsys, [*args, *switches])
     assert "enable_checkpointing=False" in error and "ModelCheckpoint" in error
 
 
@@ -173,8 +163,8 @@ def test_enable_checkpointing_false_and_train_loss_per_step_and_epoch(
 
 def test_small_batch_error_names_the_flag_that_works(tmp_path: Path, monkeypatch, capsys) -> None:
     monkeypatch.chdir(tmp_path)
-    bn_at_batch_one = ["fit", *LM, *QUIET, *SHORT, "--model.norm", "batch", "--data.batch_size", "1"]
-    error = _fails(capsys, bn_at_batch_one)
+    bn_at_batch_one = ["fit", *SMALL_LM, *QUIET, *SHORT, "--model.norm", "batch", "--data.batch_size", "1"]
+    error = cli_usage_error(capsys, bn_at_batch_one)
     assert "--model.small_batch running" in error and "--model.norm layer" in error
     assert 'small_batch="running"' not in error
     main([*bn_at_batch_one, "--model.small_batch", "running"])  # the flag the message names does work
@@ -211,12 +201,12 @@ def test_the_old_model_flag_still_works_and_config_yaml_gets_the_new_name(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    args = [*LM, "--model.norm", "batch", "--model.max_steps", "7", "--trainer.logger", "false"]
+    args = [*SMALL_LM, "--model.norm", "batch", "--model.max_steps", "7", "--trainer.logger", "false"]
     with pytest.warns(FutureWarning, match=r"--model.max_steps is renamed --model.norm_max_steps"):
         cli = SeqnormCLI(args=args, run=False)
     assert _rows(cli.model) == 7
     assert cli.config.model.init_args.norm_max_steps == 7 and cli.config.model.init_args.max_steps is None
-    error = _fails(capsys, ["fit", *args, "--model.norm_max_steps", "8", *QUIET])
+    error = cli_usage_error(capsys, ["fit", *args, "--model.norm_max_steps", "8", *QUIET])
     assert "--model.max_steps 7 contradicts --model.norm_max_steps 8" in error
 
 
@@ -235,7 +225,8 @@ def test_checkpoints_that_saved_max_steps_load_as_norm_max_steps(
         loaded = LanguageModel.load_from_checkpoint(path)
     assert _rows(loaded) == 7 and loaded.hparams.norm_max_steps == 7 and "max_steps" not in loaded.hparams
     # through the CLI, which fills in the model flags from the checkpoint: evaluation runs on the old checkpoint
-    main(["test", *LM, *QUIET, "--model.norm", "batch", "--trainer.limit_test_batches", "1", "--ckpt_path", str(path)])
+    flags = ["--model.norm", "batch", "--trainer.limit_test_batches", "1", "--ckpt_path", str(path)]
+    main(["test", *SMALL_LM, *QUIET, *flags])
     config = (run_path(0, tmp_path) / "config.yaml").read_text()
     assert re.search(r"^\s+norm_max_steps: 7$", config, re.MULTILINE), config
 
@@ -276,7 +267,7 @@ def test_a_run_shorter_than_its_first_validation_keeps_last_without_a_warning(
     monkeypatch.chdir(tmp_path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        main(["fit", *LM, *QUIET, "--trainer.max_steps", "3"])  # an epoch is longer: no validation
+        main(["fit", *SMALL_LM, *QUIET, "--trainer.max_steps", "3"])  # an epoch is longer: no validation
     assert not [str(w.message) for w in caught if "could not find the monitored key" in str(w.message)]
     checkpoints = run_path(0, tmp_path) / "checkpoints"
     assert [path.name for path in checkpoints.iterdir()] == ["last.ckpt"]

@@ -15,10 +15,9 @@ from seqnorm.cli import main
 from seqnorm.cli_flags import unknown_flag
 from seqnorm.lightning.progress import run_label
 from seqnorm.shipped_configs import shipped_name_of
-from tests.conftest import QUIET, run_path
+from tests.conftest import QUIET, SMALL_LM, cli_usage_error, run_path
 
 ROOT = Path(__file__).resolve().parent.parent
-LM = ["--model", "LanguageModel", "--data", "TextCorpus", "--model.hidden_size", "16", "--model.embedding_dim", "8"]
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -30,21 +29,12 @@ def _seqnorm(args: list[str], cwd: Path, **environ: str) -> subprocess.Completed
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
-def _error(capsys: pytest.CaptureFixture[str], args: list[str]) -> str:
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as stopped:
-        main(args)
-    error = capsys.readouterr().err
-    assert stopped.value.code == 2, error
-    return error
-
-
 # ---- a mistyped flag -----------------------------------------------------------------------------------------------
 
 
 def test_a_mistyped_model_flag_is_one_short_error_with_the_flag_meant(tmp_path: Path) -> None:
     # It was jsonargparse's usage of every --trainer flag and a nested Union report: 45 lines, no suggestion.
-    result = _seqnorm(["fit", *LM, "--model.hiden_size", "10"], tmp_path)
+    result = _seqnorm(["fit", *SMALL_LM, "--model.hiden_size", "10"], tmp_path)
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
         "seqnorm fit: error: --model.hiden_size: not a flag of LanguageModel; did you mean --model.hidden_size?",
@@ -56,23 +46,23 @@ def test_a_mistyped_model_flag_is_one_short_error_with_the_flag_meant(tmp_path: 
     ("args", "expected"),
     [
         (
-            ["fit", *LM, "--trainer.max_stepz", "3"],
+            ["fit", *SMALL_LM, "--trainer.max_stepz", "3"],
             "--trainer.max_stepz: no such flag; did you mean --trainer.max_steps or --trainer.max_time?",
         ),
-        (["fit", *LM, "--data.pth", "x.txt"], "--data.pth: not a flag of TextCorpus; did you mean --data.path?"),
-        (["fit", *LM, "--hidden_size", "8"], "--hidden_size: no such flag; did you mean --model.hidden_size?"),
+        (["fit", *SMALL_LM, "--data.pth", "x.txt"], "--data.pth: not a flag of TextCorpus; did you mean --data.path?"),
+        (["fit", *SMALL_LM, "--hidden_size", "8"], "--hidden_size: no such flag; did you mean --model.hidden_size?"),
         (  # no --model on the command line (a --config may name it): the flags of every model
             ["fit", "--model.hiden_size", "8"],
             "--model.hiden_size: not a flag of LanguageModel or SequenceClassifier; did you mean --model.hidden_size?",
         ),
-        (["fit", *LM, "--optimizer", "Adam", "--optimizer.lrr", "1"], "Adam; did you mean --optimizer.lr?"),
+        (["fit", *SMALL_LM, "--optimizer", "Adam", "--optimizer.lrr", "1"], "Adam; did you mean --optimizer.lr?"),
         (["generate", "--ckpt_path", "x.ckpt", "--promt", "a"], "--promt: no such flag; did you mean --prompt?"),
     ],
 )
 def test_a_mistyped_flag_names_the_closest_valid_ones(
     capsys: pytest.CaptureFixture[str], args: list[str], expected: str
 ) -> None:
-    error = _error(capsys, args)
+    error = cli_usage_error(capsys, args)
     assert f"seqnorm {args[0]}: error: " in error and expected in error
     assert len(error.splitlines()) == 2 and "usage:" not in error
 
@@ -94,7 +84,7 @@ def test_flags_that_are_valid_or_cannot_be_judged_get_no_suggestion(words: list[
 
 
 def test_a_bad_value_keeps_jsonargparses_report(capsys: pytest.CaptureFixture[str]) -> None:
-    error = _error(capsys, ["fit", *LM, "--model.num_layers", "many"])
+    error = cli_usage_error(capsys, ["fit", *SMALL_LM, "--model.num_layers", "many"])
     assert "no such flag" not in error and "not a flag" not in error and "num_layers" in error
 
 
@@ -103,7 +93,7 @@ def test_a_bad_value_keeps_jsonargparses_report(capsys: pytest.CaptureFixture[st
 
 def _trained(directory: Path, level: str) -> Path:
     data = ["--data.path", str(directory / "story.txt"), "--data.level", level, "--data.batch_size", "8"]
-    main(["fit", *LM, *data, *QUIET, "--trainer.max_steps", "2", "--trainer.default_root_dir", str(directory)])
+    main(["fit", *SMALL_LM, *data, *QUIET, "--trainer.max_steps", "2", "--trainer.default_root_dir", str(directory)])
     return run_path(0, directory) / "checkpoints" / "last.ckpt"
 
 
@@ -219,14 +209,14 @@ def test_the_progress_bar_fits_80_columns_and_names_the_run_after_a_resume(
     data = ["--data.path", str(story), "--data.batch_size", "8", "--trainer.enable_model_summary", "false"]
     monkeypatch.setenv("COLUMNS", "80")  # what rich reads when the output is not a terminal
     capsys.readouterr()
-    main(["fit", *LM, *data, *SHORT])
+    main(["fit", *SMALL_LM, *data, *SHORT])
     out = capsys.readouterr().out
     assert max(len(line) for line in out.splitlines()) <= 80, out
     # one line: the metrics wrapped onto a second one (Lightning's row is about 130 columns)
     assert any(re.search(r"loss: \d+\.\d{3} .*val/bpc: \d+\.\d{3}$", line) for line in _bar_lines(out)), out
     monkeypatch.setenv("COLUMNS", "200")
     last = run_path(0, story.parent) / "checkpoints" / "last.ckpt"
-    main(["fit", *LM, *data, *SHORT[2:], "--trainer.max_steps", "6", "--ckpt_path", str(last)])
+    main(["fit", *SMALL_LM, *data, *SHORT[2:], "--trainer.max_steps", "6", "--ckpt_path", str(last)])
     bars = _bar_lines(capsys.readouterr().out)
     # the resumed run continues version_0: Lightning showed the last 4 characters of "version_0" ("on_0"), and
     # version numbers as floats ("0.000")
