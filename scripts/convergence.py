@@ -365,6 +365,24 @@ def grad_rows(trials: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     ]  # fmt: skip
 
 
+def gradient_reach(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """How much of the last position's gradient reaches the window's first step, ``||dl_T/dh_0|| / ||dl_T/dh_T||``
+    (the grad_last profile's ends, geometric mean over seeds), at initialization and at the end of training, per cell:
+    the number behind grad_through_time.png's lower panels."""
+    summary = []
+    for row in rows:
+        profiles = [t["grads"] for t in row.get("chosen", []) if t.get("grads")]
+        if not profiles:
+            continue
+        reach = {}
+        for name, which in (("at_init", 0), ("at_end", -1)):
+            ratios = [math.log10(p[which]["last"][0] / p[which]["last"][-1]) for p in profiles]
+            reach[name] = f"{10 ** statistics.fmean(ratios):.1e}"
+        updates = profiles[0][-1]["update"]
+        summary.append({"T": row["steps"], "B": row["batch_size"], "norm": row["norm"], **reach, "updates": updates})
+    return summary
+
+
 def settings_of(rows: Sequence[dict[str, Any]]) -> list[tuple[int, int]]:
     """The (T, B) settings in the order they ran."""
     return list(dict.fromkeys((row["steps"], row["batch_size"]) for row in rows))
@@ -496,7 +514,13 @@ def write_outputs(
                 f"LSTM of the same T and B, {value}: mean [95% t-interval], seeds where the sign held",
                 summary,
                 ["T", "B", "norm", "lr", value, "diff_vs_none", "gain_last_fifth", "updates", "minutes_per_run"],
-            )
+            ),
+            (
+                "How far back the last prediction's gradient reaches: ||dl_T/dh_0|| / ||dl_T/dh_T|| (grad_last at the "
+                "window's first and last step; geometric mean over seeds), at initialization and after `updates`",
+                gradient_reach(rows),
+                ["T", "B", "norm", "at_init", "at_end", "updates"],
+            ),
         ],
     )
     keys = ["norm", "batch_size", "steps", "lr", "seed", "status", value, f"{value}_exact", "ema_gap", "val_loss"]

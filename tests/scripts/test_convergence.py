@@ -76,6 +76,23 @@ def test_cells_curves_gradients_paired_differences_and_resume(
         assert sorted({(int(g["update"]), int(g["t"])) for g in profile}) == [(u, s) for u in (0, 12) for s in range(6)]
         assert all(float(g["grad_total"]) > 0 and float(g["grad_last"]) > 0 for g in profile)
     assert (out / "learning_curves.png").stat().st_size > 0 and (out / "grad_through_time.png").stat().st_size > 0
+    # the reach table: grad_last at the first step over the last, geometric mean over the chosen seeds
+    reach = {
+        (r["norm"], r["B"]): r
+        for r in convergence.gradient_reach(convergence.main(_argv(tmp_path, "none", "layer", "batch")))
+    }
+    for (norm, size), row in reach.items():
+        for column, update in (("at_init", 0), ("at_end", 12)):
+            ratios = []
+            for seed in (0, 1):
+                run = [
+                    g
+                    for g in grads
+                    if (g["norm"], g["batch_size"], g["seed"], g["update"]) == (norm, str(size), str(seed), str(update))
+                ]
+                ratios.append(math.log10(float(run[0]["grad_last"]) / float(run[-1]["grad_last"])))
+            assert float(row[column]) == pytest.approx(10 ** statistics.fmean(ratios), rel=0.06), (norm, size, column)
+    assert ("batch", 1) not in reach and len(reach) == 5
 
     every_run = len((out / "runs.jsonl").read_text().splitlines())
     convergence.main(_argv(tmp_path, "none", "layer", "batch"))  # all finished: nothing trains again
