@@ -31,7 +31,8 @@ HEADER = """# seqnorm API reference
 
 Every public name of {modules}, with its signature and the first paragraph of its docstring; the whole docstring
 (math, arguments, shapes, examples) is `help(name)` away, e.g. `help(seqnorm.LSTM)` or `help(seqnorm.LSTMCell.forward)`.
-How to export a model (TorchScript, ONNX, `torch.export`): the README's "Export" section and `examples/export.py`.
+How to export a model (TorchScript, ONNX, `torch.export`): [Cells and layers](guide/cells-and-layers.md#export)
+and `examples/export.py`.
 """
 
 

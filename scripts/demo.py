@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(
         "\nPer-timestep BN has no batch statistics at batch size 1 and cannot train there; LayerNorm normalizes each"
         "\nsample by itself and trains at any batch size. Full tables and plots of every experiment are in"
-        f"\n{args.out}/<experiment>/ (results.md, results.csv, *.png); docs/experiments.md discusses longer runs."
+        f"\n{args.out}/<experiment>/ (results.md, results.csv, *.png); docs/results.md has longer runs on real text."
     )
     print("\nTensorBoard runs with hidden-state, gate, gradient and BN statistics through time:")
     for norm, run in runs.items():

@@ -108,7 +108,7 @@ def test_an_option_the_norm_lacks_is_refused_by_name(cls: type, name: str) -> No
             cls(3, 4, norm=name, **{option: value})
         with pytest.raises(ValueError, match=rf"for {option}={value!r}, got norm='{name}'$"):
             cls(3, 4, norm=NORMS[name].spec(), **{option: value})
-    cls(3, 4, norm=name, max_steps=7)  # the contract (shared/DESIGN.md): max_steps whatever the norm
+    cls(3, 4, norm=name, max_steps=7)  # the contract (docs/architecture.md): max_steps whatever the norm
 
 
 def test_the_issues_example_names_each_stray_option() -> None:
