@@ -1,7 +1,7 @@
 """The ``seqnorm`` command (also ``python -m seqnorm``): :func:`seqnorm.cli.main`, once the training extra is there.
 
 ``--version``, ``--help`` and ``configs`` are answered first, without importing Lightning or jsonargparse
-(:mod:`seqnorm.cli_commands`): they are quick, and they work on a base install (``pip install seqnorm``, the library
+(:mod:`seqnorm.cli.commands`): they are quick, and they work on a base install (``pip install seqnorm``, the library
 alone). Every other command needs the ``train`` extra, and says so when it is missing.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from seqnorm.cli_commands import answer_without_lightning
+from seqnorm.cli.commands import answer_without_lightning
 
 TRAINING_EXTRA = ("lightning", "jsonargparse", "tensorboard", "pooch", "rich", "matplotlib", "torchmetrics")
 """Top-level packages of the ``train`` extra (and what they bring) that the command imports."""

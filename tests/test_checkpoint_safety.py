@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-import seqnorm.cli
+import seqnorm.cli.app
 import seqnorm.lightning.base
 from seqnorm.cli import main
 from seqnorm.lightning import LanguageModel, checkpoint_io
@@ -479,7 +479,7 @@ def test_generate_restarts_stream_windows_as_the_run_did(
     story: Path, trained: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen: dict = {}
-    monkeypatch.setattr("seqnorm.cli.generate_text", lambda *args, **kwargs: seen.update(kwargs) or "")
+    monkeypatch.setattr("seqnorm.cli.app.generate_text", lambda *args, **kwargs: seen.update(kwargs) or "")
     data_state = torch.load(trained, weights_only=True)["seqnorm_data"]
     assert data_state["unit"] == "stream"  # a character file: streams, with stream_steps="restart" by default
     main(["generate", "--ckpt_path", str(trained)])
@@ -507,7 +507,7 @@ def _swap_after_the_check(monkeypatch: pytest.MonkeyPatch, link: Path, replaceme
             link.symlink_to(replacement)
         return checkpoint
 
-    for module in (seqnorm.cli, seqnorm.lightning.base):
+    for module in (seqnorm.cli.app, seqnorm.lightning.base):
         monkeypatch.setattr(module, "read_checkpoint", read_then_swap)
 
 

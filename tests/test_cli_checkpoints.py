@@ -29,7 +29,7 @@ TASKS = {
 }
 TASKS["LanguageModel"] += ["--data.unit", "line"]  # one sequence per line: one prediction per line
 TASKS["SequenceClassifier"] += ["--data.test_path", "test.tsv"]
-# Both tasks' runs are named after what they train (an LSTM with LayerNorm, hidden_size 16): cli_runs.run_name
+# Both tasks' runs are named after what they train (an LSTM with LayerNorm, hidden_size 16): cli.runs.run_name
 LAST = Path("lightning_logs/lstm-layer-h16/version_0/checkpoints/last.ckpt")
 
 

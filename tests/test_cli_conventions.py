@@ -15,8 +15,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from seqnorm.cli import SeqnormCLI, main
-from seqnorm.cli_output import in_command_line_words
-from seqnorm.cli_threads import DEFAULT_THREADS, THREADS_ENV, choose_threads
+from seqnorm.cli.output import in_command_line_words
+from seqnorm.cli.threads import DEFAULT_THREADS, THREADS_ENV, choose_threads
 from seqnorm.data import TextCorpus
 from seqnorm.lightning import LanguageModel, SequenceClassifier
 from seqnorm.lightning.progress import SeqnormProgressBar

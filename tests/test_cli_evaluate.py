@@ -20,7 +20,7 @@ import torch
 import yaml
 
 from seqnorm.cli import main
-from seqnorm.cli_threads import THREADS_ENV
+from seqnorm.cli.threads import THREADS_ENV
 from seqnorm.data import LabeledText, TextCorpus
 from seqnorm.data.base import SequenceDataModule
 from seqnorm.lightning.checkpoint_io import CheckpointError

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from seqnorm.cli import main
-from seqnorm.cli_flags import unknown_flag
+from seqnorm.cli.flags import unknown_flag
 from seqnorm.lightning.progress import run_label
 from seqnorm.shipped_configs import shipped_name_of
 from tests.conftest import QUIET, SMALL_LM, cli_usage_error, run_path

@@ -28,7 +28,7 @@ TINY = ["--model.hidden_size", "16", "--model.embedding_dim", "8"]
 VAL_EVERY = 5
 # A save of this model takes a few milliseconds, long enough for a poll to see its temporary file and kill then.
 SAVES_TAKE_A_WHILE = ["--model.hidden_size", "64", "--model.embedding_dim", "32"]
-# The run folders, named after what they train (cli_runs.run_name): an LSTM with LayerNorm, hidden_size 16 or 64
+# The run folders, named after what they train (cli.runs.run_name): an LSTM with LayerNorm, hidden_size 16 or 64
 TINY_RUN, SLOW_SAVES_RUN = "lightning_logs/lstm-layer-h16/version_0", "lightning_logs/lstm-layer-h64/version_0"
 UNREACHED = 10**6  # max_steps of a run that is to be killed: however fast the machine, it is still training
 LAUNCH_DEADLINE = 180.0  # seconds; only a guard against a hung child on an overloaded machine, never an assertion

@@ -25,6 +25,7 @@ from filelock import FileLock
 
 import seqnorm
 from seqnorm import kernels
+from seqnorm.kernels import cpu
 
 NOTICE = "seqnorm: building the C++ kernels"
 WAITING = "seqnorm: waiting for another process to finish building"
@@ -103,7 +104,7 @@ def test_processes_starting_together_build_once(tmp_path: Path, built_library: P
     empty and a build is under way (this test holds the build's lock until both say they wait): one builds, the
     other waits, then loads that build; both run the kernels."""
     cache, record = tmp_path / "cache", tmp_path / "builds.txt"
-    key = kernels._build_key(kernels._capability())
+    key = kernels._build_key(cpu.capability())
     cache.mkdir()
     lock = FileLock(cache / f"{key}.lock")
     command = [sys.executable, "-c", FIRST_LAYER, str(record), str(built_library)]

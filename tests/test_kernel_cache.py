@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from seqnorm import kernels
+from seqnorm.kernels import cpu
 from tests.conftest import LAYERS, TORCH_KINDS, require_kernels
 
 MIB = 1 << 20
@@ -27,7 +28,7 @@ def _kept_limit(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     require_kernels()
     native = kernels.native("cpu")
     previous = native.cache_info()[1]
-    monkeypatch.setattr(kernels, "_CACHE_LIMIT", [None])
+    monkeypatch.setattr(cpu, "_CACHE_LIMIT", [None])
     native.empty_cache()
     native.set_cache_limit(kernels.DEFAULT_CACHE_MB * MIB)
     deterministic = torch.are_deterministic_algorithms_enabled()

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from seqnorm import kernels
+from seqnorm.kernels import cpu
 from tests.conftest import LAYERS, TORCH_KINDS, require_kernels
 
 MIB = 1 << 20
@@ -28,7 +29,7 @@ def _settings_restored(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     require_kernels()
     native = kernels.native("cpu")
     limit, threads = native.cache_info()[1], torch.get_num_threads()
-    monkeypatch.setattr(kernels, "_CACHE_LIMIT", [None])
+    monkeypatch.setattr(cpu, "_CACHE_LIMIT", [None])
     yield native
     native.set_product_route("auto")
     native.set_cache_limit(limit)

@@ -398,7 +398,7 @@ def test_a_build_another_process_finished_first_is_kept(tmp_path: Path, monkeypa
     from torch.utils import cpp_extension
 
     monkeypatch.setenv("SEQNORM_KERNELS_DIR", str(tmp_path))
-    final = kernels.cache_dir() / kernels._build_key(kernels._capability())
+    final = kernels.cache_dir() / kernels._build_key(cpu.capability())
 
     def racing(name: str, sources: list[str], build_directory: str, **kwargs: Any) -> None:
         Path(build_directory, "seqnorm_kernels.so").write_text("ours")

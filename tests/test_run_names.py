@@ -14,8 +14,8 @@ import torch
 from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 
 from seqnorm.cli import main
-from seqnorm.cli_runs import checkpoint_run_dir, run_name
-from seqnorm.cli_threads import THREADS_ENV
+from seqnorm.cli.runs import checkpoint_run_dir, run_name
+from seqnorm.cli.threads import THREADS_ENV
 from seqnorm.lightning import LanguageModel, SequenceClassifier
 from seqnorm.norms import BatchNormSpec
 from tests.conftest import QUIET

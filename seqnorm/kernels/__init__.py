@@ -43,7 +43,6 @@ import contextlib
 import hashlib
 import importlib.machinery
 import importlib.util
-import math
 import os
 import shutil
 import sys
@@ -51,19 +50,20 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
 
 import torch
-from torch import Tensor
 
-from seqnorm.kernels.backend import Backend
-from seqnorm.kernels.cpu import CpuBackend
+from seqnorm.kernels import cpu
+from seqnorm.kernels.backend import NO_NORM, Backend, KernelNorm
+from seqnorm.kernels.cpu import CACHE_ENV, DEFAULT_CACHE_MB, CacheInfo, CpuBackend
 
 __all__ = [
     "BACKENDS",
     "BACKEND_ENV",
+    "CACHE_ENV",
+    "DEFAULT_CACHE_MB",
+    "NO_NORM",
     "Backend",
     "CacheInfo",
     "KernelNorm",
@@ -84,103 +84,8 @@ NAME = "seqnorm_kernels"
 ENV_SWITCH = "SEQNORM_KERNELS"
 """``SEQNORM_KERNELS=0`` turns the kernels off for a process (the plain-PyTorch paths run)."""
 
-NormKind = Literal["none", "layer", "rms", "batch"]
-
-
-@dataclass(frozen=True)
-class KernelNorm:
-    """What a norm module hands the kernels (its ``kernel_norm(shift)``): its kind, options and tensors.
-
-    ``shift`` is the norm's β plus whatever bias follows it. Per-timestep BatchNorm passes its running buffers, which
-    the kernel updates in place in training exactly as the module's forward does; ``momentum < 0`` means a
-    cumulative average (``momentum=None``). Renormalization adds its ``r_max``/``d_max`` schedule. For a generation
-    step (nothing changes until the cached step is rebuilt) BatchNorm in evaluation also passes its statistics
-    folded per row into ``folded_scale``/``folded_offset`` (``(R, F)``), filled as the steps reach them
-    (``fold_through``).
-    """
-
-    kind: NormKind
-    eps: float = 1e-5
-    weight: Tensor | None = None
-    shift: Tensor | None = None
-    running_mean: Tensor | None = None
-    running_var: Tensor | None = None
-    num_batches_tracked: Tensor | None = None
-    momentum: float = 0.1
-    training: bool = False
-    renorm: bool = False
-    r_max: float = 1.0
-    d_max: float = 0.0
-    warmup: int = 0
-    r_max_steps: int = 1
-    d_max_steps: int = 1
-    folded_scale: Tensor | None = None
-    folded_offset: Tensor | None = None
-    fold_through: Callable[[int], int] | None = field(default=None, compare=False)
-    """Where the folded rows are filled as the steps reach them (BN's :class:`~seqnorm.norms.batch_pieces.FoldedRows`):
-    call it with a step's time index before the step; it returns the first time index not folded yet."""
-    owner: Any = field(default=None, compare=False)
-    """The module (the layers add the kernel's fallback-step count to its ``fallback_steps``)."""
-
-    def native(self, kernels: Backend) -> Any:
-        """The C++ ``NormArgs`` of ``kernels``.
-
-        The kernels index every tensor as dense rows: the read-only ones are made contiguous here (a parameter
-        loaded with ``load_state_dict(assign=True)`` may be strided, or expanded); the running statistics, updated
-        in place, must already be (:meth:`TimestepBatchNorm.fast_form_blocker` routes other buffers elsewhere).
-        """
-        for name in ("running_mean", "running_var", "num_batches_tracked"):
-            buffer = getattr(self, name)
-            if buffer is not None and not buffer.is_contiguous():
-                raise ValueError(
-                    f"KernelNorm: expected {name} to be contiguous (updated in place), got strides {buffer.stride()}"
-                )
-        return kernels.NormArgs(
-            kind=self.kind,
-            eps=self.eps,
-            weight=_dense(self.weight),
-            shift=_dense(self.shift),
-            running_mean=self.running_mean,
-            running_var=self.running_var,
-            num_batches_tracked=self.num_batches_tracked,
-            momentum=self.momentum,
-            training=self.training,
-            renorm=self.renorm,
-            r_max=self.r_max,
-            d_max=self.d_max,
-            warmup=self.warmup,
-            r_max_steps=self.r_max_steps,
-            d_max_steps=self.d_max_steps,
-            folded_scale=_dense(self.folded_scale),
-            folded_offset=_dense(self.folded_offset),
-        )
-
-
-def _dense(tensor: Tensor | None) -> Tensor | None:
-    return None if tensor is None else tensor.contiguous()
-
-
-NO_NORM = KernelNorm("none")
-
 
 # --- building and loading -------------------------------------------------------------------------------------------
-
-
-def _capability() -> str:
-    """The vector instructions the build targets: AVX2 where torch found AVX2 or AVX512 (both machine kinds of this
-    project have AVX2; 256-bit vectors keep the clock up), else the compiler's default."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    return "AVX2" if capability in ("AVX2", "AVX512") else "DEFAULT"
-
-
-def _flags(capability: str) -> list[str]:
-    # OpenMP: at::parallel_for is a header template whose `#pragma omp parallel` is compiled into the extension;
-    # without -fopenmp it silently runs on one thread (torch's own libgomp is the one loaded at run time).
-    flags = ["-O3", "-fopenmp"]
-    if capability == "AVX2":
-        # at::vec selects its AVX2 implementations (Sleef's vectorized exp) from these macros.
-        flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
-    return flags
 
 
 def _sources() -> list[Path]:
@@ -191,7 +96,7 @@ def _build_key(capability: str) -> str:
     digest = hashlib.sha256()
     for path in _sources():
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    digest.update(" ".join(_flags(capability)).encode())
+    digest.update(" ".join(cpu.compile_flags(capability)).encode())
     python = f"py{sys.version_info.major}{sys.version_info.minor}"
     return f"{python}-torch{torch.__version__}-{capability}-{digest.hexdigest()[:16]}".replace("+", "_")
 
@@ -229,7 +134,7 @@ def build(verbose: bool = False, *, first_use: bool = False) -> Path:
     or the build fails, after noting the failure beside the build (:func:`status` and the layers' warning then say
     why, not only "not built").
     """
-    capability = _capability()
+    capability = cpu.capability()
     directory = cache_dir() / _build_key(capability)
     if _library(directory).exists():
         return _library(directory)
@@ -263,7 +168,7 @@ def _compile(directory: Path, capability: str, verbose: bool) -> Path:
             cpp_extension.load(
                 NAME,
                 [str(path) for path in sorted(SOURCES.glob("*.cpp"))],
-                extra_cflags=_flags(capability),
+                extra_cflags=cpu.compile_flags(capability),
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(work),
                 verbose=verbose,
@@ -364,7 +269,7 @@ def _load_cpu(build_missing: bool = True) -> Backend | None:
     :func:`status` only looks)."""
     if _backend_setting() == "triton":
         return _load_triton("cpu")
-    directory = cache_dir() / _build_key(_capability())
+    directory = cache_dir() / _build_key(cpu.capability())
     path = _library(directory)
     if not path.exists() and build_missing and _compiler() and not _failed(directory).exists():
         try:
@@ -392,51 +297,20 @@ def _load_cpu(build_missing: bool = True) -> Backend | None:
     except ImportError as error:  # a build for another torch that kept the same version string, say
         _WHY_NOT["cpu"] = f"the C++ kernels at {path} failed to load ({error}); rebuild: `python -m seqnorm.kernels`"
         return None
-    module.set_cache_limit(_CACHE_LIMIT[0] if _CACHE_LIMIT[0] is not None else _cache_limit_from_env())
+    module.set_cache_limit(cpu.cache_limit())
     return CpuBackend(module)
 
 
 # --- the memory the kernels keep between calls for their saved activations (csrc/buffers.h) ---
 
-CACHE_ENV = "SEQNORM_KERNEL_CACHE_MB"
-"""``SEQNORM_KERNEL_CACHE_MB=N``: the most memory, in MiB, that the kernels keep between calls for their large tensors
-(a training step's saved activations, the input projection; :func:`set_cache_limit`; default 1024, 0 keeps none).
-What is kept is what the latest calls used: a call that no kept block serves lets go of them before it allocates."""
-DEFAULT_CACHE_MB = 1024
-_CACHE_LIMIT: list[int | None] = [None]  # bytes, once set_cache_limit was called
-
-
-class CacheInfo(NamedTuple):
-    """What the kernels keep between calls for their saved activations (``seqnorm/csrc/buffers.h``)."""
-
-    kept_bytes: int  # held now for the next calls
-    limit_bytes: int  # the most that is kept
-    reused: int  # blocks handed out again
-    made: int  # blocks allocated
-
-
-def _megabytes_to_bytes(value: object, owner: str) -> int:
-    try:
-        megabytes = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        megabytes = math.nan
-    if not math.isfinite(megabytes) or megabytes < 0:
-        raise ValueError(f"{owner}: expected a number of MiB >= 0, got {value!r}")
-    return int(megabytes * (1 << 20))
-
-
-def _cache_limit_from_env() -> int:
-    text = os.environ.get(CACHE_ENV, "").strip()
-    return _megabytes_to_bytes(text, CACHE_ENV) if text else DEFAULT_CACHE_MB << 20
-
 
 def set_cache_limit(megabytes: float) -> None:
     """Keep at most ``megabytes`` MiB between calls for the saved activations (0: none; blocks beyond it are let go
     at once, the least recently used first)."""
-    _CACHE_LIMIT[0] = _megabytes_to_bytes(megabytes, "seqnorm.kernels.set_cache_limit")
+    limit = cpu.set_cache_limit(megabytes)
     module = _LOADED.get("cpu")
     if module is not None:
-        module.set_cache_limit(_CACHE_LIMIT[0])
+        module.set_cache_limit(limit)
 
 
 def empty_cache() -> None:

@@ -1,4 +1,5 @@
-"""What a device's kernels provide: the :class:`Backend` contract.
+"""What a device's kernels provide, the :class:`Backend` contract, and what a norm hands them, :class:`KernelNorm`
+(both device-neutral: the CPU's own tuning is :mod:`seqnorm.kernels.cpu`'s).
 
 A backend runs a layer direction's whole normalized recurrence (forward and backward through time) and the no-grad
 generation step for tensors of one device type. :func:`seqnorm.kernels.native` returns the device's backend, once
@@ -13,19 +14,20 @@ step then call its entry points without deciding anything again.
 The entry points' arguments are the C++ kernels': ``inputs`` ``(T, B, G·H)`` (W_ih x, which the input norm
 normalizes, or the finished input terms), states ``(B, H)``, ``W_hh`` ``(G·H, H)``, ``mask`` ``(T, B)`` bool or
 ``None``, and one :attr:`Backend.NormArgs` per norm (input, recurrent, and an LSTM's cell state), built by
-:meth:`seqnorm.kernels.KernelNorm.native`. What ``saved`` and ``stats`` hold is the backend's own: its backward
+:meth:`KernelNorm.native`. What ``saved`` and ``stats`` hold is the backend's own: its backward
 receives what its forward returned.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
-__all__ = ["Backend"]
+__all__ = ["NO_NORM", "Backend", "KernelNorm", "NormKind"]
 
 
 @runtime_checkable
@@ -108,3 +110,82 @@ class Backend(Protocol):
     def cache_info(self) -> tuple[int, int, int, int]:
         """``(bytes kept, limit, blocks reused, blocks made)``."""
         ...
+
+
+NormKind = Literal["none", "layer", "rms", "batch"]
+
+
+@dataclass(frozen=True)
+class KernelNorm:
+    """What a norm module hands the kernels (its ``kernel_norm(shift)``): its kind, options and tensors.
+
+    ``shift`` is the norm's β plus whatever bias follows it. Per-timestep BatchNorm passes its running buffers, which
+    the kernel updates in place in training exactly as the module's forward does; ``momentum < 0`` means a
+    cumulative average (``momentum=None``). Renormalization adds its ``r_max``/``d_max`` schedule. For a generation
+    step (nothing changes until the cached step is rebuilt) BatchNorm in evaluation also passes its statistics
+    folded per row into ``folded_scale``/``folded_offset`` (``(R, F)``), filled as the steps reach them
+    (``fold_through``).
+    """
+
+    kind: NormKind
+    eps: float = 1e-5
+    weight: Tensor | None = None
+    shift: Tensor | None = None
+    running_mean: Tensor | None = None
+    running_var: Tensor | None = None
+    num_batches_tracked: Tensor | None = None
+    momentum: float = 0.1
+    training: bool = False
+    renorm: bool = False
+    r_max: float = 1.0
+    d_max: float = 0.0
+    warmup: int = 0
+    r_max_steps: int = 1
+    d_max_steps: int = 1
+    folded_scale: Tensor | None = None
+    folded_offset: Tensor | None = None
+    fold_through: Callable[[int], int] | None = field(default=None, compare=False)
+    """Where the folded rows are filled as the steps reach them (BN's :class:`~seqnorm.norms.batch_pieces.FoldedRows`):
+    call it with a step's time index before the step; it returns the first time index not folded yet."""
+    owner: Any = field(default=None, compare=False)
+    """The module (the layers add the kernel's fallback-step count to its ``fallback_steps``)."""
+
+    def native(self, kernels: Backend) -> Any:
+        """The C++ ``NormArgs`` of ``kernels``.
+
+        The kernels index every tensor as dense rows: the read-only ones are made contiguous here (a parameter
+        loaded with ``load_state_dict(assign=True)`` may be strided, or expanded); the running statistics, updated
+        in place, must already be (:meth:`TimestepBatchNorm.fast_form_blocker` routes other buffers elsewhere).
+        """
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            buffer = getattr(self, name)
+            if buffer is not None and not buffer.is_contiguous():
+                raise ValueError(
+                    f"KernelNorm: expected {name} to be contiguous (updated in place), got strides {buffer.stride()}"
+                )
+        return kernels.NormArgs(
+            kind=self.kind,
+            eps=self.eps,
+            weight=_dense(self.weight),
+            shift=_dense(self.shift),
+            running_mean=self.running_mean,
+            running_var=self.running_var,
+            num_batches_tracked=self.num_batches_tracked,
+            momentum=self.momentum,
+            training=self.training,
+            renorm=self.renorm,
+            r_max=self.r_max,
+            d_max=self.d_max,
+            warmup=self.warmup,
+            r_max_steps=self.r_max_steps,
+            d_max_steps=self.d_max_steps,
+            folded_scale=_dense(self.folded_scale),
+            folded_offset=_dense(self.folded_offset),
+        )
+
+
+def _dense(tensor: Tensor | None) -> Tensor | None:
+    return None if tensor is None else tensor.contiguous()
+
+
+NO_NORM = KernelNorm("none")

@@ -1,19 +1,100 @@
 """The CPU backend: seqnorm's C++ kernels (``seqnorm/csrc``) behind :class:`~seqnorm.kernels.backend.Backend`, with
-the tuning only the CPU needs — the weights' layout for a generation step, measured on the steps themselves (the
-per-step matmul's route is measured inside the C++, ``product.h``).
+the tuning only the CPU needs: the vector instructions and OpenMP flags of the build (:func:`capability`,
+:func:`compile_flags`), the memory kept between calls (:data:`CACHE_ENV`, :func:`cache_limit`), and the weights'
+layout for a generation step and an input projection, measured on the calls themselves (the per-step matmul's route
+is measured inside the C++, ``product.h``). Building and loading the library is :mod:`seqnorm.kernels`'s.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import time
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["CpuBackend", "LayoutChoice"]
+__all__ = [
+    "CACHE_ENV",
+    "DEFAULT_CACHE_MB",
+    "CacheInfo",
+    "CpuBackend",
+    "LayoutChoice",
+    "cache_limit",
+    "capability",
+    "compile_flags",
+    "set_cache_limit",
+]
+
+
+# --- the build's flags ---
+
+
+def capability() -> str:
+    """The vector instructions the build targets: AVX2 where torch found AVX2 or AVX512 (both machine kinds of this
+    project have AVX2; 256-bit vectors keep the clock up), else the compiler's default."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return "AVX2" if capability in ("AVX2", "AVX512") else "DEFAULT"
+
+
+def compile_flags(capability: str) -> list[str]:
+    """The compiler's flags for the build that targets ``capability`` (:func:`capability`)."""
+    # OpenMP: at::parallel_for is a header template whose `#pragma omp parallel` is compiled into the extension;
+    # without -fopenmp it silently runs on one thread (torch's own libgomp is the one loaded at run time).
+    flags = ["-O3", "-fopenmp"]
+    if capability == "AVX2":
+        # at::vec selects its AVX2 implementations (Sleef's vectorized exp) from these macros.
+        flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    return flags
+
+
+# --- the memory the kernels keep between calls for their saved activations (csrc/buffers.h) ---
+
+CACHE_ENV = "SEQNORM_KERNEL_CACHE_MB"
+"""``SEQNORM_KERNEL_CACHE_MB=N``: the most memory, in MiB, that the kernels keep between calls for their large tensors
+(a training step's saved activations, the input projection; :func:`seqnorm.kernels.set_cache_limit`; default 1024,
+0 keeps none). What is kept is what the latest calls used: a call that no kept block serves lets go of them before
+it allocates."""
+DEFAULT_CACHE_MB = 1024
+_CACHE_LIMIT: list[int | None] = [None]  # bytes, once seqnorm.kernels.set_cache_limit was called
+
+
+class CacheInfo(NamedTuple):
+    """What the kernels keep between calls for their saved activations (``seqnorm/csrc/buffers.h``)."""
+
+    kept_bytes: int  # held now for the next calls
+    limit_bytes: int  # the most that is kept
+    reused: int  # blocks handed out again
+    made: int  # blocks allocated
+
+
+def _megabytes_to_bytes(value: object, owner: str) -> int:
+    try:
+        megabytes = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        megabytes = math.nan
+    if not math.isfinite(megabytes) or megabytes < 0:
+        raise ValueError(f"{owner}: expected a number of MiB >= 0, got {value!r}")
+    return int(megabytes * (1 << 20))
+
+
+def cache_limit() -> int:
+    """The most bytes the kernels keep: the last :func:`seqnorm.kernels.set_cache_limit`'s, else
+    :data:`CACHE_ENV`'s, else :data:`DEFAULT_CACHE_MB`."""
+    if _CACHE_LIMIT[0] is not None:
+        return _CACHE_LIMIT[0]
+    text = os.environ.get(CACHE_ENV, "").strip()
+    return _megabytes_to_bytes(text, CACHE_ENV) if text else DEFAULT_CACHE_MB << 20
+
+
+def set_cache_limit(megabytes: float) -> int:
+    """Record ``megabytes`` as the limit for this process (:func:`seqnorm.kernels.set_cache_limit` applies it to
+    the loaded kernels); the limit in bytes."""
+    _CACHE_LIMIT[0] = _megabytes_to_bytes(megabytes, "seqnorm.kernels.set_cache_limit")
+    return _CACHE_LIMIT[0]
 
 
 class CpuBackend:

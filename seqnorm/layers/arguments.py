@@ -17,13 +17,13 @@ from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 from seqnorm.validation import check_like_parameters, check_state_shape
 
 if TYPE_CHECKING:
-    from seqnorm.layers.base import RecurrentLayer
+    from seqnorm.layers.protocol import Layer
 
 __all__ = ["check_first_step", "prepare"]
 
 
 def prepare(
-    layer: RecurrentLayer, input: Tensor | PackedSequence, hx: Any, lengths: Tensor | list[int] | None
+    layer: Layer, input: Tensor | PackedSequence, hx: Any, lengths: Tensor | list[int] | None
 ) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None, bool]:
     """Check ``layer.forward``'s arguments; ``x`` ``(T, B, I)``, lengths, ``h0``, ``c0`` and whether unbatched."""
     owner = type(layer).__name__
@@ -55,7 +55,7 @@ def prepare(
     return x, lengths, h0, c0, unbatched
 
 
-def check_first_step(layer: RecurrentLayer, first_step: object) -> int:
+def check_first_step(layer: Layer, first_step: object) -> int:
     """``first_step`` as an int ``>= 0``; only 0 for a bidirectional layer (a reverse direction has no continuation)."""
     owner = type(layer).__name__
     if isinstance(first_step, bool) or not isinstance(first_step, int) or first_step < 0:
@@ -79,9 +79,7 @@ def _check_lengths(owner: str, lengths: Tensor | list[int] | None, steps: int, b
     return values.to(torch.long)
 
 
-def _initial_state(
-    layer: RecurrentLayer, hx: Any, batch: int, x: Tensor, unbatched: bool
-) -> tuple[Tensor, Tensor | None]:
+def _initial_state(layer: Layer, hx: Any, batch: int, x: Tensor, unbatched: bool) -> tuple[Tensor, Tensor | None]:
     owner = type(layer).__name__
     has_c = layer.cell_class.has_cell_state
     layers = layer.num_layers * layer.num_directions

@@ -240,10 +240,6 @@ class RecurrentLayer(nn.Module):
         for cell in self.cells:
             cell.reset_parameters()
 
-    def _cell_suffix(self, index: int) -> str:
-        layer, direction = divmod(index, self.num_directions)
-        return f"_l{layer}" + ("_reverse" if direction else "")
-
     def __getattr__(self, name: str) -> Any:
         # torch.nn.LSTM exposes `weight_ih_l0` etc. as attributes; resolve them to the cell that holds them.
         try:

@@ -23,7 +23,7 @@ from torch import Tensor
 from seqnorm.cells.base import RecurrentCell
 
 if TYPE_CHECKING:
-    from seqnorm.layers.base import RecurrentLayer
+    from seqnorm.layers.protocol import Layer
 
 __all__ = ["SequenceMasks", "draw_sequence_masks", "variational_mask"]
 
@@ -42,7 +42,7 @@ def variational_mask(like: Tensor, rate: float) -> Tensor:
     return torch.bernoulli(torch.full_like(like, keep)) / keep
 
 
-def draw_sequence_masks(layer: RecurrentLayer, cell: RecurrentCell, sequence: Tensor, state: Any) -> SequenceMasks:
+def draw_sequence_masks(layer: Layer, cell: RecurrentCell, sequence: Tensor, state: Any) -> SequenceMasks:
     """Draw, in this fixed order, the recurrent, input and weight masks that ``layer`` applies to ``cell``.
 
     Nothing is drawn in evaluation or for rates of 0. ``sequence`` is ``(T, B, I)``; ``state`` the cell's initial

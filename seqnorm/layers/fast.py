@@ -38,7 +38,7 @@ from seqnorm.layers.stack import PaddingLayout, padding_layout, run_stack
 from seqnorm.torch_ops import CELL_KERNELS, SEQUENCE_KERNELS
 
 if TYPE_CHECKING:
-    from seqnorm.layers.base import RecurrentLayer
+    from seqnorm.layers.protocol import Layer
 
 __all__ = ["Impl", "choose_path", "run_fast", "run_fused", "step_cell"]
 
@@ -54,7 +54,7 @@ _SHORT_NAMES = {
 }
 
 
-def choose_path(layer: RecurrentLayer, lengths: Tensor | None, batch: int) -> Literal["reference", "fused", "fast"]:
+def choose_path(layer: Layer, lengths: Tensor | None, batch: int) -> Literal["reference", "fused", "fast"]:
     """:func:`~seqnorm.layers.plan.plan_for`'s forward path in three words: ``"fused"`` (torch's kernel),
     ``"fast"`` (hoisted input terms: ``"loop"`` or ``"bptt"``) or ``"reference"``, for a batch of ``batch``."""
     weight = layer.cells[0].weight_hh  # only where inputs would live and their dtype matter
@@ -66,7 +66,7 @@ def choose_path(layer: RecurrentLayer, lengths: Tensor | None, batch: int) -> Li
 
 
 def run_fused(
-    layer: RecurrentLayer, x: Tensor, h0: Tensor, c0: Tensor | None, lengths: Tensor | None
+    layer: Layer, x: Tensor, h0: Tensor, c0: Tensor | None, lengths: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """The cells' declared torch kernel over ``x`` ``(T, B, I)``; variable lengths go through a ``PackedSequence``."""
     weights: list[Tensor] = []
@@ -97,7 +97,7 @@ def run_fused(
 
 
 def run_fast(
-    layer: RecurrentLayer, x: Tensor, h0: Tensor, c0: Tensor | None, lengths: Tensor | None, plan: Plan
+    layer: Layer, x: Tensor, h0: Tensor, c0: Tensor | None, lengths: Tensor | None, plan: Plan
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """The same computation as the reference loop, with the input side of every step done at once per direction;
     each direction runs the hand-written BPTT or the loop, as ``plan.cells`` says."""
@@ -107,7 +107,7 @@ def run_fast(
 
 
 def _run_direction(
-    layer: RecurrentLayer,
+    layer: Layer,
     routes: dict[RecurrentCell, str],
     cell: RecurrentCell,
     sequence: Tensor,

@@ -4,42 +4,47 @@ hooks) and :func:`from_torch` (a layer from a torch module, behind ``LSTM.from_t
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
+from weakref import WeakKeyDictionary
 
 from torch import nn
 
 if TYPE_CHECKING:
-    from seqnorm.layers.base import RecurrentLayer
+    from seqnorm.layers.protocol import Layer
 
 __all__ = ["TORCH_KEY", "from_torch", "from_torch_keys", "to_torch_keys", "torch_keys_in_errors"]
 
 # torch.nn.LSTM's parameter names (`weight_ih_l0`, `bias_hh_l1_reverse`); norms follow suit: `norm_ih_l0.weight`.
 TORCH_KEY = re.compile(r"(?P<name>[A-Za-z_]\w*?)_l(?P<layer>\d+)(?P<reverse>_reverse)?(?P<rest>\..*)?")
 
+# Per layer during a load_state_dict: its prefix and error messages (from from_torch_keys to torch_keys_in_errors).
+_LOADING: WeakKeyDictionary[Layer, tuple[str, list[str]]] = WeakKeyDictionary()
 
-def _torch_key(module: RecurrentLayer, prefix: str, key: str) -> str:
+
+def _torch_key(module: Layer, prefix: str, key: str) -> str:
     """``{prefix}cells.0.weight_ih`` -> ``{prefix}weight_ih_l0`` (``cells.1`` -> ``_l0_reverse``); others as given."""
     head = prefix + "cells."
     if not key.startswith(head):
         return key
     index, _, name = key[len(head) :].partition(".")
     first, dot, rest = name.partition(".")
-    return f"{prefix}{first}{module._cell_suffix(int(index))}{dot}{rest}"
+    layer, direction = divmod(int(index), module.num_directions)
+    return f"{prefix}{first}_l{layer}{'_reverse' if direction else ''}{dot}{rest}"
 
 
-def to_torch_keys(module: RecurrentLayer, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+def to_torch_keys(module: Layer, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     """State-dict post-hook: `cells.0.weight_ih` -> torch's `weight_ih_l0` (`cells.1...` -> `..._l0_reverse`)."""
     for key in [key for key in state_dict if key.startswith(prefix + "cells.")]:
         state_dict[_torch_key(module, prefix, key)] = state_dict.pop(key)
 
 
-def from_torch_keys(module: RecurrentLayer, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+def from_torch_keys(module: Layer, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
     """Load-state-dict pre-hook: the inverse of :func:`to_torch_keys` (so torch state dicts load as they are).
 
     It also notes where this load reports its problems (``args[-1]``, the error messages), so that
     :func:`torch_keys_in_errors` can name the keys as the state dict does.
     """
-    module._loading = (prefix, args[-1])
+    _LOADING[module] = (prefix, args[-1])
     for key in [key for key in state_dict if key.startswith(prefix)]:
         match = TORCH_KEY.fullmatch(key[len(prefix) :])
         if match is None or "." in match["name"]:
@@ -48,11 +53,10 @@ def from_torch_keys(module: RecurrentLayer, state_dict: dict[str, Any], prefix: 
         state_dict[f"{prefix}cells.{index}.{match['name']}{match['rest'] or ''}"] = state_dict.pop(key)
 
 
-def torch_keys_in_errors(module: RecurrentLayer, incompatible_keys: Any) -> None:
+def torch_keys_in_errors(module: Layer, incompatible_keys: Any) -> None:
     """Load-state-dict post-hook: the missing and unexpected keys and the size mismatches of this load, which the
     cells report under their own names (``cells.0.weight_hh``), under the state dict's (``weight_hh_l0``)."""
-    prefix, error_msgs = getattr(module, "_loading", None) or ("", [])
-    module._loading = None
+    prefix, error_msgs = _LOADING.pop(module, None) or ("", [])
     for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
         keys[:] = [_torch_key(module, prefix, key) for key in keys]
     internal = re.compile(re.escape(prefix + "cells.") + r"\d+\.[\w.]+")
@@ -63,9 +67,10 @@ def torch_keys_in_errors(module: RecurrentLayer, incompatible_keys: Any) -> None
 _TORCH_LAYOUT = ("input_size", "hidden_size", "num_layers", "bias", "batch_first", "dropout", "bidirectional")
 
 
-def from_torch(
-    cls: type[RecurrentLayer], module: nn.Module, expected: type[nn.Module], **kwargs: Any
-) -> RecurrentLayer:
+LayerT = TypeVar("LayerT", bound=nn.Module)
+
+
+def from_torch(cls: type[LayerT], module: nn.Module, expected: type[nn.Module], **kwargs: Any) -> LayerT:
     """A ``cls`` layer with the structure and weights of ``module`` (an ``expected`` instance); ``kwargs`` add
     constructor keywords (a norm's own parameters then keep their initial values)."""
     if not isinstance(module, expected):

@@ -50,7 +50,7 @@ from seqnorm import kernels
 
 if TYPE_CHECKING:
     from seqnorm.cells.base import RecurrentCell
-    from seqnorm.layers.base import RecurrentLayer
+    from seqnorm.layers.protocol import Layer
 
 __all__ = [
     "Path",
@@ -117,7 +117,7 @@ def norm_blocker(module: nn.Module | None, form: FastForm) -> str | None:
 
 
 def plan_for(
-    layer: RecurrentLayer,
+    layer: Layer,
     x: Tensor,
     lengths: Tensor | None = None,
     state: tuple[Tensor, Tensor | None] | None = None,
@@ -134,7 +134,7 @@ def plan_for(
 
 
 def bptt_blocker(
-    layer: RecurrentLayer | None, cell: RecurrentCell, dtype: torch.dtype, device_type: str, form: FastForm = "bptt"
+    layer: Layer | None, cell: RecurrentCell, dtype: torch.dtype, device_type: str, form: FastForm = "bptt"
 ) -> str | None:
     """Why :mod:`seqnorm.layers.bptt` (``form="kernel"``: the compiled kernels' recurrence, availability aside)
     cannot run ``cell`` exactly (gradients aside), or ``None`` if it can.
@@ -161,7 +161,7 @@ def bptt_blocker(
     return None
 
 
-def kernel_blocker(layer: RecurrentLayer | None, cell: RecurrentCell, dtype: torch.dtype, device: str) -> str | None:
+def kernel_blocker(layer: Layer | None, cell: RecurrentCell, dtype: torch.dtype, device: str) -> str | None:
     """Why the device's kernels (:mod:`seqnorm.layers.kernel`) cannot run ``cell``'s recurrence, or ``None``."""
     blocker = bptt_blocker(layer, cell, dtype, device, "kernel")
     if blocker is None:
@@ -200,7 +200,7 @@ def _compiled_blocker(device: str, cell: RecurrentCell, dtype: torch.dtype, step
 
 
 def _forward_plan(
-    layer: RecurrentLayer,
+    layer: Layer,
     x: Tensor,
     lengths: Tensor | None,
     state: tuple[Tensor, Tensor | None] | None,
@@ -261,7 +261,7 @@ def _hoisting_blocker(cells: list[RecurrentCell]) -> str | None:
 
 
 def _gradient_wanted(
-    layer: RecurrentLayer, cells: list[RecurrentCell], x: Tensor, state: tuple[Tensor, Tensor | None] | None
+    layer: Layer, cells: list[RecurrentCell], x: Tensor, state: tuple[Tensor, Tensor | None] | None
 ) -> list[bool]:
     """Per cell: whether its direction's input, initial state or parameters need a gradient (layer-major)."""
     if not torch.is_grad_enabled():
@@ -277,7 +277,7 @@ def _gradient_wanted(
     return wanted
 
 
-def _draws_random(layer: RecurrentLayer) -> bool:
+def _draws_random(layer: Layer) -> bool:
     """Whether a call draws random numbers, which torch's kernel would draw differently (or not at all)."""
     if not layer.training:
         return False
@@ -299,7 +299,7 @@ def _would_raise_small_batch(cells: list[RecurrentCell], lengths: Tensor | None,
 # --- one step ---
 
 
-def _step_plan(layer: RecurrentLayer, x: Tensor) -> Plan:
+def _step_plan(layer: Layer, x: Tensor) -> Plan:
     cells: list[RecurrentCell] = list(layer.cells)
     if layer.impl == "reference":
         return Plan("reference", "impl='reference'", ("reference",) * len(cells))
@@ -336,7 +336,7 @@ def _lean_route(cell: RecurrentCell, x: Tensor) -> Path:
     return kernel_path(x.device.type) if unbuilt is None else "lean_step"
 
 
-def _lean_blocker(layer: RecurrentLayer, cells: list[RecurrentCell], x: Tensor) -> str | None:
+def _lean_blocker(layer: Layer, cells: list[RecurrentCell], x: Tensor) -> str | None:
     if layer.training and layer.dropout and len(cells) > 1:
         return "inter-layer dropout in training"
     if x.dtype not in _FLOATS:

@@ -17,7 +17,7 @@ from torch import Tensor
 
 if TYPE_CHECKING:
     from seqnorm.cells.base import RecurrentCell
-    from seqnorm.layers.base import RecurrentLayer
+    from seqnorm.layers.protocol import Layer
 
 __all__ = ["PaddingLayout", "padding_layout", "reverse_padded", "run_stack"]
 
@@ -73,7 +73,7 @@ def padding_layout(
 
 
 def run_stack(
-    layer: RecurrentLayer,
+    layer: Layer,
     x: Tensor,
     h0: Tensor,
     c0: Tensor | None,

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from seqnorm.kernels import KernelNorm
+from seqnorm.kernels.backend import KernelNorm
 from seqnorm.kernels.triton_backend import column_layout, rows
 from seqnorm.kernels.triton_backend.checks import check_backward, check_forward, check_step
 from seqnorm.kernels.triton_backend.common import FLOATS

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from seqnorm.kernels import KernelNorm
+from seqnorm.kernels.backend import KernelNorm
 from seqnorm.kernels.triton_backend.common import FLOATS
 from seqnorm.kernels.triton_backend.norms import KINDS
 

@@ -15,7 +15,7 @@ import torch
 import triton
 from torch import Tensor
 
-from seqnorm.kernels import KernelNorm
+from seqnorm.kernels.backend import KernelNorm
 from seqnorm.kernels.triton_backend import columns
 from seqnorm.kernels.triton_backend.common import (
     code,

@@ -7,7 +7,7 @@ import torch
 import triton
 from torch import Tensor
 
-from seqnorm.kernels import KernelNorm
+from seqnorm.kernels.backend import KernelNorm
 from seqnorm.kernels.triton_backend.norms import KINDS, rows_backward, rows_forward
 
 FLOATS = (torch.float32, torch.float64)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from seqnorm.kernels import KernelNorm
+from seqnorm.kernels.backend import KernelNorm
 from seqnorm.kernels.triton_backend import recurrence
 from seqnorm.kernels.triton_backend.common import (
     block,

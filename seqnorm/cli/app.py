@@ -9,7 +9,7 @@ Examples::
     seqnorm predict ... --ckpt_path lightning_logs/lstm-layer-h256/version_0/checkpoints/last.ckpt  # -> version_1/
     seqnorm generate --ckpt_path lightning_logs/lstm-layer-h256/version_0/checkpoints/last.ckpt --prompt "The "
 
-Each run gets ``lightning_logs/<run name>/version_N``, named after what it trains (:func:`seqnorm.cli_runs.run_name`);
+Each run gets ``lightning_logs/<run name>/version_N``, named after what it trains (:func:`seqnorm.cli.runs.run_name`);
 a prediction run writes its ``predictions.jsonl`` there.
 
 User errors (a missing file, bad text, an impossible setting, a checkpoint that is not one) end with a
@@ -17,7 +17,7 @@ one-paragraph message and exit code 2, not a traceback; set ``SEQNORM_DEBUG=1`` 
 
 Checkpoints are untrusted input: every one is read with ``torch.load(weights_only=True)`` (see
 :mod:`seqnorm.lightning.checkpoint_io`), and with ``--ckpt_path`` the checkpoint's model hyperparameters are used
-(a flag that contradicts them is an error, see :mod:`seqnorm.cli_checks`); ``validate``, ``test`` and ``predict``
+(a flag that contradicts them is an error, see :mod:`seqnorm.cli.checks`); ``validate``, ``test`` and ``predict``
 also take the data set-up from it (class, vocabulary, format, level, unit, sizes), so the new file is all they need::
 
     seqnorm test --ckpt_path lightning_logs/lstm-layer-h256/version_0/checkpoints/last.ckpt --data.test_path new.txt
@@ -41,7 +41,7 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 from lightning.pytorch.plugins.layer_sync import LayerSync
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
-from seqnorm.cli_checks import (
+from seqnorm.cli.checks import (
     apply_checkpoint_data,
     apply_checkpoint_hparams,
     apply_checkpoint_text_format,
@@ -53,10 +53,10 @@ from seqnorm.cli_checks import (
     user_error,
     weight_shapes,
 )
-from seqnorm.cli_commands import answer_without_lightning
-from seqnorm.cli_flags import FlagSuggestingParser, FunctionFlagParser
-from seqnorm.cli_output import in_command_line_words, quiet_known_noise, show_generated
-from seqnorm.cli_runs import (
+from seqnorm.cli.commands import answer_without_lightning
+from seqnorm.cli.flags import FlagSuggestingParser, FunctionFlagParser
+from seqnorm.cli.output import in_command_line_words, quiet_known_noise, show_generated
+from seqnorm.cli.runs import (
     EVALUATIONS,
     DataInstantiator,
     ModelInstantiator,
@@ -66,8 +66,8 @@ from seqnorm.cli_runs import (
     run_name,
     with_checkpoint_model,
 )
-from seqnorm.cli_threads import THREADS_HELP, configure_threads
-from seqnorm.cli_trainer import adjust_trainer_config
+from seqnorm.cli.threads import THREADS_HELP, configure_threads
+from seqnorm.cli.trainer import adjust_trainer_config
 from seqnorm.data import LabeledText, TextCorpus, Vocabulary
 from seqnorm.data.units import UNITS
 from seqnorm.lightning import LanguageModel, SequenceClassifier, SyncBatchNorm
@@ -112,7 +112,7 @@ PREDICT_CALLBACKS: list[dict[str, Any]] = [
     # One JSON line per input under the run directory (lightning_logs/<run name>/version_N/predictions.jsonl).
     {"class_path": "seqnorm.lightning.prediction_writer.PredictionWriter"},
 ]
-# The progress bar is not listed here but added when the Trainer is built (seqnorm.cli_trainer: a RichProgressBar
+# The progress bar is not listed here but added when the Trainer is built (seqnorm.cli.trainer: a RichProgressBar
 # without "Epoch 0/-2"), so `--trainer.enable_progress_bar false` still works; so does
 # `--trainer.enable_checkpointing false`, which drops the checkpoint callback above.
 
@@ -138,7 +138,7 @@ class SeqnormCLI(LightningCLI):
     _continues_run = False  # a resumed fit logging into its checkpoint's run directory (continued_run_logger)
 
     def __init__(self, *args: Any, parser_class: type[LightningArgumentParser] = _Parser, **kwargs: Any):
-        # a mistyped flag gets a "did you mean", also among the arguments of the --model/--data class (cli_flags)
+        # a mistyped flag gets a "did you mean", also among the arguments of the --model/--data class (cli.flags)
         super().__init__(*args, parser_class=parser_class, **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -285,13 +285,13 @@ class SeqnormCLI(LightningCLI):
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
         name = run_name(self.model)
-        adjust_trainer_config(config, name)  # enable_checkpointing false, logger false, the progress bar (cli_trainer)
+        adjust_trainer_config(config, name)  # enable_checkpointing false, logger false, the progress bar (cli.trainer)
         # --trainer.sync_batchnorm true: seqnorm's per-timestep BN too, through Lightning's LayerSync mechanism.
         plugins = config.get("plugins") or []
         plugins = list(plugins) if isinstance(plugins, list | tuple) else [plugins]
         if config.get("sync_batchnorm") and not any(isinstance(plugin, LayerSync) for plugin in plugins):
             config["plugins"] = [*plugins, SyncBatchNorm()]
-        # The default logger is Lightning's, in a folder named after what the run trains (cli_runs.run_logger). A
+        # The default logger is Lightning's, in a folder named after what the run trains (cli.runs.run_logger). A
         # resumed fit continues its run directory: one TensorBoard run, one version_N. validate/test/predict get a
         # new version: their config.yaml, metrics and predictions are theirs.
         if config.get("logger") in (None, True) and not config.get("barebones"):  # barebones refuses any logger

@@ -1,7 +1,7 @@
 """How the ``seqnorm`` command records a run: the model's hyperparameters, the run's directory
 (``lightning_logs/<run name>/version_N``, named after what it trains) and the one a resumed fit continues.
 
-Kept apart from :mod:`seqnorm.cli` so that the command itself stays a short list of LightningCLI hooks.
+Kept apart from :mod:`seqnorm.cli.app` so that the command itself stays a short list of LightningCLI hooks.
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def with_checkpoint_model(argv: Sequence[str], models: Sequence[type], datamodul
     run read its data with>`` likewise.
 
     ``seqnorm test --ckpt_path X --data.test_path new.txt`` then evaluates the checkpoint's model on data made as
-    the run made it (the CLI fills in the rest of the set-up, :func:`~seqnorm.cli_checks.apply_checkpoint_data`),
+    the run made it (the CLI fills in the rest of the set-up, :func:`~seqnorm.cli.checks.apply_checkpoint_data`),
     as ``load_from_checkpoint`` would, instead of stopping at a missing ``--model`` or an unaccepted
     ``--data.test_path``. The checkpoint is read safely (``weights_only``) and its classes must be among ``models``
     and ``datamodules``; a resumed ``fit`` names its data itself.

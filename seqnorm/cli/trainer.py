@@ -1,7 +1,7 @@
 """What the ``seqnorm`` command changes in the Trainer it builds, so Lightning's own flags keep their meaning.
 
 seqnorm's default callbacks (a :class:`~seqnorm.lightning.checkpoint.ResumableCheckpoint`) and its run layout
-(everything of a run in ``lightning_logs/<run name>/version_N``, :mod:`seqnorm.cli_runs`) must not turn Lightning's
+(everything of a run in ``lightning_logs/<run name>/version_N``, :mod:`seqnorm.cli.runs`) must not turn Lightning's
 switches into errors:
 
 - ``--trainer.enable_checkpointing false`` drops the default checkpoint callback (Lightning refuses a
@@ -25,7 +25,7 @@ from typing import Any
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
 
-from seqnorm.cli_runs import run_dir
+from seqnorm.cli.runs import run_dir
 from seqnorm.lightning.checkpoint import ResumableCheckpoint
 from seqnorm.lightning.progress import SeqnormProgressBar
 
@@ -48,7 +48,7 @@ def _no_logger(logger: Any) -> bool:
 
 def adjust_trainer_config(config: dict[str, Any], name: str | None = None) -> None:
     """Edit the Trainer's keyword arguments (callbacks already instantiated) as the module docstring says; ``name``
-    is the run's name (:func:`seqnorm.cli_runs.run_name`)."""
+    is the run's name (:func:`seqnorm.cli.runs.run_name`)."""
     accumulate = config.get("accumulate_grad_batches", 1)
     if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
         # Lightning divides by it in its loop: a ZeroDivisionError traceback mid-run

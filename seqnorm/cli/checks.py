@@ -1,6 +1,6 @@
 """Checks the ``seqnorm`` command makes before it runs: flags against ``--ckpt_path``, the log folder, error text.
 
-Kept apart from :mod:`seqnorm.cli` so that the command itself stays a short list of LightningCLI hooks.
+Kept apart from :mod:`seqnorm.cli.app` so that the command itself stays a short list of LightningCLI hooks.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from jsonargparse import Namespace
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from seqnorm.cli_runs import checkpoint_run_dir
+from seqnorm.cli.runs import checkpoint_run_dir
 from seqnorm.data.formats import TEXT_FORMATS
 from seqnorm.lightning.base import DATA_STATE_KEY, RENAMED_HPARAMS, current_hparams
 from seqnorm.lightning.checkpoint_io import DATA_HPARAMS_KEY, corrupt_checkpoint, names_class
@@ -109,7 +109,7 @@ def apply_checkpoint_hparams(
 
 def run_config(ckpt_path: str) -> str | None:
     """The ``config.yaml`` LightningCLI saved for the run a checkpoint belongs to (``<run>/config.yaml`` beside its
-    ``checkpoints/`` folder, :func:`~seqnorm.cli_runs.checkpoint_run_dir`), as a path in the checkpoint path's terms;
+    ``checkpoints/`` folder, :func:`~seqnorm.cli.runs.checkpoint_run_dir`), as a path in the checkpoint path's terms;
     ``None`` when there is none."""
     run = checkpoint_run_dir(ckpt_path)
     config = run / "config.yaml" if run is not None else None

@@ -1,7 +1,7 @@
 """The parts of the ``seqnorm`` command that need neither Lightning nor jsonargparse: ``--version``, the top-level
 ``--help``, ``configs`` and the usage errors before a subcommand is known.
 
-:func:`seqnorm.__main__.main` (the console script) answers these before it imports :mod:`seqnorm.cli`: importing
+:func:`seqnorm.__main__.main` (the console script) answers these before it imports :mod:`seqnorm.cli.app`: importing
 Lightning and jsonargparse there made each of them take several seconds more than importing torch (README, "Training
 from the command line", has the numbers), and they work on a base install without the ``train`` extra.
 """
@@ -60,7 +60,7 @@ def usage_error(message: str) -> NoReturn:
 def answer_without_lightning(argv: Sequence[str]) -> bool:
     """Answer ``argv`` here when it needs no Lightning (``--version``, ``--help``, ``configs``, no or an unknown
     command): ``True`` when done (``SystemExit`` after help and usage errors, as argparse), ``False`` when the command
-    is :mod:`seqnorm.cli`'s to run."""
+    is :mod:`seqnorm.cli.app`'s to run."""
     command = argv[0] if argv else ""
     if command in ("--version", "-V"):
         print(version())
