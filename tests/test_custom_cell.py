@@ -191,3 +191,18 @@ def test_gradients_through_the_layers_pass_gradcheck() -> None:
 
     parameters = [parameter.detach().clone().requires_grad_() for parameter in layer.parameters()]
     assert torch.autograd.gradcheck(run, (x, *parameters))
+
+
+def test_weight_dropout_drops_entries_of_the_diagonal() -> None:
+    """The layers' DropConnect acts on whatever ``weight_hh`` a cell has: here the ``(H,)`` diagonal, one mask per
+    sequence, which the cell's step takes in place of its own."""
+    torch.manual_seed(3)
+    layer = IndRNN(3, 4, weight_dropout=0.5, dtype=torch.float64)
+    x, lengths = torch.randn(5, 2, 3, dtype=torch.float64), [5, 3]
+    torch.manual_seed(4)
+    output, _ = layer(x, lengths=lengths)
+    torch.manual_seed(4)
+    mask = torch.bernoulli(torch.full_like(layer.weight_hh_l0, 0.5)) / 0.5  # the draw draw_sequence_masks makes
+    with torch.no_grad():
+        layer.weight_hh_l0.mul_(mask)
+    assert_close(output, _by_hand(layer, x, lengths)[0], **TOLERANCE)
