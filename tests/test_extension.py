@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.testing import assert_close
 
 import seqnorm
-from seqnorm.cells.base import RecurrentCell
+from seqnorm.cells.gated import GatedCell
 from seqnorm.layers import RecurrentLayer
 from seqnorm.norms import NORMS, NormScheme, NormSpec
 from tests.conftest import CELLS, LAYERS, TORCH_KINDS
@@ -24,7 +24,7 @@ from tests.conftest import CELLS, LAYERS, TORCH_KINDS
 TOLERANCE = {"rtol": 1e-9, "atol": 1e-9}
 
 
-class GatedUnitCell(RecurrentCell):
+class GatedUnitCell(GatedCell):
     """A minimal-gated-unit style cell: ``f = σ(a_f + u_f)``, ``o = σ(a_o + u_o)``, ``n = tanh(a_n + f u_n)``,
     ``h' = f h + (1 - f) o n``. Three gate blocks and no cell state, like a GRU, but not a GRU."""
 

@@ -1,20 +1,17 @@
-"""The shared body of the normalized cells: parameters in torch's layout, norms from the registry, input checks."""
+"""What every cell shares: the constructor's checks, the step contract, state checks, zoneout, padding, observers."""
 
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.utils import parametrizations, parametrize
+from torch.nn.utils import parametrize
 
-from seqnorm.cells.projection import project
-from seqnorm.init import InitName, init_recurrent_, resolve_init
+from seqnorm.init import InitName, resolve_init
 from seqnorm.norms import (
     DEFAULT_MAX_STEPS,
     DEFAULT_SMALL_BATCH,
@@ -25,6 +22,7 @@ from seqnorm.norms import (
     NormName,
     NormPlacement,
     NormSpec,
+    Role,
     SmallBatchPolicy,
     StateNorm,
     check_placement,
@@ -67,23 +65,23 @@ class StepObserver(nn.Module):
 
 
 class RecurrentCell(PicklableParametrizations):
-    """Base of :class:`~seqnorm.LSTMCell` and :class:`~seqnorm.GRUCell`; a subclass declares its gates and step.
+    """Base of every cell. A cell defines its parameters and norms in :meth:`build` (``self.build_norm(H, "input",
+    device, dtype)`` gives the ``norm=`` of the registry), initializes them in :meth:`reset_parameters` (then
+    ``super().reset_parameters()`` resets the norms) and does one step in :meth:`step_unchecked` (ending with
+    :meth:`settle`: zoneout, and padded rows keep their state); ``has_cell_state = True`` if its state is ``(h, c)``.
+    The base takes the constructor's arguments and checks them, checks :meth:`forward`'s inputs and states, and gives
+    the zero state and the :class:`StepObserver`. ``class MyRNN(seqnorm.RecurrentLayer): cell_class = MyCell`` runs
+    it over sequences (layers, directions, ``lengths``, packing, ``step()``) on the reference path.
 
-    Parameters follow ``torch.nn.LSTMCell``/``GRUCell`` exactly (``weight_ih``, ``weight_hh``, ``bias_ih``,
-    ``bias_hh`` in torch's gate order); norms are submodules ``norm_ih``, ``norm_hh`` and, for LSTMs, ``norm_c``
-    (with ``norm_placement="joint"``, one ``norm_gates`` instead of ``norm_ih`` and ``norm_hh``).
+    A cell declares no fast form unless it says so: :class:`~seqnorm.cells.gated.GatedCell`, the dense
+    ``W_ih``/``W_hh`` gate blocks of the LSTM and GRU, declares those the layers' faster paths read
+    (:mod:`seqnorm.layers.plan`). ``tests/test_custom_cell.py`` builds an IndRNN cell (a diagonal recurrent weight)
+    this way.
     """
 
-    num_gates: ClassVar[int]
-    has_cell_state: ClassVar[bool]
-    forget_gate: ClassVar[int | None] = None  # index of the forget gate block, if the cell has one
+    has_cell_state: ClassVar[bool] = False  # the state is (h, c) rather than h
+    forget_gate: ClassVar[int | None] = None  # index of the forget gate block, if the cell has one (forget_bias)
     supports_projection: ClassVar[bool] = False  # proj_size, as torch.nn.LSTM's
-    # Declared capabilities, read by :func:`seqnorm.layers.plan.plan_for` from the class's *own* namespace only: a
-    # subclass that changes any part of the step must not run a fast form of its parent's math, so it gets none
-    # unless it restates the claim (the restatement is its author's "same math" marker).
-    gate_layout: ClassVar[tuple[str, ...]] = ()  # the gate blocks of W_ih/W_hh in order, e.g. ("i", "f", "g", "o")
-    torch_kernel: ClassVar[Literal["lstm", "gru"] | None] = None  # the step is torch's LSTM/GRU step (norms aside)
-    hoisted_step: ClassVar[bool] = False  # step_unchecked with input_term from input_terms is its own function
 
     def __init__(
         self,
@@ -158,81 +156,37 @@ class RecurrentCell(PicklableParametrizations):
             warnings.warn(f"{owner}: forget_bias={forget_bias} has no effect without a forget gate bias", stacklevel=2)
             forget_bias = None
         self.forget_bias = forget_bias
-
-        factory = {"device": device, "dtype": dtype}
-        gate_size = self.num_gates * hidden_size
-        self.weight_ih = nn.Parameter(torch.empty(gate_size, input_size, **factory))
-        self.weight_hh = nn.Parameter(torch.empty(gate_size, self.state_size, **factory))
-        if bias:
-            self.bias_ih = nn.Parameter(torch.empty(gate_size, **factory))
-            self.bias_hh = nn.Parameter(torch.empty(gate_size, **factory))
-        else:
-            self.register_parameter("bias_ih", None)
-            self.register_parameter("bias_hh", None)
-        # Registered after the biases: torch.nn.LSTM's order (weight_ih, weight_hh, bias_ih, bias_hh, weight_hr).
-        if self.proj_size:
-            self.weight_hr = nn.Parameter(torch.empty(self.proj_size, hidden_size, **factory))
-        else:
-            self.register_parameter("weight_hr", None)
-
-        context = NormContext(owner, self.norm_spec, device, dtype)
-        joint = self.norm_placement == "joint"
-        self.norm_ih: nn.Module | None = None if joint else self.scheme.build(gate_size, "input", context)
-        self.norm_hh: nn.Module | None = None if joint else self.scheme.build(gate_size, "recurrent", context)
-        self.norm_gates: nn.Module | None = self.scheme.build(gate_size, "gates", context) if joint else None
-        self.norm_c: nn.Module | None = (
-            self.scheme.build(hidden_size, "state", context) if self.has_cell_state else None
-        )
+        self.build(device, dtype)
+        if self.scheme.weight_norm and not parametrize.is_parametrized(self):
+            raise ValueError(
+                f"{owner}: expected a norm this cell applies, got norm='weight' (its build() reparametrized no weight)"
+            )
         self.observer = StepObserver()
-        if self.scheme.weight_norm:
-            # W = g * v / ||v|| per output row (dim=0): parameters `parametrizations.weight_ih.original0/1`.
-            parametrizations.weight_norm(self, "weight_ih", dim=0)
-            parametrizations.weight_norm(self, "weight_hh", dim=0)
         self.reset_parameters()
+
+    def build(self, device: torch.device | str | None, dtype: torch.dtype | None) -> None:
+        """Register the cell's parameters and norms (called once by ``__init__``, after the checks; the
+        attributes set there, ``input_size``, ``hidden_size``, ``bias``, ``scheme``..., are available)."""
+        raise NotImplementedError(f"{type(self).__name__}: a cell defines build() (its parameters and norms)")
+
+    def build_norm(
+        self, features: int, role: Role, device: torch.device | str | None, dtype: torch.dtype | None
+    ) -> nn.Module | None:
+        """The norm of this cell's ``norm=`` for a term of ``features`` (``role``: ``"input"``, ``"recurrent"``,
+        ``"gates"`` or ``"state"``), or ``None`` where the norm applies nothing (``"none"``, ``"weight"``)."""
+        return self.scheme.build(features, role, NormContext(self._owner, self.norm_spec, device, dtype))
+
+    def reset_parameters(self) -> None:
+        """Reset every submodule that can (the norms, running statistics too); a cell initializes its own
+        parameters, then calls this."""
+        for module in self.children():
+            reset = getattr(module, "reset_parameters", None)
+            if reset is not None:
+                reset()
 
     def __prepare_scriptable__(self) -> nn.Module:
         refuse_scripting(self)
         return self
-
-    def reset_parameters(self) -> None:
-        """Initialize weights with ``init``, set the forget bias and reset every norm (running statistics too)."""
-        weight_ih = torch.empty_like(self.weight_ih)
-        weight_hh = torch.empty_like(self.weight_hh)
-        biases = [bias.data for bias in (self.bias_ih, self.bias_hh) if bias is not None]
-        # torch.nn.LSTM draws every parameter, weight_hr too, from U(-1/sqrt(H), 1/sqrt(H)) with H the hidden size
-        # (not W_hh's P columns); the per-block schemes have no recipe for a projection and use the same for W_hr.
-        bound = 1.0 / math.sqrt(self.hidden_size)
-        if self.proj_size and self.init == "default":
-            for tensor in (weight_ih, weight_hh, *biases):
-                nn.init.uniform_(tensor, -bound, bound)
-        else:
-            init_recurrent_(self.init, weight_ih, weight_hh, biases, self.num_gates)
-        if self.weight_hr is not None:
-            nn.init.uniform_(self.weight_hr, -bound, bound)
-        if self.forget_bias is not None and self.bias_ih is not None and self.bias_hh is not None:
-            forget = slice(self.forget_gate * self.hidden_size, (self.forget_gate + 1) * self.hidden_size)
-            with torch.no_grad():
-                self.bias_ih[forget] = self.forget_bias
-                self.bias_hh[forget] = 0.0
-        with torch.no_grad():
-            # Assigning through a weight-norm parametrization sets g = ||w|| and v = w (its right inverse).
-            if parametrize.is_parametrized(self):
-                for name, weight in (("weight_ih", weight_ih), ("weight_hh", weight_hh)):
-                    zero_rows = int((weight == 0).all(dim=1).sum())
-                    if zero_rows:  # its direction w / ||w|| would be 0/0: NaN weights from the start
-                        raise ValueError(
-                            f"{self._owner}: expected init={self.init!r} to leave no zero row in {name} under "
-                            f"norm='weight' (a zero row has no direction to normalize), got {zero_rows} zero rows "
-                            f"of {weight.shape[0]}; use another init" + (" or no projection" if self.proj_size else "")
-                        )
-                self.weight_ih = weight_ih
-                self.weight_hh = weight_hh
-            else:
-                self.weight_ih.copy_(weight_ih)
-                self.weight_hh.copy_(weight_hh)
-        for norm in (self.norm_ih, self.norm_hh, self.norm_gates, self.norm_c):
-            if norm is not None:
-                norm.reset_parameters()
 
     def extra_repr(self) -> str:
         text = f"{self.input_size}, {self.hidden_size}, norm={self.norm!r}, init={self.init!r}"
@@ -262,11 +216,6 @@ class RecurrentCell(PicklableParametrizations):
         return self.proj_size or self.hidden_size
 
     @property
-    def has_norms(self) -> bool:
-        """Whether any term or state is normalized (``False`` for ``"none"`` and plain weight norm)."""
-        return any(norm is not None for norm in (self.norm_ih, self.norm_hh, self.norm_gates, self.norm_c))
-
-    @property
     def draws_random(self) -> bool:
         """Whether a training step draws random numbers (zoneout), so must run through the cell's own step."""
         return self.training and bool(self.zoneout_h or self.zoneout_c)
@@ -283,63 +232,6 @@ class RecurrentCell(PicklableParametrizations):
 
     # --- one time step -------------------------------------------------------------------------------------------
 
-    def gate_terms(
-        self,
-        x: Tensor | None,
-        h: Tensor,
-        step: int,
-        mask: Tensor | None,
-        record: dict[str, Any] | None = None,
-        weight_hh: Tensor | None = None,
-        input_normed: Tensor | None = None,
-        input_term: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor | None]:
-        """The (normalized) input and recurrent terms ``N(W_ih x) + b_ih`` and ``N(W_hh h) + b_hh``.
-
-        With ``norm_placement="joint"``: ``(N(W_ih x + W_hh h) + b_ih + b_hh, None)``. ``weight_hh`` replaces
-        ``W_hh`` for this step (the layers pass a DropConnect-masked copy, or the weight-normed one computed once);
-        ``input_normed`` is ``N_ih(W_ih x)`` when the layer computed it for the whole sequence (sequence-wise input
-        statistics). ``input_term`` is the hoisted form's input term from :meth:`input_terms`, which carries
-        :meth:`folded_bias` (``x`` is then not read, and the recurrent term carries :meth:`recurrent_bias`): the norms
-        run through their ``forward_step`` and nothing is recorded (the layers hoist only while no observer is hooked).
-        """
-        lean = input_term is not None
-        recorded = record is not None and not lean
-        if input_term is None:
-            input_raw = F.linear(x, self.weight_ih)  # type: ignore[arg-type]
-            if input_normed is not None:
-                input_term = input_normed
-            else:
-                norm_ih = self.norm_ih
-                input_term = input_raw if norm_ih is None else self.step_norm(norm_ih, recorded)(input_raw, step, mask)
-            if self.bias_ih is not None and self.norm_gates is None:  # (the joint norm's biases follow it, below)
-                input_term = input_term + self.bias_ih
-        recurrent_raw = torch.mm(h, (self.weight_hh if weight_hh is None else weight_hh).t())
-        recurrent_term: Tensor | None
-        if self.norm_gates is not None:
-            input_term = self.step_norm(self.norm_gates, recorded)(input_term + recurrent_raw, step, mask)
-            recurrent_term = None
-            if self.bias_ih is not None:
-                input_term = input_term + self.bias_ih + self.bias_hh
-        else:
-            if self.norm_hh is None:
-                recurrent_term = recurrent_raw
-            else:
-                recurrent_term = self.step_norm(self.norm_hh, recorded)(recurrent_raw, step, mask)
-            bias = self.recurrent_bias() if lean else self.bias_hh
-            if bias is not None:
-                recurrent_term = recurrent_term + bias
-        if recorded:
-            record.update(
-                step=step,
-                mask=mask,
-                input_raw=input_raw,
-                recurrent_raw=recurrent_raw,
-                input_term=input_term,
-                recurrent_term=recurrent_term,
-            )
-        return input_term, recurrent_term
-
     @staticmethod
     def step_norm(norm: nn.Module, recorded: bool) -> Callable[[Tensor, int, Tensor | None], Tensor]:
         """How a step calls ``norm``: its ``forward_step`` where the norm's class declares the ``"loop"`` form (the
@@ -353,8 +245,29 @@ class RecurrentCell(PicklableParametrizations):
         return norm.forward_step  # type: ignore[return-value]
 
     def initial_state(self, batch_size: int, like: Tensor) -> Any:
-        """The zero state for ``batch_size`` rows, on ``like``'s device and in its dtype."""
-        raise NotImplementedError
+        """The zero state for ``batch_size`` rows, on ``like``'s device and in its dtype: ``h`` ``(B, P)`` (``P``:
+        :attr:`state_size`), and ``c`` ``(B, hidden_size)`` beside it for a cell with ``has_cell_state``."""
+        h = like.new_zeros(batch_size, self.state_size)
+        return (h, like.new_zeros(batch_size, self.hidden_size)) if self.has_cell_state else h
+
+    def forward(self, x: Tensor, state: Any = None, *, step: int | None = None, mask: Tensor | None = None) -> Any:
+        """Advance the cell by one time step: ``x`` ``(B, input_size)`` (or ``(input_size,)`` unbatched), the
+        state (``None``: zeros), the time index ``step`` and the padding ``mask`` ``(B,)`` bool, all checked here;
+        then :meth:`step_unchecked`. Returns the new state, shaped as ``state``."""
+        if isinstance(x, Tensor) and x.dim() == 1:
+            return self.unbatched(x, state, step, mask)
+        self.check_input(x, mask)
+        step = self.check_step(step)
+        batch = x.shape[0]
+        if state is None:
+            state = self.initial_state(batch, x)
+        elif not self.has_cell_state:
+            state = self.check_state_tensor("h", state, batch, x)
+        elif not isinstance(state, (tuple, list)) or len(state) != 2:
+            raise ValueError(f"{self._owner}: expected state to be a tuple (h, c), got {type(state).__name__}")
+        else:
+            state = (self.check_state_tensor("h", state[0], batch, x), self.check_state_tensor("c", state[1], batch, x))
+        return self.step_unchecked(x, state, step, mask)
 
     def step_unchecked(
         self,
@@ -368,48 +281,30 @@ class RecurrentCell(PicklableParametrizations):
         *,
         input_term: Tensor | None = None,
     ) -> Any:
-        """One step without input checks: the reference loop and the hoisted loop both call this.
+        """One step without input checks: :meth:`forward`, the layers' reference loop and their hoisted loop call it.
 
-        ``recurrent_mask`` ``(B, H)`` is a variational dropout mask (already scaled by ``1/(1-p)``) applied to the
-        state where it enters the recurrent term; ``weight_hh`` replaces ``W_hh`` (DropConnect, drawn by the layer
-        once per sequence); ``input_normed`` is this step's ``N_ih(W_ih x)`` from :meth:`sequence_input_norm`;
-        ``input_term`` is this step's slice of :meth:`input_terms` (then ``x`` is ``None``: see :meth:`gate_terms`).
-        Zoneout, drawn at every step, is the cell's own.
+        ``x`` ``(B, input_size)``; ``state`` as :meth:`initial_state` makes it; ``step`` the time index (for
+        per-timestep norms); ``mask`` ``(B,)`` bool or ``None``, ``False`` for padded rows, which keep their state
+        (:meth:`settle`) and must enter no batch statistics (pass it to the norms). The layers' regularizers:
+        ``recurrent_mask`` ``(B, P)`` is a variational dropout mask (already scaled by ``1/(1-p)``) for the state
+        where it enters the recurrent term; ``weight_hh`` replaces the cell's ``weight_hh`` (DropConnect, the layer's
+        ``weight_dropout``, drawn once per sequence from that parameter); ``input_normed`` is this step's slice of
+        :meth:`sequence_input_norm`. ``input_term`` is given only to a cell that declares ``hoisted_step``
+        (:class:`~seqnorm.cells.gated.GatedCell`), with ``x`` ``None``. Zoneout, drawn at every step, is the cell's.
         """
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__}: a cell defines step_unchecked() (its step)")
+
+    def settle(self, new: Tensor, old: Tensor, mask: Tensor | None, rate: float = 0.0) -> Tensor:
+        """A state tensor after a step: :meth:`zoneout` at ``rate`` (a fresh draw in training), then the padded rows
+        (``mask`` ``False``) keep ``old``, so a loop over a padded batch ends at each row's last real step."""
+        new = self.zoneout(new, old, rate)
+        return new if mask is None else torch.where(mask.unsqueeze(1), new, old)
 
     def sequence_input_norm(self, x: Tensor, mask: Tensor | None, counts: list[int]) -> list[Tensor] | None:
-        """``N_ih(W_ih x)`` per step of ``x`` ``(T, B, input_size)`` when its statistics need the whole sequence.
-
-        ``None`` unless ``input_stats="sequence"``: then the reference loop passes each step's term to
-        :meth:`step_unchecked`, since one step alone cannot form batch × time statistics.
-        """
-        if self.norm_ih is None or not getattr(self.norm_ih, "whole_sequence", False):
-            return None
-        return list(self.norm_ih.forward_sequence(project(x, self.weight_ih), mask, counts).unbind(0))
-
-    # --- the fast path: a whole sequence's input terms at once, then lean recurrent steps --------------------------
-
-    def input_terms(self, x: Tensor, mask: Tensor | None = None, counts: list[int] | None = None) -> Tensor:
-        """``N_ih(W_ih x) + b`` for every step of ``x`` ``(T, B, input_size)`` at once: one matmul, one norm.
-
-        ``mask`` ``(T, B)`` and its per-step sums ``counts`` mark the real rows for per-timestep batch statistics.
-        Which biases are folded in is the subclass's choice (:meth:`folded_bias`, :meth:`recurrent_bias`).
-        """
-        weight_ih = self.weight_ih  # a weight-norm parametrization computes it here, once for all steps
-        if self.norm_ih is None:
-            return project(x, weight_ih, self.folded_bias())
-        terms = self.norm_ih.forward_sequence(project(x, weight_ih), mask, counts)
-        bias = self.folded_bias()
-        return terms if bias is None else terms + bias
-
-    def folded_bias(self) -> Tensor | None:
-        """The bias added to the input term by :meth:`input_terms` (``b_ih``, plus what of ``b_hh`` may move there)."""
-        return self.bias_ih
-
-    def recurrent_bias(self) -> Tensor | None:
-        """The bias added to the normalized recurrent term: ``b_hh``, unless :meth:`folded_bias` took it."""
-        return self.bias_hh
+        """Per step of ``x`` ``(T, B, input_size)``, the normalized input term where its statistics need the whole
+        sequence (``input_stats="sequence"``), passed to :meth:`step_unchecked` as ``input_normed``; ``None``
+        (here): each step normalizes its own input."""
+        return None
 
     # --- input checks --------------------------------------------------------------------------------------------
 

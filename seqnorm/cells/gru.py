@@ -7,12 +7,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from seqnorm.cells.base import RecurrentCell
+from seqnorm.cells.gated import GatedCell
 
 __all__ = ["GRUCell"]
 
 
-class GRUCell(RecurrentCell):
+class GRUCell(GatedCell):
     r"""A gated recurrent unit with LayerNorm, RMSNorm, WeightNorm or per-timestep (re)BatchNorm.
 
     .. math::
@@ -78,18 +78,7 @@ class GRUCell(RecurrentCell):
                 or not given for a norm with per-timestep statistics; a batch norm in training with fewer than 2
                 real rows (see ``small_batch``).
         """
-        if isinstance(x, Tensor) and x.dim() == 1:
-            return self.unbatched(x, state, step, mask)
-        self.check_input(x, mask)
-        step = self.check_step(step)
-        if state is None:
-            state = self.initial_state(x.shape[0], x)
-        else:
-            state = self.check_state_tensor("h", state, x.shape[0], x)
-        return self.step_unchecked(x, state, step, mask)
-
-    def initial_state(self, batch_size: int, like: Tensor) -> Tensor:
-        return like.new_zeros(batch_size, self.hidden_size)
+        return super().forward(x, state, step=step, mask=mask)
 
     def step_unchecked(
         self,
@@ -114,9 +103,7 @@ class GRUCell(RecurrentCell):
         (a_rz, a_n), (u_rz, u_n) = a.split(blocks, dim=1), u.split(blocks, dim=1)
         r, z = torch.sigmoid(a_rz + u_rz).chunk(2, dim=1)
         n = torch.tanh(a_n + r * u_n)
-        h = self.zoneout((1 - z) * n + z * h_prev, h_prev, self.zoneout_h)
-        if mask is not None:
-            h = torch.where(mask.unsqueeze(1), h, h_prev)
+        h = self.settle((1 - z) * n + z * h_prev, h_prev, mask, self.zoneout_h)
         if record is not None:
             record.update(gates=torch.cat([r, z, n], dim=1), h=h)
             self.observer(record)

@@ -8,12 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from seqnorm.cells.base import RecurrentCell
+from seqnorm.cells.gated import GatedCell
 
 __all__ = ["LSTMCell"]
 
 
-class LSTMCell(RecurrentCell):
+class LSTMCell(GatedCell):
     r"""A long short-term memory cell with LayerNorm, RMSNorm, WeightNorm or per-timestep (re)BatchNorm.
 
     .. math::
@@ -146,23 +146,7 @@ class LSTMCell(RecurrentCell):
                 or not given for a norm with per-timestep statistics; a batch norm in training with fewer than 2
                 real rows (see ``small_batch``).
         """
-        if isinstance(x, Tensor) and x.dim() == 1:
-            return self.unbatched(x, state, step, mask)
-        self.check_input(x, mask)
-        step = self.check_step(step)
-        if state is None:
-            state = self.initial_state(x.shape[0], x)
-        elif not isinstance(state, (tuple, list)) or len(state) != 2:
-            raise ValueError(f"LSTMCell: expected state to be a tuple (h, c), got {type(state).__name__}")
-        else:
-            state = (
-                self.check_state_tensor("h", state[0], x.shape[0], x),
-                self.check_state_tensor("c", state[1], x.shape[0], x),
-            )
-        return self.step_unchecked(x, state, step, mask)
-
-    def initial_state(self, batch_size: int, like: Tensor) -> tuple[Tensor, Tensor]:
-        return like.new_zeros(batch_size, self.state_size), like.new_zeros(batch_size, self.hidden_size)
+        return super().forward(x, state, step=step, mask=mask)
 
     def step_unchecked(
         self,
@@ -191,23 +175,12 @@ class LSTMCell(RecurrentCell):
         if self.state_norm == "carried":
             c = c_out
         h = o * torch.tanh(c_out)
-        h, c = self._settle(h, c, h_prev, c_prev, mask)
+        if self.weight_hr is not None:
+            h = F.linear(h, self.weight_hr)
+        h, c = self.settle(h, h_prev, mask, self.zoneout_h), self.settle(c, c_prev, mask, self.zoneout_c)
         if record is not None:
             record.update(gates=torch.cat([i, f, g, o], dim=1), h=h, c=c, c_out=c_out)
             self.observer(record)
-        return h, c
-
-    def _settle(
-        self, h: Tensor, c: Tensor, h_prev: Tensor, c_prev: Tensor, mask: Tensor | None
-    ) -> tuple[Tensor, Tensor]:
-        """After the gates: projection, zoneout (h drawn before c), padded rows keep their state."""
-        if self.weight_hr is not None:
-            h = F.linear(h, self.weight_hr)
-        h, c = self.zoneout(h, h_prev, self.zoneout_h), self.zoneout(c, c_prev, self.zoneout_c)
-        if mask is not None:
-            keep = mask.unsqueeze(1)
-            h = torch.where(keep, h, h_prev)
-            c = torch.where(keep, c, c_prev)
         return h, c
 
     def folded_bias(self) -> Tensor | None:

@@ -80,7 +80,11 @@ class RecurrentState(NamedTuple):
 
 
 class RecurrentLayer(nn.Module):
-    """Base of the multi-layer, optionally bidirectional recurrent layers; subclasses name their cell class."""
+    """Base of the multi-layer, optionally bidirectional recurrent layers, of any :class:`~seqnorm.RecurrentCell`:
+    ``class IndRNN(seqnorm.RecurrentLayer): cell_class = IndRNNCell`` is a layer with ``torch.nn.LSTM``'s arguments,
+    ``lengths``, packed sequences, :meth:`step` and the cells' parameters under torch's state-dict keys
+    (``weight_hh_l0``), running the cell's own step (the reference path) unless the cell declares a fast form.
+    """
 
     cell_class: ClassVar[type[RecurrentCell]]
 

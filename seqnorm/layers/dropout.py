@@ -55,6 +55,11 @@ def draw_sequence_masks(layer: Layer, cell: RecurrentCell, sequence: Tensor, sta
     inputs = variational_mask(sequence[0], layer.input_dropout) if layer.input_dropout else None
     weight_hh = None
     if layer.weight_dropout:
-        weight = cell.weight_hh  # a weight-norm parametrization computes it here: DropConnect acts on g * v / ||v||
+        weight = getattr(cell, "weight_hh", None)  # weight norm computes it here: DropConnect acts on g * v / ||v||
+        if not isinstance(weight, Tensor):
+            raise ValueError(
+                f"{type(layer).__name__}: expected weight_dropout=0 ({cell._owner} has no weight_hh to drop from), "
+                f"got {layer.weight_dropout}"
+            )
         weight_hh = weight * variational_mask(weight, layer.weight_dropout)
     return SequenceMasks(inputs, recurrent, weight_hh)

@@ -57,7 +57,7 @@ _SHORT_NAMES = {
 def choose_path(layer: Layer, lengths: Tensor | None, batch: int) -> Literal["reference", "fused", "fast"]:
     """:func:`~seqnorm.layers.plan.plan_for`'s forward path in three words: ``"fused"`` (torch's kernel),
     ``"fast"`` (hoisted input terms: ``"loop"`` or ``"bptt"``) or ``"reference"``, for a batch of ``batch``."""
-    weight = layer.cells[0].weight_hh  # only where inputs would live and their dtype matter
+    weight = layer.cells[0].reference_parameter()  # only where inputs would live and their dtype matter
     facts = weight.new_empty(0, batch, layer.input_size)
     return _SHORT_NAMES[plan_for(layer, facts, lengths).path]  # type: ignore[return-value]
 

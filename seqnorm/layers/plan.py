@@ -318,9 +318,11 @@ def _step_plan(layer: Layer, x: Tensor) -> Plan:
 
 
 def _cell_step_route(cell: RecurrentCell, autocast: bool) -> Path:
+    if cell_kernel(cell) is None:  # asked first: such a cell may have no weight_hr or norms to ask about
+        return "reference"
     # torch's cell kernels have no projection and no zoneout.
     special = cell.observer.active or cell.draws_random or cell.weight_hr is not None or autocast
-    if special or cell.has_norms or cell_kernel(cell) is None:
+    if special or cell.has_norms:
         return "reference"
     return "torch_kernel"
 
