@@ -25,7 +25,7 @@ runs this script in several fresh processes and puts them side by side (``make b
 
 ``× torch`` is the median over the repeats of each round's ratio to that round's torch time, with its spread (lowest
 and highest round) beside it; ``plain ×`` is the same layer with the compiled kernels switched off
-(``seqnorm.kernels.disabled()``: the plain-PyTorch hand-written BPTT and loop), the fallback where nothing is built.
+(``seqnorm.kernels.disabled()``: the plain-PyTorch loop over the cell's step), the fallback where nothing is built.
 The header names the CPU (``/proc/cpuinfo``), torch, the thread count and whether the kernels ran.
 
 Usage: ``python scripts/bench.py`` (the sizes of issue 7), ``--quick`` (seconds), ``--sizes 100x32x128x256,...``,

@@ -4,8 +4,8 @@ Prints the versions and the GPU; checks the Triton backend against the plain-PyT
 norm, training and evaluation, float32 with TF32 off and float64, plus generation steps); then median milliseconds
 of a training step (forward and backward of ``output.sum()``, the input requiring a gradient) at ``--size`` (T x B x
 I x H, default 100x64x512x512) in three precisions — float32 with TF32 off, float32 with TF32, bf16 autocast (the
-input projection in bf16, the recurrence in float32) — with ratios to cuDNN, to the plain path (the
-hand-written BPTT where a cell declares it) and to the reference loop (``impl="reference"``), and a batch-1
+input projection in bf16, the recurrence in float32) — with ratios to cuDNN, to the plain path (the loop over the
+cell's step with hoisted input terms) and to the reference loop (``impl="reference"``), and a batch-1
 generation step against ``nn.LSTMCell``/``nn.GRUCell``. Markdown tables, for BENCHMARKS.md. Without CUDA it says so
 and exits 0.
 
@@ -220,7 +220,7 @@ def main() -> None:
                     with kernels.disabled():
                         plain_path = layer.plan(x).path
                         plain = _median_ms(_training_step(layer, x), max(3, args.repeats // 4), warmup=1)
-                    layer.impl = "reference"  # the autograd loop over the cell's step: what the plain BPTT replaces
+                    layer.impl = "reference"  # the autograd loop over the cell's step, input terms included
                     loop = _median_ms(_training_step(layer, x), max(3, args.repeats // 4), warmup=1)
                     layer.impl = "auto"
                 print(f"| {kind} | {norm} | {precision} | {path} | {ours:.2f} | {theirs:.2f} | {ours / theirs:.2f} "

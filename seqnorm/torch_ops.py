@@ -1,7 +1,7 @@
 """The private or undocumented torch calls seqnorm makes, in one place, each with why a public one does not do.
 
 If a torch release renames or changes one of them, this is the file to adapt (and ``tests/test_fast_path.py``,
-``tests/test_bptt.py`` and ``tests/test_stepping.py`` are the tests that say so). Names are bound once at import:
+``tests/test_cell_loop.py`` and ``tests/test_stepping.py`` are the tests that say so). Names are bound once at import:
 the fast paths call them at every step, where one attribute lookup fewer is measurable at batch size 1.
 """
 
@@ -20,8 +20,6 @@ __all__ = [
     "SEQUENCE_KERNELS",
     "batch_norm_backward",
     "batch_norm_with_stats",
-    "layer_norm_backward",
-    "layer_norm_with_stats",
     "without_parametrization_hooks",
 ]
 
@@ -32,19 +30,15 @@ SEQUENCE_KERNELS: dict[str, Callable[..., Any]] = {"lstm": torch._VF.lstm, "gru"
 # torch.nn.LSTMCell/GRUCell's kernels for one step: the same reason, and no module-call overhead at batch size 1.
 CELL_KERNELS: dict[str, Callable[..., Any]] = {"lstm": torch._VF.lstm_cell, "gru": torch._VF.gru_cell}
 
-# LayerNorm and training-mode BatchNorm that also return the mean and 1/std they used (F.layer_norm/F.batch_norm
-# return only the output): the hand-written BPTT saves them for its backward instead of recomputing them.
-# native_batch_norm updates the running row in place with BN's rule, exactly as F.batch_norm does.
-layer_norm_with_stats: Callable[..., Any] = torch.native_layer_norm
+# Training-mode BatchNorm that also returns the mean and 1/std it used (F.batch_norm returns only the output): the
+# one-node step of per-timestep BN (seqnorm.norms.protocol.step_node) keeps them for its backward instead of
+# recomputing them. native_batch_norm updates the running row in place with BN's rule, exactly as F.batch_norm does.
 batch_norm_with_stats: Callable[..., Any] = torch.native_batch_norm
-
-# The backward kernels autograd itself runs for those two: the hand-written BPTT calls them step by step, so its
-# gradients are the ones autograd's per-step graph would give.
-layer_norm_backward: Callable[..., Any] = torch.ops.aten.native_layer_norm_backward
 
 
 def batch_norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, *args: Any) -> Any:
-    """aten's ``native_batch_norm_backward``, with ``weight`` made dense: on CPU it reads a strided weight (a
+    """aten's ``native_batch_norm_backward`` (the kernel autograd itself runs for BatchNorm, so the one-node step's
+    gradients are the ones autograd's graph would give), with ``weight`` made dense: on CPU it reads a strided weight (a
     parameter loaded with ``load_state_dict(assign=True)``) as dense rows, and its gradients came out 1e17 off."""
     return torch.ops.aten.native_batch_norm_backward(dy, x, None if weight is None else weight.contiguous(), *args)
 

@@ -21,7 +21,7 @@ ROW_NORMS = [name for name in NORMS if name not in BATCH_NORMS]
 CELLS = seqnorm.CELLS
 LAYERS = seqnorm.LAYERS
 KINDS = list(CELLS)
-# The cells that declare torch's step: parity with torch.nn, torch's kernel, the hand-written BPTT, the lean step.
+# The cells that declare torch's step: parity with torch.nn, torch's kernel, the compiled kernels, the lean step.
 TORCH_KINDS = [kind for kind, cell in CELLS.items() if declared(cell, "torch_kernel", None)]
 
 # Triton reads TRITON_INTERPRET when it is first imported (its own language functions are decorated then), and other

@@ -234,3 +234,27 @@ def test_pooled_moments_keep_their_variance_in_float32_when_the_means_are_large(
     weights = torch.tensor([4.0, 3.0, 2.0, 1.0], dtype=torch.float64).unsqueeze(1) / 10
     expected = (weights * (variances + (means - exact_mean).square())).sum(0)
     assert_close(exact_var, expected)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_strided_gain_gets_the_gradient_of_a_dense_one_in_a_cells_step(masked: bool) -> None:
+    """``load_state_dict(assign=True)`` can leave γ strided; a training step's fused BatchNorm (``forward_step``) then
+    handed it to aten's CPU backward, which reads it as dense rows: gradients 1e7 off. Without the compiled kernels
+    this is also the layers' loop."""
+    torch.manual_seed(0)
+    dense = TimestepBatchNorm(3, max_steps=4, dtype=torch.float64).train()
+    with torch.no_grad():
+        dense.weight.uniform_(0.5, 1.5)
+    wide = torch.full((3, 2), 1e6, dtype=torch.float64)
+    wide[:, 0] = dense.weight.detach()
+    strided = TimestepBatchNorm(3, max_steps=4, dtype=torch.float64).train()
+    strided.load_state_dict({**dense.state_dict(), "weight": wide[:, 0]}, assign=True)
+    assert not strided.weight.is_contiguous()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    mask = torch.tensor([True, True, False, True, True]) if masked else None
+    grads = []
+    for norm in (dense, strided):
+        leaf = x.clone().requires_grad_()
+        y = norm.forward_step(leaf, 1, mask)
+        grads.append(torch.autograd.grad((y * torch.arange(15.0, dtype=y.dtype).view(5, 3)).sum(), [leaf, norm.weight]))
+    assert_close(grads[1], grads[0])

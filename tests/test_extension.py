@@ -182,7 +182,7 @@ def test_a_subclass_inherits_no_claim_unless_it_restates_it() -> None:
         (HoistedGatedUnit, "scale", "reference"),  # the norm declares no loop form
         (HoistedGatedUnit, "scale_loop", "loop"),
         *((LAYERS[kind], "scale", "reference") for kind in TORCH_KINDS),
-        *((LAYERS[kind], "scale_loop", "loop") for kind in TORCH_KINDS),  # no BPTT form: not the BPTT
+        *((LAYERS[kind], "scale_loop", "loop") for kind in TORCH_KINDS),  # no kernel form: not the kernels
     ],
 )
 def test_toys_follow_their_plan_equal_the_reference_and_train(layer_class: type, norm: str, path: str) -> None:
@@ -216,8 +216,8 @@ def test_the_library_cells_keep_their_paths(kind: str) -> None:
     assert plain.plan(x[0]).path == "torch_kernel"
     assert normed.plan(x[0]).path == "reference"
     with seqnorm.kernels.disabled():  # the plain-PyTorch paths (tests/test_kernels.py: the compiled ones)
-        assert normed.plan(x).path == "bptt"
-        assert normed.plan(x).cells == ("bptt",)
+        assert normed.plan(x).path == "loop"
+        assert normed.plan(x).cells == ("loop",)
         with torch.no_grad():
             assert normed.plan(x).path == "loop"
             assert normed.plan(x[0]).path == "lean_step"

@@ -1,7 +1,7 @@
 """The layers' fast paths equal the plain per-step reference loop: outputs, states, gradients and running statistics.
 
 Every test runs twice: with the compiled kernels (:mod:`seqnorm.kernels`, where the plan routes normalized LSTM/GRU
-layers) and with them switched off (the plain-PyTorch hand-written BPTT and loop).
+layers) and with them switched off (the plain-PyTorch loop over the cell's step).
 """
 
 from __future__ import annotations

@@ -134,7 +134,7 @@ def test_switched_off_nothing_is_built(tmp_path: Path, built_library: Path) -> N
     cache, record = tmp_path / "cache", tmp_path / "builds.txt"
     result = _first_layer(cache, built_library, record, SEQNORM_KERNELS="0")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["bptt"]
+    assert result.stdout.split() == ["loop"]
     assert _builds(record) == 0 and not cache.exists()
     assert "seqnorm:" not in result.stderr and "RuntimeWarning" not in result.stderr
 
@@ -168,7 +168,7 @@ def test_a_failed_build_warns_once_and_is_not_retried(
         monkeypatch.setattr(kernels, "_LOADED", {})
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            assert layer.plan(x).path == "bptt"
+            assert layer.plan(x).path == "loop"
             layer(x)
         messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
         assert len(messages) == 1, messages

@@ -25,6 +25,7 @@ from seqnorm import kernels
 from seqnorm.kernels import cpu
 from seqnorm.layers import stepping
 from seqnorm.layers.plan import declared
+from seqnorm.norms.specs import BatchNormSpec, BatchRenormSpec, WeightNormSpec
 from tests.conftest import LAYERS, TORCH_KINDS, perturb_norm_parameters, require_kernels
 
 NORMALIZED = ["layer", "rms", "batch", "batch_renorm"]
@@ -66,10 +67,39 @@ def test_the_plan_routes_normalized_layers_to_the_kernels(kind: str, norm: str) 
         step = LAYERS[kind](3, 5, num_layers=2, norm=norm).eval().plan(x[0])
     assert step.path == "lean_step" and set(step.cells) == {"kernel"}
     with kernels.disabled():
-        assert layer.plan(x).path == "bptt"
+        assert layer.plan(x).path == "loop"  # the plain-PyTorch fallback: the loop over the cell's step
     with torch.no_grad(), kernels.disabled():
         assert LAYERS[kind](3, 5, norm=norm).eval().plan(x[0]).cells == ("lean_step",)
     assert LAYERS[kind](3, 5).plan(x).path == "torch_kernel"  # nothing normalized: torch's own kernel
+
+
+@pytest.mark.parametrize(
+    ("options", "why"),
+    [
+        ({"norm": BatchRenormSpec(beyond_max_steps="pooled")}, "pooled statistics"),
+        ({"norm": WeightNormSpec(mean_only_bn=True)}, "mean-only BatchNorm"),
+        ({"norm": "layer", "recurrent_dropout": 0.1}, "variational recurrent dropout"),
+    ],
+)
+@pytest.mark.parametrize("kind", TORCH_KINDS)
+def test_what_the_kernels_do_not_cover_keeps_the_loop(kind: str, options: dict[str, Any], why: str) -> None:
+    x = torch.randn(4, 3, 3, requires_grad=True)
+    layer = LAYERS[kind](3, 5, **options)
+    plan = layer.plan(x)
+    assert plan.path == "loop" and why in str(plan), plan
+    output, _ = layer(x)
+    output.sum().backward()  # autograd through the cell's step
+    assert x.grad is not None
+
+
+def test_a_projection_or_another_norm_placement_keeps_the_loop() -> None:
+    x = torch.randn(4, 3, 3)
+    projected = seqnorm.LSTM(3, 5, norm="layer", proj_size=2)
+    assert projected.plan(x).path == "loop" and "a projection" in str(projected.plan(x))
+    for name, value in (("norm_placement", "joint"), ("state_norm", "carried")):
+        layer = seqnorm.LSTM(3, 5, norm="layer")
+        setattr(layer.cells[0], name, value)
+        assert layer.plan(x).path == "loop" and "norm_placement/state_norm" in str(layer.plan(x))
 
 
 @pytest.mark.parametrize("kind", TORCH_KINDS)
@@ -79,6 +109,16 @@ def test_what_the_kernels_do_not_cover_keeps_its_path(kind: str) -> None:
     assert zoneout.plan(x).path == "loop" and "zoneout" in str(zoneout.plan(x))
     half = LAYERS[kind](3, 5, norm="layer", dtype=torch.bfloat16)
     assert half.plan(x.bfloat16()).path != "kernel"
+
+
+@pytest.mark.parametrize("kind", TORCH_KINDS)
+def test_the_plan_says_where_the_input_norm_runs(kind: str) -> None:
+    """An input norm that declares the kernel form runs inside the kernels; sequence-wise statistics do not (applied
+    before by ``input_terms``): the plan decides it once, per direction, and the kernels' path follows it."""
+    x = torch.randn(4, 3, 3)
+    assert LAYERS[kind](3, 5, norm="layer", bidirectional=True).plan(x).input_norms == (True, True)
+    sequence_wise = LAYERS[kind](3, 5, norm=BatchNormSpec(input_stats="sequence"))
+    assert sequence_wise.plan(x).path == "kernel" and sequence_wise.plan(x).input_norms == (False,)
 
 
 def test_every_norm_that_declares_the_kernel_form_says_what_it_needs() -> None:
@@ -350,7 +390,7 @@ def test_unbuilt_kernels_warn_once_and_the_plain_path_runs(tmp_path: Path, monke
     x = torch.randn(5, 2, 3, dtype=torch.float64)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert layer.plan(x).path == "bptt"
+        assert layer.plan(x).path == "loop"
         output, _ = layer(x)
         layer(x)
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]

@@ -3,8 +3,8 @@
 Everything the library needs of :class:`ToyScaleNorm` is in this file: the module, implementing
 :class:`~seqnorm.norms.protocol.StepPieces` and declaring its fast forms, its spec (a :class:`~seqnorm.norms.NormSpec`
 subclass with a ``name``) and one ``NORMS`` entry. ``seqnorm.LSTM``/``GRU`` then take ``norm="toy_scale"``, the plan
-runs the hand-written BPTT in training and the lean step for generation, both equal the reference loop (float64,
-1e-9, variable lengths), and the layer trains.
+runs the loop over hoisted input terms in training and the lean step for generation, both equal the reference loop
+(float64, 1e-9, variable lengths), and the layer trains.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch.testing import assert_close
 
 import seqnorm
 from seqnorm.norms import NORMS, NormContext, NormScheme, NormSpec
-from seqnorm.norms.protocol import NormCall, StepPieces
+from seqnorm.norms.protocol import StepPieces
 
 TOLERANCE = {"rtol": 1e-9, "atol": 1e-9}
 NAME = "toy_scale"
@@ -37,7 +37,7 @@ class ToyScaleSpec(NormSpec):
 class ToyScaleNorm(nn.Module):
     """ScaleNorm (Nguyen & Salazar 2019), ``γ x / (||x|| / sqrt(F) + eps)`` per row, with every form's pieces."""
 
-    fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "bptt", "generation"})
+    fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "generation"})
 
     def __init__(self, num_features: int, eps: float = 1e-5, *, device: Any = None, dtype: Any = None) -> None:
         super().__init__()
@@ -61,32 +61,6 @@ class ToyScaleNorm(nn.Module):
 
     def forward_sequence(self, x: Tensor, mask: Tensor | None = None, counts: list[int] | None = None) -> Tensor:
         return self.forward(x)
-
-    # --- StepPieces: the hand-written BPTT ---
-
-    def bptt_step(
-        self, x: Tensor, step: int, mask: Any, count: int, weight: Tensor, shift: Any, call: NormCall
-    ) -> Tensor:
-        scale = self._scale(x)
-        call.keep(scales=scale)
-        y = x * scale * weight
-        return y if shift is None else y + shift
-
-    def bptt_finish(self, call: NormCall) -> None:
-        pass
-
-    def bptt_backward(
-        self, dy: Tensor, x: Tensor, step: int, mask: Any, count: int, weight: Tensor, shift: Any, call: NormCall
-    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        scale = call.steps["scales"][step]
-        scaled = dy * weight
-        # d(scale)/dx = -scale^2 x / (||x|| sqrt(F)); at x = 0 (h_0 = 0) the term is 0, as autograd's subgradient.
-        length = ((1.0 / scale - self.eps) * self.num_features).clamp_min(torch.finfo(x.dtype).tiny)
-        dx = scaled * scale - x * (scale.square() * (scaled * x).sum(1, keepdim=True) / length)
-        return dx, (dy * x * scale).sum(0), None if shift is None else dy.sum(0)
-
-    def bptt_normalized(self, x: Tensor, features: slice, call: NormCall) -> Tensor:
-        return x * call.stacked["scales"]
 
     # --- StepPieces: generation ---
 
@@ -128,10 +102,10 @@ def test_the_toy_is_a_step_pieces_norm_built_from_the_registry() -> None:
 
 @pytest.mark.usefixtures("toy_scale")
 @pytest.mark.parametrize("layer_class", [seqnorm.LSTM, seqnorm.GRU])
-def test_a_registered_norm_runs_the_bptt_and_equals_the_reference(layer_class: type) -> None:
+def test_a_registered_norm_runs_the_loop_and_equals_the_reference(layer_class: type) -> None:
     fast, reference = _pair(layer_class)
     x, lengths = torch.randn(6, 4, 3, dtype=torch.float64), torch.tensor([6, 3, 5, 6])
-    assert fast.plan(x, lengths=lengths).path == "bptt"
+    assert fast.plan(x, lengths=lengths).path == "loop"  # no "kernel" form: the compiled kernels know no toy
     assert reference.plan(x, lengths=lengths).path == "reference"
     results = []
     for layer in (fast, reference):

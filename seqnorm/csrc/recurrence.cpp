@@ -7,8 +7,8 @@
 // gate while it is in cache (two passes where a norm's statistics span the rows), split between threads by rows
 // (at::parallel_for, OpenMP) where the block is big enough.
 // seqnorm/layers/kernel.py wraps these in a torch.autograd.Function (the layers have checked every argument; the
-// bindings at the end of this file check them again, for any caller); the plain-PyTorch paths
-// (seqnorm/layers/bptt.py, the reference loop) are what the tests compare them with.
+// bindings at the end of this file check them again, for any caller); the plain-PyTorch paths (the loop over the
+// cell's step, the reference loop) are what the tests compare them with.
 #include <torch/extension.h>
 
 #include <functional>

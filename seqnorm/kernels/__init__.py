@@ -7,8 +7,8 @@ directory (:func:`cache_dir`), keyed by the sources, the torch version and the C
 from there. A first-use build prints one notice (what, where, how long, how to opt out) and holds a file lock, so
 that processes starting together (DDP ranks, pytest-xdist workers) build once and the others wait and then load it.
 Without a build — no compiler, a failed build (recorded beside the cache and not retried by later processes),
-``SEQNORM_KERNELS=0`` — every layer runs its plain-PyTorch path (``seqnorm/layers/bptt.py`` and the loop), which is
-also the reference the tests compare the kernels with, and one warning says why.
+``SEQNORM_KERNELS=0`` — every layer runs its plain-PyTorch path (the loop over the cell's step, or the reference
+loop), which is also what the tests compare the kernels with, and one warning says why.
 
 Memory: the large tensors of the recurrences (a training step's saved activations, the input projection) come from
 blocks the kernels keep between calls, up to :data:`CACHE_ENV` MiB (``csrc/buffers.h``; :func:`empty_cache`,

@@ -337,7 +337,7 @@ class RecurrentLayer(nn.Module):
             log.debug("%s.forward: %s", type(self).__name__, plan)
         if plan.path == "torch_kernel":
             return run_fused(self, x, h0, c0, lengths)
-        if plan.path in ("kernel", "triton", "bptt", "loop"):
+        if plan.path in ("kernel", "triton", "loop"):
             return run_fast(self, x, h0, c0, lengths, plan)
         return self._run_reference(x, h0, c0, lengths, first_step)
 

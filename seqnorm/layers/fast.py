@@ -11,13 +11,14 @@ declare (its module docstring lists the conditions):
   with each step's precomputed term (``unbind``, never ``x[t]``, whose backward writes a full-size gradient at every
   step). Every regularizer runs here exactly as in the reference: the per-sequence masks come from the same
   :func:`~seqnorm.layers.dropout.draw_sequence_masks` call at the same point, and zoneout is drawn by the same step.
-- ``"bptt"``: as ``"loop"``, but the loop is one autograd Function with a hand-written backward through time
-  (:mod:`seqnorm.layers.bptt`), which also runs an input BatchNorm/RMSNorm step by step.
+- ``"kernel"`` (``"triton"``): as ``"loop"``, but the recurrence, forward and backward through time, is the device's
+  compiled kernels' (:mod:`seqnorm.layers.kernel`), which also run the input norm step by step where it declares
+  their form.
 
 :meth:`RecurrentLayer.step` without gradients runs the lean step of :mod:`seqnorm.layers.stepping` (each cell's step
 prepared once from its parameters and cached); otherwise :func:`step_cell`, each cell on its planned path.
 
-All three give the same outputs, states, gradients and running statistics up to floating-point rounding; the
+All of them give the same outputs, states, gradients and running statistics up to floating-point rounding; the
 ``tests/test_fast_path.py`` suite compares them for every cell and norm.
 """
 
@@ -31,7 +32,7 @@ from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from seqnorm.cells.base import RecurrentCell
-from seqnorm.layers import bptt, kernel
+from seqnorm.layers import kernel
 from seqnorm.layers.dropout import draw_sequence_masks
 from seqnorm.layers.plan import Plan, cell_kernel, plan_for
 from seqnorm.layers.stack import PaddingLayout, padding_layout, run_stack
@@ -48,7 +49,6 @@ _SHORT_NAMES = {
     "torch_kernel": "fused",
     "kernel": "fast",
     "triton": "fast",
-    "bptt": "fast",
     "loop": "fast",
     "reference": "reference",
 }
@@ -56,7 +56,7 @@ _SHORT_NAMES = {
 
 def choose_path(layer: Layer, lengths: Tensor | None, batch: int) -> Literal["reference", "fused", "fast"]:
     """:func:`~seqnorm.layers.plan.plan_for`'s forward path in three words: ``"fused"`` (torch's kernel),
-    ``"fast"`` (hoisted input terms: ``"loop"`` or ``"bptt"``) or ``"reference"``, for a batch of ``batch``."""
+    ``"fast"`` (hoisted input terms: the kernels or ``"loop"``) or ``"reference"``, for a batch of ``batch``."""
     weight = layer.cells[0].reference_parameter()  # only where inputs would live and their dtype matter
     facts = weight.new_empty(0, batch, layer.input_size)
     return _SHORT_NAMES[plan_for(layer, facts, lengths).path]  # type: ignore[return-value]
@@ -100,15 +100,16 @@ def run_fast(
     layer: Layer, x: Tensor, h0: Tensor, c0: Tensor | None, lengths: Tensor | None, plan: Plan
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """The same computation as the reference loop, with the input side of every step done at once per direction;
-    each direction runs the hand-written BPTT or the loop, as ``plan.cells`` says."""
+    each direction runs the kernels or the loop, as ``plan.cells`` says (``plan.input_norms``: with its input norm
+    inside the kernels)."""
     layout = padding_layout(lengths, x.shape[0], x.shape[1], x.device)
-    routes = dict(zip(layer.cells, plan.cells, strict=True))
+    routes = dict(zip(layer.cells, zip(plan.cells, plan.input_norms, strict=True), strict=True))
     return run_stack(layer, x, h0, c0, layout, partial(_run_direction, layer, routes))
 
 
 def _run_direction(
     layer: Layer,
-    routes: dict[RecurrentCell, str],
+    routes: dict[RecurrentCell, tuple[str, bool]],
     cell: RecurrentCell,
     sequence: Tensor,
     state: Any,
@@ -118,10 +119,9 @@ def _run_direction(
     dropped = draw_sequence_masks(layer, cell, sequence, state)
     if dropped.input is not None:
         sequence = sequence * dropped.input
-    if routes[cell] in ("kernel", "triton"):  # the device's backend, as the plan found it
-        return kernel.run_recurrence(cell, sequence, state, dropped.weight_hh, layout)
-    if routes[cell] == "bptt":
-        return bptt.run_recurrence(cell, sequence, state, dropped.weight_hh, layout)
+    route, input_norm_inside = routes[cell]
+    if route in ("kernel", "triton"):  # the device's backend, as the plan found it
+        return kernel.run_recurrence(cell, sequence, state, dropped.weight_hh, layout, input_norm_inside)
     terms = cell.input_terms(sequence, layout.active, layout.counts)  # (T, B, G*H)
     # Weight norm (and DropConnect): computed once per sequence, not once per step.
     weight_hh = cell.weight_hh if dropped.weight_hh is None else dropped.weight_hh

@@ -15,9 +15,10 @@ Without a gradient to compute, the forward keeps only the current step.
 
 :func:`compiled_step` is the generation step (:mod:`seqnorm.layers.stepping`) as one C++ call per cell.
 
-:func:`seqnorm.layers.plan.plan_for` routes here (:func:`~seqnorm.layers.plan.kernel_blocker`); the plain-PyTorch
-paths (:mod:`seqnorm.layers.bptt`, the loop, the reference) give the same outputs, states, gradients and running
-statistics, and ``tests/test_kernels.py`` compares them for every cell and norm.
+:func:`seqnorm.layers.plan.plan_for` routes here (:func:`~seqnorm.layers.plan.kernel_blocker`) and says whether
+the input norm runs inside; this module runs what the plan decided. The plain-PyTorch paths (the loop, the reference)
+give the same outputs, states, gradients and running statistics, and ``tests/test_kernels.py`` compares them for
+every cell and norm.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from torch import Tensor, nn
 
 from seqnorm.cells.base import RecurrentCell
 from seqnorm.kernels import NO_NORM, KernelNorm, native
-from seqnorm.layers.plan import cell_kernel, norm_blocker
+from seqnorm.layers.plan import cell_kernel
 from seqnorm.layers.stack import PaddingLayout
 
 __all__ = ["compiled_step", "kernel_norm", "run_recurrence"]
@@ -77,7 +78,12 @@ class _Call:
 
 
 def run_recurrence(
-    cell: RecurrentCell, sequence: Tensor, state: Any, weight_hh: Tensor | None, layout: PaddingLayout
+    cell: RecurrentCell,
+    sequence: Tensor,
+    state: Any,
+    weight_hh: Tensor | None,
+    layout: PaddingLayout,
+    input_norm_inside: bool,
 ) -> tuple[Tensor, Any]:
     """One direction of one layer on the kernels; returns ``(outputs (T, B, H), final state)``.
 
@@ -87,6 +93,8 @@ def run_recurrence(
         state: the initial state, ``(h, c)`` or ``h``, each ``(B, H)``.
         weight_hh: ``W_hh`` for every step if not the cell's own (DropConnect), else ``None``.
         layout: where the real rows are (:func:`~seqnorm.layers.stack.padding_layout`).
+        input_norm_inside: whether the kernels run the input norm (the plan's
+            :func:`~seqnorm.layers.plan.kernel_input_norm`); else ``input_terms`` applies it first.
     """
     kernels = native(sequence.device.type)  # the backend the plan found for the device
     assert kernels is not None, "the plan routes here only where the kernels are loaded"
@@ -97,7 +105,7 @@ def run_recurrence(
     lstm = cell_kernel(cell) == "lstm"
     beta = {name: None if norm is None else norm.bias for name, norm in _norms(cell).items()}
     weight_ih: Tensor | None = None
-    if cell.norm_ih is not None and norm_blocker(cell.norm_ih, "kernel") is None:
+    if input_norm_inside:
         # The input norm runs step by step in the kernel, on W_ih x; the biases that follow it are its shift. The
         # recurrence takes x and W_ih and projects itself, so that its backward can hand the projection's
         # gradients the input norm's dx a chunk of steps at a time (csrc/recurrence.cpp, StepChunks).

@@ -5,16 +5,15 @@
 - ``"torch_kernel"``: torch's fused LSTM/GRU over the whole sequence (:func:`seqnorm.layers.fast.run_fused`). Needs
   cells that declare ``torch_kernel``, nothing normalized (``"none"``, or plain ``"weight"``), no random draws (their
   masks would differ from the reference's) and no autocast (torch's CPU LSTM kernel fails in bfloat16).
-- ``"kernel"`` (``"triton"``): the input side of all steps at once, then the device's backend's recurrence (the
-  C++ kernels on the CPU; the Triton kernels on CUDA, or on the CPU with ``SEQNORM_BACKEND=triton``: the backend's
-  :attr:`~seqnorm.kernels.backend.Backend.name`)
-  (:mod:`seqnorm.layers.kernel`, C++ forward and backward through time), which restates torch's LSTM/GRU step:
-  needs ``torch_kernel``, norms that declare the ``"kernel"`` form, what ``"bptt"`` needs besides (below), and the
+- ``"kernel"`` (``"triton"``): the input side of all steps at once, then the device's backend's recurrence, forward
+  and backward through time (:mod:`seqnorm.layers.kernel`): the C++ kernels on the CPU, the Triton kernels on CUDA
+  (or on the CPU with ``SEQNORM_BACKEND=triton``; the path is named after the backend's
+  :attr:`~seqnorm.kernels.backend.Backend.name`). The kernels restate torch's LSTM/GRU step: they need
+  ``torch_kernel``, the default norm placement, no variational recurrent dropout, zoneout or projection, recurrent
+  and cell-state norms that declare the ``"kernel"`` form (an input norm that does not is applied before), and the
   kernels built and loaded for the input's device (:func:`seqnorm.kernels.native`); with or without a gradient.
-- ``"bptt"``: the input side of all steps at once, then one autograd Function with a hand-written backward through
-  time (:mod:`seqnorm.layers.bptt`), which restates torch's LSTM/GRU step: needs ``torch_kernel``, norms that
-  declare the ``"bptt"`` form, and a gradient to compute. :attr:`Plan.cells` says which directions run it (or the
-  kernel): one whose input, state and parameters need no gradient runs the loop.
+  :attr:`Plan.cells` says which directions run them (the others run the loop) and :attr:`Plan.input_norms` whether
+  each one's input norm runs inside them.
 - ``"loop"``: the input side at once, then the cell's ``step_unchecked`` given each step's input term: needs cells
   that declare ``hoisted_step`` and norms that declare the ``"loop"`` form.
 - ``"reference"``: the cell's own ``step_unchecked`` at every step. Anything that declares nothing runs it, as do
@@ -55,18 +54,18 @@ if TYPE_CHECKING:
 __all__ = [
     "Path",
     "Plan",
-    "bptt_blocker",
     "cell_kernel",
     "declared",
     "kernel_blocker",
+    "kernel_input_norm",
     "kernel_path",
     "log",
     "norm_blocker",
     "plan_for",
 ]
 
-Path = Literal["torch_kernel", "kernel", "triton", "bptt", "loop", "lean_step", "reference"]
-FastForm = Literal["loop", "bptt", "generation", "kernel"]
+Path = Literal["torch_kernel", "kernel", "triton", "loop", "lean_step", "reference"]
+FastForm = Literal["loop", "generation", "kernel"]
 log = logging.getLogger(__name__)
 
 _FLOATS = (torch.float32, torch.float64)
@@ -75,11 +74,14 @@ _FLOATS = (torch.float32, torch.float64)
 @dataclass(frozen=True)
 class Plan:
     """A path and why it was chosen; ``cells`` has each cell's path (layer-major, as ``layer.cells``) where they
-    may differ (``"bptt"``/``"loop"`` per direction; per cell for a step)."""
+    may differ (the kernels' or ``"loop"`` per direction; per cell for a step); ``input_norms``, per cell on the
+    kernels, whether its input norm runs inside them (else :meth:`~seqnorm.cells.base.RecurrentCell.input_terms`
+    applies it before)."""
 
     path: Path
     reason: str
     cells: tuple[Path, ...] = ()
+    input_norms: tuple[bool, ...] = ()
 
     def __str__(self) -> str:
         per_cell = f" (cells: {', '.join(self.cells)})" if len(set(self.cells)) > 1 else ""
@@ -98,7 +100,8 @@ def cell_kernel(cell: RecurrentCell) -> Literal["lstm", "gru"] | None:
 
 
 def norm_blocker(module: nn.Module | None, form: FastForm) -> str | None:
-    """Why ``module`` cannot run the ``form`` (``"bptt"`` or ``"generation"``), or ``None`` if it can (no norm can).
+    """Why ``module`` cannot run the ``form`` (``"loop"``, ``"generation"`` or ``"kernel"``), or ``None`` if it can (no
+    norm can).
 
     The class declares the forms it implements (``fast_forms``); an instance configured beyond one says so through
     its optional ``fast_form_blocker(form)`` (mean-only or pooled BatchNorm, say). The form's math is the module's own
@@ -133,17 +136,14 @@ def plan_for(
     return _step_plan(layer, x) if step else _forward_plan(layer, x, lengths, state, first_step)
 
 
-def bptt_blocker(
-    layer: Layer | None, cell: RecurrentCell, dtype: torch.dtype, device_type: str, form: FastForm = "bptt"
-) -> str | None:
-    """Why :mod:`seqnorm.layers.bptt` (``form="kernel"``: the compiled kernels' recurrence, availability aside)
-    cannot run ``cell`` exactly (gradients aside), or ``None`` if it can.
+def kernel_blocker(layer: Layer | None, cell: RecurrentCell, dtype: torch.dtype, device: str) -> str | None:
+    """Why the device's kernels (:mod:`seqnorm.layers.kernel`) cannot run ``cell``'s recurrence exactly, or ``None``.
 
     ``layer`` supplies the variational recurrent dropout (``None``: none drawn).
     """
     name = type_before_parametrizations(cell).__name__
     if cell_kernel(cell) is None:
-        return f"{name} declares no torch_kernel, whose step the {form} form restates"
+        return f"{name} declares no torch_kernel, whose step the kernels restate"
     if cell.norm_placement != "separate" or cell.state_norm != "output":
         return "norm_placement/state_norm other than the defaults"
     if layer is not None and layer.training and layer.recurrent_dropout:
@@ -153,20 +153,16 @@ def bptt_blocker(
     if cell.weight_hr is not None:
         return "a projection"
     for norm in (cell.norm_hh, cell.norm_c):
-        blocker = norm_blocker(norm, form)
+        blocker = norm_blocker(norm, "kernel")
         if blocker is not None:
             return f"a recurrent or cell-state norm: {blocker}"
-    if form != "kernel" and (dtype not in _FLOATS or torch.is_autocast_enabled(device_type)):
-        return "half precision or autocast"  # the kernels' backend says what it runs of these (_compiled_blocker)
-    return None
+    return _compiled_blocker(device, cell, dtype)  # the backend says what it runs of half precision and autocast
 
 
-def kernel_blocker(layer: Layer | None, cell: RecurrentCell, dtype: torch.dtype, device: str) -> str | None:
-    """Why the device's kernels (:mod:`seqnorm.layers.kernel`) cannot run ``cell``'s recurrence, or ``None``."""
-    blocker = bptt_blocker(layer, cell, dtype, device, "kernel")
-    if blocker is None:
-        blocker = _compiled_blocker(device, cell, dtype)
-    return blocker
+def kernel_input_norm(cell: RecurrentCell) -> bool:
+    """Whether the kernels run ``cell``'s input norm step by step (it declares the ``"kernel"`` form); else
+    :meth:`~seqnorm.cells.base.RecurrentCell.input_terms` applies it beforehand (sequence-wise statistics, say)."""
+    return cell.norm_ih is not None and norm_blocker(cell.norm_ih, "kernel") is None
 
 
 def kernel_path(device: str) -> Path:
@@ -182,13 +178,11 @@ def _compiled_blocker(device: str, cell: RecurrentCell, dtype: torch.dtype, step
     backend = kernels.native(device)  # asked last: the first miss warns why
     if backend is None:
         return f"no compiled kernels for {device!r} ({kernels.status(device)})"
-    # The norms the backend would be given: an input norm it does not run is applied before (input_terms).
-    kinds = tuple(
-        norm.kernel_norm(None).kind if norm is not None and norm_blocker(norm, "kernel") is None else "none"  # type: ignore[operator]
-        for norm in (
-            (cell.norm_ih, cell.norm_hh, cell.norm_c) if cell_kernel(cell) == "lstm" else (cell.norm_ih, cell.norm_hh)
-        )
-    )
+    # The norms the backend would be given (the others declare the form, or are None): an input norm it does not
+    # run is applied before (input_terms).
+    recurrent = (cell.norm_hh, cell.norm_c) if cell_kernel(cell) == "lstm" else (cell.norm_hh,)
+    norms = (cell.norm_ih if kernel_input_norm(cell) else None, *recurrent)
+    kinds = tuple("none" if norm is None else norm.kernel_norm(None).kind for norm in norms)  # type: ignore[operator]
     autocast = torch.is_autocast_enabled(device)
     if autocast:  # the recurrence runs in the parameters' dtype, its input projection under autocast
         dtype = cell.weight_hh.dtype
@@ -231,22 +225,15 @@ def _forward_plan(
     undeclared = _hoisting_blocker(cells)
     if undeclared is not None:
         return Plan("reference", undeclared + kernel_note)
-    compiled = [kernel_blocker(layer, cell, x.dtype, x.device.type) for cell in cells]
-    blockers = [bptt_blocker(layer, cell, x.dtype, x.device.type) for cell in cells]
-    wanted = _gradient_wanted(layer, cells, x, state)
-    backend: Path | None = kernel_path(x.device.type) if any(unbuilt is None for unbuilt in compiled) else None
-    routes: tuple[Path, ...] = tuple(
-        backend if unbuilt is None and backend is not None else ("bptt" if blocker is None and want else "loop")
-        for unbuilt, blocker, want in zip(compiled, blockers, wanted, strict=True)
-    )
-    if backend is not None:
-        reason = f"{name} declares torch_kernel={kernel!r} and its norms the 'kernel' form: the {backend} backend"
-        return Plan(backend, reason + kernel_note, routes)
-    if "bptt" in routes:
-        reason = f"{name} declares torch_kernel={kernel!r} and its norms the 'bptt' form, a gradient is wanted"
-        return Plan("bptt", reason + kernel_note, routes)
-    why = next((blocker for blocker in blockers if blocker is not None), "no gradient is wanted")
-    return Plan("loop", f"{name} declares hoisted_step; no hand-written BPTT: {why}{kernel_note}", routes)
+    blockers = [kernel_blocker(layer, cell, x.dtype, x.device.type) for cell in cells]
+    if all(blocker is not None for blocker in blockers):
+        reason = f"{name} declares hoisted_step; not the kernels: {blockers[0]}{kernel_note}"
+        return Plan("loop", reason, ("loop",) * len(cells), (False,) * len(cells))
+    backend = kernel_path(x.device.type)
+    routes: tuple[Path, ...] = tuple(backend if blocker is None else "loop" for blocker in blockers)
+    inside = tuple(blocker is None and kernel_input_norm(cell) for blocker, cell in zip(blockers, cells, strict=True))
+    reason = f"{name} declares torch_kernel={kernel!r} and its norms the 'kernel' form: the {backend} backend"
+    return Plan(backend, reason + kernel_note, routes, inside)
 
 
 def _hoisting_blocker(cells: list[RecurrentCell]) -> str | None:
@@ -258,23 +245,6 @@ def _hoisting_blocker(cells: list[RecurrentCell]) -> str | None:
             if norm is not None and "loop" not in declared(norm, "fast_forms", frozenset()):
                 return f"{type(norm).__name__} in {name} declares no 'loop' form"
     return None
-
-
-def _gradient_wanted(
-    layer: Layer, cells: list[RecurrentCell], x: Tensor, state: tuple[Tensor, Tensor | None] | None
-) -> list[bool]:
-    """Per cell: whether its direction's input, initial state or parameters need a gradient (layer-major)."""
-    if not torch.is_grad_enabled():
-        return [False] * len(cells)
-    states = () if state is None else tuple(t for t in state if t is not None)
-    upstream = x.requires_grad or any(t.requires_grad for t in states)
-    wanted: list[bool] = []
-    directions = layer.num_directions
-    for first in range(0, len(cells), directions):
-        own = [any(p.requires_grad for p in cell.parameters()) for cell in cells[first : first + directions]]
-        wanted += [upstream or mine for mine in own]
-        upstream = upstream or any(own)  # the next layer's input is this layer's output
-    return wanted
 
 
 def _draws_random(layer: Layer) -> bool:

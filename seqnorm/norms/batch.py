@@ -43,8 +43,8 @@ step, without a Python loop over the steps that own a row of statistics.
 Under ``torch.autocast``, statistics, normalization and running buffers are float32
 (:func:`~seqnorm.norms.precision.float32_statistics`).
 
-The pieces of :class:`~seqnorm.norms.protocol.StepPieces` (the hand-written BPTT's step and backward, generation's
-folded scale and offset per step) are in :mod:`seqnorm.norms.batch_pieces`, which this module's class inherits.
+The pieces of :mod:`seqnorm.norms.protocol` (the one-node cell step's forward and backward, generation's folded
+scale and offset per step) are in :mod:`seqnorm.norms.batch_pieces`, which this module's class inherits.
 """
 
 from __future__ import annotations
@@ -106,8 +106,9 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
         beyond_max_steps: ``"last"`` or ``"pooled"``, the statistics of steps ``t >= max_steps`` (module docstring).
         owner: name used in error messages (the cell that holds this norm).
 
-    The ``"bptt"`` and ``"generation"`` forms (see :class:`~seqnorm.norms.LayerNorm`) need ``scale``, a γ and
-    ``beyond_max_steps="last"``; generation's folds the running statistics, so it serves evaluation only.
+    The ``"step"`` form (``forward_step``'s one autograd node, :mod:`seqnorm.norms.protocol`) and the
+    ``"generation"`` form need ``scale``, a γ and ``beyond_max_steps="last"``; generation's folds the running
+    statistics, so it serves evaluation only.
 
     Inputs: ``x`` of shape ``(B, F)``, ``step`` (int), ``mask`` ``(B,)`` bool or ``None`` (all rows active).
 
@@ -118,7 +119,7 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
             (a count kept since construction, :func:`seqnorm.update_bn`'s passes excluded; not saved).
     """
 
-    fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "bptt", "generation", "kernel"})
+    fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "step", "generation", "kernel"})
     indexed_by_step: ClassVar[bool] = True
     """The step index selects the statistics (a layer started at ``first_step > 0`` must pass it on)."""
 
@@ -280,14 +281,13 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
         In training, a step of plain BN with at least 2 real rows is torch's fused kernels
         (:meth:`_fused_forward_step`: the real rows' moments update the step's running row in place by the same rule,
         momentum and unbiased variance); any other step of a norm whose class declares the pieces (batch renorm's
-        r/d correction, a cumulative average) is its own :class:`StepPieces` as one autograd node
-        (:func:`~seqnorm.norms.protocol.step_node`). No math is restated here; both are kept for speed. The fused
+        r/d correction, a cumulative average) is its own :class:`~seqnorm.norms.protocol.NodePieces` as one autograd
+        node (:func:`~seqnorm.norms.protocol.step_node`). No math is restated here; both are kept for speed. The fused
         kernels: a training forward+backward of ``LSTM(128, 256, norm="batch")`` on the loop path (T=100, B=32, 1
         thread, CPU) took ~123-126 ms instead of ~150-154 ms (best of 10, alternating runs); ``LSTMCell(32, 64,
         norm="batch")`` in a user's loop of 30 masked steps at B=8 (``scripts/bench_cells.py``, BENCHMARKS.md) is
         under 2x the LN cell. Everything else (evaluation, a small-batch error to raise, what the pieces do not
-        cover) is
-        :meth:`forward`.
+        cover) is :meth:`forward`.
         """
         if not self.training:
             return self.forward(x, step, mask)
@@ -318,7 +318,9 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
                 real, self.running_mean[row], self.running_var[row], self.momentum
             )
             self.num_batches_tracked[row].add_(1)  # in place through the row's view (`+=` also writes it back)
-        normalized = F.batch_norm(real, None, None, self.weight, self.bias, True, 0.0, self.eps)
+        # A dense γ: aten's CPU BatchNorm backward reads a strided one (load_state_dict(assign=True)) as dense rows.
+        weight = None if self.weight is None else self.weight.contiguous()
+        normalized = F.batch_norm(real, None, None, weight, self.bias, True, 0.0, self.eps)
         if mask is None:
             return normalized
         with torch.no_grad():
@@ -327,12 +329,12 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
 
     def _steps_by_pieces(self, batch: int, count: int) -> bool:
         """Whether a training step of ``count`` real rows of ``batch`` may run :func:`step_node`: this class itself
-        declares the ``"bptt"`` form (a subclass that changes the math does not), the instance is within it (with a
+        declares the ``"step"`` form (a subclass that changes the math does not), the instance is within it (with a
         γ), and no small-batch error is to be raised (:meth:`forward` raises it)."""
         return (
-            "bptt" in type(self).__dict__.get("fast_forms", ())
+            "step" in type(self).__dict__.get("fast_forms", ())
             and self.weight is not None
-            and self.fast_form_blocker("bptt") is None
+            and self.fast_form_blocker("step") is None
             and not self.raises_small_batch(batch, count)
         )
 
@@ -463,7 +465,7 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
         return x_hat if self.bias is None else x_hat + self.bias
 
     def _update_running(self, mean: Tensor, var: Tensor, active: int, step: int) -> None:
-        """One step's update (the hand-written BPTT's masked steps): :meth:`_update_running_steps` on one row."""
+        """One step's update (the one-node step's masked steps): :meth:`_update_running_steps` on one row."""
         if step >= self.max_steps and self.beyond_max_steps == "pooled":
             return
         t = min(step, self.max_steps - 1)

@@ -1,12 +1,12 @@
-"""Per-timestep BatchNorm's pieces for the hand-written BPTT and the generation step (:class:`StepPieces`).
+"""Per-timestep BatchNorm's pieces for the one-node cell step and the generation step (:mod:`seqnorm.norms.protocol`).
 
 :class:`BatchNormPieces` is a base of :class:`~seqnorm.norms.TimestepBatchNorm` (and, through it, of
 :class:`~seqnorm.norms.TimestepBatchRenorm`, which overrides the training pieces): its methods read the module's own
-buffers and options. A BPTT step computes what ``forward_step`` computes, with the same running-statistics updates
-(torch's fused kernel on a training step's real rows, masked steps included), and keeps each step's mean and
-``1/std``; its backward is torch's BatchNorm backward kernel (on a masked step's real rows), written out for
-running-statistics steps. :func:`~seqnorm.norms.protocol.step_node` runs one step of them as one autograd node: a
-cell's masked training step in a loop of the user's own (``forward_step``).
+buffers and options. :meth:`~BatchNormPieces.step_forward` computes what ``forward_step`` computes, with the same
+running-statistics updates (torch's fused kernel on a training step's real rows, masked steps included), and records
+the step's mean and ``1/std``; :meth:`~BatchNormPieces.step_backward` is torch's BatchNorm backward kernel (on a masked
+step's real rows), written out for running-statistics steps. :func:`~seqnorm.norms.protocol.step_node` runs them as
+one autograd node: a cell's masked training step in a loop of the user's own (``forward_step``).
 
 The statistics helpers beside it: :func:`masked_moments` (a batch's moments over its active rows) and
 :class:`PopulationMoments` (exact moments over many batches, for :func:`seqnorm.update_bn`).
@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from seqnorm import torch_ops
 from seqnorm.kernels import KernelNorm
-from seqnorm.norms.protocol import NormCall
 
-__all__ = ["BatchNormPieces", "PopulationMoments", "masked_moments"]
+__all__ = ["BatchNormPieces", "PopulationMoments", "StepRecord", "masked_moments"]
 
 
 def masked_moments(x: Tensor, mask: Tensor | None, active: int | Tensor, dim: int = 0) -> tuple[Tensor, Tensor]:
@@ -79,9 +79,19 @@ class PopulationMoments:
         return self.mean, self.m2 / (self.count - 1).clamp(min=1.0), known
 
 
+class StepRecord(NamedTuple):
+    """What a BatchNorm step's backward needs of its forward (:meth:`BatchNormPieces.step_forward`)."""
+
+    mean: Tensor
+    rstd: Tensor
+    batch_step: bool  # batch statistics (else the running ones, constants)
+    r: Tensor | None = None  # batch renormalization's correction in training (else None: BatchNorm's)
+    d: Tensor | None = None
+
+
 class BatchNormPieces:
-    """:class:`~seqnorm.norms.protocol.StepPieces` of per-timestep BatchNorm. ``call.scratch["batch_steps"]`` says
-    per step whether it used batch statistics (else the running ones)."""
+    """:class:`~seqnorm.norms.protocol.StepPieces` and :class:`~seqnorm.norms.protocol.NodePieces` of per-timestep
+    BatchNorm."""
 
     # Provided by TimestepBatchNorm.
     eps: float
@@ -123,29 +133,20 @@ class BatchNormPieces:
             and self.num_batches_tracked.dtype == torch.long
         )
 
-    def bptt_step(
-        self,
-        x: Tensor,
-        step: int,
-        mask: Tensor | None,
-        count: int,
-        weight: Tensor,
-        shift: Tensor | None,
-        call: NormCall,
-    ) -> Tensor:
+    def step_forward(
+        self, x: Tensor, step: int, mask: Tensor | None, count: int, weight: Tensor, shift: Tensor | None
+    ) -> tuple[Tensor, StepRecord]:
         row = min(step, self.max_steps - 1)
-        # Fewer than 2 rows in training: the "running" fallback (the plan sends the erroring policy elsewhere).
+        # Fewer than 2 rows in training: the "running" fallback (forward raises the erroring policy's error).
         use_batch = self.training and count >= 2
-        call.scratch.setdefault("batch_steps", []).append(use_batch)
         if self.training and not use_batch:
             self.fallback_steps += 1
         if use_batch and self.fused_update:
             # torch's fused kernel updates the running row in place with BN's rule (momentum, unbiased variance), as
-            # forward_step does; the batch is counted in bptt_finish, once for all steps.
-            call.scratch.setdefault("fused_rows", []).append(row)
+            # forward_step does.
             y, mean, rstd = self._fused_step(x, mask, row, weight, shift)
-            call.keep(means=mean, rstds=rstd)
-            return y
+            self.num_batches_tracked[row].add_(1)
+            return y, StepRecord(mean, rstd, True)
         if use_batch:
             mean, var = masked_moments(x, mask, count)
             rstd = torch.rsqrt(var + self.eps)
@@ -154,9 +155,8 @@ class BatchNormPieces:
             running_mean, running_var = self.running_moments(step)  # type: ignore[attr-defined]
             mean = running_mean.clone()  # a later step (t >= max_steps) may update this row in place
             rstd = torch.rsqrt(running_var + self.eps)
-        call.keep(means=mean, rstds=rstd)
         y = (x - mean) * rstd * weight
-        return y if shift is None else y + shift
+        return (y if shift is None else y + shift), StepRecord(mean, rstd, use_batch)
 
     def _fused_step(
         self, x: Tensor, mask: Tensor | None, row: int, weight: Tensor | None, shift: Tensor | None
@@ -174,32 +174,15 @@ class BatchNormPieces:
             y = y * weight
         return (y if shift is None else y + shift), mean, rstd
 
-    def bptt_finish(self, call: NormCall) -> None:
-        """Count the batches of the fused kernel's steps (the other steps counted their own)."""
-        rows = call.scratch.pop("fused_rows", None)
-        if rows and len(rows) == 1:  # one step (step_node): no index tensor to build
-            self.num_batches_tracked[rows[0]].add_(1)
-        elif rows:
-            index = torch.tensor(rows, device=self.num_batches_tracked.device)
-            self.num_batches_tracked.index_add_(0, index, torch.ones_like(index))
-
-    def bptt_backward(
-        self,
-        dy: Tensor,
-        x: Tensor,
-        step: int,
-        mask: Tensor | None,
-        count: int,
-        weight: Tensor,
-        shift: Tensor | None,
-        call: NormCall,
+    def step_backward(
+        self, dy: Tensor, x: Tensor, mask: Tensor | None, weight: Tensor, shift: Tensor | None, record: StepRecord
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        mean, rstd = call.steps["means"][step], call.steps["rstds"][step]
-        batch_step = call.scratch["batch_steps"][step]
-        if batch_step and mask is None:
+        if record.batch_step and mask is None:
             wanted = [True, True, shift is not None]
-            return torch_ops.batch_norm_backward(dy, x, weight, None, None, mean, rstd, True, self.eps, wanted)
-        return self._masked_backward(dy, x, mask, weight, mean, rstd, shift, batch_step)
+            return torch_ops.batch_norm_backward(
+                dy, x, weight, None, None, record.mean, record.rstd, True, self.eps, wanted
+            )
+        return self._masked_backward(dy, x, mask, weight, record.mean, record.rstd, shift, record.batch_step)
 
     @staticmethod
     def _masked_backward(
@@ -223,10 +206,6 @@ class BatchNormPieces:
             dy[real], x[real], weight, None, None, mean, rstd, True, 0.0, [True, True, False]
         )
         return x.new_zeros(x.shape).index_copy_(0, real, dx), weight_grad, shift_grad
-
-    def bptt_normalized(self, x: Tensor, features: slice, call: NormCall) -> Tensor:
-        mean, rstd = call.stacked["means"], call.stacked["rstds"]  # per feature: (T, F)
-        return torch.sub(x, mean[:, None, features]).mul_(rstd[:, None, features])
 
     def folded_statistics(self, shift: Tensor | None, rows: slice = slice(None)) -> tuple[Tensor, Tensor]:
         """In evaluation ``(y - mean_t) / sqrt(var_t + eps) * γ + shift = y * scale_t + offset_t``: the scale and

@@ -4,7 +4,7 @@ Both normalize each row over its features, so they behave identically in trainin
 size, including 1. They share the recurrent norm interface ``norm(x, step=0, mask=None)`` with the per-timestep batch
 norms; ``step`` and ``mask`` are accepted and ignored because a row's output never depends on other rows or steps.
 Under ``torch.autocast`` they compute in float32 (:func:`~seqnorm.norms.precision.float32_statistics`). Both provide
-the pieces of :class:`~seqnorm.norms.protocol.StepPieces` for the hand-written BPTT and the generation step.
+the generation step's piece (:class:`~seqnorm.norms.protocol.StepPieces`) and the compiled kernels' description.
 """
 
 from __future__ import annotations
@@ -17,10 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seqnorm import torch_ops
 from seqnorm.kernels import KernelNorm
 from seqnorm.norms.precision import float32_statistics
-from seqnorm.norms.protocol import NormCall
 from seqnorm.validation import check_eps, check_finite
 
 __all__ = ["LayerNorm", "RMSNorm", "rms_length"]
@@ -97,18 +95,15 @@ class _RowNorm(nn.Module):
         """All steps of ``x`` ``(T, B, F)`` at once (the interface of the per-timestep norms); rows are independent."""
         return self(x)
 
-    def bptt_finish(self, call: NormCall) -> None:
-        """Nothing is deferred: a row norm has no running state."""
-
 
 class LayerNorm(_RowNorm):
     r"""LayerNorm over the last dimension: :math:`y = \gamma \odot (x - \mu) / \sqrt{\sigma^2 + \epsilon} + \beta`."""
 
     # Fast forms this exact class implements (read by seqnorm.layers.plan from the class's own namespace, so a
     # subclass restates them or gets none): "loop": forward_step/forward_sequence compute forward's function;
-    # "bptt" and "generation": the StepPieces methods below (seqnorm.norms.protocol); "kernel": the compiled
-    # kernels' LayerNorm (seqnorm/csrc/norms.h), given what kernel_norm returns.
-    fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "bptt", "generation", "kernel"})
+    # "generation": generation_step below (seqnorm.norms.protocol.StepPieces); "kernel": the compiled kernels'
+    # LayerNorm (seqnorm/csrc/norms.h), given what kernel_norm returns.
+    fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "generation", "kernel"})
 
     @float32_statistics
     def forward(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:
@@ -116,39 +111,7 @@ class LayerNorm(_RowNorm):
         the recurrent norm interface and ignored (rows are independent, the same at every step)."""
         return F.layer_norm(x, (self.num_features,), self.weight, self.bias, self.eps)
 
-    # --- StepPieces: torch's own LayerNorm kernels, the ones autograd would run ---
-
-    def bptt_step(
-        self,
-        x: Tensor,
-        step: int,
-        mask: Tensor | None,
-        count: int,
-        weight: Tensor,
-        shift: Tensor | None,
-        call: NormCall,
-    ) -> Tensor:
-        y, mean, rstd = torch_ops.layer_norm_with_stats(x, [x.shape[-1]], weight, shift, self.eps)
-        call.keep(means=mean, rstds=rstd)
-        return y
-
-    def bptt_backward(
-        self,
-        dy: Tensor,
-        x: Tensor,
-        step: int,
-        mask: Tensor | None,
-        count: int,
-        weight: Tensor,
-        shift: Tensor | None,
-        call: NormCall,
-    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        mean, rstd = call.steps["means"][step], call.steps["rstds"][step]
-        wanted = [True, True, shift is not None]
-        return torch_ops.layer_norm_backward(dy, x, [x.shape[-1]], mean, rstd, weight, shift, wanted)
-
-    def bptt_normalized(self, x: Tensor, features: slice, call: NormCall) -> Tensor:
-        return torch.sub(x, call.stacked["means"]).mul_(call.stacked["rstds"])  # per row: (T, B, 1)
+    # --- StepPieces ---
 
     def generation_step(self, shift: Tensor | None) -> Callable[[Tensor, int], Tensor]:
         shape, weight, eps = (self.num_features,), self.weight, self.eps
@@ -163,7 +126,7 @@ class LayerNorm(_RowNorm):
 class RMSNorm(_RowNorm):
     r"""RMSNorm over the last dimension: :math:`y = \gamma \odot x / \sqrt{\overline{x^2} + \epsilon} + \beta`."""
 
-    fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "bptt", "generation", "kernel"})  # as LayerNorm's
+    fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "generation", "kernel"})  # as LayerNorm's
 
     @float32_statistics
     def forward(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:
@@ -185,43 +148,6 @@ class RMSNorm(_RowNorm):
         return torch.div(root, rms_length(x, floor))
 
     # --- StepPieces ---
-
-    def bptt_step(
-        self,
-        x: Tensor,
-        step: int,
-        mask: Tensor | None,
-        count: int,
-        weight: Tensor,
-        shift: Tensor | None,
-        call: NormCall,
-    ) -> Tensor:
-        constants = call.scratch.get("constants")
-        if constants is None:
-            constants = call.scratch["constants"] = self._constants(x)
-        rstd = self._rstd(x, constants)
-        call.keep(rstds=rstd)
-        x_hat = torch.mul(x, rstd)
-        return x_hat.mul_(weight) if shift is None else torch.addcmul(shift, x_hat, weight)
-
-    def bptt_backward(
-        self,
-        dy: Tensor,
-        x: Tensor,
-        step: int,
-        mask: Tensor | None,
-        count: int,
-        weight: Tensor,
-        shift: Tensor | None,
-        call: NormCall,
-    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        rstd = call.steps["rstds"][step]
-        scaled, x_hat = dy * weight, x * rstd
-        dx = (scaled - x_hat * torch.linalg.vecdot(scaled, x_hat).unsqueeze(1) / x.shape[1]) * rstd
-        return dx, (dy * x_hat).sum(0), None if shift is None else dy.sum(0)
-
-    def bptt_normalized(self, x: Tensor, features: slice, call: NormCall) -> Tensor:
-        return x * call.stacked["rstds"]
 
     def generation_step(self, shift: Tensor | None) -> Callable[[Tensor, int], Tensor]:
         # y γ sqrt(F) / rms_length(y): sqrt(F) folded into γ once, four operations a step.

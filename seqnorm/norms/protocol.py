@@ -1,21 +1,23 @@
-"""What a norm module provides so that every execution form can run it: :class:`StepPieces`, and :class:`NormCall`.
+"""What a norm module provides so that every execution form can run it: :class:`StepPieces`, and :class:`NodePieces`.
 
 The forms (which one runs is :mod:`seqnorm.layers.plan`'s choice):
 
 - **reference** and **loop**: the module itself — ``forward(x, step, mask)``, and for the loop ``forward_step`` (the
-  same function, fewer operations) and ``forward_sequence`` (every step of ``(T, B, F)`` at once). A norm's
-  ``forward_step`` may run its own pieces below as one autograd node per step (:func:`step_node`).
-- **bptt**: the hand-written backward through time (:mod:`seqnorm.layers.bptt`) calls :meth:`StepPieces.bptt_step`
-  at every step of its forward, :meth:`~StepPieces.bptt_finish` after it, and :meth:`~StepPieces.bptt_backward`
-  (and, for a GRU's recurrent norm, :meth:`~StepPieces.bptt_normalized`) in its backward.
+  same function, fewer operations) and ``forward_sequence`` (every step of ``(T, B, F)`` at once).
 - **generation**: the lean no-grad step (:mod:`seqnorm.layers.stepping`) calls :meth:`StepPieces.generation_step`
   once per cached step and the function it returns at every step.
+- **kernel**: the compiled kernels (:mod:`seqnorm.layers.kernel`) are given what the module's ``kernel_norm`` returns
+  (:class:`~seqnorm.kernels.KernelNorm`); the math is the kernels' own.
 
 A norm declares the forms it implements in ``fast_forms`` (the plan reads that declaration, never this Protocol);
-declaring ``"bptt"`` or ``"generation"`` promises the matching methods here. An instance configured beyond what its
-pieces cover may say why in an optional ``fast_form_blocker(form) -> str | None`` (per-timestep BatchNorm: mean-only,
-pooled statistics, generation in training); the plan then runs another path. In every piece ``weight`` is ``γ`` and
-``shift`` the norm's ``β`` plus whatever bias follows the norm (the caller folds them; either may be ``None``).
+declaring ``"generation"`` promises :class:`StepPieces`. An instance configured beyond what its pieces cover may say
+why in an optional ``fast_form_blocker(form) -> str | None`` (per-timestep BatchNorm: mean-only, pooled statistics,
+generation in training); the plan then runs another path. In every piece ``weight`` is ``γ`` and ``shift`` the
+norm's ``β`` plus whatever bias follows the norm (the caller folds them; either may be ``None``).
+
+A norm's own ``forward_step`` may also run one step as a single autograd node (:func:`step_node`) from the
+:class:`NodePieces` it declares with the ``"step"`` form: per-timestep BatchNorm does, for a cell's masked training
+step in a loop of the user's own. Nothing outside the norm chooses it.
 """
 
 from __future__ import annotations
@@ -26,86 +28,16 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-__all__ = ["NormCall", "StepPieces", "step_node"]
-
-
-class NormCall:
-    """One norm's record over one call of the hand-written BPTT.
-
-    Attributes:
-        steps: per name, one tensor per step, appended by :meth:`StepPieces.bptt_step` (e.g. ``"means"``,
-            ``"rstds"``); saved for the backward by name (:meth:`saved`, :meth:`load`).
-        stacked: in the backward, each name's steps stacked ``(T, ...)``.
-        scratch: what is not a saved tensor: per-call constants and per-step facts (which steps used batch
-            statistics, say); it lives on the Python object from the forward to the backward.
-    """
-
-    def __init__(self) -> None:
-        self.steps: dict[str, list[Tensor]] = {}
-        self.stacked: dict[str, Tensor] = {}
-        self.scratch: dict[str, Any] = {}
-
-    def keep(self, **tensors: Tensor) -> None:
-        """Append one step's tensors under their names."""
-        for name, tensor in tensors.items():
-            self.steps.setdefault(name, []).append(tensor)
-
-    def saved(self) -> dict[str, Tensor]:
-        """Every name's steps stacked, for ``save_for_backward``."""
-        return {name: torch.stack(steps) for name, steps in self.steps.items() if steps}
-
-    def load(self, saved: dict[str, Tensor]) -> None:
-        """Take back what :meth:`saved` gave (at the start of a backward)."""
-        self.stacked = saved
-        self.steps = {name: list(tensor.unbind(0)) for name, tensor in saved.items()}
+__all__ = ["NodePieces", "StepPieces", "step_node"]
 
 
 @runtime_checkable
 class StepPieces(Protocol):
-    """The pieces of a recurrent norm ``y = γ N(x) + shift`` that the hand-written BPTT and generation call."""
+    """The piece of a recurrent norm ``y = γ N(x) + shift`` that the generation step calls."""
 
     eps: float
     weight: Tensor | None
     bias: Tensor | None
-
-    def bptt_step(
-        self,
-        x: Tensor,
-        step: int,
-        mask: Tensor | None,
-        count: int,
-        weight: Tensor | None,
-        shift: Tensor | None,
-        call: NormCall,
-    ) -> Tensor:
-        """Step ``step`` in the current mode, equal to ``forward_step`` (running-statistics updates included),
-        keeping in ``call`` what :meth:`bptt_backward` needs. ``count`` is the number of real rows (``mask``)."""
-        ...
-
-    def bptt_finish(self, call: NormCall) -> None:
-        """After the forward loop: any bookkeeping deferred from the steps (once per call, not per step)."""
-        ...
-
-    def bptt_backward(
-        self,
-        dy: Tensor,
-        x: Tensor,
-        step: int,
-        mask: Tensor | None,
-        count: int,
-        weight: Tensor | None,
-        shift: Tensor | None,
-        call: NormCall,
-    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """``(dL/dx, dL/dγ, dL/dshift)`` of step ``step`` given ``dy`` (zero on padded rows); ``None`` for a
-        ``weight`` or ``shift`` that is ``None``. ``step`` is the step's position among those ``call`` recorded: the
-        time index in a layer's call, which numbers its steps from 0; 0 for :func:`step_node`'s call of one step."""
-        ...
-
-    def bptt_normalized(self, x: Tensor, features: slice, call: NormCall) -> Tensor:
-        """``N(x)`` (before ``γ`` and shift) of every step at once for ``x`` ``(T, B, F')``, the ``features`` of the
-        norm's input, from the statistics ``call`` saved; a new tensor."""
-        ...
 
     def generation_step(self, shift: Tensor | None) -> Callable[[Tensor, int], Tensor]:
         """``(y, step) -> γ N(y) + shift`` for evaluation without gradients, with everything that depends on the
@@ -114,9 +46,30 @@ class StepPieces(Protocol):
         ...
 
 
+@runtime_checkable
+class NodePieces(Protocol):
+    """A norm step's forward and hand-written backward, which :func:`step_node` runs as one autograd node."""
+
+    weight: Tensor | None
+
+    def step_forward(
+        self, x: Tensor, step: int, mask: Tensor | None, count: int, weight: Tensor, shift: Tensor | None
+    ) -> tuple[Tensor, Any]:
+        """``(y, record)``: step ``step`` in the current mode, equal to ``forward_step`` (running-statistics updates
+        included), and what :meth:`step_backward` needs of it. ``count`` is the number of real rows (``mask``)."""
+        ...
+
+    def step_backward(
+        self, dy: Tensor, x: Tensor, mask: Tensor | None, weight: Tensor, shift: Tensor | None, record: Any
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """``(dL/dx, dL/dγ, dL/dshift)`` of the step :meth:`step_forward` recorded, given ``dy``; the rows ``mask``
+        marks padding get no gradient. ``None`` (or anything) for a ``shift`` that is ``None``."""
+        ...
+
+
 class _StepNode(torch.autograd.Function):
-    """One step of a norm's :class:`StepPieces` as one autograd node: ``bptt_step`` (and ``bptt_finish``) forward,
-    ``bptt_backward`` backward, with a :class:`NormCall` of this one step."""
+    """One step of a norm's :class:`NodePieces` as one autograd node: ``step_forward`` forward, ``step_backward``
+    backward."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -124,22 +77,20 @@ class _StepNode(torch.autograd.Function):
         x: Tensor,
         weight: Tensor,
         shift: Tensor | None,
-        module: StepPieces,
+        module: NodePieces,
         step: int,
         mask: Tensor | None,
         count: int,
     ) -> Tensor:
-        call = NormCall()
-        y = module.bptt_step(x, step, mask, count, weight, shift, call)
-        module.bptt_finish(call)
+        y, record = module.step_forward(x, step, mask, count, weight, shift)
         ctx.save_for_backward(x, weight, shift)
-        ctx.module, ctx.call, ctx.mask, ctx.count = module, call, mask, count
+        ctx.module, ctx.record, ctx.mask = module, record, mask
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
         x, weight, shift = ctx.saved_tensors
-        dx, weight_grad, shift_grad = ctx.module.bptt_backward(dy, x, 0, ctx.mask, ctx.count, weight, shift, ctx.call)
+        dx, weight_grad, shift_grad = ctx.module.step_backward(dy, x, ctx.mask, weight, shift, ctx.record)
         wanted = ctx.needs_input_grad
         return (
             dx if wanted[0] else None,
@@ -153,13 +104,13 @@ class _StepNode(torch.autograd.Function):
 
 
 def step_node(
-    module: StepPieces, x: Tensor, step: int, mask: Tensor | None, count: int, shift: Tensor | None
+    module: NodePieces, x: Tensor, step: int, mask: Tensor | None, count: int, shift: Tensor | None
 ) -> Tensor:
     """``γ N(x) + shift`` at time index ``step`` by ``module``'s own pieces, as one autograd node.
 
     For a cell's step (a norm's ``forward_step``): one node in the graph instead of the dozen of a masked batch
-    norm's operations. Its backward is ``bptt_backward``, which takes the rows ``mask`` marks padding to receive no
+    norm's operations. Its backward is ``step_backward``, which takes the rows ``mask`` marks padding to receive no
     gradient — as in a cell, which keeps their state and never reads their output. ``count`` is the number of real
-    rows; ``γ`` is ``module.weight`` (a norm whose ``"bptt"`` form is not blocked has one).
+    rows; ``γ`` is ``module.weight`` (a norm whose ``"step"`` form is not blocked has one).
     """
     return _StepNode.apply(x, module.weight, shift, module, step, mask, count)

@@ -12,8 +12,7 @@ from torch import Tensor
 from seqnorm import torch_ops
 from seqnorm.kernels import KernelNorm
 from seqnorm.norms.batch import DEFAULT_MAX_STEPS, TimestepBatchNorm
-from seqnorm.norms.batch_pieces import masked_moments
-from seqnorm.norms.protocol import NormCall
+from seqnorm.norms.batch_pieces import StepRecord, masked_moments
 from seqnorm.validation import check_finite
 
 __all__ = ["TimestepBatchRenorm", "renorm_correction"]
@@ -24,7 +23,7 @@ def renorm_correction(
 ) -> tuple[Tensor, Tensor]:
     """Ioffe's ``r = clip(σ_B / σ_run, 1/r_max, r_max)`` and ``d = clip((μ_B - μ_run) / σ_run, -d_max, d_max)``,
     constants of the backward pass (detached), from the inverse standard deviations ``1/σ``; the one place the
-    correction is computed (the reference, the vectorized loop and the hand-written BPTT call it)."""
+    correction is computed (the reference, the vectorized loop and the one-node cell step call it)."""
     r = torch.div(running_rstd, batch_rstd.detach())
     r = torch.minimum(torch.maximum(r, torch.reciprocal(r_max)), r_max)
     d = torch.sub(mean.detach(), running_mean).mul_(running_rstd)
@@ -58,7 +57,7 @@ class TimestepBatchRenorm(TimestepBatchNorm):
         **kwargs: as for :class:`TimestepBatchNorm`.
     """
 
-    fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "bptt", "generation", "kernel"})  # as BatchNorm's
+    fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "step", "generation", "kernel"})  # as BatchNorm's
 
     def __init__(
         self,
@@ -119,26 +118,15 @@ class TimestepBatchRenorm(TimestepBatchNorm):
             return x - mean + d / running_rstd
         return (x - mean) * rstd * r + d
 
-    # --- StepPieces in training (in evaluation renormalization is BatchNorm with the running moments: inherited) ---
+    # --- NodePieces in training (in evaluation renormalization is BatchNorm with the running moments: inherited) ---
 
-    def bptt_step(
-        self,
-        x: Tensor,
-        step: int,
-        mask: Tensor | None,
-        count: int,
-        weight: Tensor,
-        shift: Tensor | None,
-        call: NormCall,
-    ) -> Tensor:
+    def step_forward(
+        self, x: Tensor, step: int, mask: Tensor | None, count: int, weight: Tensor, shift: Tensor | None
+    ) -> tuple[Tensor, StepRecord]:
         """``γ (x̂ r + d) + shift`` with ``r``, ``d`` constants (as :meth:`forward`); running steps are BatchNorm's."""
-        if not self.training:
-            return super().bptt_step(x, step, mask, count, weight, shift, call)
-        call.scratch["renorm"] = True
-        if count < 2:  # the "running" fallback, as BatchNorm's: r = 1, d = 0
-            call.keep(rs=torch.ones_like(weight), ds=torch.zeros_like(weight))
-            return super().bptt_step(x, step, mask, count, weight, shift, call)
-        r_max, d_max = self._bptt_limits(step, x.dtype, call)
+        if not self.training or count < 2:  # evaluation, or the "running" fallback (r = 1, d = 0): BatchNorm's
+            return super().step_forward(x, step, mask, count, weight, shift)
+        r_max, d_max = (limit.to(x.dtype) for limit in self.limits(step))  # the batch count before this update
         row = min(step, self.max_steps - 1)
         running_mean, running_var = self.running_mean[row], self.running_var[row]
         running_rstd = torch.rsqrt(running_var + self.eps)  # the running moments before this step's update
@@ -146,50 +134,23 @@ class TimestepBatchRenorm(TimestepBatchNorm):
         if self.fused_update:
             # The fused kernel updates the running row in place with BN's rule (momentum, unbiased variance).
             x_hat, mean, rstd = self._fused_step(x, mask, row, None, None)
-            call.scratch.setdefault("fused_rows", []).append(row)
+            self.num_batches_tracked[row].add_(1)
         else:
             mean, var = masked_moments(x, mask, count)
             rstd = torch.rsqrt(var + self.eps)
             x_hat = (x - mean) * rstd
             self._update_running(mean, var, count, step)
         r, d = renorm_correction(rstd, running_rstd, mean, previous_mean, r_max, d_max)
-        call.scratch.setdefault("batch_steps", []).append(True)
-        call.keep(means=mean, rstds=rstd, rs=r, ds=d)
         offset = torch.mul(d, weight) if shift is None else torch.addcmul(shift, d, weight)
-        return torch.addcmul(offset, x_hat, weight * r)
+        return torch.addcmul(offset, x_hat, weight * r), StepRecord(mean, rstd, True, r, d)
 
-    def _bptt_limits(self, step: int, dtype: torch.dtype, call: NormCall) -> tuple[Tensor, Tensor]:
-        """``(r_max, d_max)`` of ``step``, from the batch counts before this step's update."""
-        if step < self.max_steps:
-            limits = call.scratch.get("limits")
-            if limits is None:
-                # Rows below max_steps are each updated by their own step only: read all of them once, up front.
-                r_max, d_max = (limit.to(dtype) for limit in self.limits(slice(0, self.max_steps)))
-                limits = call.scratch["limits"] = list(zip(r_max.unbind(0), d_max.unbind(0), strict=True))
-            return limits[step]
-        # Later steps share the last row and read what the previous steps counted there.
-        self.bptt_finish(call)
-        r_max, d_max = (limit.to(dtype) for limit in self.limits(step))
-        return r_max, d_max
-
-    def bptt_backward(
-        self,
-        dy: Tensor,
-        x: Tensor,
-        step: int,
-        mask: Tensor | None,
-        count: int,
-        weight: Tensor,
-        shift: Tensor | None,
-        call: NormCall,
+    def step_backward(
+        self, dy: Tensor, x: Tensor, mask: Tensor | None, weight: Tensor, shift: Tensor | None, record: StepRecord
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """BatchNorm's backward with the weight ``γ r``; ``dγ = Σ dy (x̂ r + d)``."""
-        if not call.scratch.get("renorm"):
-            return super().bptt_backward(dy, x, step, mask, count, weight, shift, call)
-        mean, rstd = call.steps["means"][step], call.steps["rstds"][step]
-        r, d = call.steps["rs"][step], call.steps["ds"][step]
-        if not call.scratch["batch_steps"][step]:  # a running step (r = 1, d = 0): BatchNorm's
-            return self._masked_backward(dy, x, mask, weight, mean, rstd, shift, False)
+        if record.r is None or record.d is None:
+            return super().step_backward(dy, x, mask, weight, shift, record)
+        mean, rstd, r, d = record.mean, record.rstd, record.r, record.d
         if mask is None:
             dx, weight_grad, shift_grad = torch_ops.batch_norm_backward(
                 dy, x, weight * r, None, None, mean, rstd, True, self.eps, [True, True, True]
@@ -198,13 +159,6 @@ class TimestepBatchRenorm(TimestepBatchNorm):
             dx, weight_grad, _ = self._masked_backward(dy, x, mask, weight * r, mean, rstd, shift, True)
             shift_grad = dy.sum(0)
         return dx, torch.addcmul(weight_grad * r, shift_grad, d), shift_grad
-
-    def bptt_normalized(self, x: Tensor, features: slice, call: NormCall) -> Tensor:
-        x_hat = super().bptt_normalized(x, features, call)
-        if call.scratch.get("renorm"):
-            r, d = call.stacked["rs"], call.stacked["ds"]
-            x_hat.mul_(r[:, None, features]).add_(d[:, None, features])
-        return x_hat
 
     def kernel_norm(self, shift: Tensor | None, *, frozen: bool = False) -> KernelNorm:
         """BatchNorm's, with the r/d correction and its schedule (:meth:`limits`, computed by the kernel from each
