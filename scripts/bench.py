@@ -345,7 +345,9 @@ def main() -> None:
     parser.add_argument("--norms", default=",".join(seqnorm.NORMS), help="norms to measure")
     parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 5, quick 2)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for every variant")
-    parser.add_argument("--generation-steps", type=int, default=200, help="steps per generation measurement")
+    parser.add_argument(
+        "--generation-steps", type=int, default=200, help="steps per generation measurement (0: no generation table)"
+    )
     add_input_grad_option(parser)
     parser.add_argument("--no-reference", dest="reference", action="store_false", help="skip the reference loop")
     parser.add_argument("--no-plain", dest="plain", action="store_false", help="skip the plain-PyTorch path")
@@ -355,6 +357,8 @@ def main() -> None:
     args.cells = args.cells.split(",")
     args.norms = args.norms.split(",")
     args.repeats = args.repeats or (2 if args.quick else 5)
+    if args.generation_steps < 0:
+        parser.error(f"--generation-steps: expected 0 (no generation table) or more, got {args.generation_steps}")
     if args.quick:
         args.generation_steps = min(args.generation_steps, 50)
     if args.threads:
@@ -375,12 +379,13 @@ def main() -> None:
     for size in args.sizes:
         for row in bench_training(args, size, measured):
             print(row, flush=True)
-    print("\n### Generation step (batch size 1, `layer.step()` vs torch's cell)\n")
-    print("| cell | norm | µs / step | × torch cell | plain × torch cell |")
-    print("|---|---|---:|---:|---:|")
-    for size in {(1, 1, s[2], s[3]): None for s in args.sizes}:
-        for row in bench_generation(args, size, measured):
-            print(row, flush=True)
+    if args.generation_steps:
+        print("\n### Generation step (batch size 1, `layer.step()` vs torch's cell)\n")
+        print("| cell | norm | µs / step | × torch cell | plain × torch cell |")
+        print("|---|---|---:|---:|---:|")
+        for size in {(1, 1, s[2], s[3]): None for s in args.sizes}:
+            for row in bench_generation(args, size, measured):
+                print(row, flush=True)
     print(f"\n### Against issue 14's targets ({cpu_name()}; the worst median ratio of the rows each covers)\n")
     print("| target | bound | worst median ratio (where; rows) | |")
     print("|---|---|---|---|")
