@@ -16,7 +16,7 @@ from torch.autograd import gradcheck
 
 import seqnorm
 from seqnorm.layers import bptt
-from tests.conftest import LAYERS, TORCH_KINDS, perturb_norm_parameters
+from tests.conftest import LAYERS, TORCH_KINDS, perturb_norm_parameters, with_spec
 
 FUNCTION_NODE = {"lstm": "_LSTMRecurrenceBackward", "gru": "_GRURecurrenceBackward"}
 # Batch renormalization with its r/d correction active from the first batch (as tests/test_fast_path.py).
@@ -30,7 +30,7 @@ def _plain_paths() -> Any:
 
 
 def _options(norm: str) -> dict[str, Any]:
-    return {"norm_options": RENORM_ACTIVE} if norm == "batch_renorm" else {}
+    return with_spec(norm, norm_options=RENORM_ACTIVE if norm == "batch_renorm" else None)
 
 
 def _graph_nodes(tensor: torch.Tensor) -> set[str]:
@@ -49,7 +49,7 @@ def _graph_nodes(tensor: torch.Tensor) -> set[str]:
 @pytest.mark.parametrize("norm", ["layer", "rms", "batch", "batch_renorm"])
 @pytest.mark.parametrize("kind", TORCH_KINDS)
 def test_training_runs_the_custom_function(kind: str, norm: str) -> None:
-    layer = LAYERS[kind](3, 4, num_layers=2, bidirectional=True, norm=norm, **_options(norm))
+    layer = LAYERS[kind](3, 4, num_layers=2, bidirectional=True, **_options(norm))
     output, _ = layer(torch.randn(5, 3, 3), lengths=torch.tensor([5, 3, 5]))
     assert FUNCTION_NODE[kind] in _graph_nodes(output)
 
@@ -66,8 +66,8 @@ def test_unnormalized_fast_path_runs_the_custom_function(kind: str, norm: str) -
 @pytest.mark.parametrize(
     "options",
     [
-        {"norm": "batch_renorm", "beyond_max_steps": "pooled"},
-        {"norm": "weight", "norm_options": {"mean_only_bn": True}},
+        {"norm": seqnorm.norms.BatchRenormSpec(beyond_max_steps="pooled")},
+        {"norm": seqnorm.norms.WeightNormSpec(mean_only_bn=True)},
         {"norm": "layer", "zoneout_h": 0.1},
         {"norm": "layer", "recurrent_dropout": 0.1},
         {"norm": "layer", "proj_size": 2},
@@ -106,7 +106,7 @@ def test_no_gradient_needed_keeps_the_step_loop() -> None:
 def test_gradcheck_through_the_custom_function(kind: str, norm: str, training: bool) -> None:
     """Float64 gradcheck w.r.t. the input, the initial state and every parameter, with a padded row."""
     options = _options(norm)
-    layer = LAYERS[kind](2, 3, norm=norm, max_steps=3, dtype=torch.float64, **options).train(training)
+    layer = LAYERS[kind](2, 3, max_steps=3, dtype=torch.float64, **options).train(training)
     perturb_norm_parameters(layer)
     if norm == "batch_renorm":
         # Running moments far from every batch's: r and d sit at their bounds (1/r_max, -d_max), constants near the
