@@ -214,12 +214,11 @@ def old_model_key(words: list[str]) -> str | None:
             with open(value, encoding="utf-8") as file:
                 config = _mapping(yaml.safe_load(file))
             model = _mapping(config.get("model"))
-            args = _mapping(model.get("init_args")) if "class_path" in model else model
+            nested = "init_args" in model  # `model: {class_path: ..., init_args: {...}}`, or the arguments themselves
+            args = _mapping(model.get("init_args")) if nested else model
             keys = [*args, *(f"rnn_options.{name}" for name in _mapping(args.get("rnn_options")))]
             for key in keys:
-                error = old_key_error(
-                    f"--config {value}: model.{'init_args.' if 'class_path' in model else ''}{key}", key
-                )
+                error = old_key_error(f"--config {value}: model.{'init_args.' if nested else ''}{key}", key)
                 if error is not None:
                     return str(error)
     return None

@@ -121,11 +121,14 @@ def test_the_command_refuses_an_old_config_naming_the_replacement(
 ) -> None:
     config = tmp_path / "old.yaml"
     config.write_text(yaml.safe_dump({"model": {"class_path": "LanguageModel", "init_args": model}}))
-    command = [sys.executable, "-m", "seqnorm.cli", "fit", "--config", str(config), "--data", "TextCorpus"]
-    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"seqnorm fit: error: --config {config}: {expected}"), lines
+    overlay = tmp_path / "overlay.yaml"  # an overlay without class_path, as configs/norm/*.yaml are written
+    overlay.write_text(yaml.safe_dump({"model": {"init_args": model}}))
+    for path, extra in ((config, []), (overlay, ["--model", "LanguageModel"])):
+        command = [sys.executable, "-m", "seqnorm.cli", "fit", *extra, "--config", str(path), "--data", "TextCorpus"]
+        result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 2, result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"seqnorm fit: error: --config {path}: {expected}"), lines
 
 
 def test_old_flags_are_refused_naming_the_replacement(capsys: pytest.CaptureFixture[str]) -> None:
