@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import math
 import os
 import platform
@@ -31,6 +32,8 @@ from torch import Tensor, nn
 
 from seqnorm.data import DATASETS, TEXT_FORMATS, BucketBatchSampler
 from seqnorm.models import RNNLanguageModel
+from seqnorm.norms import NORMS, BatchRenormSpec, NormSpec
+from seqnorm.norms.specs import default_of
 
 __all__ = [
     "FORGET_BIAS",
@@ -183,16 +186,25 @@ RENORM_SCHEDULE = {"warmup": 50, "r_max_steps": 200, "d_max_steps": 200}
 
 
 def build_model(
-    vocab_size: int, args: argparse.Namespace, norm: str, max_steps: int, seed: int | None = None, **rnn_kwargs: Any
+    vocab_size: int,
+    args: argparse.Namespace,
+    norm: str | NormSpec,
+    max_steps: int,
+    seed: int | None = None,
+    **rnn_kwargs: Any,
 ) -> RNNLanguageModel:
-    """The LSTM language model of ``args.hidden``/``args.embedding`` with ``norm``, initialized from ``seed``.
+    """The LSTM language model of ``args.hidden``/``args.embedding`` with ``norm`` (a name or a spec), initialized
+    from ``seed``.
 
-    ``seed`` defaults to ``args.seed``. ``batch_renorm`` gets :data:`RENORM_SCHEDULE` unless ``norm_options`` says
-    otherwise. An LSTM gets ``args.forget_bias`` (``--forget-bias``) whatever the norm; without it, or with
+    ``seed`` defaults to ``args.seed``. ``batch_renorm`` gets :data:`RENORM_SCHEDULE` unless its spec sets a
+    schedule. An LSTM gets ``args.forget_bias`` (``--forget-bias``) whatever the norm; without it, or with
     ``library``, the library's default of each norm.
     """
-    if norm == "batch_renorm":
-        rnn_kwargs.setdefault("norm_options", RENORM_SCHEDULE)
+    spec = NORMS[norm].spec() if isinstance(norm, str) else norm
+    if isinstance(spec, BatchRenormSpec) and all(
+        getattr(spec, key) == default_of(BatchRenormSpec, key) for key in RENORM_SCHEDULE
+    ):
+        norm = dataclasses.replace(spec, **RENORM_SCHEDULE)
     forget_bias = getattr(args, "forget_bias", LIBRARY_FORGET_BIAS)
     if forget_bias != LIBRARY_FORGET_BIAS and getattr(args, "cell", "lstm") == "lstm":
         rnn_kwargs.setdefault("forget_bias", forget_bias)

@@ -29,6 +29,7 @@ import _protocol
 import torch
 
 import seqnorm
+from seqnorm.norms import NormSpec
 
 NAME = "length_generalization"
 QUICK = {
@@ -116,10 +117,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     rows, curves, trials = [], {}, []
     cache = _protocol.TrialCache.for_args(args, NAME)
     for norm, max_steps, beyond in variants(args):
-        extra = {"beyond_max_steps": beyond} if beyond != "last" else {}
+        spec = seqnorm.NORMS[norm].spec(beyond_max_steps=beyond) if beyond != "last" else norm
 
-        def train_one(lr: float, seed: int, norm: str = norm, max_steps: int = max_steps, extra: dict = extra) -> dict:
-            model = _common.build_model(corpus.vocab_size, args, norm, max_steps=max_steps, seed=seed, **extra)
+        def train_one(
+            lr: float, seed: int, norm: str = norm, spec: str | NormSpec = spec, max_steps: int = max_steps
+        ) -> dict:
+            model = _common.build_model(corpus.vocab_size, args, spec, max_steps=max_steps, seed=seed)
             positions: list[torch.Tensor] = []
 
             def measure(model: torch.nn.Module) -> dict[str, float]:

@@ -7,12 +7,14 @@ import random
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import seqnorm
 from seqnorm.layers.plan import declared
+from seqnorm.norms.specs import field_names
 
 NORMS = list(seqnorm.NORMS)
 BATCH_NORMS = [name for name, scheme in seqnorm.NORMS.items() if scheme.batch_statistics]
@@ -64,9 +66,21 @@ def built_library() -> Path:
     return Path(seqnorm.kernels.native("cpu").__file__)  # type: ignore[union-attr]
 
 
-def running_fallback(norm: str) -> dict[str, str]:
-    """``small_batch="running"`` where ``norm`` has batch statistics; other norms refuse an option they lack."""
-    return {"small_batch": "running"} if seqnorm.NORMS[norm].batch_statistics else {}
+def running_fallback(norm: str) -> str | seqnorm.norms.NormSpec:
+    """``norm=`` for ``norm`` with ``small_batch="running"`` where it has batch statistics; other norms as they are
+    (they refuse an option they lack)."""
+    scheme = seqnorm.NORMS[norm]
+    return scheme.spec(small_batch="running") if scheme.batch_statistics else norm  # type: ignore[call-arg]
+
+
+def with_spec(norm: str, **kwargs: Any) -> dict[str, Any]:
+    """A case's keyword arguments for a cell or layer: those that are fields of norm ``norm``'s spec (and the entries
+    of ``norm_options``) go into ``norm=`` as its spec; ``max_steps`` stays beside it."""
+    spec = seqnorm.NORMS[norm].spec
+    fields = set(field_names(spec)) - {"max_steps"}
+    options = {key: kwargs.pop(key) for key in list(kwargs) if key in fields}
+    options.update(kwargs.pop("norm_options", None) or {})
+    return {"norm": spec(**options) if options else norm, **kwargs}
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,7 @@ import torch
 from torch.testing import assert_close
 
 import seqnorm
-from seqnorm.norms import TimestepBatchNorm, TimestepBatchRenorm
+from seqnorm.norms import NORMS, TimestepBatchNorm, TimestepBatchRenorm
 from tests.conftest import BATCH_NORMS, CELLS, KINDS, LAYERS
 
 
@@ -27,7 +27,7 @@ def test_running_statistics_update_only_their_step() -> None:
 @pytest.mark.parametrize("norm", BATCH_NORMS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_per_timestep_statistics_after_training(kind: str, norm: str) -> None:
-    layer = LAYERS[kind](3, 8, norm=norm, max_steps=4, momentum=0.5)
+    layer = LAYERS[kind](3, 8, norm=NORMS[norm].spec(momentum=0.5), max_steps=4)
     with torch.no_grad():
         for _ in range(10):  # step-dependent inputs: step t has mean t and scale t + 1
             x = torch.randn(12, 16, 3) * torch.arange(1.0, 13.0).view(12, 1, 1) + torch.arange(12.0).view(12, 1, 1)
@@ -63,10 +63,10 @@ def test_batch_size_one_in_training_is_a_clear_error(kind: str, norm: str) -> No
 @pytest.mark.parametrize("norm", BATCH_NORMS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_strict_policy_raises_at_a_single_row_step(kind: str, norm: str) -> None:
-    layer = LAYERS[kind](3, 4, norm=norm, small_batch="error")
+    layer = LAYERS[kind](3, 4, norm=NORMS[norm].spec(small_batch="error"))
     with pytest.raises(ValueError, match=r"expected at least 2 active .* step 3 .* got 1 \(batch size 3\)"):
         layer(torch.randn(6, 3, 3), lengths=torch.tensor([6, 2, 3]))
-    cell = CELLS[kind](3, 4, norm=norm, small_batch="error")
+    cell = CELLS[kind](3, 4, norm=NORMS[norm].spec(small_batch="error"))
     with pytest.raises(ValueError, match=r"got 1 \(batch size 4\)"):
         cell(torch.randn(4, 3), step=0, mask=torch.tensor([False, True, False, False]))
     with pytest.raises(ValueError, match=r"got batch size 1\."):
@@ -119,7 +119,7 @@ def test_variable_length_batch_trains_by_default_and_counts_tail_steps(kind: str
 @pytest.mark.parametrize("norm", BATCH_NORMS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_small_batch_running_fallback(kind: str, norm: str) -> None:
-    layer = LAYERS[kind](3, 4, norm=norm, small_batch="running")
+    layer = LAYERS[kind](3, 4, norm=NORMS[norm].spec(small_batch="running"))
     layer(torch.randn(6, 8, 3) * 3 + 1)  # gives the running statistics something to hold
     buffers = {name: tensor.clone() for name, tensor in layer.state_dict().items()}
     x = torch.randn(6, 1, 3)

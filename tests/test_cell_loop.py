@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.testing import assert_close
 
-from tests.conftest import BATCH_NORMS, CELLS, KINDS, NORMS, perturb_norm_parameters
+from tests.conftest import BATCH_NORMS, CELLS, KINDS, NORMS, perturb_norm_parameters, with_spec
 
 # The lengths of a batch of 4: every row real at step 0, then 3, 2 and at the last step 1 (the "tail" fallback to
 # the running statistics); with max_steps=4 the steps 4-6 share the last row of statistics.
@@ -42,7 +42,7 @@ def train_twice(cell: nn.Module, inputs: list[Tensor]) -> list[Tensor]:
 
 
 def assert_same_training(kind: str, norm: str, **options: Any) -> None:
-    cell = CELLS[kind](3, 5, norm=norm, max_steps=4, dtype=torch.float64, **options)
+    cell = CELLS[kind](3, 5, max_steps=4, dtype=torch.float64, **with_spec(norm, **options))
     perturb_norm_parameters(cell)
     reference = copy.deepcopy(cell)
     reference.observer.register_forward_hook(lambda module, args, output: None)

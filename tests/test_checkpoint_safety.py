@@ -158,7 +158,7 @@ def test_foreign_class_path_is_refused_without_importing_it(
 def _string_spec_checkpoint(
     story: Path, trained: Path, monkeypatch: pytest.MonkeyPatch, form: str
 ) -> tuple[Path, Path]:
-    """``(checkpoint, marker)``: a class spec hidden in a string hyperparameter (JSON in ``rnn_options.norm_options``,
+    """``(checkpoint, marker)``: a class spec hidden in a string hyperparameter (JSON in ``rnn_options.init``, an Any,
     plain or with the key escaped; YAML in ``norm``; or ``norm`` naming a YAML file beside the checkpoint), naming a
     module whose import creates ``marker``."""
     marker = _marker_module(story.parent, "string_spec_module", "Spec", monkeypatch)
@@ -166,9 +166,9 @@ def _string_spec_checkpoint(
     hparams = checkpoint["hyper_parameters"]
     spec = "class_path: string_spec_module.Spec\n"
     if form == "json":
-        hparams["rnn_options"] = {"norm_options": {"x": '{"class_path": "string_spec_module.Spec"}'}}
+        hparams["rnn_options"] = {"init": '{"class_path": "string_spec_module.Spec"}'}
     elif form == "escaped":  # no "class_path" in the string: only YAML reading it finds the key
-        hparams["rnn_options"] = {"norm_options": {"x": r'{"class\u005fpath": "string_spec_module.Spec"}'}}
+        hparams["rnn_options"] = {"init": r'{"class\u005fpath": "string_spec_module.Spec"}'}
     elif form == "file":  # jsonargparse reads a string naming a file as a config file for `norm`
         (story.parent / "norm.yaml").write_text(spec, encoding="utf-8")
         hparams["norm"] = "norm.yaml"
@@ -201,7 +201,7 @@ def test_a_class_spec_in_a_string_is_refused_without_importing_it(
     form: str,
 ) -> None:
     path, marker = _string_spec_checkpoint(story, trained, monkeypatch, form)
-    key = "rnn_options.norm_options.x" if form in ("json", "escaped") else "norm"
+    key = "rnn_options.init" if form in ("json", "escaped") else "norm"
     error = _fails(capsys, _commands(path, story)[command])
     assert f"--ckpt_path {path}: refused: its hyper_parameters.{key} is a string holding YAML/JSON" in error
     with pytest.raises(CheckpointError, match="nothing in it was parsed or imported"):

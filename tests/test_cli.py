@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import Callback
 import seqnorm
 from seqnorm.cli import main
 from seqnorm.lightning import LanguageModel, SequenceClassifier
+from seqnorm.norms import BatchNormSpec, LayerNormSpec
 from tests.conftest import QUIET, WORDS, logged_scalars, run_path
 
 TINY_LM = ["--model.hidden_size", "48", "--model.embedding_dim", "16", "--model.lr", "0.01"]
@@ -135,33 +136,35 @@ def test_fit_with_no_data_arguments_trains_the_embedded_task(tmp_path: Path, mon
     monkeypatch.chdir(tmp_path)
     short = [*QUIET, "--trainer.max_steps", "20", "--trainer.limit_val_batches", "2"]
     short += ["--trainer.val_check_interval", "10"]
-    switches = ["--model.rnn_options", '{"norm_placement": "joint", "zoneout_h": 0.1}']
+    switches = ["--model.norm.class_path", "LayerNormSpec", "--model.norm.init_args.norm_placement", "joint"]
+    switches += ["--model.rnn_options", '{"zoneout_h": 0.1}']
     main(["fit", "--model", "LanguageModel", "--data", "TextCorpus", *TINY_LM, *switches, *short])
     main(["fit", "--model", "SequenceClassifier", "--data", "LabeledText", "--model.hidden_size", "16", *short])
     language_model, classifier = Path("lightning_logs/lstm-layer-h48"), Path("lightning_logs/lstm-layer-h16")
     assert "val/bpc" in logged_scalars(language_model / "version_0")
     checkpoint = torch.load(language_model / "version_0/checkpoints/last.ckpt", weights_only=False)
-    assert checkpoint["hyper_parameters"]["rnn_options"] == {"norm_placement": "joint", "zoneout_h": 0.1}
+    assert checkpoint["hyper_parameters"]["rnn_options"] == {"zoneout_h": 0.1}
+    assert checkpoint["hyper_parameters"]["norm"] == LayerNormSpec(norm_placement="joint").to_dict()
     assert any(".norm_gates_l0." in key for key in checkpoint["state_dict"])
     assert "val/acc" in logged_scalars(classifier / "version_0")
     assert (classifier / "version_0/checkpoints/last.ckpt").is_file()
 
 
 def test_rnn_options_reach_the_layer_and_bad_ones_are_named() -> None:
-    model = LanguageModel(10, norm="batch", rnn_options={"state_norm": "carried", "beyond_max_steps": "pooled"})
+    model = LanguageModel(10, norm=BatchNormSpec(state_norm="carried"), rnn_options={"zoneout_c": 0.1})
     cell = model.model.rnn.cells[0]
-    assert cell.state_norm == "carried" and cell.norm_hh.beyond_max_steps == "pooled"
+    assert cell.state_norm == "carried" and cell.zoneout_c == 0.1
     with pytest.raises(ValueError, match=r"^LanguageModel: expected rnn_options without .* got norm \(use --model"):
         LanguageModel(10, rnn_options={"norm": "batch"})
     with pytest.raises(ValueError, match=r"^build_rnn: expected keyword arguments of seqnorm.GRU .* got zonout_h$"):
         SequenceClassifier(10, 2, cell="gru", rnn_options={"zonout_h": 0.1})
     with pytest.raises(ValueError, match=r"^GRU: expected state_norm='output'"):
-        SequenceClassifier(10, 2, cell="gru", rnn_options={"state_norm": "carried"})
+        SequenceClassifier(10, 2, cell="gru", norm=LayerNormSpec(state_norm="carried"))
 
 
 @pytest.mark.parametrize(
     ("options", "expected"),
-    [('{"zonout_h": 0.1}', "Unexpected keys: {'zonout_h'}"), ('{"norm_placement": "jint"}', "Got value: jint")],
+    [('{"zonout_h": 0.1}', "Unexpected keys: {'zonout_h'}"), ('{"impl": "fastest"}', "Got value: fastest")],
 )
 def test_rnn_options_are_typed_on_the_command_line(capsys: pytest.CaptureFixture, options: str, expected: str) -> None:
     # RNNOptions is a TypedDict: jsonargparse refuses an unknown key or a value outside its choices while parsing,

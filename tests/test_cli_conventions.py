@@ -186,28 +186,17 @@ def _rows(model: LanguageModel | SequenceClassifier) -> int:
 
 
 @pytest.mark.parametrize("cls", [LanguageModel, SequenceClassifier])
-def test_max_steps_is_a_deprecated_alias_of_norm_max_steps(cls: type) -> None:
+def test_norm_max_steps_sets_the_rows_and_the_old_name_is_gone(cls: type) -> None:
     sizes = (10,) if cls is LanguageModel else (10, 2)
     assert _rows(cls(*sizes, norm="batch", norm_max_steps=7)) == 7
-    with pytest.warns(FutureWarning, match=r"max_steps is renamed norm_max_steps \(--model.norm_max_steps"):
-        model = cls(*sizes, norm="batch", max_steps=7)
-    assert _rows(model) == 7 and model.hparams.norm_max_steps == 7
-    assert "max_steps" not in model.hparams and "max_steps" not in model.hparams_initial
-    with pytest.raises(ValueError, match=r"expected max_steps \(the old name of norm_max_steps\) to agree"):
-        cls(*sizes, norm="batch", max_steps=7, norm_max_steps=8)
+    with pytest.raises(TypeError, match="max_steps"):
+        cls(*sizes, norm="batch", max_steps=7)
 
 
-def test_the_old_model_flag_still_works_and_config_yaml_gets_the_new_name(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.chdir(tmp_path)
-    args = [*SMALL_LM, "--model.norm", "batch", "--model.max_steps", "7", "--trainer.logger", "false"]
-    with pytest.warns(FutureWarning, match=r"--model.max_steps is renamed --model.norm_max_steps"):
-        cli = SeqnormCLI(args=args, run=False)
-    assert _rows(cli.model) == 7
-    assert cli.config.model.init_args.norm_max_steps == 7 and cli.config.model.init_args.max_steps is None
-    error = cli_usage_error(capsys, ["fit", *args, "--model.norm_max_steps", "8", *QUIET])
-    assert "--model.max_steps 7 contradicts --model.norm_max_steps 8" in error
+def test_the_old_model_flag_is_refused_naming_the_new_one(capsys: pytest.CaptureFixture[str]) -> None:
+    error = cli_usage_error(capsys, ["fit", *SMALL_LM, "--model.norm", "batch", "--model.max_steps", "7", *QUIET])
+    assert "--model.max_steps: model argument 'max_steps' was renamed 'norm_max_steps'" in error
+    assert "write --model.norm_max_steps" in error
 
 
 def test_checkpoints_that_saved_max_steps_load_as_norm_max_steps(
@@ -220,9 +209,7 @@ def test_checkpoints_that_saved_max_steps_load_as_norm_max_steps(
     model = LanguageModel(**{**model.hparams, "norm_max_steps": 7})
     path = tmp_path / "old.ckpt"
     torch.save({"state_dict": model.state_dict(), "hyper_parameters": old, "pytorch-lightning_version": "2.4.0"}, path)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", FutureWarning)  # a saved name is no deprecated use
-        loaded = LanguageModel.load_from_checkpoint(path)
+    loaded = LanguageModel.load_from_checkpoint(path)
     assert _rows(loaded) == 7 and loaded.hparams.norm_max_steps == 7 and "max_steps" not in loaded.hparams
     # through the CLI, which fills in the model flags from the checkpoint: evaluation runs on the old checkpoint
     flags = ["--model.norm", "batch", "--trainer.limit_test_batches", "1", "--ckpt_path", str(path)]

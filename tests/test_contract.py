@@ -9,6 +9,7 @@ from torch.func import functional_call
 from torch.testing import assert_close
 
 import seqnorm
+from seqnorm.norms import WeightNormSpec
 from tests.conftest import BATCH_NORMS, CELLS, KINDS, LAYERS, NORMS, perturb_norm_parameters
 
 
@@ -105,7 +106,7 @@ def test_cell_gradcheck_inputs_state_and_parameters(kind: str, norm: str, traini
 
 
 def test_weight_norm_mean_only_bn_gradcheck() -> None:
-    cell = CELLS["lstm"](3, 2, norm="weight", norm_options={"mean_only_bn": True}, dtype=torch.float64)
+    cell = CELLS["lstm"](3, 2, norm=WeightNormSpec(mean_only_bn=True), dtype=torch.float64)
     assert cell.norm_ih is not None and not cell.norm_ih.scale
     _gradcheck_cell(cell, "lstm", None)
 

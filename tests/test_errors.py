@@ -64,11 +64,11 @@ def test_constructor_errors(cls: type) -> None:
     with pytest.raises(ValueError, match=rf"^{name}: expected input_size to be a positive int, got 2.5$"):
         cls(2.5, 4)
     with pytest.raises(
-        ValueError, match=rf"^{name}: expected norm_options accepted by norm='layer' \(none\), got r_max$"
+        TypeError, match=rf"^{name}: got an unexpected keyword 'norm_options'; pass norm=BatchRenormSpec\(r_max=2.0\)$"
     ):
         cls(3, 4, norm="layer", norm_options={"r_max": 2.0})
-    with pytest.raises(ValueError, match=r"small_batch to be 'tail', 'error' or 'running', got 'skip'"):
-        cls(3, 4, norm="batch", small_batch="skip")
+    with pytest.raises(ValueError, match=r"^BatchNormSpec: expected small_batch to be 'tail', 'error' or 'running'"):
+        cls(3, 4, norm=seqnorm.norms.BatchNormSpec(small_batch="skip"))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -328,16 +328,10 @@ TASK_MODELS: dict[type, tuple[int, ...]] = {
 
 def _non_finite_cases() -> list[Any]:
     cases = []
-    for scheme in seqnorm.NORMS.values():  # the specs, and each spec's options given to cells and layers
+    for scheme in seqnorm.NORMS.values():  # the specs, where a norm's options are set
         for option in _spec_float_fields(scheme.spec):
             cases.append(pytest.param(scheme.spec, (), {option: None}, option, id=f"{scheme.spec.__name__}-{option}"))
-            if option in scheme.options:
-                for cls in (*CELLS.values(), *LAYERS.values()):
-                    arguments = {"norm": scheme.name, "norm_options": {option: None}}
-                    cases.append(
-                        pytest.param(cls, (3, 4), arguments, option, id=f"{cls.__name__}-{scheme.name}-{option}")
-                    )
-    for cls in (*CELLS.values(), *LAYERS.values()):  # keywords: the cell's own and the norms' (`eps`, ...)
+    for cls in (*CELLS.values(), *LAYERS.values()):  # the cell's and layer's own (forget_bias, zoneout, ...)
         for option in _float_parameters(cls):
             arguments = {"norm": _norm_having(option), option: None}
             cases.append(pytest.param(cls, (3, 4), arguments, option, id=f"{cls.__name__}-{option}"))
@@ -355,11 +349,7 @@ def _non_finite_cases() -> list[Any]:
 def test_float_options_refuse_nan_and_inf(
     cls: type, positional: tuple[int, ...], arguments: dict[str, Any], option: str, value: float
 ) -> None:
-    # `None` marks where the value goes (in norm_options or as a keyword)
-    arguments = {
-        key: {option: value} if isinstance(given, dict) else value if given is None else given
-        for key, given in arguments.items()
-    }
+    arguments = {key: value if given is None else given for key, given in arguments.items()}  # None: the value
     owner = cls.__name__
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. dropout with one layer: refused before that warning all the same
@@ -373,14 +363,14 @@ def test_float_options_are_found() -> None:
     expected = {
         "LSTM-forget_bias",
         "GRUCell-forget_bias",
-        "LSTM-batch_renorm-r_max",
+        "BatchRenormSpec-r_max",
         "BatchRenormSpec-d_max",
         "LayerNorm-gain",
         "TimestepBatchNorm-shift",
         "TimestepBatchRenorm-r_max",
-        "LSTM-eps",
-        "GRU-momentum",
-        "LSTMCell-gamma_init",
+        "LayerNormSpec-eps",
+        "BatchNormSpec-momentum",
+        "LayerNormSpec-gamma_init",
         "LSTM-zoneout_c",
         "GRU-weight_dropout",
         "RNNClassifier-dropout",

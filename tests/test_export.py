@@ -14,6 +14,7 @@ import torch
 from torch.testing import assert_close
 
 from seqnorm import RecurrentState
+from seqnorm.norms import WeightNormSpec
 from tests.conftest import BATCH_NORMS, CELLS, KINDS, LAYERS, NORMS
 
 onnx = pytest.importorskip("onnx")
@@ -94,7 +95,7 @@ def test_export_of_a_training_batch_norm_model_is_refused(norm: str) -> None:
 
 def test_export_of_a_training_mean_only_bn_model_is_refused() -> None:
     """Weight norm's mean-only BN updates per-step running means in training, too (it exported without a word)."""
-    layer = LAYERS["lstm"](4, 6, norm="weight", norm_options={"mean_only_bn": True}).train()
+    layer = LAYERS["lstm"](4, 6, norm=WeightNormSpec(mean_only_bn=True)).train()
     with pytest.raises(ValueError, match=r"^LSTM: expected model.eval\(\) before export"):
         torch.export.export(layer, (torch.randn(5, 3, 4),))
 

@@ -24,6 +24,7 @@ from tests.conftest import (
     TORCH_KINDS,
     perturb_norm_parameters,
     require_kernels,
+    with_spec,
 )
 
 TOLERANCE = {"rtol": 1e-9, "atol": 1e-9}
@@ -44,9 +45,10 @@ def _pair(kind: str, norm: str, **kwargs: Any) -> tuple[torch.nn.Module, torch.n
     """The same layer twice: the reference loop and the default (fast) path, with perturbed norm parameters."""
     if norm == "batch_renorm":
         kwargs.setdefault("norm_options", RENORM_ACTIVE)  # the r/d correction acts from the first batch on
-    reference = LAYERS[kind](3, 4, norm=norm, impl="reference", dtype=torch.float64, **kwargs)
+    kwargs = with_spec(norm, **kwargs)
+    reference = LAYERS[kind](3, 4, impl="reference", dtype=torch.float64, **kwargs)
     perturb_norm_parameters(reference)  # running statistics away from 0/1, so renorm's r and d are not trivial
-    fast = LAYERS[kind](3, 4, norm=norm, dtype=torch.float64, **kwargs)
+    fast = LAYERS[kind](3, 4, dtype=torch.float64, **kwargs)
     fast.load_state_dict(reference.state_dict())
     return reference, fast
 
@@ -134,7 +136,7 @@ def test_small_batch_fallback_and_error_as_reference(kind: str, norm: str) -> No
         _assert_same(_run(reference, x, None, lengths), _run(fast, x, None, lengths))
         counts = [[getattr(m, "fallback_steps", None) for m in layer.modules()] for layer in (reference, fast)]
         assert counts[0] == counts[1] and 2 in counts[0]  # every path counts the fallback steps alike
-    strict = LAYERS[kind](3, 4, norm=norm, small_batch="error")
+    strict = LAYERS[kind](3, 4, **with_spec(norm, small_batch="error"))
     assert choose_path(strict, lengths, 3) == "reference"  # the reference raises, after what it updated
     with pytest.raises(ValueError, match=r"at step 4 .* got 1 \(batch size 3\)"):
         strict(x.float(), lengths=lengths)

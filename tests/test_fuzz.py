@@ -23,7 +23,7 @@ from torch.testing import assert_close
 
 import seqnorm
 from seqnorm import kernels
-from tests.conftest import LAYERS, perturb_norm_parameters
+from tests.conftest import LAYERS, perturb_norm_parameters, with_spec
 
 SEED = 29
 CASES = 36  # six per registered norm: about 6 s of CPU on this machine
@@ -66,7 +66,7 @@ class Case:
             options["norm_options"] = RENORM_ACTIVE
         if seqnorm.NORMS[self.norm].batch_statistics and self.batch == 1:
             options["small_batch"] = "running"  # the one policy under which a batch of one row trains
-        return options
+        return with_spec(self.norm, **options)
 
 
 def _case(index: int) -> Case:
@@ -97,9 +97,9 @@ CASE_LIST = [_case(index) for index in range(CASES)]
 
 
 def _layer(case: Case, dtype: torch.dtype, impl: str = "auto") -> Any:
-    return LAYERS[case.kind](
-        case.input_size, case.hidden_size, norm=case.norm, impl=impl, dtype=dtype, **case.options()
-    ).train(case.training)
+    return LAYERS[case.kind](case.input_size, case.hidden_size, impl=impl, dtype=dtype, **case.options()).train(
+        case.training
+    )
 
 
 def _run(layer: Any, case: Case, x: torch.Tensor, weights: list[torch.Tensor], plain: bool) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from seqnorm.kernels import cpu
 from seqnorm.layers import stepping
 from seqnorm.layers.plan import declared
 from seqnorm.norms.specs import BatchNormSpec, BatchRenormSpec, WeightNormSpec
-from tests.conftest import LAYERS, TORCH_KINDS, perturb_norm_parameters, require_kernels
+from tests.conftest import LAYERS, TORCH_KINDS, perturb_norm_parameters, require_kernels, with_spec
 
 NORMALIZED = ["layer", "rms", "batch", "batch_renorm"]
 RENORM_ACTIVE = {"warmup": 0, "r_max_steps": 1, "d_max_steps": 1, "r_max": 1.5, "d_max": 0.5}
@@ -38,7 +38,7 @@ def _built() -> None:
 
 
 def _options(norm: str, **kwargs: Any) -> dict[str, Any]:
-    return {"norm_options": RENORM_ACTIVE, **kwargs} if norm == "batch_renorm" else kwargs
+    return with_spec(norm, **({"norm_options": RENORM_ACTIVE, **kwargs} if norm == "batch_renorm" else kwargs))
 
 
 def _pair(
@@ -46,9 +46,9 @@ def _pair(
 ) -> tuple[Any, Any]:
     """The reference loop and the default layer (compiled kernels), same weights, perturbed norm parameters."""
     options = _options(norm, **kwargs)
-    reference = LAYERS[kind](3, hidden_size, norm=norm, impl="reference", dtype=dtype, **options)
+    reference = LAYERS[kind](3, hidden_size, impl="reference", dtype=dtype, **options)
     perturb_norm_parameters(reference)
-    compiled = LAYERS[kind](3, hidden_size, norm=norm, dtype=dtype, **options)
+    compiled = LAYERS[kind](3, hidden_size, dtype=dtype, **options)
     compiled.load_state_dict(reference.state_dict())
     return reference, compiled
 
@@ -252,8 +252,8 @@ def test_row_and_batch_statistics_mixed(kind: str, first: str, second: str, thre
     layers = []
     for impl in ("reference", "auto"):
         torch.manual_seed(0)
-        layer = LAYERS[kind](3, 40, norm=first, impl=impl, dtype=torch.float64, **_options(first))
-        donor = LAYERS[kind](3, 40, norm=second, dtype=torch.float64, **_options(second))
+        layer = LAYERS[kind](3, 40, impl=impl, dtype=torch.float64, **_options(first))
+        donor = LAYERS[kind](3, 40, dtype=torch.float64, **_options(second))
         setattr(layer.cells[0], swapped, getattr(donor.cells[0], swapped))
         perturb_norm_parameters(layer)
         layers.append(layer)

@@ -94,7 +94,7 @@ def _pair(layer_class: type, **kwargs: Any) -> tuple[nn.Module, nn.Module]:
 
 @pytest.mark.usefixtures("toy_scale")
 def test_the_toy_is_a_step_pieces_norm_built_from_the_registry() -> None:
-    layer = seqnorm.LSTM(3, 5, norm=NAME, eps=1e-3)
+    layer = seqnorm.LSTM(3, 5, norm=seqnorm.NORMS[NAME].spec(eps=1e-3))
     norms = [module for module in layer.modules() if isinstance(module, ToyScaleNorm)]
     assert len(norms) == 3  # input, recurrent and cell-state norms of the one cell
     assert all(isinstance(norm, StepPieces) and norm.eps == 1e-3 for norm in norms)

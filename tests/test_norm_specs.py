@@ -1,11 +1,12 @@
-"""Norm specs: the same model as a name plus keywords, validated once, refused where an option does not belong, and
-carried through configs and checkpoints as plain data."""
+"""Norm specs, the one way to configure a norm: the same model from a spec and from its plain data, validated once,
+refused where an option does not belong, and carried through configs and checkpoints as plain data."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,8 @@ import seqnorm.norms as norms
 from seqnorm.cli import SeqnormCLI, main
 from seqnorm.lightning import LanguageModel
 from seqnorm.lightning.checkpoint_io import CheckpointError, read_checkpoint
-from seqnorm.norms import NORM_KEYWORDS, NORMS, NormSpec, spec_from_dict
-from seqnorm.norms.specs import default_of, field_names
+from seqnorm.norms import NORMS, REMOVED_KEYWORDS, NormSpec, spec_from_dict
+from seqnorm.norms.specs import field_names
 from tests.conftest import CELLS, LAYERS, run_path
 from tests.test_cli import QUIET, WORDS
 
@@ -41,6 +42,8 @@ VALUES: dict[str, tuple[Any, Any]] = {
     "d_max_steps": (3, 4),
     "mean_only_bn": (True, True),
     "affine": (False, False),
+    "norm_placement": ("joint", "joint"),
+    "state_norm": ("carried", "carried"),
 }
 
 
@@ -48,7 +51,10 @@ def _options(name: str, kind: str) -> dict[str, Any]:
     """A non-default value for every option of norm ``name`` that a ``kind`` cell can take."""
     options = {field: VALUES[field][0] for field in field_names(NORMS[name].spec) if field != "affine"}
     if not CELLS[kind].has_cell_state:
-        options.pop("beta_init", None)  # only an LSTM's cell-state norm has a β
+        for field in ("beta_init", "norm_placement", "state_norm"):  # only an LSTM has a joint sum and a cell state
+            options.pop(field, None)
+    if options.get("norm_placement") == "joint":
+        options.pop("input_stats", None)  # the joint norm sees the recurrent term, one step at a time
     return options
 
 
@@ -66,26 +72,22 @@ def _run(layer: torch.nn.Module) -> list[torch.Tensor]:
 @pytest.mark.parametrize("name", list(NORMS))
 @pytest.mark.parametrize("kind", list(LAYERS))
 @pytest.mark.usefixtures("one_route")  # three models' calls compared bit for bit
-def test_spec_builds_the_model_of_name_and_keywords(kind: str, name: str) -> None:
+def test_spec_and_its_plain_data_build_the_same_model(kind: str, name: str) -> None:
     options = _options(name, kind)
-    keywords = {key: value for key, value in options.items() if key in NORM_KEYWORDS}
-    norm_options = {key: value for key, value in options.items() if key not in NORM_KEYWORDS}
+    max_steps = options.pop("max_steps", None)
     spec = NORMS[name].spec(**options)
     torch.manual_seed(0)
-    from_keywords = LAYERS[kind](3, 5, num_layers=2, norm=name, norm_options=norm_options, **keywords, **F64)
+    from_spec = LAYERS[kind](3, 5, num_layers=2, norm=spec, max_steps=max_steps or 100, **F64)
+    with_steps = NORMS[name].spec(**options, **({"max_steps": max_steps} if max_steps else {}))
     torch.manual_seed(0)
-    from_spec = LAYERS[kind](3, 5, num_layers=2, norm=spec, **F64)
-    torch.manual_seed(0)
-    from_data = LAYERS[kind](3, 5, num_layers=2, norm=spec_from_dict(spec.to_dict(), "test"), **F64)
-    assert from_keywords.norm_spec == from_spec.norm_spec == from_data.norm_spec == spec
-    reference = from_keywords.state_dict()
-    for layer in (from_spec, from_data):
-        assert list(layer.state_dict()) == list(reference)
-        assert all(torch.equal(value, reference[key]) for key, value in layer.state_dict().items())
-    expected = _run(from_keywords)
-    for layer in (from_spec, from_data):
-        assert all(torch.equal(a, b) for a, b in zip(_run(layer), expected, strict=True))
-        assert all(torch.equal(value, from_keywords.state_dict()[key]) for key, value in layer.state_dict().items())
+    from_data = LAYERS[kind](3, 5, num_layers=2, norm=spec_from_dict(with_steps.to_dict(), "test"), **F64)
+    assert from_spec.norm_spec == from_data.norm_spec == with_steps
+    reference = from_spec.state_dict()
+    assert list(from_data.state_dict()) == list(reference)
+    assert all(torch.equal(value, reference[key]) for key, value in from_data.state_dict().items())
+    expected = _run(from_spec)
+    assert all(torch.equal(a, b) for a, b in zip(_run(from_data), expected, strict=True))
+    assert all(torch.equal(value, from_spec.state_dict()[key]) for key, value in from_data.state_dict().items())
 
 
 @pytest.mark.parametrize("name", list(NORMS))
@@ -96,61 +98,51 @@ def test_cells_get_the_layers_spec_and_a_name_means_the_default_spec(name: str) 
 
 
 @pytest.mark.parametrize("cls", [*CELLS.values(), *LAYERS.values()])
-@pytest.mark.parametrize("name", list(NORMS))
-def test_an_option_the_norm_lacks_is_refused_by_name(cls: type, name: str) -> None:
-    lacking = sorted(NORM_KEYWORDS - set(field_names(NORMS[name].spec)) - {"max_steps"})
-    for option in lacking:
-        value = VALUES[option][0]
-        with pytest.raises(
-            ValueError,
-            match=rf"^{cls.__name__}: expected norm to be one of .* for {option}={value!r}, got norm='{name}'$",
-        ):
-            cls(3, 4, norm=name, **{option: value})
-        with pytest.raises(ValueError, match=rf"for {option}={value!r}, got norm='{name}'$"):
-            cls(3, 4, norm=NORMS[name].spec(), **{option: value})
-    cls(3, 4, norm=name, max_steps=7)  # the contract (docs/architecture.md): max_steps whatever the norm
-
-
-def test_the_issues_example_names_each_stray_option() -> None:
+@pytest.mark.parametrize("keyword", sorted(REMOVED_KEYWORDS))
+def test_a_norm_option_as_a_keyword_is_a_type_error_naming_the_spec(cls: type, keyword: str) -> None:
+    value = {"norm_options": {"r_max": 2.0}}.get(keyword, VALUES.get(keyword, (0.5,))[0])
+    field = "r_max=2.0" if keyword == "norm_options" else f"{keyword}={value!r}"
     with pytest.raises(
-        ValueError, match=r"^LSTM: expected norm to be one of 'batch', 'batch_renorm', 'weight' for momentum"
+        TypeError, match=rf"^{cls.__name__}: got an unexpected keyword '{keyword}'; pass norm=\w+Spec\("
     ):
+        cls(3, 4, **{keyword: value})
+    # the spec named is that of the norm given, where it has the option
+    for name, scheme in NORMS.items():
+        if keyword in field_names(scheme.spec) or (keyword == "norm_options" and name == "batch_renorm"):
+            message = rf"^{cls.__name__}: got an unexpected keyword '{keyword}'; pass norm={scheme.spec.__name__}\("
+            with pytest.raises(TypeError, match=rf"{message}{re.escape(field)}\)$"):
+                cls(3, 4, norm=name, **{keyword: value})
+            with pytest.raises(TypeError, match=message):
+                cls(3, 4, norm=scheme.spec(), **{keyword: value})
+    assert not REMOVED_KEYWORDS & set(inspect.signature(cls).parameters)
+
+
+@pytest.mark.parametrize("cls", [*CELLS.values(), *LAYERS.values()])
+@pytest.mark.parametrize("name", list(NORMS))
+def test_max_steps_is_taken_whatever_the_norm_and_folded_into_a_spec_that_has_it(cls: type, name: str) -> None:
+    module = cls(3, 4, norm=name, max_steps=7)  # the public API contract: max_steps whatever the norm
+    has = "max_steps" in field_names(NORMS[name].spec)
+    assert module.norm_spec == (NORMS[name].spec(max_steps=7) if has else NORMS[name].spec())
+    if has:
+        spec = NORMS[name].spec(max_steps=5)
+        assert cls(3, 4, norm=spec, max_steps=5).norm_spec == cls(3, 4, norm=spec).norm_spec == spec
+        with pytest.raises(
+            ValueError, match=rf"^{cls.__name__}: expected max_steps=5 as norm=.* sets it .*, got max_steps=7$"
+        ):
+            cls(3, 4, norm=spec, max_steps=7)
+    with pytest.raises(ValueError, match=rf"^{cls.__name__}: expected max_steps to be a positive int, got 0$"):
+        cls(3, 4, norm=name, max_steps=0)
+
+
+def test_the_issues_example_names_the_spec_to_use() -> None:
+    with pytest.raises(TypeError, match=r"^LSTM: got an unexpected keyword 'momentum'; pass norm=BatchNormSpec\("):
         seqnorm.LSTM(3, 4, norm="layer", max_steps=7, momentum=0.9, small_batch="running")
     with pytest.raises(
-        ValueError, match=r"^LSTM: expected norm to be one of .* for small_batch='running', got norm='layer'$"
+        TypeError, match=r"^LSTM: got an unexpected keyword 'eps'; pass norm=LayerNormSpec\(eps=0.001\)$"
     ):
-        seqnorm.LSTM(3, 4, norm="layer", max_steps=7, small_batch="running")
-    with pytest.raises(ValueError, match=r"^GRU: expected mean_only_bn=True for momentum=0.5 with norm='weight'"):
-        seqnorm.GRU(3, 4, norm="weight", momentum=0.5)
-
-
-@pytest.mark.parametrize("name", list(NORMS))
-def test_a_keyword_contradicting_the_spec_is_refused(name: str) -> None:
-    for option in sorted(NORM_KEYWORDS & set(field_names(NORMS[name].spec)) - {"affine"}):
-        first, second = VALUES[option]
-        base = _options(name, "lstm")
-        spec = NORMS[name].spec(**base)
-        if first != second:
-            with pytest.raises(
-                ValueError, match=rf"^LSTM: expected {option}={first!r} as norm=.* sets it .*, got {option}={second!r}$"
-            ):
-                seqnorm.LSTM(3, 4, norm=spec, **{option: second})
-        assert seqnorm.LSTM(3, 4, norm=spec, **{option: first}).norm_spec == spec  # the same value twice is fine
-        # a keyword at its default says nothing; over a default field it sets the option
-        assert seqnorm.LSTM(3, 4, norm=spec, **{option: default_of(type(spec), option)}).norm_spec == spec
-        bare = NORMS[name].spec(**{k: v for k, v in base.items() if k != option})
-        assert seqnorm.LSTM(3, 4, norm=bare, **{option: first}).norm_spec == spec
-
-
-def test_norm_options_map_into_the_spec_and_contradict_it_like_keywords() -> None:
-    layer = seqnorm.LSTM(3, 4, norm="batch_renorm", norm_options={"r_max": 2.0}, momentum=0.05)
-    assert layer.norm_spec == norms.BatchRenormSpec(r_max=2.0, momentum=0.05)
-    with pytest.raises(ValueError, match=r"^LSTM: expected r_max=1.5 as norm=BatchRenormSpec\(r_max=1.5\) sets it"):
-        seqnorm.LSTM(3, 4, norm=norms.BatchRenormSpec(r_max=1.5), norm_options={"r_max": 2.0})
-    with pytest.raises(
-        ValueError, match=r"^GRUCell: expected norm_options accepted by norm='layer' \(none\), got r_max$"
-    ):
-        seqnorm.GRUCell(3, 4, norm=norms.LayerNormSpec(), norm_options={"r_max": 2.0})
+        seqnorm.LSTM(3, 4, norm="layer", eps=1e-3)
+    with pytest.raises(ValueError, match=r"^WeightNormSpec: expected mean_only_bn=True for momentum=0.5"):
+        seqnorm.GRU(3, 4, norm=norms.WeightNormSpec(momentum=0.5))
 
 
 BAD_SPECS: list[tuple[type[NormSpec], dict[str, Any], str]] = [
@@ -170,6 +162,14 @@ BAD_SPECS: list[tuple[type[NormSpec], dict[str, Any], str]] = [
     (norms.LayerNormSpec, {"gamma_init": float("nan")}, r"expected gamma_init to be a finite number, got nan"),
     (norms.WeightNormSpec, {"momentum": 0.5}, r"expected mean_only_bn=True for momentum=0.5 with norm='weight'"),
     (norms.WeightNormSpec, {"mean_only_bn": 1}, r"expected mean_only_bn to be one of True, False, got 1"),
+    (norms.LayerNormSpec, {"norm_placement": "jint"}, r"expected norm_placement to be one of 'separate', 'joint'"),
+    (norms.BatchNormSpec, {"state_norm": "kept"}, r"expected state_norm to be one of 'output', 'carried', got"),
+    (norms.WeightNormSpec, {"norm_placement": "joint"}, r"expected mean_only_bn=True for norm_placement='joint'"),
+    (
+        norms.BatchNormSpec,
+        {"norm_placement": "joint", "input_stats": "sequence"},
+        r"expected input_stats='timestep' with norm_placement='joint'",
+    ),
 ]
 
 
@@ -217,14 +217,6 @@ def test_specs_are_frozen_values_that_name_their_norm(name: str) -> None:
     data = spec.to_dict()
     assert data["name"] == name and spec_from_dict(data, "test") == spec
     assert yaml.safe_load(yaml.safe_dump(data)) == data  # plain data: YAML and weights-only pickles hold it
-
-
-@pytest.mark.parametrize("cls", [*CELLS.values(), *LAYERS.values()])
-def test_keyword_defaults_are_the_specs_defaults(cls: type) -> None:
-    parameters = inspect.signature(cls.__init__).parameters
-    for name in NORM_KEYWORDS:
-        defaults = {default_of(s.spec, name) for s in NORMS.values() if name in field_names(s.spec)}
-        assert defaults == {parameters[name].default}, name
 
 
 def test_model_folds_max_steps_and_small_batch_into_the_spec() -> None:

@@ -22,7 +22,7 @@ def _h(output: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
 )
 @pytest.mark.parametrize("kind", KINDS)
 def test_output_invariant_to_rescaling_input_and_recurrent_terms(kind: str, norm: str, training: bool) -> None:
-    cell = CELLS[kind](4, 5, norm=norm, eps=1e-12, dtype=torch.float64)
+    cell = CELLS[kind](4, 5, norm=seqnorm.NORMS[norm].spec(eps=1e-12), dtype=torch.float64)
     perturb_norm_parameters(cell)
     x = torch.randn(6, 4, dtype=torch.float64)
     h = torch.randn(6, 5, dtype=torch.float64)

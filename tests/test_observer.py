@@ -14,7 +14,7 @@ from tests.conftest import KINDS, LAYERS, NORMS, running_fallback
 @pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_observer_sees_every_real_step(kind: str, norm: str) -> None:
-    layer = LAYERS[kind](3, 4, num_layers=2, bidirectional=True, norm=norm, **running_fallback(norm))
+    layer = LAYERS[kind](3, 4, num_layers=2, bidirectional=True, norm=running_fallback(norm))
     records: dict[int, list[dict[str, Any]]] = {index: [] for index in range(len(layer.cells))}
     handles = [
         cell.observer.register_forward_hook(lambda module, args, output, index=index: records[index].append(args[0]))

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 import seqnorm
-from seqnorm.norms import TimestepBatchNorm
-from tests.conftest import CELLS, KINDS, LAYERS, perturb_norm_parameters
+from seqnorm.norms import BatchNormSpec, TimestepBatchNorm, WeightNormSpec
+from tests.conftest import CELLS, KINDS, LAYERS, perturb_norm_parameters, with_spec
 from tests.test_contract import _gradcheck_cell
 from tests.test_fast_path import _assert_same, _hx, _pair, _run
 
@@ -43,7 +43,7 @@ def _lstm_tail(pre: torch.Tensor, c_prev: torch.Tensor) -> tuple[torch.Tensor, .
 
 @pytest.mark.parametrize("norm", ["layer", "batch"])
 def test_joint_placement_normalizes_the_sum(norm: str) -> None:
-    cell = seqnorm.LSTMCell(3, 4, norm=norm, norm_placement="joint", **F64)
+    cell = seqnorm.LSTMCell(3, 4, **with_spec(norm, norm_placement="joint"), **F64)
     perturb_norm_parameters(cell)
     assert cell.norm_ih is None and cell.norm_hh is None and cell.norm_gates is not None
     x, h, c = torch.randn(5, 3, **F64), torch.randn(5, 4, **F64), torch.randn(5, 4, **F64)
@@ -58,7 +58,7 @@ def test_joint_placement_normalizes_the_sum(norm: str) -> None:
 @pytest.mark.parametrize("norm", ["layer", "rms", "batch"])
 def test_carried_state_norm_is_the_new_cell_state(norm: str) -> None:
     output_only = seqnorm.LSTMCell(3, 4, norm=norm, **F64)
-    carried = seqnorm.LSTMCell(3, 4, norm=norm, state_norm="carried", **F64)
+    carried = seqnorm.LSTMCell(3, 4, **with_spec(norm, state_norm="carried"), **F64)
     perturb_norm_parameters(output_only)
     carried.load_state_dict(output_only.state_dict())
     x, state = torch.randn(5, 3, **F64), (torch.randn(5, 4, **F64), torch.randn(5, 4, **F64))
@@ -81,9 +81,9 @@ def test_carried_state_norm_is_the_new_cell_state(norm: str) -> None:
 @pytest.mark.parametrize("norm", ["layer", "rms", "batch", "batch_renorm"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_affine_off_is_the_bare_normalization(kind: str, norm: str) -> None:
-    bare = CELLS[kind](3, 4, norm=norm, affine=False, **F64)
+    bare = CELLS[kind](3, 4, **with_spec(norm, affine=False), **F64)
     assert not [name for name, _ in bare.named_parameters() if name.startswith("norm_")]
-    unit = CELLS[kind](3, 4, norm=norm, gamma_init=1.0, **F64)  # γ = 1, β = 0: the same function at init
+    unit = CELLS[kind](3, 4, **with_spec(norm, gamma_init=1.0), **F64)  # γ = 1, β = 0: the same function at init
     unit.load_state_dict(bare.state_dict(), strict=False)
     x, h = torch.randn(5, 3, **F64), torch.randn(5, 4, **F64)
     state = (h, torch.randn(5, 4, **F64)) if kind == "lstm" else h
@@ -98,7 +98,7 @@ def test_gamma_and_beta_initial_values(norm: str, default_gain: float) -> None:
     default = seqnorm.LSTMCell(3, 4, norm=norm)
     gains = [v for n, v in default.state_dict().items() if n.startswith("norm_") and n.endswith(".weight")]
     assert len(gains) == 3 and all(torch.equal(v, torch.full_like(v, default_gain)) for v in gains)
-    cell = seqnorm.LSTMCell(3, 4, norm=norm, gamma_init=0.5, beta_init=-0.25)
+    cell = seqnorm.LSTMCell(3, 4, **with_spec(norm, gamma_init=0.5, beta_init=-0.25))
     for module in (cell.norm_ih, cell.norm_hh, cell.norm_c):
         assert torch.equal(module.weight, torch.full_like(module.weight, 0.5))
     assert torch.equal(cell.norm_c.bias, torch.full((4,), -0.25))
@@ -118,7 +118,7 @@ def _masked_bn(x: torch.Tensor, real: torch.Tensor, gain: torch.Tensor, eps: flo
 @pytest.mark.parametrize("impl", ["auto", "reference"])
 def test_sequence_wise_input_batch_norm(impl: str) -> None:
     """BN-e*: the input term's moments over every real (t, b) position; the recurrent term stays per-timestep."""
-    layer = seqnorm.LSTM(3, 4, norm="batch", input_stats="sequence", impl=impl, **F64)
+    layer = seqnorm.LSTM(3, 4, norm=BatchNormSpec(input_stats="sequence"), impl=impl, **F64)
     perturb_norm_parameters(layer)
     cell = layer.cells[0]
     lengths = torch.tensor([6, 3, 6, 4])
@@ -149,7 +149,7 @@ def test_sequence_wise_input_batch_norm(impl: str) -> None:
 
 
 def test_sequence_wise_input_norm_needs_whole_sequences_in_training() -> None:
-    cell = seqnorm.LSTMCell(3, 4, norm="batch", input_stats="sequence")
+    cell = seqnorm.LSTMCell(3, 4, norm=BatchNormSpec(input_stats="sequence"))
     with pytest.raises(ValueError, match=r"LSTMCell: expected a whole sequence for input_stats='sequence'"):
         cell(torch.randn(5, 3), step=0)
     cell.eval()
@@ -219,7 +219,7 @@ def test_switches_fast_path_equals_reference(kind: str, norm: str, name: str) ->
 
 @pytest.mark.parametrize(("kind", "norm", "name"), [case for case in CASES if case[2] != "sequence"])
 def test_switches_gradcheck(kind: str, norm: str, name: str) -> None:
-    cell = CELLS[kind](3, 2, norm=norm, max_steps=1, **SWITCHES[name], **F64)
+    cell = CELLS[kind](3, 2, max_steps=1, **with_spec(norm, **SWITCHES[name]), **F64)
     perturb_norm_parameters(cell)
     _gradcheck_cell(cell, kind, torch.tensor([True, False, True, True]))  # step 1 >= max_steps: pooled or last
 
@@ -236,7 +236,7 @@ def _stream(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize(("kind", "norm", "name"), CASES)
 def test_switches_streaming_equals_whole_sequence(kind: str, norm: str, name: str) -> None:
     """Eval, one step at a time through step() (the state carries the time index), with T > max_steps."""
-    layer = LAYERS[kind](3, 5, num_layers=2, norm=norm, max_steps=3, **SWITCHES[name], **F64)
+    layer = LAYERS[kind](3, 5, num_layers=2, max_steps=3, **with_spec(norm, **SWITCHES[name]), **F64)
     perturb_norm_parameters(layer)
     layer.train()
     layer(torch.randn(6, 4, 3, **F64))  # statistics with some history, so every row differs
@@ -248,7 +248,7 @@ def test_switches_streaming_equals_whole_sequence(kind: str, norm: str, name: st
 
 @pytest.mark.parametrize("name", ["joint", "carried", "bare", "init"])
 def test_layer_norm_switches_stream_at_batch_size_one_in_training(name: str) -> None:
-    layer = seqnorm.LSTM(3, 5, num_layers=2, norm="layer", **SWITCHES[name], **F64)
+    layer = seqnorm.LSTM(3, 5, num_layers=2, **with_spec("layer", **SWITCHES[name]), **F64)
     x = torch.randn(6, 1, 3, **F64)
     expected, _ = layer(x)
     assert_close(_stream(layer, x), expected, **EXACT)
@@ -256,7 +256,7 @@ def test_layer_norm_switches_stream_at_batch_size_one_in_training(name: str) -> 
 
 @pytest.mark.parametrize(("kind", "norm", "name"), CASES)
 def test_switches_under_autocast_are_close_to_float32(kind: str, norm: str, name: str) -> None:
-    layer = LAYERS[kind](8, 16, num_layers=2, norm=norm, max_steps=4, **SWITCHES[name])
+    layer = LAYERS[kind](8, 16, num_layers=2, max_steps=4, **with_spec(norm, **SWITCHES[name]))
     x, lengths = torch.randn(6, 5, 8), torch.tensor([6, 3, 6, 5, 2])
     snapshot = {k: v.clone() for k, v in layer.state_dict().items()}
     expected, _ = layer(x, lengths=lengths)
@@ -272,7 +272,11 @@ def test_switches_under_autocast_are_close_to_float32(kind: str, norm: str, name
 
 def test_eval_is_deterministic_with_switches_and_regularizers() -> None:
     layer = seqnorm.LSTM(
-        3, 5, norm="batch", norm_placement="joint", state_norm="carried", zoneout_h=0.3, recurrent_dropout=0.3
+        3,
+        5,
+        norm=BatchNormSpec(norm_placement="joint", state_norm="carried"),
+        zoneout_h=0.3,
+        recurrent_dropout=0.3,
     )
     layer(torch.randn(6, 4, 3))
     layer.eval()
@@ -282,16 +286,18 @@ def test_eval_is_deterministic_with_switches_and_regularizers() -> None:
 
 # --- bad combinations are errors naming the argument ----------------------------------------------------------------
 
+NORMS_SPEC = {name: scheme.spec.__name__ for name, scheme in seqnorm.NORMS.items()}
 BAD: list[tuple[str, str, dict[str, Any], str]] = [
     ("gru", "layer", {"norm_placement": "joint"}, r"expected norm_placement='separate' \(the GRU candidate"),
     ("gru", "layer", {"state_norm": "carried"}, r"expected state_norm='output' \(there is no cell state\)"),
     ("gru", "layer", {"beta_init": 0.5}, r"expected beta_init=0 \(only an LSTM's cell-state norm"),
-    ("lstm", "none", {"norm_placement": "joint"}, r"expected norm to be one of .* for norm_placement='joint', got"),
-    ("lstm", "weight", {"norm_placement": "joint"}, r"expected norm_options=\{'mean_only_bn': True\} for"),
-    ("lstm", "weight", {"state_norm": "carried"}, r"for state_norm='carried', got norm='weight'"),
-    ("lstm", "layer", {"input_stats": "sequence"}, r"expected norm to be one of 'batch', 'batch_renorm' for input_"),
-    ("lstm", "rms", {"beyond_max_steps": "pooled"}, r"for beyond_max_steps='pooled', got norm='rms'"),
-    ("lstm", "none", {"affine": False}, r"for affine=False, got norm='none'"),
+    # an option the norm's spec lacks: the cell or layer names a spec that has it
+    ("lstm", "none", {"norm_placement": "joint"}, r"keyword 'norm_placement'; pass norm=LayerNormSpec\(norm_place"),
+    ("lstm", "weight", {"norm_placement": "joint"}, r"expected mean_only_bn=True for norm_placement='joint'"),
+    ("lstm", "weight", {"state_norm": "carried"}, r"keyword 'state_norm'; pass norm=LayerNormSpec\(state_norm='c"),
+    ("lstm", "layer", {"input_stats": "sequence"}, r"keyword 'input_stats'; pass norm=BatchNormSpec\(input_stat"),
+    ("lstm", "rms", {"beyond_max_steps": "pooled"}, r"keyword 'beyond_max_steps'; pass norm=BatchNormSpec\("),
+    ("lstm", "none", {"affine": False}, r"keyword 'affine'; pass norm=LayerNormSpec\(affine=False\)"),
     ("lstm", "layer", {"affine": False, "gamma_init": 2.0}, r"expected gamma_init=None and beta_init=0 with affine"),
     ("lstm", "batch", {"norm_placement": "joint", "input_stats": "sequence"}, r"expected input_stats='timestep' with"),
     ("lstm", "layer", {"norm_placement": "both"}, r"expected norm_placement to be one of 'separate', 'joint', got"),
@@ -307,13 +313,14 @@ BAD: list[tuple[str, str, dict[str, Any], str]] = [
 def test_bad_switches_are_errors_naming_the_argument(
     kind: str, norm: str, switches: dict[str, Any], message: str, level: str
 ) -> None:
+    # the cell or layer names itself; a spec's own check names the spec (it is made before them)
     cls = CELLS[kind] if level == "cell" else LAYERS[kind]
-    with pytest.raises(ValueError, match=rf"^{cls.__name__}: (.* )?{message}"):
-        cls(3, 4, norm=norm, **switches)
+    with pytest.raises((ValueError, TypeError), match=rf"^({cls.__name__}|{NORMS_SPEC[norm]}): (.* )?{message}"):
+        cls(3, 4, **with_spec(norm, **switches))
 
 
 def test_weight_norm_with_mean_only_bn_can_sit_jointly() -> None:
-    cell = seqnorm.LSTMCell(3, 4, norm="weight", norm_options={"mean_only_bn": True}, norm_placement="joint")
+    cell = seqnorm.LSTMCell(3, 4, norm=WeightNormSpec(mean_only_bn=True, norm_placement="joint"))
     x, h, c = torch.randn(5, 3), torch.randn(5, 4), torch.randn(5, 4)
     total = F.linear(x, cell.weight_ih) + F.linear(h, cell.weight_hh)
     o, c_new = _lstm_tail(total - total.mean(0) + cell.bias_ih + cell.bias_hh, c)
@@ -321,7 +328,7 @@ def test_weight_norm_with_mean_only_bn_can_sit_jointly() -> None:
 
 
 def test_repr_shows_switches() -> None:
-    text = repr(seqnorm.LSTM(3, 4, norm="batch", norm_placement="joint", beyond_max_steps="pooled"))
+    text = repr(seqnorm.LSTM(3, 4, norm=BatchNormSpec(norm_placement="joint", beyond_max_steps="pooled")))
     assert "norm_placement='joint'" in text and "beyond_max_steps='pooled'" in text
     assert "norm_placement" not in repr(seqnorm.LSTMCell(3, 4, norm="batch"))
 
@@ -335,7 +342,7 @@ def test_repr_shows_switches() -> None:
 )
 def test_torch_compile_with_switches(switches: dict[str, Any]) -> None:
     torch._dynamo.reset()
-    layer = seqnorm.LSTM(3, 4, max_steps=2, **switches)
+    layer = seqnorm.LSTM(3, 4, max_steps=2, **with_spec(**switches))
     compiled = torch.compile(layer, backend="eager")
     x, lengths = torch.randn(4, 3, 3), torch.tensor([4, 3, 4])
     output, _ = compiled(x, lengths=lengths)

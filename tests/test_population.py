@@ -9,7 +9,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 from torch.testing import assert_close
 
 import seqnorm
-from seqnorm.norms import TimestepBatchNorm
+from seqnorm.norms import BatchNormSpec, TimestepBatchNorm
 from tests.conftest import BATCH_NORMS, KINDS, LAYERS
 
 # Batches of different sizes and lengths: (T, B) with each row's length.
@@ -219,7 +219,9 @@ def test_momentum_none_layer_paths_agree(kind: str) -> None:
     layers = {}
     for impl in ("reference", "auto"):
         torch.manual_seed(0)
-        layers[impl] = LAYERS[kind](3, 4, norm="batch", momentum=None, max_steps=5, impl=impl, dtype=torch.float64)
+        layers[impl] = LAYERS[kind](
+            3, 4, norm=BatchNormSpec(momentum=None), max_steps=5, impl=impl, dtype=torch.float64
+        )
     for _ in range(3):
         x = torch.randn(6, 4, 3, dtype=torch.float64)
         for layer in layers.values():
@@ -232,7 +234,7 @@ def test_momentum_none_layer_paths_agree(kind: str) -> None:
 def test_momentum_none_in_specs_and_errors() -> None:
     assert seqnorm.norms.BatchNormSpec(momentum=None).momentum is None
     with pytest.raises(ValueError, match=r"momentum to be a finite number in \[0, 1\] or None, got 2.0"):
-        LAYERS["lstm"](3, 4, norm="batch", momentum=2.0)
+        LAYERS["lstm"](3, 4, norm=BatchNormSpec(momentum=2.0))
 
 
 def test_update_bn_passes_do_not_count_as_fallback_steps() -> None:

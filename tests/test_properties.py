@@ -21,7 +21,9 @@ from hypothesis import strategies as st
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 from torch.testing import assert_close
 
-from tests.conftest import KINDS, LAYERS, NORMS
+import seqnorm
+from seqnorm.norms.specs import field_names
+from tests.conftest import KINDS, LAYERS, NORMS, with_spec
 
 CLEAR = re.compile(r"^[A-Za-z]+: expected .+, got .+", re.DOTALL)
 # float32: gradients are summed over steps and rows, and a norm over few features (hidden 2) divides by a small
@@ -49,10 +51,11 @@ def calls(draw: st.DrawFn) -> dict[str, Any]:
     }
     if kind == "lstm" and draw(_rarely(3)):
         options["proj_size"] = draw(st.integers(1, hidden))  # == hidden is invalid
-    if draw(_rarely(8)):
-        options["norm_placement"] = "joint"  # invalid for some norms and for GRUs
-    if draw(_rarely(8)):
-        options["state_norm"] = "carried"
+    fields = field_names(seqnorm.NORMS[norm].spec)
+    if draw(_rarely(8)) and "norm_placement" in fields:
+        options["placement"] = {"norm_placement": "joint"}  # invalid for weight norm alone and for GRUs
+    if draw(_rarely(8)) and "state_norm" in fields:
+        options["placement"] = {**options.get("placement", {}), "state_norm": "carried"}
     batch, steps = draw(st.integers(1, 4)), draw(st.integers(1, 6))
     # Lengths in [1, T], or now and then one outside (0 or T + 1).
     valid = st.lists(st.integers(1, steps), min_size=batch, max_size=batch)
@@ -128,7 +131,9 @@ def _call(layer: torch.nn.Module, case: dict[str, Any]) -> Any:
 def test_any_call_matches_the_reference_or_raises_clearly(case: dict[str, Any]) -> None:
     torch.manual_seed(case["seed"])  # the initial parameters: an example must replay exactly
     try:
-        layer = LAYERS[case["kind"]](case["input_size"], case["hidden"], dtype=case["dtype"], **case["options"])
+        options = {key: value for key, value in case["options"].items() if key != "placement"}
+        options = with_spec(options.pop("norm"), **case["options"].get("placement", {}), **options)
+        layer = LAYERS[case["kind"]](case["input_size"], case["hidden"], dtype=case["dtype"], **options)
     except ValueError as error:
         assert CLEAR.match(str(error)), str(error)
         event(f"refused at construction ({str(error)[:60]})")

@@ -13,7 +13,7 @@ from torch.testing import assert_close
 import seqnorm
 from seqnorm.norms import TimestepBatchNorm
 from seqnorm.norms.sync import SyncTimestepBatchNorm
-from tests.conftest import KINDS, LAYERS
+from tests.conftest import KINDS, LAYERS, with_spec
 
 # The long sequences all on rank 0: rank 1's input has 3 steps, so at steps 3..6 it has no active row, and at step 6
 # one row is active in the whole batch (the small-batch rule must count global rows: a fallback step everywhere).
@@ -23,8 +23,8 @@ SHARES = [slice(0, 3), slice(3, 6)]
 
 def _setup(kind: str, norm: str, input_stats: str) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
-    options = {"input_stats": input_stats} if input_stats != "timestep" else {}
-    layer = LAYERS[kind](3, 4, num_layers=2, norm=norm, max_steps=5, dtype=torch.float64, **options)
+    options = with_spec(norm, **({"input_stats": input_stats} if input_stats != "timestep" else {}))
+    layer = LAYERS[kind](3, 4, num_layers=2, max_steps=5, dtype=torch.float64, **options)
     x = torch.randn(7, 6, 3, dtype=torch.float64)
     weights = torch.randn(7, 6, 4, dtype=torch.float64)  # the loss: a weighted sum of the outputs
     return layer, x, weights

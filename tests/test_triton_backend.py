@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 import seqnorm
 from seqnorm import kernels
 from seqnorm.layers.plan import norm_blocker, plan_for
-from tests.conftest import perturb_norm_parameters
+from tests.conftest import perturb_norm_parameters, with_spec
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
@@ -70,11 +70,11 @@ def _options(norm: str, batch: int) -> dict[str, Any]:
     """Per-timestep BN's small-batch fallback on (padded tails with one real row, batch 1); batch renorm's r/d
     correction acting from the first batch."""
     if not seqnorm.NORMS[norm].batch_statistics:
-        return {}
+        return {"norm": norm}
     options: dict[str, Any] = {"small_batch": "running"}
     if norm == "batch_renorm":
         options["norm_options"] = {"warmup": 0, "r_max_steps": 1, "d_max_steps": 1, "r_max": 1.5, "d_max": 0.5}
-    return options
+    return with_spec(norm, **options)
 
 
 CASES = {  # (T, B, input, hidden, layers, bidirectional, lengths)
@@ -101,7 +101,7 @@ def test_triton_backend_matches_the_plain_path(kind: str, norm: str, case: str, 
     steps, batch, inputs, hidden, layers, bidirectional, lengths = CASES[case]
     torch.manual_seed(len(case) + layers)
     layer = seqnorm.LAYERS[kind](
-        inputs, hidden, num_layers=layers, bidirectional=bidirectional, norm=norm, **_options(norm, batch)
+        inputs, hidden, num_layers=layers, bidirectional=bidirectional, **_options(norm, batch)
     ).to(dtype)
     perturb_norm_parameters(layer)
     x = torch.randn(steps, batch, inputs, dtype=dtype)
@@ -332,7 +332,7 @@ def test_every_kernel_launch_builds_for_a_gpu() -> None:
         for kind in ("lstm", "gru"):
             for norm in KERNEL_NORMS:
                 for dtype in (torch.float32, torch.float64):
-                    layer = seqnorm.LAYERS[kind](2, 3, norm=norm, **_options(norm, 2)).to(dtype)
+                    layer = seqnorm.LAYERS[kind](2, 3, **_options(norm, 2)).to(dtype)
                     for lengths in (torch.tensor([2, 1]), None):
                         output, _ = layer(torch.randn(2, 2, 2, dtype=dtype, requires_grad=True), lengths=lengths)
                         output.sum().backward()
@@ -401,7 +401,7 @@ def test_under_autocast_the_backend_is_as_accurate_as_the_plain_path(kind: str, 
     states): no further from float32 without autocast than the plain path under autocast is (which also runs W_hh h
     in bf16), and with the same dtypes."""
     torch.manual_seed(2)
-    layer = seqnorm.LAYERS[kind](4, 6, norm=norm, **_options(norm, 3))
+    layer = seqnorm.LAYERS[kind](4, 6, **_options(norm, 3))
     x = torch.randn(5, 3, 4)
     reference = _autocast_run(layer, x, autocast=False, plain=True)
     fast = _autocast_run(layer, x, autocast=True, plain=False)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -14,18 +14,13 @@ from torch.nn.utils import parametrize
 from seqnorm.init import InitName, resolve_init
 from seqnorm.norms import (
     DEFAULT_MAX_STEPS,
-    DEFAULT_SMALL_BATCH,
     NORMS,
-    BeyondMaxSteps,
-    InputStats,
     NormContext,
     NormName,
-    NormPlacement,
     NormSpec,
     Role,
-    SmallBatchPolicy,
-    StateNorm,
     check_placement,
+    refuse_removed_keywords,
     resolve_norm,
 )
 from seqnorm.pickling import PicklableParametrizations
@@ -83,6 +78,7 @@ class RecurrentCell(PicklableParametrizations):
     forget_gate: ClassVar[int | None] = None  # index of the forget gate block, if the cell has one (forget_bias)
     supports_projection: ClassVar[bool] = False  # proj_size, as torch.nn.LSTM's
 
+    @refuse_removed_keywords
     def __init__(
         self,
         input_size: int,
@@ -93,20 +89,9 @@ class RecurrentCell(PicklableParametrizations):
         max_steps: int = DEFAULT_MAX_STEPS,
         init: InitName = "default",
         forget_bias: float | None = None,
-        eps: float = 1e-5,
-        momentum: float | None = 0.1,
-        small_batch: SmallBatchPolicy = DEFAULT_SMALL_BATCH,
-        norm_options: Mapping[str, Any] | None = None,
         zoneout_h: float = 0.0,
         zoneout_c: float = 0.0,
         proj_size: int = 0,
-        norm_placement: NormPlacement = "separate",
-        state_norm: StateNorm = "output",
-        affine: bool = True,
-        gamma_init: float | None = None,
-        beta_init: float = 0.0,
-        input_stats: InputStats = "timestep",
-        beyond_max_steps: BeyondMaxSteps = "last",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -119,30 +104,11 @@ class RecurrentCell(PicklableParametrizations):
         self.zoneout_c = check_rate(owner, "zoneout_c", zoneout_c)
         if self.zoneout_c and not self.has_cell_state:
             raise ValueError(f"{owner}: expected zoneout_c=0 (there is no cell state), got {zoneout_c!r}")
-        # A layer passes the spec it resolved and no keywords: then this is a lookup, not a second validation.
-        self.norm_spec = resolve_norm(
-            owner,
-            norm,
-            norm_options,
-            eps=eps,
-            momentum=momentum,
-            max_steps=max_steps,
-            small_batch=small_batch,
-            affine=affine,
-            gamma_init=gamma_init,
-            beta_init=beta_init,
-            input_stats=input_stats,
-            beyond_max_steps=beyond_max_steps,
-        )
+        # A layer passes the spec it resolved: then this is a lookup, not a second validation.
+        self.norm_spec = resolve_norm(owner, norm, max_steps)
         self.scheme = NORMS[self.norm_spec.name]
         self.init = resolve_init(init, owner)
-        self.placement = check_placement(
-            owner,
-            self.norm_spec,
-            has_cell_state=self.has_cell_state,
-            norm_placement=norm_placement,
-            state_norm=state_norm,
-        )
+        self.placement = check_placement(owner, self.norm_spec, has_cell_state=self.has_cell_state)
         self.norm_placement = self.placement.norm_placement
         self.state_norm = self.placement.state_norm
         self.max_steps: int = getattr(self.norm_spec, "max_steps", max_steps)
@@ -201,10 +167,6 @@ class RecurrentCell(PicklableParametrizations):
         for name in ("zoneout_h", "zoneout_c"):
             if getattr(self, name):
                 text += f", {name}={getattr(self, name)}"
-        defaults = type(self.placement)()
-        for name, value in vars(self.placement).items():
-            if value != getattr(defaults, name):
-                text += f", {name}={value!r}"
         for name, value in self.norm_spec.options().items():
             if name != "max_steps":  # shown above for the norms that use it
                 text += f", {name}={value!r}"

@@ -32,8 +32,8 @@ class GRUCell(GatedCell):
     unit and step (Krueger et al. 2016); evaluation runs without it.
 
     Args: as :class:`~seqnorm.LSTMCell` (``forget_bias`` does not apply: a GRU has no forget gate; ``zoneout_c`` must
-    be 0, ``norm_placement`` ``"separate"``, ``state_norm`` ``"output"`` and ``beta_init`` 0: a GRU has no cell state,
-    and its candidate gates the recurrent term by ``r``, so the two terms are never one sum).
+    be 0, and the spec's ``norm_placement`` ``"separate"``, ``state_norm`` ``"output"`` and ``beta_init`` 0: a GRU has
+    no cell state, and its candidate gates the recurrent term by ``r``, so the two terms are never one sum).
 
     Inputs: ``x, h=None, *, step=None, mask=None`` with ``x`` ``(B, input_size)`` and ``h`` ``(B, hidden_size)``;
     ``step`` and ``mask`` as for :class:`~seqnorm.LSTMCell` (``step`` required by per-timestep norms; padding rows

@@ -31,59 +31,42 @@ class LSTMCell(GatedCell):
     ``d_h ~ B(zoneout_h)``, ``d_c ~ B(zoneout_c)`` at every step.
 
     ``N`` is the identity for ``norm="none"`` (exactly ``torch.nn.LSTMCell``) and ``"weight"`` (``W = g v/||v||``
-    per row; with ``norm_options={"mean_only_bn": True}`` ``N_{ih}, N_{hh}`` subtract per-timestep batch means);
+    per row; with ``WeightNormSpec(mean_only_bn=True)`` ``N_{ih}, N_{hh}`` subtract per-timestep batch means);
     LayerNorm / RMSNorm over the ``4H`` gate features and the ``H`` state features for ``"layer"``/``"rms"``
     (Ba et al. 2016); per-timestep BatchNorm with γ initialized to 0.1 and β fixed at 0 on the gate terms for
     ``"batch"`` (Cooijmans et al. 2016), with Ioffe's r/d correction for ``"batch_renorm"``. The carried cell state
     ``c'`` stays unnormalized; only its path to ``h'`` is normalized.
 
-    Placement switches (:class:`~seqnorm.norms.Placement`): ``norm_placement="joint"`` gives
+    The norm's options are fields of its spec (:mod:`seqnorm.norms.specs`), where the norm sits included
+    (:class:`~seqnorm.norms.Placement`): ``norm_placement="joint"`` gives
     ``(i, f, g, o) = N(W_{ih} x + W_{hh} h) + b_{ih} + b_{hh}`` (one norm, ``norm_gates``); ``state_norm="carried"``
     gives ``c' <- N_c(c')``, ``h' = \sigma(o) \odot \tanh(c')`` (the normalized cell state is the state);
     ``affine=False`` drops every γ and β; ``gamma_init`` / ``beta_init`` set their initial values;
     ``input_stats="sequence"`` takes ``N_{ih}``'s batch statistics over batch × time; ``beyond_max_steps="pooled"``
-    normalizes steps ``t >= max_steps`` with the pooled statistics of all steps.
+    normalizes steps ``t >= max_steps`` with the pooled statistics of all steps. E.g.
+    ``LSTMCell(10, 20, norm=LayerNormSpec(norm_placement="joint"))``.
 
     Args:
         input_size: features of ``x``.
         hidden_size: features of ``c`` (and of ``h`` without a projection).
         bias: use ``b_ih`` and ``b_hh``. Default: ``True``.
         norm: ``"none" | "layer" | "rms" | "weight" | "batch" | "batch_renorm"`` (that norm's default options), or a
-            spec from :mod:`seqnorm.norms.specs` carrying its options, e.g. ``BatchNormSpec(momentum=0.05)``.
-            Default: ``"none"``. The norm options below are the same fields as keywords: each must belong to the
-            norm (``momentum`` with ``"layer"`` is a ``ValueError``), one at its default value is not given, and
-            one that contradicts the spec is an error.
-        max_steps: time steps with their own batch statistics; later steps reuse the last. Default: 100. Accepted
-            whatever the norm (ignored by norms without per-timestep statistics).
+            spec from :mod:`seqnorm.norms.specs` carrying its options, e.g. ``BatchNormSpec(momentum=0.05)``: the
+            one place a norm is configured (``eps``, ``momentum``, ``small_batch``, ``affine``, ``gamma_init``,
+            ``beta_init``, ``input_stats``, ``beyond_max_steps``, ``norm_placement``, ``state_norm``, ...; passed
+            here as keywords they are a ``TypeError`` naming the spec field). Default: ``"none"``.
+        max_steps: time steps with their own batch statistics; later steps follow the spec's ``beyond_max_steps``.
+            Default: 100. Accepted whatever the norm (ignored by norms without per-timestep statistics); folded into
+            a spec that has it (a spec that sets another value is a ``ValueError``).
         init: ``"default" | "xavier" | "kaiming" | "orthogonal" | "identity"`` (see :mod:`seqnorm.init`).
         forget_bias: value of the forget gate bias after initialization. Default: 1.0 for normalized cells,
             ``None`` (torch's initialization untouched) for ``norm="none"``.
-        eps: epsilon of every norm. Default: 1e-5.
-        momentum: running-statistics momentum of the batch norms; ``None``: cumulative average. Default: 0.1.
-        small_batch: what a batch norm does in training at a step with fewer than 2 active rows: ``"tail"``
-            (default; in a batch of 2+ rows, normalize it with the running statistics of the step; batch size 1
-            raises), ``"error"`` (raise) or ``"running"`` (fall back, batch size 1 too). See
-            :mod:`seqnorm.norms.batch`.
-        norm_options: the spec fields that have no keyword: ``r_max, d_max, warmup, r_max_steps, d_max_steps`` for
-            ``"batch_renorm"``; ``mean_only_bn`` for ``"weight"`` (kept for existing code; a spec says it directly).
         zoneout_h, zoneout_c: zoneout rates in ``[0, 1)`` of ``h`` and ``c`` (Krueger et al. 2016), drawn from
             torch's random generator at every training step. In evaluation zoneout is off (no draw, the same
             outputs as rates of 0), where Krueger et al. use the expectation ``rate * h + (1 - rate) * h'``: a model
             trained with zoneout evaluates on the plain recurrence, like inverted dropout. Default: 0.
         proj_size: features of ``h`` after the projection ``weight_hr`` ``(proj_size, hidden_size)``, in
             ``[1, hidden_size)``; 0 (default): no projection. It follows every norm (``N_c`` acts on ``c``).
-        norm_placement: ``"separate"`` (default) or ``"joint"``: normalize ``W_ih x`` and ``W_hh h`` apart or their
-            sum. Not for ``"none"``, nor ``"weight"`` without ``mean_only_bn``.
-        state_norm: ``"output"`` (default) or ``"carried"``: ``N_c(c')`` feeds only ``h'``, or is also the new
-            cell state. For ``"layer" | "rms" | "batch" | "batch_renorm"``.
-        affine: learn the norms' γ (and ``N_c``'s β). Default: ``True``.
-        gamma_init: initial γ of every norm; ``None`` (default): 0.1 for batch norms (Cooijmans et al.), 1.0 for
-            layer/RMS norms.
-        beta_init: initial β of ``N_c``. Default: 0.
-        input_stats: ``"timestep"`` (default) or ``"sequence"``: statistics of the input term's batch norm per
-            step, or over batch × time excluding padding (needs whole sequences in training: use the layers).
-        beyond_max_steps: ``"last"`` (default) or ``"pooled"``: per-timestep statistics used at ``t >= max_steps``
-            (see :mod:`seqnorm.norms.batch` for the trade-off).
         device, dtype: of the parameters.
 
     Inputs: ``x, state=None, *, step=None, mask=None``

@@ -49,7 +49,6 @@ from seqnorm.cli.checks import (
     check_resumed_batch_size,
     check_weights_fit,
     check_writable_dir,
-    fold_renamed_flags,
     user_error,
     weight_shapes,
 )
@@ -260,7 +259,6 @@ class SeqnormCLI(LightningCLI):
         trainer = self._get(self.config, "trainer")
         check_writable_dir(trainer.get("default_root_dir") if trainer is not None else None)
         configure_threads(self._get(self.config, "threads"))  # before the data and the model touch torch
-        fold_renamed_flags(self._get(self.config, "model"), MODELS)  # so config.yaml records today's names
         if self._get(self.config, "lr_scheduler") and not self._get(self.config, "optimizer"):
             # LightningCLI attaches a scheduler only to an optimizer it builds; the modules' own Adam ran without it.
             raise ValueError(

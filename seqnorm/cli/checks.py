@@ -5,11 +5,9 @@ Kept apart from :mod:`seqnorm.cli.app` so that the command itself stays a short 
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import tempfile
-from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from types import TracebackType
@@ -17,12 +15,12 @@ from typing import Any
 
 import torch
 from jsonargparse import Namespace
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from seqnorm.cli.runs import checkpoint_run_dir
 from seqnorm.data.formats import TEXT_FORMATS
-from seqnorm.lightning.base import DATA_STATE_KEY, RENAMED_HPARAMS, current_hparams
+from seqnorm.lightning.base import DATA_STATE_KEY
 from seqnorm.lightning.checkpoint_io import DATA_HPARAMS_KEY, corrupt_checkpoint, names_class
+from seqnorm.lightning.old_hparams import current_hparams
 from seqnorm.norms import NORMS, NormSpec, spec_from_dict
 
 __all__ = [
@@ -36,7 +34,6 @@ __all__ = [
     "check_resumed_batch_size",
     "check_weights_fit",
     "check_writable_dir",
-    "fold_renamed_flags",
     "user_error",
     "weight_shapes",
 ]
@@ -77,7 +74,7 @@ def apply_checkpoint_hparams(
     Arguments linked from the data are left to :func:`check_data_matches`; names the model no longer takes are
     ignored, as Lightning's ``load_from_checkpoint`` does; renamed ones are read under their new names.
     """
-    hparams = current_hparams(hparams)  # a checkpoint's max_steps is today's norm_max_steps
+    hparams = current_hparams(hparams)  # keys of before norm specs read as today's
     init_args = model.init_args
     given = explicit.get("init_args") if explicit is not None else None
     for name, saved in hparams.items():
@@ -334,36 +331,3 @@ def user_error(error: ValueError) -> ValueError:
             found = cause
         cause = cause.__cause__
     return found
-
-
-def fold_renamed_flags(model: Namespace | None, classes: Sequence[type]) -> None:
-    """Move a model argument given under its old name (``--model.max_steps``, or ``max_steps:`` in a config) to its
-    new one (:data:`~seqnorm.lightning.base.RENAMED_HPARAMS`), with a FutureWarning naming both flags, so that the
-    run's config.yaml records the new name and the model gets no deprecated argument. ``classes``: those ``--model``
-    may name (for the new argument's default)."""
-    init_args = model.get("init_args") if model is not None else None
-    if init_args is None:
-        return
-    for old, new in RENAMED_HPARAMS.items():
-        value = init_args.get(old)
-        if value is None:
-            continue
-        current = init_args.get(new)
-        if current is not None and current != value and current != _default(model.get("class_path"), new, classes):
-            raise ValueError(
-                f"--model.{old} {value} contradicts --model.{new} {current}: {old} is the old name of {new}; "
-                f"pass --model.{new} only"
-            )
-        init_args[new], init_args[old] = value, None
-        rank_zero_warn(
-            f"--model.{old} is renamed --model.{new} (the time steps with their own batch-norm statistics, not the "
-            f"length of training, --trainer.max_steps); {value} is used as --model.{new}. The old name will be "
-            "removed: write the new one in your command or config.",
-            category=FutureWarning,
-            stacklevel=5,  # the caller's line (rank_zero_warn adds three frames)
-        )
-
-
-def _default(class_path: Any, name: str, classes: Sequence[type]) -> Any:
-    cls = next((cls for cls in classes if isinstance(class_path, str) and names_class(class_path, cls)), None)
-    return inspect.signature(cls.__init__).parameters[name].default if cls is not None else None

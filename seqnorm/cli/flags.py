@@ -4,7 +4,9 @@ jsonargparse answers ``seqnorm fit --model.hiden_size 10`` with the whole usage 
 and a nested "Does not validate against any of the Union subtypes" report, and no "did you mean". The parser here
 checks the command line's flags first: the first one that is no option of the parser, nor an argument of the class
 chosen for ``--model``/``--data``/``--optimizer``/``--lr_scheduler`` (``--model.hidden_size``), is named with
-:func:`difflib.get_close_matches` over the valid ones, in two lines. Any other error (a bad value, a typo inside a
+:func:`difflib.get_close_matches` over the valid ones, in two lines. A model argument of before norm specs
+(``max_steps``, a norm option inside ``rnn_options``), as a flag or in a ``--config`` file, is one line naming its
+replacement (:func:`~seqnorm.lightning.old_hparams.old_key_error`). Any other error (a bad value, a typo inside a
 ``--config`` file) keeps jsonargparse's full report.
 """
 
@@ -12,13 +14,17 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import json
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar, NoReturn
 
 import torch
+import yaml
 from jsonargparse import ArgumentParser
 from lightning.pytorch.cli import LightningArgumentParser
+
+from seqnorm.lightning.old_hparams import old_key_error
 
 __all__ = ["FlagSuggestingParser", "FunctionFlagParser", "class_flags", "unknown_flag"]
 
@@ -154,6 +160,14 @@ class _SuggestsFlags(ArgumentParser):
         words = getattr(self, "args", None)  # what parse_args was given (jsonargparse keeps it)
         if self.exit_on_error and isinstance(words, list):
             try:
+                old = old_model_key(words)
+            except Exception:  # an unreadable config: jsonargparse's report says why
+                old = None
+            if old is not None:
+                command = self.prog.replace(" [options]", "")
+                print(f"{command}: error: {old}", file=sys.stderr)
+                raise SystemExit(2)
+            try:
                 found = self._unknown_flag(words)
             except Exception:  # a hint must never hide the error it explains: jsonargparse's report then
                 found = None
@@ -178,6 +192,40 @@ class _SuggestsFlags(ArgumentParser):
         subcommand = words[split]
         found = unknown_flag(words[split + 1 :], parsers[subcommand]._option_string_actions, self.nested_classes)
         return (f"{command} {subcommand}", found) if found is not None else None
+
+
+def old_model_key(words: list[str]) -> str | None:
+    """The error for the first model argument of before norm specs in the command line's flags or ``--config``
+    files, ``None`` if there is none."""
+    for index, word in enumerate(words):
+        flag, _, inline = word.partition("=")
+        value = inline if inline else words[index + 1] if index + 1 < len(words) else ""
+        if flag.startswith("--model."):
+            key = flag.removeprefix("--model.").removeprefix("init_args.")
+            if key == "rnn_options":
+                keys = [f"rnn_options.{name}" for name in _mapping(json.loads(value))]
+            else:
+                keys = [key]
+            for key in keys:
+                error = old_key_error(flag, key)
+                if error is not None:
+                    return str(error)
+        elif flag == "--config" and value:
+            with open(value, encoding="utf-8") as file:
+                config = _mapping(yaml.safe_load(file))
+            model = _mapping(config.get("model"))
+            nested = "init_args" in model  # `model: {class_path: ..., init_args: {...}}`, or the arguments themselves
+            args = _mapping(model.get("init_args")) if nested else model
+            keys = [*args, *(f"rnn_options.{name}" for name in _mapping(args.get("rnn_options")))]
+            for key in keys:
+                error = old_key_error(f"--config {value}: model.{'init_args.' if nested else ''}{key}", key)
+                if error is not None:
+                    return str(error)
+    return None
+
+
+def _mapping(value: object) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
 
 
 class FlagSuggestingParser(_SuggestsFlags, LightningArgumentParser):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
@@ -35,19 +34,7 @@ from seqnorm.layers.keys import TORCH_KEY, from_torch_keys, to_torch_keys, torch
 from seqnorm.layers.plan import Plan, log, plan_for
 from seqnorm.layers.stack import PaddingLayout, padding_layout, run_stack
 from seqnorm.layers.stepping import forget, lean_layer_step
-from seqnorm.norms import (
-    DEFAULT_MAX_STEPS,
-    DEFAULT_SMALL_BATCH,
-    BeyondMaxSteps,
-    InputStats,
-    NormName,
-    NormPlacement,
-    NormSpec,
-    SmallBatchPolicy,
-    StateNorm,
-    check_placement,
-    resolve_norm,
-)
+from seqnorm.norms import DEFAULT_MAX_STEPS, NormName, NormSpec, check_placement, refuse_removed_keywords, resolve_norm
 from seqnorm.norms.sync import synchronized_steps
 from seqnorm.torch_capture import captured_by_export, refuse_scripting
 from seqnorm.validation import (
@@ -88,6 +75,7 @@ class RecurrentLayer(nn.Module):
 
     cell_class: ClassVar[type[RecurrentCell]]
 
+    @refuse_removed_keywords
     def __init__(
         self,
         input_size: int,
@@ -108,17 +96,6 @@ class RecurrentLayer(nn.Module):
         max_steps: int = DEFAULT_MAX_STEPS,
         init: InitName = "default",
         forget_bias: float | None = None,
-        eps: float = 1e-5,
-        momentum: float | None = 0.1,
-        small_batch: SmallBatchPolicy = DEFAULT_SMALL_BATCH,
-        norm_options: Mapping[str, Any] | None = None,
-        norm_placement: NormPlacement = "separate",
-        state_norm: StateNorm = "output",
-        affine: bool = True,
-        gamma_init: float | None = None,
-        beta_init: float = 0.0,
-        input_stats: InputStats = "timestep",
-        beyond_max_steps: BeyondMaxSteps = "last",
         impl: Impl = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -131,24 +108,10 @@ class RecurrentLayer(nn.Module):
         self.input_size = check_positive_int(owner, "input_size", input_size)
         self.hidden_size = check_positive_int(owner, "hidden_size", hidden_size)
         self.num_layers = check_positive_int(owner, "num_layers", num_layers)
-        # Resolved and checked here, once: the cells get the spec and no norm keywords.
-        self.norm_spec = resolve_norm(
-            owner,
-            norm,
-            norm_options,
-            eps=eps,
-            momentum=momentum,
-            max_steps=max_steps,
-            small_batch=small_batch,
-            affine=affine,
-            gamma_init=gamma_init,
-            beta_init=beta_init,
-            input_stats=input_stats,
-            beyond_max_steps=beyond_max_steps,
-        )
+        # Resolved and checked here, once, so that errors name the layer: the cells get the spec.
+        self.norm_spec = resolve_norm(owner, norm, max_steps)
         init = resolve_init(init, owner)
-        switches = {"norm_placement": norm_placement, "state_norm": state_norm}
-        check_placement(owner, self.norm_spec, has_cell_state=self.cell_class.has_cell_state, **switches)
+        check_placement(owner, self.norm_spec, has_cell_state=self.cell_class.has_cell_state)
         self.dropout = check_rate(owner, "dropout", dropout)
         if self.dropout and self.num_layers == 1:  # torch.nn.LSTM warns the same
             warnings.warn(
@@ -183,7 +146,6 @@ class RecurrentLayer(nn.Module):
                 zoneout_h=zoneout_h,
                 zoneout_c=zoneout_c,
                 proj_size=proj_size,
-                **switches,
                 device=device,
                 dtype=dtype,
             )

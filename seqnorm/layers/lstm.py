@@ -36,8 +36,8 @@ class LSTM(RecurrentLayer):
         All regularizers draw from torch's random generator (``torch.manual_seed`` reproduces them), act in
         training only and leave evaluation exactly as with rates of 0; see :mod:`seqnorm.layers.dropout`. Rates
         outside ``[0, 1)`` are a ``ValueError``. ``dropout`` is torch's (between layers, a fresh mask per element).
-        norm, max_steps, init, forget_bias, eps, momentum, small_batch, norm_options, device, dtype: as
-            :class:`~seqnorm.LSTMCell`, for every cell.
+        norm, max_steps, init, forget_bias, device, dtype: as :class:`~seqnorm.LSTMCell`, for every cell (a
+            norm's options are fields of its spec: ``norm=BatchNormSpec(momentum=0.05)``).
         impl: ``"auto"`` (default): the fastest path with the reference's results (torch's fused kernel when
             nothing is normalized, else hoisted input terms and a lean loop; see :mod:`seqnorm.layers.fast`);
             ``"reference"``: the plain per-step loop. Observers hooked to a cell always get the reference loop.

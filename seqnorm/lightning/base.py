@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
-import warnings
 from collections import deque
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import lightning.pytorch as pl
 import torch
@@ -27,6 +25,7 @@ from seqnorm.lightning.checkpoint_io import (
     read_hparams_file,
     task_class,
 )
+from seqnorm.lightning.old_hparams import current_hparams
 from seqnorm.lightning.resume import (
     RANDOM_STATE_KEY,
     random_states,
@@ -37,14 +36,14 @@ from seqnorm.lightning.resume import (
     settle_restart_totals,
     snapshot_random_states,
 )
-from seqnorm.norms import DEFAULT_SMALL_BATCH, BeyondMaxSteps, NormSpec, TimestepBatchNorm, resolve_norm, spec_from_dict
-from seqnorm.norms.specs import InputStats, field_names
+from seqnorm.norms import DEFAULT_SMALL_BATCH, NORMS, NormSpec, TimestepBatchNorm, resolve_norm, spec_from_dict
+from seqnorm.norms.specs import checked, field_names
 from seqnorm.validation import check_non_negative, check_positive_int, check_rate
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["DATA_STATE_KEY", "RENAMED_HPARAMS", "RNNOptions", "TaskModule", "current_hparams"]
+__all__ = ["DATA_STATE_KEY", "RNNOptions", "TaskModule"]
 
 DATA_STATE_KEY = "seqnorm_data"
 """Checkpoint key holding the DataModule's state (vocabulary, level, unit), read back by ``seqnorm generate``."""
@@ -63,34 +62,18 @@ RNN_ARGUMENTS = {
 }
 """The recurrent layer's keyword arguments that both task modules take, each with the module's name for it
 (``small_batch`` is folded into the norm's spec)."""
-RENAMED_HPARAMS = {"max_steps": "norm_max_steps"}
-"""Old name -> new name of the task modules' arguments. ``max_steps`` read like ``--trainer.max_steps`` (the
-length of training) on the command line; it is the number of time steps with their own BN statistics. The old
-name is still accepted (with a FutureWarning) and checkpoints that saved it load unchanged (:func:`current_hparams`)."""
-
-
-def current_hparams(hparams: Mapping[str, Any]) -> dict[str, Any]:
-    """Saved hyperparameters under today's names (:data:`RENAMED_HPARAMS`); a new name already saved wins."""
-    current = dict(hparams)
-    for old, new in RENAMED_HPARAMS.items():
-        if old in current:
-            value = current.pop(old)
-            if value is not None:
-                current.setdefault(new, value)
-    return current
 
 
 class RNNOptions(TypedDict, total=False):
     """Further keyword arguments of :class:`seqnorm.LSTM` / :class:`seqnorm.GRU` for the task modules.
 
-    ``--model.rnn_options '{"norm_placement": "joint", "zoneout_h": 0.1}'``: typed, so jsonargparse checks every key
-    and value on the command line and in configs (an unknown key or a value outside its choices is refused before
-    anything is built). The norm's own options belong on its spec (``--model.norm.init_args.momentum 0.05``).
+    ``--model.rnn_options '{"zoneout_h": 0.1, "proj_size": 64}'``: typed, so jsonargparse checks every key and value
+    on the command line and in configs (an unknown key or a value outside its choices is refused before anything is
+    built). The norm's options, where it sits included, are fields of its spec (``--model.norm.init_args.momentum
+    0.05``, ``--model.norm.init_args.norm_placement joint``).
     """
 
-    # The cell's placement switches (they change its equations) and regularizers.
-    norm_placement: Literal["separate", "joint"]
-    state_norm: Literal["output", "carried"]
+    # The regularizers and the layer's other arguments.
     zoneout_h: float
     zoneout_c: float
     input_dropout: float
@@ -98,15 +81,6 @@ class RNNOptions(TypedDict, total=False):
     forget_bias: float | None
     proj_size: int
     impl: Impl
-    # Norm options as configs wrote them before norm specs: still accepted, folded into the norm's spec.
-    eps: float
-    momentum: float | None
-    affine: bool
-    gamma_init: float | None
-    beta_init: float
-    input_stats: InputStats
-    beyond_max_steps: BeyondMaxSteps
-    norm_options: dict[str, Any] | None
     # The model's own arguments (RNN_ARGUMENTS): listed so that the model, not the parser, refuses them, naming the
     # flag to use.
     norm: Any
@@ -164,11 +138,8 @@ class TaskModule(pl.LightningModule):
         (``--ckpt_path`` for the CLI)."""
         where = f"{flag} {checkpoint_path}"
         task_class(checkpoint, _subclasses(cls), checkpoint_path, flag)
-        saved = checkpoint["hyper_parameters"]
-        renamed = current_hparams(saved)
-        for old, new in RENAMED_HPARAMS.items():
-            if old in saved and old not in kwargs and new not in kwargs:  # a checkpoint of before the rename
-                kwargs[new], kwargs[old] = renamed.get(new), None
+        # Keys of before norm specs read as today's (the built model is the same); Lightning reads this dict.
+        saved = checkpoint["hyper_parameters"] = current_hparams(checkpoint["hyper_parameters"])
         norm = saved.get("norm")
         if "norm" not in kwargs and isinstance(norm, Mapping):
             # A spec saved as plain data: made here by the registry, handed over as an object (jsonargparse, which
@@ -188,37 +159,10 @@ class TaskModule(pl.LightningModule):
         except ValueError as error:  # the model refused a value jsonargparse let through (hidden_size=-1, say)
             raise corrupt_checkpoint(where, str(error)) from None
 
-    def _take_renamed(self) -> None:
-        """Fold a deprecated argument given under its old name (:data:`RENAMED_HPARAMS`) into the new one, in the
-        hyperparameters and what loggers record. Call it right after ``save_hyperparameters()``."""
-        owner = type(self).__name__
-        for old, new in RENAMED_HPARAMS.items():
-            value = self.hparams.pop(old, None)
-            if hasattr(self, "_hparams_initial"):
-                self._hparams_initial.pop(old, None)
-            if value is None:
-                continue
-            default = inspect.signature(type(self).__init__).parameters[new].default
-            if self.hparams[new] not in (value, default):
-                raise ValueError(
-                    f"{owner}: expected {old} (the old name of {new}) to agree with {new}, got {old}={value} and "
-                    f"{new}={self.hparams[new]}; pass {new} only (--model.{new} on the command line)"
-                )
-            warnings.warn(
-                f"{owner}: {old} is renamed {new} (--model.{new} on the command line), the time steps with their own "
-                f"batch-norm statistics, not the length of training (--trainer.max_steps); {old}={value} is used as "
-                f"{new}. The old name will be removed.",
-                FutureWarning,
-                stacklevel=3,  # the line that built the model
-            )
-            self.hparams[new] = value
-            if hasattr(self, "_hparams_initial"):
-                self._hparams_initial[new] = value
-
     def _norm_spec(self, norm: str | NormSpec | Mapping[str, Any]) -> NormSpec:
         """The spec of ``norm`` with the model's ``norm_max_steps`` and ``small_batch``; ``hparams.norm`` becomes data.
 
-        Call it right after :meth:`_take_renamed`. Checkpoints hold plain values only (they are read with
+        Call it right after ``save_hyperparameters()``. Checkpoints hold plain values only (they are read with
         ``weights_only=True``, and a ``class_path`` in their hyperparameters is refused:
         :mod:`~seqnorm.lightning.checkpoint_io`), so a spec is saved as ``spec.to_dict()``, which only seqnorm's
         registry turns back into a spec; a name stays a name, as the shipped configs write it.
@@ -237,11 +181,23 @@ class TaskModule(pl.LightningModule):
         self.hparams["norm"] = plain
         if hasattr(self, "_hparams_initial"):  # what loggers record (hparams.yaml): the same plain data
             self._hparams_initial["norm"] = plain
+        spec = resolve_norm(owner, norm, self.hparams.norm_max_steps)
         small_batch = self.hparams.small_batch
-        if small_batch == "error" and "small_batch" not in field_names(type(resolve_norm(owner, norm))):
-            # The default before "tail": checkpoints of that time hold it whatever the norm.
-            small_batch = DEFAULT_SMALL_BATCH
-        return resolve_norm(owner, norm, max_steps=self.hparams.norm_max_steps, small_batch=small_batch)
+        if small_batch == DEFAULT_SMALL_BATCH or small_batch == getattr(spec, "small_batch", None):
+            return spec
+        if "small_batch" not in field_names(spec):
+            having = ", ".join(
+                repr(name) for name, scheme in NORMS.items() if "small_batch" in field_names(scheme.spec)
+            )
+            raise ValueError(
+                f"{owner}: expected norm to be one of {having} for small_batch={small_batch!r}, got norm={spec.name!r}"
+            )
+        if spec.small_batch != DEFAULT_SMALL_BATCH:  # type: ignore[attr-defined]
+            raise ValueError(
+                f"{owner}: expected small_batch={spec.small_batch!r} as norm={spec!r} sets it (or no small_batch "  # type: ignore[attr-defined]
+                f"beside the spec), got small_batch={small_batch!r}"
+            )
+        return checked(owner, spec, small_batch=small_batch)
 
     def _rnn_kwargs(self, norm: NormSpec) -> dict[str, Any]:
         """The recurrent layer's keyword arguments: ``norm`` (:meth:`_norm_spec`), the model's own

@@ -26,7 +26,7 @@ class SequenceClassifier(TaskModule):
             positions.
         bidirectional: read the text in both directions.
         cell, norm, hidden_size, embedding_dim, num_layers, dropout, recurrent_dropout, init, norm_max_steps,
-        small_batch, rnn_options, lr, weight_decay, max_steps: as :class:`LanguageModel`.
+        small_batch, rnn_options, lr, weight_decay: as :class:`LanguageModel`.
     """
 
     def __init__(
@@ -49,11 +49,9 @@ class SequenceClassifier(TaskModule):
         rnn_options: RNNOptions | None = None,
         lr: float = 2e-3,
         weight_decay: float = 0.0,
-        max_steps: int | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self._take_renamed()
         self.model = RNNClassifier(
             vocab_size,
             num_classes,

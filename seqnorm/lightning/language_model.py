@@ -66,15 +66,13 @@ class LanguageModel(TaskModule):
         tie_weights: share the embedding and output matrices (``embedding_dim`` must equal ``hidden_size``, or
             ``rnn_options.proj_size`` when set).
         rnn_options: further keyword arguments of :class:`seqnorm.LSTM` / :class:`seqnorm.GRU` that are not norm
-            options: the cell switches ``norm_placement`` and ``state_norm``, regularizers (``zoneout_h``,
-            ``zoneout_c``, ``input_dropout``, ``weight_dropout``), ``forget_bias``, ``proj_size``, ``impl``. The
-            norm keywords (``eps``, ``momentum``, ``affine``, ``beyond_max_steps``, ``norm_options``, ...) still
-            work here for existing configs; ``norm``'s spec is where they belong. Typed (:class:`RNNOptions`): the
-            CLI checks every key and value while parsing.
+            options: regularizers (``zoneout_h``, ``zoneout_c``, ``input_dropout``, ``weight_dropout``),
+            ``forget_bias``, ``proj_size``, ``impl``. A norm's options, ``norm_placement`` and ``state_norm``
+            included, are fields of ``norm``'s spec. Typed (:class:`RNNOptions`): the CLI checks every key and
+            value while parsing. Checkpoints that saved norm options here load with them folded into the spec
+            (:mod:`seqnorm.lightning.old_hparams`).
         lr: Adam learning rate (the CLI's ``--optimizer`` replaces Adam entirely).
         weight_decay: Adam weight decay.
-        max_steps: the old name of ``norm_max_steps``, still accepted with a FutureWarning (checkpoints that
-            saved it load as ``norm_max_steps``).
     """
 
     def __init__(
@@ -97,7 +95,6 @@ class LanguageModel(TaskModule):
         rnn_options: RNNOptions | None = None,
         lr: float = 2e-3,
         weight_decay: float = 0.0,
-        max_steps: int | None = None,
     ) -> None:
         super().__init__()
         if level not in ("char", "word"):
@@ -107,7 +104,6 @@ class LanguageModel(TaskModule):
                 f"LanguageModel: expected stream_steps to be 'restart' or 'continue', got {stream_steps!r}"
             )
         self.save_hyperparameters()
-        self._take_renamed()
         self.model = RNNLanguageModel(
             vocab_size,
             embedding_dim,

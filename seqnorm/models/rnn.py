@@ -8,6 +8,7 @@ from typing import Any, Literal
 from torch import nn
 
 from seqnorm.layers import LAYERS, RecurrentLayer
+from seqnorm.norms import REMOVED_KEYWORDS
 
 __all__ = ["CellName", "build_rnn", "embedded_rnn"]
 
@@ -22,7 +23,7 @@ def build_rnn(cell: str, input_size: int, hidden_size: int, **kwargs: Any) -> Re
         raise ValueError(f"build_rnn: expected cell to be one of {', '.join(map(repr, _LAYERS))}, got {cell!r}")
     layer = _LAYERS[cell]
     accepted = set(inspect.signature(layer.__init__).parameters) - {"self", "input_size", "hidden_size", "batch_first"}
-    unknown = sorted(set(kwargs) - accepted)
+    unknown = sorted(set(kwargs) - accepted - REMOVED_KEYWORDS)  # those: the layer names the spec field to set
     if unknown:
         raise ValueError(
             f"build_rnn: expected keyword arguments of seqnorm.{layer.__name__} ({', '.join(sorted(accepted))}), "

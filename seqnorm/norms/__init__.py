@@ -3,18 +3,20 @@
 A cell asks the registry for a :class:`NormScheme` and builds from it up to three norms: ``norm_ih`` on the input
 term ``W_ih x``, ``norm_hh`` on the recurrent term ``W_hh h`` and ``norm_c`` on the LSTM cell state before its output
 ``tanh`` (the carried cell state stays raw, as in Ba et al. and Cooijmans et al.) — or, with the placement switches
-of :class:`Placement`, one ``norm_gates`` over the sum of the two terms and an ``N_c`` whose output is carried.
-Every norm is called as ``norm(x, step, mask)``. A norm's options travel in its spec (:mod:`seqnorm.norms.specs`);
-adding a norm means writing its module, its spec and one registry entry here; cells do not change.
+of :class:`Placement` (fields of the spec), one ``norm_gates`` over the sum of the two terms and an ``N_c`` whose
+output is carried. Every norm is called as ``norm(x, step, mask)``. A norm's options travel in its spec
+(:mod:`seqnorm.norms.specs`), the one way to configure it: ``norm=`` takes a registry name or a spec. Adding a norm
+means writing its module, its spec and one registry entry here; cells do not change.
 Under ``torch.autocast`` every norm computes its statistics in float32 (:mod:`seqnorm.norms.precision`); a new norm
 gets that by decorating its methods with :func:`float32_statistics`.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -37,11 +39,12 @@ from seqnorm.norms.specs import (
     InputStats,
     LayerNormSpec,
     NoNormSpec,
+    NormPlacement,
     NormSpec,
     RMSNormSpec,
+    StateNorm,
     WeightNormSpec,
     checked,
-    default_of,
     field_names,
 )
 
@@ -49,7 +52,7 @@ __all__ = [
     "DEFAULT_MAX_STEPS",
     "DEFAULT_SMALL_BATCH",
     "NORMS",
-    "NORM_KEYWORDS",
+    "REMOVED_KEYWORDS",
     "SMALL_BATCH_POLICIES",
     "BatchNormSpec",
     "BatchRenormSpec",
@@ -83,17 +86,13 @@ __all__ = [
 NormName = Literal["none", "layer", "rms", "weight", "batch", "batch_renorm"]
 """The built-in registry names, the short form of ``norm=`` (a test keeps it equal to the keys of :data:`NORMS`; a
 norm registered later is accepted at run time all the same)."""
-NormPlacement = Literal["separate", "joint"]
-StateNorm = Literal["output", "carried"]
 Role = Literal["input", "recurrent", "gates", "state"]
 
 
 @dataclass(frozen=True)
 class Placement:
-    r"""Where the norms sit in a cell: the switches that change the cell's equations, so stay on the cell.
-
-    The norm's own options (``affine``, ``gamma_init``, ``input_stats``, ...) are fields of its spec
-    (:mod:`seqnorm.norms.specs`).
+    r"""Where the norms sit in a cell, as its spec says (:func:`check_placement` reads it; a spec without the field
+    keeps the default).
 
     Attributes:
         norm_placement: ``"separate"`` (default): ``N_ih(W_ih x) + N_hh(W_hh h) + b`` (Ba et al., Cooijmans et al.);
@@ -120,23 +119,6 @@ class NormContext:
 NormFactory = Callable[[int, Role, NormContext], "nn.Module | None"]
 
 
-NORM_KEYWORDS = frozenset(
-    {
-        "eps",
-        "momentum",
-        "max_steps",
-        "small_batch",
-        "affine",
-        "gamma_init",
-        "beta_init",
-        "input_stats",
-        "beyond_max_steps",
-    }
-)
-"""Spec fields that cells and layers also take as keywords (today's API); the rest go through the spec or
-``norm_options``."""
-
-
 @dataclass(frozen=True)
 class NormScheme:
     """How one ``norm=`` choice enters a cell.
@@ -149,7 +131,8 @@ class NormScheme:
             LSTM cell state, ``H`` features); returns ``None`` where nothing is applied.
         weight_norm: reparametrize ``weight_ih`` and ``weight_hh`` as ``g * v / ||v||`` per output row.
         batch_statistics: whether training uses statistics over the batch (so needs >= 2 active rows).
-        switches: the :class:`Placement` fields this scheme gives a meaning to (others must keep their defaults).
+
+    The :class:`Placement` switches a norm supports are the fields its spec has.
     """
 
     name: str
@@ -157,12 +140,6 @@ class NormScheme:
     build: NormFactory
     weight_norm: bool = False
     batch_statistics: bool = False
-    switches: frozenset[str] = frozenset()
-
-    @property
-    def options(self) -> frozenset[str]:
-        """Names accepted in ``norm_options``: the spec's fields that cells and layers do not take as keywords."""
-        return frozenset(field_names(self.spec)) - NORM_KEYWORDS
 
     def __reduce_ex__(self, protocol: Any) -> str | tuple[Any, ...]:
         # A registered scheme pickles by its name, as a class pickles by its qualified name: its factory may be a
@@ -249,95 +226,50 @@ def _weight_norm_companion(features: int, role: Role, ctx: NormContext) -> nn.Mo
     )
 
 
-_SWITCHES = frozenset({"norm_placement", "state_norm"})
-
 NORMS: dict[str, NormScheme] = {
     "none": NormScheme("none", NoNormSpec, _nothing),
-    "layer": NormScheme("layer", LayerNormSpec, _row_norm(LayerNorm), switches=_SWITCHES),
-    "rms": NormScheme("rms", RMSNormSpec, _row_norm(RMSNorm), switches=_SWITCHES),
+    "layer": NormScheme("layer", LayerNormSpec, _row_norm(LayerNorm)),
+    "rms": NormScheme("rms", RMSNormSpec, _row_norm(RMSNorm)),
     # With mean-only BN the gate terms have a (parameter-free, per-timestep) norm that can sit jointly.
-    "weight": NormScheme(
-        "weight", WeightNormSpec, _weight_norm_companion, weight_norm=True, switches=frozenset({"norm_placement"})
-    ),
-    "batch": NormScheme("batch", BatchNormSpec, _batch_norm(renorm=False), batch_statistics=True, switches=_SWITCHES),
-    "batch_renorm": NormScheme(
-        "batch_renorm", BatchRenormSpec, _batch_norm(renorm=True), batch_statistics=True, switches=_SWITCHES
-    ),
+    "weight": NormScheme("weight", WeightNormSpec, _weight_norm_companion, weight_norm=True),
+    "batch": NormScheme("batch", BatchNormSpec, _batch_norm(renorm=False), batch_statistics=True),
+    "batch_renorm": NormScheme("batch_renorm", BatchRenormSpec, _batch_norm(renorm=True), batch_statistics=True),
 }
 
 
-def get_norm(name: str, owner: str, options: Mapping[str, Any] | None = None) -> NormScheme:
-    """The scheme registered as ``name``; a ``ValueError`` naming ``owner`` for unknown names or options."""
+def get_norm(name: str, owner: str) -> NormScheme:
+    """The scheme registered as ``name``; a ``ValueError`` naming ``owner`` for unknown names."""
     if not isinstance(name, str) or name not in NORMS:
         raise ValueError(f"{owner}: expected norm to be one of {', '.join(map(repr, NORMS))}, got {name!r}")
-    scheme = NORMS[name]
-    unknown = sorted(set(options or {}) - scheme.options)
-    if unknown:
-        accepted = ", ".join(sorted(scheme.options)) or "none"
-        raise ValueError(
-            f"{owner}: expected norm_options accepted by norm={name!r} ({accepted}), got {', '.join(unknown)}"
-        )
-    return scheme
+    return NORMS[name]
 
 
-def _supporting(name: str) -> str:
-    """The registry names whose spec has the field ``name``, quoted, as error messages list them."""
-    return ", ".join(repr(key) for key in sorted(NORMS) if name in field_names(NORMS[key].spec))
+def resolve_norm(owner: str, norm: str | NormSpec, max_steps: int = DEFAULT_MAX_STEPS) -> NormSpec:
+    """The spec that ``norm=`` and ``max_steps=`` of a cell or layer mean; errors name ``owner``.
 
-
-def _not_given(name: str, value: object) -> bool:
-    # A keyword left at its default says nothing (as the placement switches always did): the LightningModules pass
-    # the default small_batch whatever the norm. `bool` apart: 1 == True.
-    default = _KEYWORD_DEFAULTS[name]
-    return value == default and isinstance(value, bool) == isinstance(default, bool)
-
-
-def resolve_norm(
-    owner: str, norm: str | NormSpec, norm_options: Mapping[str, Any] | None = None, **keywords: Any
-) -> NormSpec:
-    """The spec that ``norm=`` together with the norm keywords of a cell or layer means; errors name ``owner``.
-
-    ``norm`` is a registry name (its default spec) or a spec. ``keywords`` (a subset of :data:`NORM_KEYWORDS`)
-    and ``norm_options`` are folded into the spec; a keyword at its default is not given. A given option that the
-    norm does not have is a ``ValueError`` naming it — except ``max_steps``, which every cell and layer accepts
-    (the public API contract) and norms without per-timestep statistics ignore. An option set both in a spec and as a
-    keyword (to different values) is an error too. A spec passed alone is returned as it is: it was checked when
-    it was made.
+    ``norm`` is a registry name (its default spec) or a spec (checked when it was made). ``max_steps``, which every
+    cell and layer takes (the public API contract), is folded into a spec that has it unless it is the default;
+    norms without per-timestep statistics ignore it. A spec that sets another ``max_steps`` is a ``ValueError``.
     """
     if isinstance(norm, NormSpec):
         scheme = NORMS.get(norm.name)  # type: ignore[arg-type]
         if scheme is None or type(norm) is not scheme.spec:
             choices = ", ".join(f"{s.spec.__name__}" for s in NORMS.values())
             raise ValueError(f"{owner}: expected a norm spec registered in seqnorm.NORMS ({choices}), got {norm!r}")
-        get_norm(norm.name, owner, norm_options)  # norm_options' names
-        spec, given = norm, True
+        spec = norm
     else:
-        scheme = get_norm(norm, owner, norm_options)
-        spec, given = scheme.spec(), False
-    changes: dict[str, Any] = {}
-    for name, value in keywords.items():
-        if name not in NORM_KEYWORDS:
-            raise TypeError(f"resolve_norm: unexpected keyword {name!r}")
-        if _not_given(name, value):
-            continue
-        if name not in field_names(spec):
-            if name == "max_steps":
-                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                    raise ValueError(f"{owner}: expected max_steps to be a positive int, got {value!r}")
-                continue
-            raise ValueError(
-                f"{owner}: expected norm to be one of {_supporting(name)} for {name}={value!r}, got norm={spec.name!r}"
-            )
-        changes[name] = value
-    changes.update(norm_options or {})
-    for name, value in changes.items():
-        current = getattr(spec, name)
-        if given and current != default_of(type(spec), name) and current != value:
-            raise ValueError(
-                f"{owner}: expected {name}={current!r} as norm={spec!r} sets it (or no {name} beside the spec), got "
-                f"{name}={value!r}"
-            )
-    return checked(owner, spec, **changes) if changes else spec
+        spec = get_norm(norm, owner).spec()
+    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
+        raise ValueError(f"{owner}: expected max_steps to be a positive int, got {max_steps!r}")
+    if max_steps == DEFAULT_MAX_STEPS or "max_steps" not in field_names(spec):
+        return spec
+    current = spec.max_steps  # type: ignore[attr-defined]
+    if current not in (DEFAULT_MAX_STEPS, max_steps):
+        raise ValueError(
+            f"{owner}: expected max_steps={current!r} as norm={spec!r} sets it (or no max_steps beside the spec), "
+            f"got max_steps={max_steps!r}"
+        )
+    return checked(owner, spec, max_steps=max_steps)
 
 
 def spec_from_dict(data: Mapping[str, Any], owner: str) -> NormSpec:
@@ -356,65 +288,78 @@ def spec_from_dict(data: Mapping[str, Any], owner: str) -> NormSpec:
     return checked(owner, scheme.spec(), **options)
 
 
-def check_placement(
-    owner: str,
-    spec: NormSpec,
-    *,
-    has_cell_state: bool,
-    norm_placement: str = "separate",
-    state_norm: str = "output",
-) -> Placement:
-    """The :class:`Placement` of a cell, or a ``ValueError`` naming ``owner`` and the switch.
-
-    A switch left at its default is always accepted; one set to something else must be a valid value that the
-    norm supports and that makes sense for the cell (``has_cell_state``: an LSTM) and for the spec.
-    """
-    scheme = NORMS[spec.name]
-    for name, value, choices in (
-        ("norm_placement", norm_placement, get_args(NormPlacement)),
-        ("state_norm", state_norm, get_args(StateNorm)),
-    ):
-        if value not in choices or not isinstance(value, str):
-            raise ValueError(f"{owner}: expected {name} to be one of {', '.join(map(repr, choices))}, got {value!r}")
-        if value != choices[0] and name not in scheme.switches:
-            supported = sorted(n for n, s in NORMS.items() if name in s.switches)
-            raise ValueError(
-                f"{owner}: expected norm to be one of {', '.join(map(repr, supported))} for {name}={value!r}, "
-                f"got norm={spec.name!r}"
-            )
-    placement = Placement(norm_placement, state_norm)  # type: ignore[arg-type]
-    if scheme.weight_norm and norm_placement == "joint" and not getattr(spec, "mean_only_bn", False):
-        raise ValueError(
-            f"{owner}: expected norm_options={{'mean_only_bn': True}} for norm_placement='joint' with norm='weight' "
-            "(weight norm alone has no norm to place), got no mean-only BN"
-        )
-    if norm_placement == "joint" and not has_cell_state:
+def check_placement(owner: str, spec: NormSpec, *, has_cell_state: bool) -> Placement:
+    """The :class:`Placement` that ``spec`` asks of a cell, or a ``ValueError`` naming ``owner`` where the cell cannot
+    place it so (``has_cell_state``: an LSTM; the spec checked the rest when it was made)."""
+    placement = Placement(
+        getattr(spec, "norm_placement", "separate"),
+        getattr(spec, "state_norm", "output"),
+    )
+    if placement.norm_placement == "joint" and not has_cell_state:
         raise ValueError(
             f"{owner}: expected norm_placement='separate' (the GRU candidate gates its recurrent term by r, so the "
             "input and recurrent terms are not one sum), got 'joint'"
         )
-    if state_norm == "carried" and not has_cell_state:
+    if placement.state_norm == "carried" and not has_cell_state:
         raise ValueError(f"{owner}: expected state_norm='output' (there is no cell state), got 'carried'")
-    if getattr(spec, "input_stats", "timestep") == "sequence" and norm_placement == "joint":
-        raise ValueError(
-            f"{owner}: expected input_stats='timestep' with norm_placement='joint' (the joint norm sees the "
-            "recurrent term, which exists one step at a time), got 'sequence'"
-        )
     beta_init = getattr(spec, "beta_init", 0.0)
     if beta_init != 0 and not has_cell_state:
         raise ValueError(f"{owner}: expected beta_init=0 (only an LSTM's cell-state norm has a β), got {beta_init!r}")
     return placement
 
 
-def _keyword_defaults() -> dict[str, Any]:
-    # One default per keyword, taken from the specs (the cell and layer signatures repeat them for `help()`; a
-    # test checks that they agree).
-    found: dict[str, Any] = {}
-    for scheme in NORMS.values():
-        for name in field_names(scheme.spec):
-            if name in NORM_KEYWORDS:
-                found.setdefault(name, default_of(scheme.spec, name))
-    return found
+REMOVED_KEYWORDS = frozenset(
+    {
+        "eps",
+        "momentum",
+        "small_batch",
+        "affine",
+        "gamma_init",
+        "beta_init",
+        "input_stats",
+        "beyond_max_steps",
+        "norm_placement",
+        "state_norm",
+        "norm_options",
+    }
+)
+"""Norm options that cells and layers took as keywords before specs; now fields of the spec passed as ``norm=``."""
 
 
-_KEYWORD_DEFAULTS = _keyword_defaults()
+def removed_keyword_error(owner: str, norm: object, name: str, value: object) -> TypeError:
+    """The ``TypeError`` for a norm option passed to a cell or layer as ``name=value``: it names the spec to use."""
+    if name == "norm_options":
+        options = dict(value) if isinstance(value, Mapping) else {}
+        wanted = set(options) or {"r_max"}
+        shown = ", ".join(f"{key}={item!r}" for key, item in options.items()) or "..."
+    else:
+        wanted, shown = {name}, f"{name}={value!r}"
+    if isinstance(norm, NormSpec):
+        own: type[NormSpec] | None = type(norm)
+    else:
+        own = NORMS[norm].spec if isinstance(norm, str) and norm in NORMS else None
+    # weight norm last: its statistics options configure only its optional mean-only BN
+    having = [s.spec for s in sorted(NORMS.values(), key=lambda s: s.weight_norm) if wanted <= set(field_names(s.spec))]
+    spec = own if own is not None and own in having else (having[0] if having else None)
+    if spec is None:
+        return TypeError(f"{owner}: got an unexpected keyword {name!r}; a norm's options are fields of its spec")
+    others = [s.__name__ for s in having if s is not spec]
+    also = (
+        f" (or another spec with {', '.join(sorted(wanted))}: {', '.join(others)})"
+        if others and spec is not own
+        else ""
+    )
+    return TypeError(f"{owner}: got an unexpected keyword {name!r}; pass norm={spec.__name__}({shown}){also}")
+
+
+def refuse_removed_keywords(init: Callable[..., None]) -> Callable[..., None]:
+    """Wrap a cell's or layer's ``__init__`` so that a norm option passed as a keyword (:data:`REMOVED_KEYWORDS`) is
+    a ``TypeError`` naming the spec field to set instead of Python's bare "unexpected keyword argument"."""
+
+    @functools.wraps(init)
+    def checked_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        for name in sorted(REMOVED_KEYWORDS & kwargs.keys()):
+            raise removed_keyword_error(type(self).__name__, kwargs.get("norm", "none"), name, kwargs[name])
+        init(self, *args, **kwargs)
+
+    return checked_init

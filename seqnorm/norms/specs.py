@@ -8,8 +8,9 @@ The specs are named ``<Norm>Spec`` because :mod:`seqnorm.norms` already exports 
 (:class:`~seqnorm.norms.LayerNorm`, :class:`~seqnorm.norms.RMSNorm`, ...); one suffix for all keeps the six parallel,
 and ``BatchNormSpec`` does not read like a module as torch's ``BatchNorm1d`` does.
 
-What is *not* here stays on the cell, because it changes the cell's equations rather than a norm:
-``norm_placement`` and ``state_norm`` (:class:`~seqnorm.norms.Placement`).
+Where the norm sits is part of its spec too: ``norm_placement`` and ``state_norm`` (the cell reads them as its
+:class:`~seqnorm.norms.Placement`), since which placements exist depends on the norm (none for ``"none"``, no state
+norm for ``"weight"``); only what depends on the cell (a GRU has no joint sum and no cell state) is checked there.
 
 In configs a spec is written as jsonargparse writes any class (``--model.norm.class_path
 seqnorm.norms.BatchNormSpec --model.norm.init_args.momentum 0.05``); in checkpoints as plain data
@@ -37,8 +38,10 @@ __all__ = [
     "InputStats",
     "LayerNormSpec",
     "NoNormSpec",
+    "NormPlacement",
     "NormSpec",
     "RMSNormSpec",
+    "StateNorm",
     "WeightNormSpec",
     "checked",
     "default_of",
@@ -46,6 +49,8 @@ __all__ = [
 ]
 
 InputStats = Literal["timestep", "sequence"]
+NormPlacement = Literal["separate", "joint"]
+StateNorm = Literal["output", "carried"]
 
 
 # Whom a failed check names: the spec itself, or the cell, layer or model that was given the options (`checked`).
@@ -125,6 +130,30 @@ class NoNormSpec(NormSpec):
 
 
 @dataclass(frozen=True, repr=False, kw_only=True)
+class _Placed(NormSpec):
+    """Where the gate-term norms sit: ``"separate"`` (default): ``N_ih(W_ih x) + N_hh(W_hh h) + b`` (Ba et al.,
+    Cooijmans et al.); ``"joint"``: one norm over the sum, ``N(W_ih x + W_hh h) + b`` (LSTM only: the GRU candidate
+    gates its recurrent term by ``r``, so the sum is not a single term there)."""
+
+    norm_placement: NormPlacement = "separate"
+
+    def check(self, owner: str) -> None:
+        _check_choice(owner, "norm_placement", self.norm_placement, ("separate", "joint"))
+
+
+@dataclass(frozen=True, repr=False, kw_only=True)
+class _StatePlaced(_Placed):
+    """``state_norm``: ``"output"`` (default): ``h' = o * tanh(N_c(c'))`` with the raw ``c'`` carried;
+    ``"carried"``: ``c' <- N_c(c')`` is the new cell state too (LSTM only)."""
+
+    state_norm: StateNorm = "output"
+
+    def check(self, owner: str) -> None:
+        _Placed.check(self, owner)
+        _check_choice(owner, "state_norm", self.state_norm, ("output", "carried"))
+
+
+@dataclass(frozen=True, repr=False, kw_only=True)
 class _Affine(NormSpec):
     """The learned gain γ (and cell-state shift β) that layer, RMS and batch norms share."""
 
@@ -147,12 +176,13 @@ class _Affine(NormSpec):
 
 
 @dataclass(frozen=True, repr=False, kw_only=True)
-class _Row(_Affine):
+class _Row(_Affine, _StatePlaced):
     eps: float = 1e-5
 
     def check(self, owner: str) -> None:
         check_eps(owner, self.eps)
-        super().check(owner)
+        _Affine.check(self, owner)
+        _StatePlaced.check(self, owner)
 
 
 @dataclass(frozen=True, repr=False, kw_only=True)
@@ -164,6 +194,9 @@ class LayerNormSpec(_Row):
         affine: learn the gains γ (and the cell-state norm's shift β); ``False``: bare normalizations.
         gamma_init: initial γ; ``None``: 1.0.
         beta_init: initial β of the LSTM cell-state norm (gate terms have no β: the cell bias follows them).
+        norm_placement: ``"separate"`` (default) or ``"joint"`` (one norm over ``W_ih x + W_hh h``; LSTM only).
+        state_norm: ``"output"`` (default: the raw ``c'`` is carried) or ``"carried"`` (``c' <- N_c(c')``; LSTM
+            only).
     """
 
     name: ClassVar[str] = "layer"
@@ -196,11 +229,12 @@ class _Statistics(NormSpec):
 
 
 @dataclass(frozen=True, repr=False, kw_only=True)
-class WeightNormSpec(_Statistics):
+class WeightNormSpec(_Statistics, _Placed):
     """``norm="weight"`` (Salimans & Kingma 2016): ``W = g · v/‖v‖`` per output row of ``W_ih`` and ``W_hh``.
 
     Args:
         mean_only_bn: add their mean-only batch norm: per-timestep centering of the gate terms, no scaling.
+        norm_placement: of that mean-only BN, as :class:`LayerNormSpec` (``"joint"`` needs ``mean_only_bn=True``).
         eps, momentum, max_steps, small_batch, beyond_max_steps: of that mean-only BN, as
             :class:`BatchNormSpec`; with ``mean_only_bn=False`` they must keep their defaults (there are no
             statistics to configure), except ``max_steps``, which every norm accepts and this one then ignores.
@@ -210,8 +244,16 @@ class WeightNormSpec(_Statistics):
     mean_only_bn: bool = False
 
     def check(self, owner: str) -> None:
-        super().check(owner)
+        _Statistics.check(self, owner)
+        _Placed.check(self, owner)
         _check_choice(owner, "mean_only_bn", self.mean_only_bn, (True, False))
+        if self.norm_placement == "joint" and not self.mean_only_bn:
+            raise _fail(
+                owner,
+                "mean_only_bn=True for norm_placement='joint' with norm='weight' (weight norm alone has no norm to "
+                "place)",
+                "no mean-only BN",
+            )
         if not self.mean_only_bn:
             # max_steps is accepted whatever the norm (the public API contract): ignored here rather than refused
             unused = {key: value for key, value in self.options().items() if key not in ("mean_only_bn", "max_steps")}
@@ -225,13 +267,21 @@ class WeightNormSpec(_Statistics):
 
 
 @dataclass(frozen=True, repr=False, kw_only=True)
-class _Batch(_Affine, _Statistics):
+class _Batch(_Affine, _Statistics, _StatePlaced):
     input_stats: InputStats = "timestep"
 
     def check(self, owner: str) -> None:
         _Statistics.check(self, owner)
         _check_choice(owner, "input_stats", self.input_stats, ("timestep", "sequence"))
         _Affine.check(self, owner)
+        _StatePlaced.check(self, owner)
+        if self.input_stats == "sequence" and self.norm_placement == "joint":
+            raise _fail(
+                owner,
+                "input_stats='timestep' with norm_placement='joint' (the joint norm sees the recurrent term, which "
+                "exists one step at a time)",
+                "'sequence'",
+            )
 
 
 @dataclass(frozen=True, repr=False, kw_only=True)
@@ -253,6 +303,7 @@ class BatchNormSpec(_Batch):
         input_stats: ``"timestep"`` (default) or ``"sequence"``: the input term's statistics per step, or over
             batch × time excluding padding (BN-e*, Deep Speech 2).
         affine, gamma_init, beta_init: as :class:`LayerNormSpec`; ``gamma_init=None`` means 0.1.
+        norm_placement, state_norm: as :class:`LayerNormSpec`.
     """
 
     name: ClassVar[str] = "batch"

@@ -35,7 +35,7 @@ class TinySequenceModel(pl.LightningModule):
     ) -> None:
         super().__init__()
         layer = {"lstm": seqnorm.LSTM, "gru": seqnorm.GRU}[cell]
-        options: dict[str, Any] = {"norm": norm, **running_fallback(norm), "batch_first": True}
+        options: dict[str, Any] = {"norm": running_fallback(norm), "batch_first": True}
         self.body = nn.ModuleDict(
             {"encoder": layer(INPUT_SIZE, hidden_size, num_layers, bidirectional=bidirectional, **options)}
         )

@@ -9,6 +9,7 @@ import torch
 from torch.testing import assert_close
 
 from seqnorm.callbacks.observe import Observation, find_cells, train_eval_gap
+from seqnorm.norms import BatchNormSpec
 from tests.conftest import BATCH_NORMS, KINDS, LAYERS, NORMS, running_fallback
 
 LENGTHS = torch.tensor([5, 3, 2, 5])
@@ -34,11 +35,11 @@ def _observe(layer: torch.nn.Module, x: torch.Tensor, gradients: bool = False) -
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_cell_and_norm_gives_finite_statistics_without_padding(kind: str, norm: str) -> None:
     torch.manual_seed(0)
-    layer = LAYERS[kind](3, 6, num_layers=2, bidirectional=True, norm=norm, **running_fallback(norm))
+    layer = LAYERS[kind](3, 6, num_layers=2, bidirectional=True, norm=running_fallback(norm))
     summaries = _observe(layer, _padded_input(0.0), gradients=True)
     assert list(summaries) == ["l0", "l0_reverse", "l1", "l1_reverse"]
     torch.manual_seed(0)
-    layer = LAYERS[kind](3, 6, num_layers=2, bidirectional=True, norm=norm, **running_fallback(norm))
+    layer = LAYERS[kind](3, 6, num_layers=2, bidirectional=True, norm=running_fallback(norm))
     # huge values in the padding: any statistic that let a padded row in would change
     leaked = _observe(layer, _padded_input(1e4), gradients=True)
     expected_rows = (torch.arange(5).unsqueeze(1) < LENGTHS.unsqueeze(0)).sum(1).double()
@@ -80,7 +81,7 @@ def test_no_hooks_remain_after_an_observation() -> None:
 
 @pytest.mark.parametrize("norm", BATCH_NORMS)
 def test_train_eval_gap_leaves_running_statistics_and_rng_untouched(norm: str) -> None:
-    layer = LAYERS["lstm"](3, 4, num_layers=2, bidirectional=True, norm=norm, dropout=0.5, small_batch="running")
+    layer = LAYERS["lstm"](3, 4, num_layers=2, bidirectional=True, norm=running_fallback(norm), dropout=0.5)
     layer.eval()
     before = {key: value.clone() for key, value in layer.state_dict().items()}
     rng = torch.get_rng_state()
@@ -121,7 +122,7 @@ def test_projected_lstm_counts_units_of_the_projected_state() -> None:
     ],
 )
 def test_placement_switches_are_observed(switches: dict, expected: set) -> None:
-    layer = LAYERS["lstm"](3, 6, norm="batch", small_batch="running", **switches)
+    layer = LAYERS["lstm"](3, 6, norm=BatchNormSpec(small_batch="running", **switches))
     summary = _observe(layer, _padded_input(0.0))["l0"]
     assert expected <= set(summary.scalars)
     assert all(math.isfinite(value) for value in summary.scalars.values())
