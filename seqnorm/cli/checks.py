@@ -55,7 +55,7 @@ STATE_SETUP = ("level", "unit", "window_length", "batch_size")
 """The data set-up a checkpoint's data state holds as the run resolved it (``level: null`` in the arguments is the
 ``char`` or ``word`` the run used); ``text_format`` is :func:`apply_checkpoint_text_format`'s."""
 
-_SEQNORM_DIR = str(Path(__file__).resolve().parent)
+_SEQNORM_DIR = str(Path(__file__).resolve().parents[1])  # the seqnorm package, not seqnorm/cli
 
 
 def _shown(value: Any) -> str:
