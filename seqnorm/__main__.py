@@ -7,6 +7,7 @@ alone). Every other command needs the ``train`` extra, and says so when it is mi
 
 from __future__ import annotations
 
+import os
 import sys
 
 from seqnorm.cli.commands import answer_without_lightning
@@ -16,7 +17,24 @@ TRAINING_EXTRA = ("lightning", "jsonargparse", "tensorboard", "pooch", "rich", "
 
 
 def main(args: list[str] | None = None) -> None:
-    """Entry point of the ``seqnorm`` console script (``args``: ``sys.argv[1:]`` when ``None``)."""
+    """Entry point of the ``seqnorm`` console script (``args``: ``sys.argv[1:]`` when ``None``).
+
+    Output into a pipe whose reader has gone (``seqnorm --help | head -1``) ends the command quietly with status 141,
+    as SIGPIPE ends other commands, rather than with a ``BrokenPipeError`` traceback."""
+    try:
+        try:
+            _run(args)
+        except SystemExit:
+            sys.stdout.flush()  # here, not at exit, where a closed pipe is only an "Exception ignored" message
+            raise
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python's recipe (signal module docs, "Note on SIGPIPE"): what is still buffered must not fail again at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(141) from None
+
+
+def _run(args: list[str] | None) -> None:
     if answer_without_lightning(sys.argv[1:] if args is None else args):
         return
     try:

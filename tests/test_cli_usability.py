@@ -160,6 +160,30 @@ def test_version_help_and_configs_need_no_lightning(tmp_path: Path, command: str
     assert re.search(expected, result.stdout.strip()), result.stdout
 
 
+@pytest.mark.parametrize("unbuffered", ["1", ""], ids=["unbuffered", "buffered"])
+@pytest.mark.parametrize("command", ["--help", "configs"])
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path: Path, command: str, unbuffered: str) -> None:
+    # `seqnorm --help | head -1`: head has gone when the output arrives. It was a BrokenPipeError traceback, from
+    # print() when unbuffered, or "Exception ignored ... BrokenPipeError" and exit 120 from the flush at exit.
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written: every write fails, whatever the timing
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": unbuffered}
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "seqnorm", command],
+            cwd=tmp_path,
+            env=env,
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        os.close(write)
+    assert result.stderr == ""
+    assert result.returncode == 141  # 128 + SIGPIPE, what a shell reports for a command its pipe ended
+
+
 # ---- a --config of the repository's configs/, outside a checkout ---------------------------------------------------
 
 

@@ -83,7 +83,7 @@ class HiddenStateStats(Callback):
 
     Args:
         every_n_steps: observe every this many optimizer steps (scalars). Default: 50, which keeps the overhead
-            under 10% (see ``BENCHMARKS.md``).
+            under 10% (docs/benchmarks.md).
         media_every_n_steps: also write images and histograms on training steps that are multiples of this;
             ``None`` for validation batches only. Default: 500.
         validation_batch: observe the fixed (longest) validation batch of each validation run. Default: ``True``.

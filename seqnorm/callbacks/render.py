@@ -2,8 +2,8 @@
 plots for one layer, heatmaps for several), and the custom-scalars layout a run opens with in TensorBoard's "Custom
 Scalars" tab.
 
-The images are drawn with numpy and Pillow, not matplotlib figures: a figure of ten small line plots took 0.8-1.7 s
-on this project's busy 2-core machine (an AMD EPYC), these take milliseconds, which is what keeps the callback cheap.
+The images are drawn with numpy and Pillow, not matplotlib figures: those took about a second each, these take
+milliseconds, which keeps the callback cheap (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """The input projection ``x W^T (+ b)`` of a whole sequence, with operands laid out the way the CPU BLAS is fastest.
 
-On the project's CPU machines MKL multiplies by a transposed view (what ``F.linear`` passes it) about twice as slowly
-as by a row-major matrix: ``(3200 x 128) @ W^T`` for ``W`` ``(1024, 128)`` took 9.2 ms as ``F.linear`` and 4.7 ms
-with ``W^T`` copied row-major (1 thread, Intel Xeon, torch 2.13; BENCHMARKS.md). :func:`project` copies ``W^T`` once
-per call (``W`` is small next to the sequence) and computes the backward in the fast layouts too (``dx = g W``,
-``dW = g^T x``). It is the same arithmetic as ``F.linear``; under autocast, in half precision and off the CPU it is
-``F.linear`` itself.
+On an Intel Xeon MKL multiplied by a transposed view (what ``F.linear`` passes it) about half as fast as by a
+row-major matrix (docs/benchmarks-archive.md). :func:`project` copies ``W^T`` once per call (``W`` is small next to
+the sequence) and computes the backward in the fast layouts too (``dx = g W``, ``dW = g^T x``). It is the same
+arithmetic as ``F.linear``; under autocast, in half precision and off the CPU it is ``F.linear`` itself.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 ``--help``, ``configs`` and the usage errors before a subcommand is known.
 
 :func:`seqnorm.__main__.main` (the console script) answers these before it imports :mod:`seqnorm.cli.app`: importing
-Lightning and jsonargparse there made each of them take several seconds more than importing torch (README, "Training
-from the command line", has the numbers), and they work on a base install without the ``train`` extra.
+Lightning and jsonargparse there made each of them take seconds longer (docs/cli.md), and they work on a base install
+without the ``train`` extra.
 """
 
 from __future__ import annotations

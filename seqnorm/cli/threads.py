@@ -2,12 +2,10 @@
 
 seqnorm's models are small recurrent networks: each time step is a handful of small matrix products, each one a
 parallel region whose threads must all arrive before the next step can start. When another job holds a core, the
-descheduled OpenMP worker stalls every one of them. Measured with ``scripts/bench_cli_threads.py`` (whole
-``seqnorm fit`` runs of ``configs/embedded_lm.yaml``, 2-core Xeon; BENCHMARKS.md, "Issue 17"): with the cores shared
-with other jobs, two threads took 3.9x (hidden size 128) and 4.5x (512) as long as one, and varied up to 10x between
-repeats; on the idle machine two threads were 1.2x (128), 1.5x (512) and 1.7x (1024) faster. One thread is the
-default: predictable, and at worst 1.2-1.7x slower, where the other choice is at worst several times slower. On a
-machine of your own, ``--threads 2`` (or more, or 0) is faster. The order of precedence:
+descheduled OpenMP worker stalls every one of them. One thread is the default: at worst 1.2-1.7x slower on an idle
+machine, where two threads are several times slower on cores shared with other jobs (docs/cli.md, "CPU threads",
+and ``scripts/bench_cli_threads.py``). On a machine of your own, ``--threads 2`` (or more, or 0) is faster. The
+order of precedence:
 
 1. ``--threads N`` (or ``threads: N`` in a ``--config`` file);
 2. the environment variable ``SEQNORM_THREADS=N``;

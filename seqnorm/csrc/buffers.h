@@ -4,19 +4,18 @@
 //
 // A block of more than 32 MB never comes back from glibc's heap: it is mapped fresh at every allocation and unmapped
 // at every free, so each call pays the page faults of all its saved tensors again (an LSTM at 100x64x256x512 saves
-// three 52 MB blocks). Kept here, an LN-LSTM's forward at that size took 110-125 ms instead of 156-176 ms, against
-// torch.nn.LSTM's 138-147 ms in the same processes (Intel Xeon, three A/B pairs; BENCHMARKS.md, eighth session).
-// This is what torch's CUDA caching allocator does on a GPU, for these tensors alone: a block comes back here when the
-// last tensor on it dies (autograd frees the saved tensors after the backward), and the next call of a similar size
-// takes it. What is kept is at most a limit (set by the Python loader: SEQNORM_KERNEL_CACHE_MB, default 1024 MiB, or
+// three 52 MB blocks); kept here, they cost those faults once (docs/performance.md, "Kept memory"). This is what
+// torch's CUDA caching allocator does on a GPU, for these tensors alone: a block comes back here when the last tensor
+// on it dies (autograd frees the saved tensors after the backward), and the next call of a similar size takes it.
+// What is kept is at most a limit (set by the Python loader: SEQNORM_KERNEL_CACHE_MB, default 1024 MiB, or
 // seqnorm.kernels.set_cache_limit; 0 keeps nothing), the least recently returned let go first;
 // seqnorm.kernels.empty_cache() lets go of it all.
 //
 // Kept memory does not raise the peak: it only stands in for memory a call would allocate anyway. A request no kept
 // block serves (a new shape: another batch size or length) lets go of every kept block before it allocates, rather
-// than allocating beside them (with the batch shape varying, an LN-LSTM's training loop peaked 79-101 MiB higher with
-// the blocks of earlier shapes kept beside the new ones; issue 29, BENCHMARKS.md), and a block larger than its request
-// gives back the pages beyond it (madvise), which the next larger request faults in again.
+// than allocating beside them (which raised the peak of a loop whose batch shape varies: docs/performance.md), and a
+// block larger than its request gives back the pages beyond it (madvise), which the next larger request faults in
+// again.
 //
 // A tensor made here reports its block's whole size as its storage's size (what a memory count of the saved tensors
 // sees), and its storage cannot be resized: only the kernels' own saved tensors come from here, never a result.

@@ -389,8 +389,9 @@ class BatchStepNorm final : public StepNorm<T> {
     if (!args.training && args.folded_scale.has_value()) return;  // folded: forward reads nothing else (generation)
     // The statistics of every step are tensors from the start (unlike the row norms' few per-row values): saving
     // them copies nothing, and each fresh buffer is touched once. As vectors copied into tensors to be saved and
-    // back in the backward, they took about 7 ms of a 24 ms BN-LSTM forward at 100x32x128x256 in page faults and
-    // copies. r and d exist per step only for batch renormalization; plain BN reads one shared row of 1 and 0.
+    // back in the backward, their page faults and copies took over a quarter of a BN-LSTM's forward
+    // (docs/performance.md). r and d exist per step only for batch renormalization; plain BN reads one shared row of
+    // 1 and 0.
     if (saved.empty()) {
       means_ = at::empty({steps, features}, options);  // every step writes its row before anything reads it
       rstds_ = at::empty({steps, features}, options);

@@ -1,24 +1,23 @@
 // The per-step matmul of the recurrences: out = x W^T (+ add) with the same W (N, K) at every step of a call.
 //
-// Three routes, all BLAS-class libraries torch itself ships:
+// Four routes, from BLAS-class libraries torch itself ships and one row's loop here:
 // - "brgemm": oneDNN's batch-reduce GEMM micro-kernel (at::native::cpublas::brgemm, float32 on x86), over column
-//   blocks of a row-major W^T split between threads. On an AMD EPYC (Zen 4) MKL's small-batch GEMM ran at half its
-//   speed (32x256 by 256x1024: at::mm 136 us, this route 79 us; one row 27 vs 10 us; 16x1024 by 1024x4096: 2.6 ms vs
-//   0.71 ms), which is why torch's own nn.LSTM (oneDNN's RNN) is fast there and a recurrence built on MKL was not.
+//   blocks of a row-major W^T split between threads: MKL's small-batch GEMM ran at half speed on an AMD EPYC, where
+//   torch's own nn.LSTM (oneDNN's RNN) is fast (docs/benchmarks-archive.md).
 // - "packed": MKL's packed GEMM (torch's mkl::_mkl_reorder_linear_weight / mkl::_mkl_linear), W packed once per
-//   call: MKL otherwise repacks W at every step (8 % of an LN-LSTM training step on an Intel Xeon).
-// - "blas": at::mm_out by W^T laid out row-major (float64, or no MKL / oneDNN): MKL's small-batch GEMM was 25-45 %
-//   faster with it than with the transposed view.
+//   call: MKL otherwise repacks W at every step (docs/benchmarks-archive.md).
+// - "blas": at::mm_out by W^T laid out row-major (float64, or no MKL / oneDNN): MKL's small-batch GEMM was faster
+//   with it than with the transposed view (docs/performance.md).
 // - "gemv": one row only (batch size 1), a plain vectorized matrix-vector product here (gemv_columns), its columns
-//   split between the threads. At one row brgemm and MKL's sgemv ran at a fraction of the memory's speed (EPYC Zen 4,
-//   1x256 by 256x1024, one thread: brgemm 22.9 us, at::mm 18.7 us, this 11.9 us).
+//   split between the threads: at one row brgemm and MKL's sgemv ran at a fraction of the memory's speed
+//   (docs/benchmarks-archive.md).
 // Which route is fastest depends on the CPU, the shape and the thread count, so in float32 the candidates are
 // measured once per process, shape and thread count: not on probe products before the work starts (that paused the
-// first call at each new shape by 30-40 ms on an Intel Xeon), but on the products the recurrences run anyway. Until a
-// shape's route is chosen its products take the candidates in turn, in blocks (Trials). That is 36 products with
-// three routes, within the first call of a recurrence of 36 steps or more; a shorter one leaves its timings to the
-// next. set_product_route() forces one route (the tests run every route against the plain-PyTorch path);
-// deterministic algorithms fix one (float_routes).
+// first call at each new shape: docs/performance.md, "First calls do not pause"), but on the products the
+// recurrences run anyway. Until a shape's route is chosen its products take the candidates in turn, in blocks
+// (Trials). That is 36 products with three routes, within the first call of a recurrence of 36 steps or more; a
+// shorter one leaves its timings to the next. set_product_route() forces one route (the tests run every route
+// against the plain-PyTorch path); deterministic algorithms fix one (float_routes).
 #pragma once
 
 #include <torch/extension.h>
@@ -142,14 +141,12 @@ inline bool brgemm_works() {
 // The candidates run in blocks of kBlock consecutive runs on the work as it comes, and a block counts by its fastest
 // timed run, the first run not timed: after a switch a route runs slower for a run or two (each route keeps its own
 // copy of W, which the others' runs have pushed out of the caches; oneDNN builds its micro-kernel on a first run).
-// Timed one run each in turn, every route looked alike: a 16x4096 by 4096x1024 product of an LN-LSTM's backward took
-// 1.2-1.6 ms by each route, against 0.69-0.79 ms by MKL's packed GEMM, 1.0-1.2 ms by brgemm and 1.1-1.3 ms by at::mm
-// once one route ran alone (Intel Xeon, 50x16x512x1024), and the choice fell on at::mm in 6 of 8 processes
-// (BENCHMARKS.md, eighth session). A round is one block of each candidate, in an order that rotates from round to
-// round (round r starts with candidate r mod n), and a round is compared within itself — each candidate's time over
-// the round's fastest — because a trial runs in a process's first calls, which speed up as they go. After kRounds
-// rounds the lowest median of those ratios wins (the first on a tie). Runs of a shared Trials may overlap; a round in
-// which some candidate got no timed run is not counted, and the trial goes on until kRounds rounds are.
+// Timed one run each in turn, every route looked alike and the trial often chose a slow one (docs/performance.md).
+// A round is one block of each candidate, in an order that rotates from round to round (round r starts with
+// candidate r mod n), and a round is compared within itself — each candidate's time over the round's fastest —
+// because a trial runs in a process's first calls, which speed up as they go. After kRounds rounds the lowest median
+// of those ratios wins (the first on a tie). Runs of a shared Trials may overlap; a round in which some candidate got
+// no timed run is not counted, and the trial goes on until kRounds rounds are.
 class Trials {
  public:
   static constexpr int kBlock = 4;
@@ -236,9 +233,8 @@ class StepProduct {
   // Packing gains nothing for a few rows (a matrix-vector product), where each step's fresh output and copy cost.
   static constexpr int64_t kPackedRows = 8;
   // Columns and depth (K) per brgemm call, accumulated over the depth: the whole depth at once took 3x longer at
-  // K = 4096 (16x4096 by 4096x1024: 2.1 ms against 0.73-0.76 ms in chunks of 256-1024; at::mm 1.5 ms). 64 columns by
-  // 256 was within 10 % of the best block of every shape tried (EPYC: 1, 16, 32 and 64 rows; K and N 256 to 4096)
-  // and gives the threads enough blocks to share.
+  // K = 4096, and 64 by 256 was near the best block of every shape tried (docs/performance.md) and gives the threads
+  // enough blocks to share.
   static constexpr int64_t kBlock = 64;
   static constexpr int64_t kDepth = 256;
   // out = x right, right (K, N): W^T of the forward's h W_hh^T (a transposed view, copied row-major once per
@@ -334,8 +330,8 @@ class StepProduct {
   }
 
  private:
-  // Rows, K, N and torch's thread count: the fastest route at one thread is not the fastest at two (measured on an
-  // Intel Xeon: 64x256 by 256x1024 took MKL's at one thread and brgemm at two).
+  // Rows, K, N and torch's thread count: the fastest route at one thread is not always the fastest at two
+  // (docs/benchmarks-archive.md).
   using Key = std::tuple<int64_t, int64_t, int64_t, int>;
 
   // The trials and choices of every shape: a ProcessMutex, which a fork leaves unlocked in the child.

@@ -125,8 +125,8 @@ struct TermsBackward {
 // about kChunkRows rows in one buffer the chunks reuse, each chunk handed to `consume(first, grads)` (grads: the
 // chunk's steps from `first` on, (count, B, G)) once the backward, walking back through time, has finished the
 // chunk's first step. Kept for all T steps in a fresh (T, B, G) buffer instead, it cost that buffer's page faults at
-// every backward (a fresh 52 MB buffer took 15.4 ms to fill on an Intel Xeon, against 1.3 ms to fill it again), and
-// a product over ~1024 rows runs as fast as one over all of them. Where the gradient is kept for every step anyway
+// every backward (a fresh buffer fills about ten times slower than a reused one: docs/benchmarks-archive.md), and a
+// product over ~1024 rows runs as fast as one over all of them. Where the gradient is kept for every step anyway
 // (a result), `full` is that (T, B, G) tensor and no buffer is made.
 class StepChunks {
  public:

@@ -51,7 +51,7 @@ inline T hsum(const Vec<T>& v) {
 }
 
 // Independent partial sums per running sum: a single one waits out the adder's latency (4 cycles) at every vector.
-// Four cut LayerNorm's forward_row by about a quarter of its perf samples (BENCHMARKS.md, seventh session).
+// Four cut LayerNorm's forward_row by about a quarter (docs/performance.md).
 constexpr int64_t kAccumulators = 4;
 
 // The K sums over [0, n) that fn(i, count, sums) adds into sums[0..K) (Vec<T>) a vector at a time: whole vectors in

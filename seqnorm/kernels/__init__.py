@@ -116,8 +116,7 @@ def _library(directory: Path) -> Path:
 
 
 BUILD_TIME = "1-3 minutes"
-"""How long a cold build takes, for the first-use notice: the one compile of ``recurrence.cpp`` is about 40 s of CPU
-time on one core of an AMD EPYC, 87-165 s of wall time on its 2 shared cores (README, "Built on first use")."""
+"""How long a cold build takes, for the first-use notice: one compile of ``recurrence.cpp`` (docs/performance.md)."""
 
 
 def _failed(directory: Path) -> Path:

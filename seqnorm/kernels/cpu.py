@@ -215,8 +215,8 @@ def _preparing_step(
 
 
 class _ChunkedCopy:
-    """``weight.t()`` copied row-major a chunk of about ``CHUNK`` elements per :meth:`advance`: at once, the copy of
-    a ``4096 x 1024`` weight paused a step by 6-14 ms on an Intel Xeon (a strided transpose, 1-3 ns an element)."""
+    """``weight.t()`` copied row-major a chunk of about ``CHUNK`` elements per :meth:`advance`: made at once, the
+    strided transpose paused a step by several ms for a large weight (docs/benchmarks-archive.md)."""
 
     CHUNK = 1 << 17
 
@@ -240,12 +240,11 @@ class LayoutChoice:
     transposed view (torch's own cells' layout), whichever MKL computed faster here, per weight shape, dtype, device,
     rows and thread count for the process (:meth:`of`); ``copy_wins`` is ``None`` until it is decided.
 
-    Neither wins everywhere on this project's machines: at one row the copy took 10 µs against 19 µs for a
-    ``256 x 1024`` weight, the view 64 µs against 76 µs for a GRU's pair at ``I=256, H=512`` (BENCHMARKS.md). The
-    choice is measured on the generation steps themselves (:func:`_preparing_step`), not on probe products when the
-    step is prepared: that paused the first step by 28 ms at ``I=512, H=1024``, where torch's first cell step took 2
-    ms. Prepared again (after every training step and ``train()``/``eval()``:
-    :func:`seqnorm.layers.stepping.forget`), a step reuses the choice, its copy again written a chunk per step.
+    Neither wins everywhere (docs/benchmarks-archive.md). The choice is measured on the generation steps themselves
+    (:func:`_preparing_step`), not on probe products when the step is prepared, which paused the first step
+    (docs/performance.md, "First calls do not pause"). Prepared again (after every training step and
+    ``train()``/``eval()``: :func:`seqnorm.layers.stepping.forget`), a step reuses the choice, its copy again written
+    a chunk per step.
 
     With deterministic algorithms (``torch.use_deterministic_algorithms``) it is always the view: the two layouts
     round differently, and a measured choice depends on the machine's load.
@@ -272,10 +271,9 @@ class ProjectionLayout(LayoutChoice):
     weight shape, dtype, rows and thread count, measured on the projections themselves (``kernels.Trials``: 24 calls).
 
     The copy of ``W^T`` is made at every call (a cached one would go stale where ``W.data`` is written in place), and
-    it pays only where the product is long enough: on an Intel Xeon ``(3200 x 128) @ W^T`` took 9.2 ms by the view and
-    4.7 ms by the copy (1 thread; BENCHMARKS.md); on an AMD EPYC (Zen 4, 2 threads) the view was as fast at every
-    size tried, and at batch size 1 (``100 x 128`` by ``128 x 1024``) the copy made the projection 180 -> 310 us of
-    an LSTM's 1.5 ms no-grad forward. With deterministic algorithms it is always the copy, as before the choice."""
+    it pays only where the product is long enough and the machine's BLAS prefers it: twice as fast on an Intel Xeon,
+    a loss on an AMD EPYC (docs/performance.md). With deterministic algorithms it is always the copy, as before the
+    choice."""
 
     @classmethod
     def of(cls, weight: Tensor, rows: int) -> LayoutChoice:

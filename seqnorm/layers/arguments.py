@@ -48,7 +48,7 @@ def prepare(
     lengths = _check_lengths(owner, lengths, steps, batch)
     if lengths is not None and torch.is_grad_enabled() and int(lengths.min()) < steps:
         # Padding enters nothing, not even W_ih's gradient as 0 * NaN: a padded row's gradient is 0, but its input
-        # (NaN or inf padding, which the outputs never show) multiplies it there. 0.1 ms at 100 x 32 x 128.
+        # (NaN or inf padding, which the outputs never show) multiplies it there. It costs little (docs/performance.md).
         padded = torch.arange(steps).unsqueeze(1) >= lengths.unsqueeze(0)  # (T, B)
         x = x.masked_fill(padded.to(x.device).unsqueeze(-1), 0)
     h0, c0 = _initial_state(layer, hx, batch, x, unbatched)

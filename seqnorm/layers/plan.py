@@ -300,7 +300,7 @@ def _cell_step_route(cell: RecurrentCell, autocast: bool) -> Path:
 def _lean_route(cell: RecurrentCell, x: Tensor) -> Path:
     """A lean step's cell: the compiled generation step where its norms (if any) declare the kernel form, else
     Python's (torch's cell kernel for a cell without norms). The compiled step also serves cells without norms: with
-    its weights laid out for the BLAS it measured faster than torch's ``LSTMCell`` (BENCHMARKS.md)."""
+    its weights laid out for the BLAS it measured faster than torch's ``LSTMCell`` (docs/benchmarks-archive.md)."""
     norms = (cell.norm_ih, cell.norm_hh, cell.norm_c)
     if any(norm_blocker(norm, "kernel") is not None for norm in norms):
         return "lean_step"

@@ -316,14 +316,13 @@ class TaskModule(pl.LightningModule):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # What a checkpoint written before this step finishes must hold (see _rewind_unfinished); the batch counter
-        # tells which step they belong to. About 50 microseconds, mostly numpy's state: 0.15% of the test model's
-        # 35 ms step, the smallest there is.
+        # tells which step they belong to. Cheap next to the smallest step (docs/performance.md).
         epoch_loop = self.trainer.fit_loop.epoch_loop
         optimization = epoch_loop.automatic_optimization.optim_progress.state_dict()
         self._step_start = (epoch_loop.batch_progress.total.ready, snapshot_random_states(), optimization)
         self._losses_at_step_start = list(getattr(self, "_recent_losses", None) or ())
-        # The buffers too (per-timestep BN's running statistics), copied into the same tensors every step: 0.2 ms
-        # for a BN-LSTM language model of hidden size 512 (0.9 M values), whose steps take 100 ms and more.
+        # The buffers too (per-timestep BN's running statistics), copied into the same tensors every step: cheap
+        # next to the step (docs/performance.md).
         buffers = list(self.buffers())
         kept = getattr(self, "_buffers_at_step_start", [])
         if [(b.shape, b.dtype, b.device) for b in buffers] != [(k.shape, k.dtype, k.device) for k in kept]:

@@ -282,12 +282,9 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
         (:meth:`_fused_forward_step`: the real rows' moments update the step's running row in place by the same rule,
         momentum and unbiased variance); any other step of a norm whose class declares the pieces (batch renorm's
         r/d correction, a cumulative average) is its own :class:`~seqnorm.norms.protocol.NodePieces` as one autograd
-        node (:func:`~seqnorm.norms.protocol.step_node`). No math is restated here; both are kept for speed. The fused
-        kernels: a training forward+backward of ``LSTM(128, 256, norm="batch")`` on the loop path (T=100, B=32, 1
-        thread, CPU) took ~123-126 ms instead of ~150-154 ms (best of 10, alternating runs); ``LSTMCell(32, 64,
-        norm="batch")`` in a user's loop of 30 masked steps at B=8 (``scripts/bench_cells.py``, BENCHMARKS.md) is
-        under 2x the LN cell. Everything else (evaluation, a small-batch error to raise, what the pieces do not
-        cover) is :meth:`forward`.
+        node (:func:`~seqnorm.norms.protocol.step_node`). No math is restated here; both are kept for speed
+        (docs/performance.md, "A cell in your own loop"). Everything else (evaluation, a small-batch error to raise,
+        what the pieces do not cover) is :meth:`forward`.
         """
         if not self.training:
             return self.forward(x, step, mask)

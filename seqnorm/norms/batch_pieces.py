@@ -255,9 +255,8 @@ class BatchNormPieces:
 class FoldedRows:
     """A per-timestep BN's :meth:`~BatchNormPieces.folded_statistics` for a cached generation step (the compiled
     one's and the plain one's), ``scale`` and ``offset`` ``(max_steps, F)``, folded as the steps' time index reaches
-    them (:meth:`through`). Folding every row when the step was prepared cost about 0.2 ms a norm at ``F = 2048``,
-    three norms a cell, at every rebuild: after every training update in a loop that samples between updates
-    (BENCHMARKS.md, issue 14)."""
+    them (:meth:`through`): folding every row at once paused each rebuild of the step, which a loop that samples
+    between training updates pays after every update (docs/benchmarks-archive.md)."""
 
     def __init__(self, norm: BatchNormPieces, shift: Tensor | None) -> None:
         self._norm, self._shift = norm, shift
