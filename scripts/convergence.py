@@ -383,6 +383,34 @@ def gradient_reach(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return summary
 
 
+def settled(rows: Sequence[dict[str, Any]], level: str) -> list[dict[str, Any]]:
+    """Whether a comparison had settled: the paired difference from the plain LSTM of the same (T, B) on the
+    learning curves (mean over seeds; BN with its running averages, as the curves hold) at half, four fifths and
+    all of the updates."""
+    plain = {(r["steps"], r["batch_size"]): r for r in rows if r["norm"] == "none"}
+    summary = []
+    for row in rows:
+        base = plain.get((row["steps"], row["batch_size"]))
+        if row["norm"] == "none" or base is None:
+            continue
+        mine = {t["seed"]: t["curve"] for t in row.get("chosen", []) if t.get("curve")}
+        theirs = {t["seed"]: t["curve"] for t in base.get("chosen", []) if t.get("curve")}
+        seeds = sorted(mine.keys() & theirs.keys())
+        if not seeds:
+            continue
+        entry: dict[str, Any] = {"T": row["steps"], "B": row["batch_size"], "norm": row["norm"]}
+        for name, fraction in (("at_half", 0.5), ("at_four_fifths", 0.8), ("at_end", 1.0)):
+            differences = []
+            for seed in seeds:
+                index = round(fraction * (len(mine[seed]) - 1))
+                a, b = mine[seed][index][1], theirs[seed][index][1]
+                differences.append(_data.loss_value(a, level) - _data.loss_value(b, level))
+            entry[name] = f"{statistics.fmean(differences):+.3f}"
+        entry["seeds"] = len(seeds)
+        summary.append(entry)
+    return summary
+
+
 def settings_of(rows: Sequence[dict[str, Any]]) -> list[tuple[int, int]]:
     """The (T, B) settings in the order they ran."""
     return list(dict.fromkeys((row["steps"], row["batch_size"]) for row in rows))
@@ -520,6 +548,12 @@ def write_outputs(
                 "window's first and last step; geometric mean over seeds), at initialization and after `updates`",
                 gradient_reach(rows),
                 ["T", "B", "norm", "at_init", "at_end", "updates"],
+            ),
+            (
+                f"Settled? The paired difference from the plain LSTM ({value.split('_')[-1]}, mean over seeds) on "
+                "the learning curves at half, four fifths and all of the updates (BN: running averages)",
+                settled(rows, level),
+                ["T", "B", "norm", "at_half", "at_four_fifths", "at_end", "seeds"],
             ),
         ],
     )

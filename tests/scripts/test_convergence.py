@@ -93,6 +93,18 @@ def test_cells_curves_gradients_paired_differences_and_resume(
                 ratios.append(math.log10(float(run[0]["grad_last"]) / float(run[-1]["grad_last"])))
             assert float(row[column]) == pytest.approx(10 ** statistics.fmean(ratios), rel=0.06), (norm, size, column)
     assert ("batch", 1) not in reach and len(reach) == 5
+    # settled: paired differences on the learning curves (points at updates 0, 4, 8, 12: "half" is the point of index 2)
+    rows_now = convergence.main(_argv(tmp_path, "none", "layer", "batch"))
+    table = {(r["norm"], r["B"]): r for r in convergence.settled(rows_now, "char")}
+    assert set(table) == {("layer", 1), ("layer", 4), ("batch", 4)}
+    for column, update in (("at_end", "12"), ("at_half", "8")):
+        at = {
+            (c["norm"], c["seed"]): float(c["val_bpc"])
+            for c in curves
+            if c["batch_size"] == "4" and c["update"] == update
+        }
+        expected = statistics.fmean(at[("layer", seed)] - at[("none", seed)] for seed in ("0", "1"))
+        assert float(table[("layer", 4)][column]) == pytest.approx(expected, abs=6e-4)
 
     every_run = len((out / "runs.jsonl").read_text().splitlines())
     convergence.main(_argv(tmp_path, "none", "layer", "batch"))  # all finished: nothing trains again
