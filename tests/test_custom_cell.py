@@ -206,3 +206,13 @@ def test_weight_dropout_drops_entries_of_the_diagonal() -> None:
     with torch.no_grad():
         layer.weight_hh_l0.mul_(mask)
     assert_close(output, _by_hand(layer, x, lengths)[0], **TOLERANCE)
+
+
+def test_hidden_state_stats_refuses_it_by_name() -> None:
+    # the callback's statistics read the gate blocks a GatedCell has: a clear error, not an AttributeError mid-run
+    from seqnorm.callbacks.observe import find_cells
+
+    with pytest.raises(
+        ValueError, match=r"^HiddenStateStats: expected cells with gate blocks .* got IndRNNCell at 'l0'$"
+    ):
+        find_cells(IndRNN(3, 4, norm="layer"))

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from seqnorm.cells.base import RecurrentCell
+from seqnorm.cells.gated import GatedCell
 from seqnorm.layers.base import RecurrentLayer
 from seqnorm.norms import TimestepBatchNorm
 from seqnorm.norms.sync import local_statistics
@@ -59,6 +60,12 @@ def find_cells(module: nn.Module) -> list[ObservedCell]:
             depth, direction = divmod(index, layer.num_directions)
             cells.append(ObservedCell(f"{prefix}l{depth}{'_reverse' if direction else ''}", cell, layer))
     cells.extend(ObservedCell(path or "cell", cell, None) for path, cell in loose)
+    for observed in cells:  # the statistics read the gate blocks and their norms
+        if not isinstance(observed.cell, GatedCell):
+            raise ValueError(
+                f"HiddenStateStats: expected cells with gate blocks (seqnorm.GatedCell: LSTMCell, GRUCell), got "
+                f"{type(observed.cell).__name__} at {observed.name!r}"
+            )
     return cells
 
 
