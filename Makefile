@@ -25,10 +25,11 @@ venv: $(BIN)/.installed $(BIN)/.kernels
 
 kernels: $(BIN)/.kernels
 
-# The whole suite, on up to 4 worker processes (pytest-xdist; ~5 minutes on 2 cores, ~9.5 on one).
+# The whole suite, on up to 4 worker processes (pytest-xdist; ~5.5 minutes on 2 cores), ending with its 15 slowest
+# tests: the place to look when it grows.
 test: venv
 	$(BIN)/python -m ruff check seqnorm tests scripts examples
-	$(BIN)/python -m pytest -n auto --maxprocesses 4
+	$(BIN)/python -m pytest -n auto --maxprocesses 4 --durations 15
 
 # The inner loop: the suite without the tests marked slow (processes, CLI runs, end-to-end training, the Triton
 # interpreter; tests/conftest.py), under 2 minutes on 2 cores.
