@@ -411,6 +411,27 @@ def settled(rows: Sequence[dict[str, Any]], level: str) -> list[dict[str, Any]]:
     return summary
 
 
+def against_batch_norm(rows: Sequence[dict[str, Any]], value: str) -> list[dict[str, Any]]:
+    """The batch-independent norms against per-timestep BN of the same (T, B), paired by seed: ``value`` against
+    BN's headline metric (its exact statistics by default)."""
+    batch = {(r["steps"], r["batch_size"]): r for r in rows if r["norm"] == "batch" and r["status"] == "ok"}
+    summary = []
+    for row in rows:
+        bn = batch.get((row["steps"], row["batch_size"]))
+        if bn is None or row["norm"] in ("batch", "batch_renorm") or row["status"] != "ok":
+            continue
+        paired = _protocol.paired_against(row["chosen"], bn["chosen"], value, bn["headline"])
+        summary.append(
+            {
+                "T": row["steps"],
+                "B": row["batch_size"],
+                "norm": row["norm"],
+                "minus_batch": _protocol.paired_text(paired),
+            }
+        )
+    return summary
+
+
 def settings_of(rows: Sequence[dict[str, Any]]) -> list[tuple[int, int]]:
     """The (T, B) settings in the order they ran."""
     return list(dict.fromkeys((row["steps"], row["batch_size"]) for row in rows))
@@ -554,6 +575,12 @@ def write_outputs(
                 "the learning curves at half, four fifths and all of the updates (BN: running averages)",
                 settled(rows, level),
                 ["T", "B", "norm", "at_half", "at_four_fifths", "at_end", "seeds"],
+            ),
+            (
+                f"Against per-timestep BN of the same T and B, paired by seed: {value} minus BN's (its headline "
+                "metric), mean [95% t-interval], seeds where the sign held",
+                against_batch_norm(rows, value),
+                ["T", "B", "norm", "minus_batch"],
             ),
         ],
     )

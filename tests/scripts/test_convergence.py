@@ -105,6 +105,15 @@ def test_cells_curves_gradients_paired_differences_and_resume(
         }
         expected = statistics.fmean(at[("layer", seed)] - at[("none", seed)] for seed in ("0", "1"))
         assert float(table[("layer", 4)][column]) == pytest.approx(expected, abs=6e-4)
+    # LN against BN, paired by seed: LN's val_bpc minus BN's exact-statistics val_bpc
+    against = {(r["norm"], r["B"]): r["minus_batch"] for r in convergence.against_batch_norm(rows_now, "val_bpc")}
+    assert set(against) == {("none", 4), ("layer", 4)}
+    by_seed = {(t["norm"], t["seed"]): t for t in trials if t["batch_size"] == "4"}
+    differences = [
+        float(by_seed[("layer", s)]["val_bpc"]) - float(by_seed[("batch", s)]["val_bpc_exact"]) for s in "01"
+    ]
+    assert float(against[("layer", 4)].split()[0]) == pytest.approx(statistics.fmean(differences), abs=6e-4)
+    assert against[("layer", 4)].endswith("/2")
 
     every_run = len((out / "runs.jsonl").read_text().splitlines())
     convergence.main(_argv(tmp_path, "none", "layer", "batch"))  # all finished: nothing trains again
