@@ -376,8 +376,13 @@ def gradient_reach(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         reach = {}
         for name, which in (("at_init", 0), ("at_end", -1)):
-            ratios = [math.log10(p[which]["last"][0] / p[which]["last"][-1]) for p in profiles]
-            reach[name] = f"{10 ** statistics.fmean(ratios):.1e}"
+            # a gradient that vanished below float32's range reads 0: counted, not averaged
+            ratios = [p[which]["last"][0] / p[which]["last"][-1] for p in profiles]
+            finite = [math.log10(ratio) for ratio in ratios if ratio > 0]
+            text = f"{10 ** statistics.fmean(finite):.1e}" if finite else "0 (float32 underflow)"
+            if finite and len(finite) < len(ratios):
+                text += f"; 0 in {len(ratios) - len(finite)} of {len(ratios)} seeds"
+            reach[name] = text
         updates = profiles[0][-1]["update"]
         summary.append({"T": row["steps"], "B": row["batch_size"], "norm": row["norm"], **reach, "updates": updates})
     return summary

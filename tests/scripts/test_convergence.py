@@ -8,6 +8,7 @@ import math
 import statistics
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import _common
 import _data
@@ -162,3 +163,17 @@ def test_updates_by_batch_size() -> None:
         with pytest.raises(SystemExit):
             convergence.parse_args(["--batch-sizes", "1", "32", *bad])
     assert math.isclose(convergence.parse_args(["--quick"]).select_fraction, 0.25)
+
+
+def test_a_gradient_below_float32s_range_is_counted_not_averaged() -> None:
+    # over 400 steps the plain LSTM's last-position gradient reaches the first step as exactly 0 at initialization
+    def profile(first: float) -> list[dict[str, Any]]:
+        return [{"update": 0, "last": [first, 1.0, 2.0]}, {"update": 9, "last": [1e-6, 1.0, 1.0]}]
+
+    def row(*firsts: float) -> dict[str, Any]:
+        return {"steps": 3, "batch_size": 2, "norm": "none", "chosen": [{"grads": profile(f)} for f in firsts]}
+
+    (all_zero,) = convergence.gradient_reach([row(0.0, 0.0)])
+    assert all_zero["at_init"] == "0 (float32 underflow)" and all_zero["at_end"] == "1.0e-06"
+    (some_zero,) = convergence.gradient_reach([row(0.0, 2e-8)])
+    assert some_zero["at_init"] == "1.0e-08; 0 in 1 of 2 seeds"
