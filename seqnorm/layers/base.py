@@ -265,8 +265,8 @@ class RecurrentLayer(nn.Module):
         """
         if isinstance(input, Tensor) and input.dim() == 2 and hx is None and lengths is None and not first_step:
             return plan_for(self, input, step=True)
-        x, lengths, h0, c0, _ = prepare(self, input, hx, lengths)
-        return plan_for(self, x, lengths, (h0, c0), first_step=check_first_step(self, first_step))
+        x, lengths, *_ = prepare(self, input, hx, lengths)  # hx checked as a call would check it
+        return plan_for(self, x, lengths, first_step=check_first_step(self, first_step))
 
     def _run(
         self,
@@ -292,7 +292,7 @@ class RecurrentLayer(nn.Module):
             x = torch.cat([x, x.new_zeros(longest - steps, *x.shape[1:])])
             output, *final = self._run_reference(x, h0, c0, lengths, first_step, run_every_step=True)
             return (output[:steps], *final)
-        plan = plan_for(self, x, lengths, (h0, c0), first_step=first_step)
+        plan = plan_for(self, x, lengths, first_step=first_step)
         if exporting and plan.path != "torch_kernel":
             return self._run_reference(x, h0, c0, lengths, first_step)
         if log.isEnabledFor(logging.DEBUG):

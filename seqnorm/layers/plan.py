@@ -123,17 +123,16 @@ def plan_for(
     layer: Layer,
     x: Tensor,
     lengths: Tensor | None = None,
-    state: tuple[Tensor, Tensor | None] | None = None,
     *,
     step: bool = False,
     first_step: int = 0,
 ) -> Plan:
     """The path of ``layer`` for input ``x`` (``(T, B, I)``; with ``step=True`` one step, ``(B, I)``).
 
-    Only facts are read from ``x`` and ``state`` (``(h0, c0)``): batch size, dtype, device, ``requires_grad``.
+    Only facts are read from ``x``: batch size, dtype, device.
     ``first_step`` is the time index of the sequence's first step (:meth:`RecurrentLayer.forward`).
     """
-    return _step_plan(layer, x) if step else _forward_plan(layer, x, lengths, state, first_step)
+    return _step_plan(layer, x) if step else _forward_plan(layer, x, lengths, first_step)
 
 
 def kernel_blocker(layer: Layer | None, cell: RecurrentCell, dtype: torch.dtype, device: str) -> str | None:
@@ -197,7 +196,6 @@ def _forward_plan(
     layer: Layer,
     x: Tensor,
     lengths: Tensor | None,
-    state: tuple[Tensor, Tensor | None] | None,
     first_step: int = 0,
 ) -> Plan:
     cells: list[RecurrentCell] = list(layer.cells)
