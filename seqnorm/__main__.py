@@ -24,10 +24,8 @@ def main(args: list[str] | None = None) -> None:
     try:
         try:
             _run(args)
-        except SystemExit:
+        finally:
             sys.stdout.flush()  # here, not at exit, where a closed pipe is only an "Exception ignored" message
-            raise
-        sys.stdout.flush()
     except BrokenPipeError:
         # Python's recipe (signal module docs, "Note on SIGPIPE"): what is still buffered must not fail again at exit
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
