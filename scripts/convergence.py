@@ -405,12 +405,15 @@ def settled(rows: Sequence[dict[str, Any]], level: str) -> list[dict[str, Any]]:
             continue
         entry: dict[str, Any] = {"T": row["steps"], "B": row["batch_size"], "norm": row["norm"]}
         for name, fraction in (("at_half", 0.5), ("at_four_fifths", 0.8), ("at_end", 1.0)):
-            differences = []
-            for seed in seeds:
-                index = round(fraction * (len(mine[seed]) - 1))
-                a, b = mine[seed][index][1], theirs[seed][index][1]
-                differences.append(_data.loss_value(a, level) - _data.loss_value(b, level))
-            entry[name] = f"{statistics.fmean(differences):+.3f}"
+
+            def point(curves: dict[int, list[Any]], seed: int, fraction: float = fraction) -> float:
+                curve = curves[seed]
+                return _data.loss_value(curve[round(fraction * (len(curve) - 1))][1], level)
+
+            paired = _protocol.paired_difference(
+                {s: point(mine, s) for s in seeds}, {s: point(theirs, s) for s in seeds}
+            )
+            entry[name] = f"{paired.mean:+.3f}" if paired is not None else ""
         entry["seeds"] = len(seeds)
         summary.append(entry)
     return summary
