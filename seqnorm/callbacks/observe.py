@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from seqnorm.cells.base import RecurrentCell
 from seqnorm.cells.gated import GatedCell
 from seqnorm.layers.base import RecurrentLayer
+from seqnorm.layers.keys import cell_suffix
 from seqnorm.norms import TimestepBatchNorm
 from seqnorm.norms.sync import local_statistics
 
@@ -57,8 +58,7 @@ def find_cells(module: nn.Module) -> list[ObservedCell]:
     for path, layer in layers:
         prefix = f"{path or 'rnn'}/" if several else ""
         for index, cell in enumerate(layer.cells):
-            depth, direction = divmod(index, layer.num_directions)
-            cells.append(ObservedCell(f"{prefix}l{depth}{'_reverse' if direction else ''}", cell, layer))
+            cells.append(ObservedCell(prefix + cell_suffix(index, layer.num_directions), cell, layer))
     cells.extend(ObservedCell(path or "cell", cell, None) for path, cell in loose)
     for observed in cells:  # the statistics read the gate blocks and their norms
         if not isinstance(observed.cell, GatedCell):

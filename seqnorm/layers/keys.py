@@ -12,13 +12,19 @@ from torch import nn
 if TYPE_CHECKING:
     from seqnorm.layers.protocol import Layer
 
-__all__ = ["TORCH_KEY", "from_torch", "from_torch_keys", "to_torch_keys", "torch_keys_in_errors"]
+__all__ = ["TORCH_KEY", "cell_suffix", "from_torch", "from_torch_keys", "to_torch_keys", "torch_keys_in_errors"]
 
 # torch.nn.LSTM's parameter names (`weight_ih_l0`, `bias_hh_l1_reverse`); norms follow suit: `norm_ih_l0.weight`.
 TORCH_KEY = re.compile(r"(?P<name>[A-Za-z_]\w*?)_l(?P<layer>\d+)(?P<reverse>_reverse)?(?P<rest>\..*)?")
 
 # Per layer during a load_state_dict: its prefix and error messages (from from_torch_keys to torch_keys_in_errors).
 _LOADING: WeakKeyDictionary[Layer, tuple[str, list[str]]] = WeakKeyDictionary()
+
+
+def cell_suffix(index: int, num_directions: int) -> str:
+    """torch's name for the cell at ``cells[index]``: ``l0``, ``l0_reverse``, ``l1``, ... (layer-major)."""
+    layer, direction = divmod(index, num_directions)
+    return f"l{layer}{'_reverse' if direction else ''}"
 
 
 def _torch_key(module: Layer, prefix: str, key: str) -> str:
@@ -28,8 +34,7 @@ def _torch_key(module: Layer, prefix: str, key: str) -> str:
         return key
     index, _, name = key[len(head) :].partition(".")
     first, dot, rest = name.partition(".")
-    layer, direction = divmod(int(index), module.num_directions)
-    return f"{prefix}{first}_l{layer}{'_reverse' if direction else ''}{dot}{rest}"
+    return f"{prefix}{first}_{cell_suffix(int(index), module.num_directions)}{dot}{rest}"
 
 
 def to_torch_keys(module: Layer, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
