@@ -123,8 +123,11 @@ def test_a_config_after_ckpt_path_that_resets_it_is_refused(run: Path, capsys: p
     )
 
 
+@pytest.mark.usefixtures("one_route")  # the kernels' route trials round differently; they are not what is compared
 def test_validate_and_predict_take_the_runs_data_from_the_checkpoint(run: Path) -> None:
     main(["validate", "--ckpt_path", LAST, *QUIET])  # the run's own validation file, B.txt
+    # FIT's config turns HiddenStateStats on, which observes a validation batch: bitwise the same number all the
+    # same (an Intel Xeon gave 4.4774017333984375 against 4.477402210235596 when the batch was observed in place)
     main(["validate", *FIT, "--ckpt_path", LAST, *QUIET])
     validated = [logged_scalars(run / f"{RUN}/version_{n}")["val/bpc"][-1][1] for n in (1, 2)]
     assert validated[0] == validated[1]

@@ -53,7 +53,11 @@ class HiddenStateStats(Callback):
     ``every_n_steps``-th training step and on one fixed validation batch of every validation run: the longest one
     (:func:`fixed_batch_index`), so that the last steps, where batch statistics rest on few real rows, are seen
     (under length bucketing the first batch is the shortest). Between observations no hook is registered, so layers
-    keep their fast path. Padding rows (``lengths`` / ``mask``) are excluded from every statistic.
+    keep their fast path. An observed training step runs the reference loop (its gradients through time need that
+    step's own graph), whose float32 rounding differs from the compiled kernels' in the last bits; the validation
+    batch is not observed in place but replayed: each layer runs again on the inputs it received, its cells hooked,
+    after the batch, so validation metrics are bitwise those of a run without the callback. Padding rows
+    (``lengths`` / ``mask``) are excluded from every statistic.
 
     Tags are ``{group}/{cell}/{statistic}``; ``{cell}`` is ``l{layer}`` or ``l{layer}_reverse``, prefixed by the
     module path (``encoder.rnn/l0``) when the model holds more than one seqnorm layer; a cell used on its own is
@@ -252,13 +256,16 @@ class HiddenStateStats(Callback):
         self._observation = Observation(
             self._cells, threshold=self.zero_threshold, keep_values=media, gradients=phase == "train"
         )
-        self._observation.start(capture_layer_inputs=phase == "val")
+        # The validation batch is replayed: its metrics must be exactly an unobserved run's (Observation.start).
+        self._observation.start(replayed=phase == "val")
 
     def _finish(self, trainer: pl.Trainer) -> None:
         observation, self._observation = self._observation, None
         if observation is None:
             return
         observation.stop()
+        if self._phase == "val":
+            observation.replay()
         summaries = observation.summaries(self._grad_scale)
         gaps: dict[str, tuple[Tensor, float]] = {}
         if self._phase == "val":

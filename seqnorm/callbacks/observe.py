@@ -318,25 +318,47 @@ class Observation:
     ) -> None:
         self.recorders = [_CellRecorder(cell, threshold, keep_values, gradients) for cell in cells]
         self.handles: list[Any] = []
+        self.layers = {id(r.observed.layer): r.observed.layer for r in self.recorders if r.observed.layer is not None}
         self.layer_inputs: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
 
-    def start(self, capture_layer_inputs: bool = False) -> None:
+    def start(self, replayed: bool = False) -> None:
+        """Hook the cells, in place: the forward itself is observed (a training step's gradients through time need
+        its own graph). ``replayed``: capture each layer's inputs instead and leave its cells unhooked, for
+        :meth:`replay` after the forward; a hooked observer sends its layer down the reference loop (it needs every
+        step's record), whose rounding is not the compiled kernels', so only this way does the observed forward
+        give exactly the numbers of an unobserved one. Cells outside a layer are hooked in place either way (no
+        layer, no path to change)."""
         for recorder in self.recorders:
-            self.handles.append(recorder.observed.cell.observer.register_forward_hook(recorder.on_step))
-        if capture_layer_inputs:
-            layers = {id(r.observed.layer): r.observed.layer for r in self.recorders if r.observed.layer is not None}
-            for key, layer in layers.items():
+            if not replayed or recorder.observed.layer is None:
+                self.handles.append(recorder.observed.cell.observer.register_forward_hook(recorder.on_step))
+        if replayed:
+            for key, layer in self.layers.items():
                 hook = partial(self._capture, key)
                 self.handles.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
 
     def _capture(self, key: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self.layer_inputs.setdefault(key, (args, kwargs))  # the first call: a second would be our own re-run
+        self.layer_inputs.setdefault(key, (args, kwargs))  # the first call, if the model calls a layer twice
 
     def stop(self) -> None:
         """Remove the forward hooks (gradient hooks on recorded tensors go with their graph)."""
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+
+    def replay(self) -> None:
+        """Run each layer again on the inputs it received (``start(replayed=True)``), with its cells hooked, and
+        leave it exactly as it was (:func:`_preserved`): the records of the captured forward, without hooking it."""
+        for key, (args, kwargs) in self.layer_inputs.items():
+            layer = self.layers[key]
+            recorders = [recorder for recorder in self.recorders if recorder.observed.layer is layer]
+            # local_statistics: a diagnostic one process makes alone must not wait on synchronized norms' collectives
+            with _preserved(layer), local_statistics(layer):
+                handles = [r.observed.cell.observer.register_forward_hook(r.on_step) for r in recorders]
+                try:
+                    layer(*args, **kwargs)
+                finally:
+                    for handle in handles:
+                        handle.remove()
 
     def summaries(self, grad_scale: float = 1.0) -> dict[str, CellSummary]:
         return {recorder.observed.name: recorder.summary(grad_scale) for recorder in self.recorders}
