@@ -21,7 +21,7 @@ import yaml
 
 from seqnorm.cli import main
 from seqnorm.cli.threads import THREADS_ENV
-from seqnorm.data import LabeledText, TextCorpus
+from seqnorm.data import DataError, LabeledText, TextCorpus
 from seqnorm.data.base import SequenceDataModule
 from seqnorm.lightning.checkpoint_io import CheckpointError
 from tests.conftest import QUIET, logged_scalars, write_story
@@ -240,3 +240,113 @@ def test_a_data_module_loads_from_a_checkpoint_as_the_run_made_it(run: Path) -> 
         assert data.vocab.to_dict() == saved["vocab"]
     with pytest.raises(CheckpointError, match="which is not one of LabeledText"):
         LabeledText.load_from_checkpoint(LAST)
+
+
+# ---- a checkpoint's data settings are untrusted input ---------------------------------------------------------------
+
+
+def _crafted(name: str, **data: object) -> str:
+    """The run's checkpoint with its saved data arguments changed as an attacker would: written as ``name``."""
+    checkpoint = torch.load(LAST, weights_only=True)
+    checkpoint["datamodule_hyper_parameters"].update(data)
+    torch.save(checkpoint, name)
+    return name
+
+
+def test_a_checkpoint_chooses_no_cache_to_delete_in_and_no_checksum(
+    run: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It deleted ``<cache_dir>/tiny_shakespeare/input.txt`` (checksum mismatch, then a download attempt) and wrote
+    ``sha256.json`` and a temporary file there: the cache and the checksum are the user's, never the file's."""
+    import pooch
+    import requests
+
+    victim = run / "victim"
+    (victim / "tiny_shakespeare").mkdir(parents=True)
+    (victim / "tiny_shakespeare" / "input.txt").write_text("someone's own file\n", encoding="utf-8")
+    monkeypatch.setenv("SEQNORM_CACHE", str(run / "cache"))  # this machine's cache, as the user set it
+    fetched_into = []
+
+    def offline(url: str, known_hash: str, fname: str, path: str) -> str:
+        fetched_into.append((path, known_hash))
+        raise requests.ConnectionError("offline")
+
+    monkeypatch.setattr(pooch, "retrieve", offline)
+    crafted = _crafted(
+        "crafted.ckpt",
+        dataset="tiny_shakespeare",
+        cache_dir=str(victim),
+        dataset_hash="sha256:" + "0" * 64,
+        path=None,
+        train_path=None,
+        val_path=None,
+        test_path=None,
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        main(["test", "--ckpt_path", crafted, *QUIET])
+    assert exit_info.value.code == 2
+    assert "could not download" in capsys.readouterr().err.strip().splitlines()[-1]
+    # nothing in the folder the checkpoint named was deleted, replaced or added
+    assert sorted(p.relative_to(victim) for p in victim.rglob("*")) == [
+        Path("tiny_shakespeare"),
+        Path("tiny_shakespeare/input.txt"),
+    ]
+    assert (victim / "tiny_shakespeare" / "input.txt").read_text(encoding="utf-8") == "someone's own file\n"
+    # the download went to this machine's cache, checked against the registry's checksum
+    (where, known_hash), *_ = fetched_into
+    assert Path(where) == run / "cache" / "tiny_shakespeare" and known_hash != "sha256:" + "0" * 64
+
+
+def test_a_checkpoint_sets_no_worker_count_cache_or_checksum(run: Path) -> None:
+    crafted = _crafted("crafted.ckpt", num_workers=3, cache_dir="elsewhere", dataset_hash="md5:" + "0" * 32)
+    main(["validate", "--ckpt_path", crafted, *QUIET])
+    config = yaml.safe_load((run / f"{RUN}/version_1/config.yaml").read_text(encoding="utf-8"))["data"]["init_args"]
+    assert (config["num_workers"], config["cache_dir"], config["dataset_hash"]) == (0, None, None)
+    data = TextCorpus.load_from_checkpoint(crafted)
+    assert (data.num_workers, data.cache_dir, data.dataset_hash) == (0, None, None)
+    # the user's own settings still apply
+    assert TextCorpus.load_from_checkpoint(crafted, num_workers=1).num_workers == 1
+
+
+def _not_a_file(run: Path, kind: str) -> str:
+    if kind == "folder":
+        (run / "folder").mkdir()
+        return "folder"
+    if kind == "fifo":
+        os.mkfifo(run / "fifo")  # opened, it would wait for a writer forever
+        return "fifo"
+    return os.devnull  # a device: /dev/zero would fill the memory
+
+
+@pytest.mark.parametrize("kind", ["folder", "device"])
+def test_a_checkpoints_data_path_that_is_no_regular_file_is_refused(
+    run: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    crafted = _crafted("crafted.ckpt", test_path=_not_a_file(run, kind))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["test", "--ckpt_path", crafted, *QUIET])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"seqnorm test: error: --ckpt_path {crafted}: expected its --data.test_path to be a regular file, got "
+        f"{os.devnull if kind == 'device' else kind} (a device, FIFO or folder): refused; "
+        "pass --data.test_path with a file of yours"
+    )
+
+
+@pytest.mark.parametrize("kind", ["folder", "device", "fifo"])
+def test_load_from_checkpoint_refuses_a_data_path_that_is_no_regular_file(run: Path, kind: str) -> None:
+    crafted = _crafted("crafted.ckpt", test_path=_not_a_file(run, kind))
+    with pytest.raises(DataError, match=r"expected its --data\.test_path to be a regular file"):
+        TextCorpus.load_from_checkpoint(crafted)
+    assert TextCorpus.load_from_checkpoint(crafted, test_path="C.txt").paths["test"] == "C.txt"  # the user's own
+
+
+def test_the_files_a_checkpoint_names_are_said_once(run: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``test_path="../x"`` or any readable file was read with no word that the path came from the checkpoint."""
+    with caplog.at_level(logging.INFO):
+        main(["validate", "--ckpt_path", LAST, *QUIET])
+    said = [record.getMessage() for record in caplog.records if "data from the checkpoint" in record.getMessage()]
+    assert said == [
+        f"training data from the checkpoint: A.txt (--data.train_path; --ckpt_path {LAST})",
+        f"validation data from the checkpoint: B.txt (--data.val_path; --ckpt_path {LAST})",
+    ]

@@ -227,7 +227,7 @@ class SeqnormCLI(LightningCLI):
                 f"its data with {saved_class.__name__}: pass --data {saved_class.__name__} (or leave --data out: the "
                 "checkpoint supplies it)"
             )
-        apply_checkpoint_data(data, explicit, checkpoint, data_state)
+        apply_checkpoint_data(data, explicit, checkpoint, data_state, ckpt_path)
 
     def _explicit_config(self) -> Any:
         """The config with only what the command line and ``--config`` files set (no defaults)."""

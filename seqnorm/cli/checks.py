@@ -17,6 +17,7 @@ import torch
 from jsonargparse import Namespace
 
 from seqnorm.cli.runs import checkpoint_run_dir
+from seqnorm.data.base import from_checkpoint
 from seqnorm.data.formats import TEXT_FORMATS
 from seqnorm.lightning.base import DATA_STATE_KEY
 from seqnorm.lightning.checkpoint_io import DATA_HPARAMS_KEY, corrupt_checkpoint, names_class
@@ -114,7 +115,7 @@ def run_config(ckpt_path: str) -> str | None:
 
 
 def apply_checkpoint_data(
-    data: Namespace | None, explicit: Namespace | None, checkpoint: dict[str, Any], data_state: Any
+    data: Namespace | None, explicit: Namespace | None, checkpoint: dict[str, Any], data_state: Any, ckpt_path: str
 ) -> None:
     """Evaluating a checkpoint (``validate``/``test``/``predict``), fill the parsed ``--data`` config with the data
     set-up of the checkpoint's run, so that ``--ckpt_path`` and the new file are the whole command.
@@ -122,8 +123,11 @@ def apply_checkpoint_data(
     What the user set (command line or ``--config``: ``explicit``) stays. The rest comes from the run's data
     arguments (:data:`~seqnorm.lightning.checkpoint_io.DATA_HPARAMS_KEY`, checked plain values) and, where the run
     resolved them (:data:`STATE_SETUP`), from its data state; the :data:`DATA_SOURCES` only when the user names none
-    (``seqnorm test --ckpt_path X`` tests on the run's own test split). The vocabulary and labels are loaded into the
-    DataModule when it is made (``DataInstantiator``). Names the DataModule does not take are ignored.
+    (``seqnorm test --ckpt_path X`` tests on the run's own test split). Never the settings of this machine
+    (:data:`~seqnorm.data.base.LOCAL_SETTINGS`: the cache, a checksum to trust, worker processes), and a file only
+    when it is a regular one, said once (:func:`~seqnorm.data.base.from_checkpoint`). The vocabulary and labels are
+    loaded into the DataModule when it is made (``DataInstantiator``). Names the DataModule does not take are
+    ignored.
     """
     init_args = data.get("init_args") if data is not None else None
     if init_args is None:
@@ -134,9 +138,13 @@ def apply_checkpoint_data(
     saved = {name: value for name, value in (checkpoint.get(DATA_HPARAMS_KEY) or {}).items() if name[:1] != "_"}
     if isinstance(data_state, dict):
         saved.update({name: data_state[name] for name in STATE_SETUP if data_state.get(name) is not None})
-    for name, value in saved.items():
-        if name in init_args and name not in given_names and not (user_sources and name in DATA_SOURCES):
-            init_args[name] = value
+    wanted = {
+        name: value
+        for name, value in saved.items()
+        if name in init_args and name not in given_names and not (user_sources and name in DATA_SOURCES)
+    }
+    for name, value in from_checkpoint(wanted, f"--ckpt_path {ckpt_path}").items():
+        init_args[name] = value
 
 
 def apply_checkpoint_text_format(

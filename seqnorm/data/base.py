@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import stat
 import warnings
 from collections.abc import Callable
 from functools import partial
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 
 from seqnorm.data.errors import DataError
@@ -22,9 +24,23 @@ from seqnorm.data.vocab import Vocabulary
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["SequenceDataModule", "check_at_least", "check_fraction"]
+__all__ = ["DATA_PATHS", "LOCAL_SETTINGS", "SequenceDataModule", "check_at_least", "check_fraction", "from_checkpoint"]
 
 SPLITS = ("train", "val", "test")
+
+LOCAL_SETTINGS = ("cache_dir", "dataset_hash", "num_workers")
+"""DataModule arguments a checkpoint never supplies (``--ckpt_path``, ``load_from_checkpoint``): where files are
+written, deleted or downloaded, which download to trust, and how many processes start belong to the machine and its
+user, not to a file that may come from elsewhere. They come from the command line (or the caller) or the defaults."""
+
+DATA_PATHS = {
+    "path": "training",
+    "train_path": "training",
+    "val_path": "validation",
+    "test_path": "test",
+    "predict_path": "prediction",
+}
+"""The DataModules' file arguments, and the split each names (for the line that says a checkpoint chose one)."""
 
 
 def check_at_least(flag: str, value: int | None, minimum: int) -> None:
@@ -37,6 +53,38 @@ def check_fraction(flag: str, value: float) -> None:
     """Raise a :class:`DataError` naming ``--data.<flag>`` unless ``0 <= value < 1``."""
     if not 0.0 <= value < 1.0:
         raise DataError(f"--data.{flag} must be in [0, 1), got {value}")
+
+
+def from_checkpoint(saved: dict[str, Any], where: str) -> dict[str, Any]:
+    """Of the data arguments ``saved`` in a checkpoint (those the caller would take: none the user set), the ones a
+    run may take from it: none of :data:`LOCAL_SETTINGS`, and each file of :data:`DATA_PATHS` a regular file (not a
+    device such as ``/dev/zero``, a FIFO or a folder), said once ("test data from the checkpoint: ..."), since it is
+    read on the file's say-so. Raises :class:`DataError` naming ``where`` (the checkpoint) and the flag to pass."""
+    taken = {}
+    for name, value in saved.items():
+        if name in LOCAL_SETTINGS:
+            continue
+        if name in DATA_PATHS and value is not None:
+            _check_regular_file(name, value, where)
+            rank_zero_info(f"{DATA_PATHS[name]} data from the checkpoint: {value} (--data.{name}; {where})")
+        taken[name] = value
+    return taken
+
+
+def _check_regular_file(name: str, value: Any, where: str) -> None:
+    instead = f"pass --data.{name} with a file of yours"
+    if not isinstance(value, str):
+        raise DataError(f"{where}: expected its --data.{name} to be a file path, got {value!r}: {instead}")
+    try:
+        mode = os.stat(value).st_mode
+    except OSError as error:
+        what = error.strerror or type(error).__name__
+        raise DataError(f"{where}: its --data.{name} {value} cannot be read here ({what}): {instead}") from None
+    if not stat.S_ISREG(mode):
+        raise DataError(
+            f"{where}: expected its --data.{name} to be a regular file, got {value} (a device, FIFO or folder): "
+            f"refused; {instead}"
+        )
 
 
 class SequenceDataModule(pl.LightningDataModule):
@@ -77,7 +125,9 @@ class SequenceDataModule(pl.LightningDataModule):
 
         The file is read once, with ``weights_only=True``; the arguments must be plain values, and the class they
         name must be this class or a subclass of it, never imported on the file's say-so (a foreign one is a
-        :class:`~seqnorm.lightning.checkpoint_io.CheckpointError`).
+        :class:`~seqnorm.lightning.checkpoint_io.CheckpointError`). The cache, a checksum to trust and the number of
+        worker processes are never taken from it (:data:`LOCAL_SETTINGS`: pass them in ``kwargs``), and a file it
+        names must be a regular file and is said once (:func:`from_checkpoint`).
         """
         # imported here: seqnorm.lightning's modules import seqnorm.data
         from seqnorm.lightning.checkpoint_io import DATA_HPARAMS_KEY, corrupt_checkpoint, data_class, read_checkpoint
@@ -87,6 +137,7 @@ class SequenceDataModule(pl.LightningDataModule):
         target = data_class(checkpoint, _subclasses(cls), checkpoint_path, flag) or cls
         taken = inspect.signature(target.__init__).parameters  # names no longer taken are ignored, as Lightning does
         saved = {name: value for name, value in (checkpoint.get(DATA_HPARAMS_KEY) or {}).items() if name in taken}
+        saved = from_checkpoint({n: v for n, v in saved.items() if n not in kwargs}, f"{flag} {checkpoint_path}")
         try:
             datamodule = target(**{**saved, **kwargs})
             state = checkpoint.get(target.__qualname__)  # where Lightning saves the DataModule's state_dict()

@@ -3,8 +3,10 @@
 Select one with ``TextCorpus(dataset="ptb_char")`` (``--data.dataset ptb_char``). Files are cached in
 ``--data.cache_dir``, else ``$SEQNORM_CACHE``, else ``~/.cache/seqnorm``, one folder per dataset. pooch downloads
 into a temporary file beside the target and moves it into place only after its checksum matches; on a mismatch
-the temporary file is deleted, and so is an older cached copy that fails the check, so the cache never holds a
-partial or unverified file.
+the temporary file is deleted, so the cache never holds a partial file. An older cached copy that fails the check
+is deleted and fetched again only in a cache the user named (``--data.cache_dir``, ``$SEQNORM_CACHE``); in the
+built-in ``~/.cache/seqnorm`` it is left as it is and refused with what to do. A checkpoint never names the cache
+or a checksum (:data:`seqnorm.data.base.LOCAL_SETTINGS`).
 
 Checksums are the ones published by other projects for the same URLs (named beside each entry); none was made up.
 A file whose checksum could not be found has ``known_hash=None``: such a dataset is refused unless the user passes
@@ -233,12 +235,36 @@ def get_spec(name: str) -> DatasetSpec:
         ) from None
 
 
-def _retrieve(spec: DatasetSpec, download: Download, folder: Path, known_hash: str) -> Path:
+def _matches(path: Path, known_hash: str) -> bool:
+    import pooch
+
+    algorithm, _, digest = known_hash.rpartition(":")
+    return pooch.file_hash(str(path), alg=(algorithm or "sha256").lower()) == digest.lower()
+
+
+def _refuse_unless_named(named: bool, spec: DatasetSpec, target: Path, why: str) -> None:
+    """In a cache the user did not name (the built-in ``~/.cache/seqnorm``), a file that fails its check is left as
+    it is and refused: seqnorm deletes or replaces a file only in a cache the user chose for it."""
+    if not named:
+        raise DataError(
+            f"--data.dataset {spec.name}: the cached {target} {why}; seqnorm deletes or replaces files only in a "
+            f"cache you name: check it, then delete it and run again (or pass --data.cache_dir FOLDER)"
+        )
+
+
+def _retrieve(spec: DatasetSpec, download: Download, folder: Path, known_hash: str, named: bool) -> Path:
     """pooch's verified download (or its re-check of the cached copy), failures as :class:`DataError`."""
     import pooch
     import requests
 
     target = folder / download.filename
+    if target.exists():
+        if not target.is_file():  # a folder or a device, which pooch would fail on or read forever
+            raise DataError(f"--data.dataset {spec.name}: expected {target} to be a regular file: move it away")
+        if not named:  # checked here, not by pooch, which would download over a copy that fails the check
+            if not _matches(target, known_hash):
+                _refuse_unless_named(named, spec, target, f"does not match its checksum ({known_hash})")
+            return target
     try:
         return Path(pooch.retrieve(download.url, known_hash=known_hash, fname=download.filename, path=folder))
     except ValueError as error:  # pooch's hash mismatch; its temporary file is already deleted
@@ -294,14 +320,15 @@ def _is_sha256(known_hash: str) -> bool:
     return ":" not in known_hash or known_hash.lower().startswith("sha256:")
 
 
-def _download(spec: DatasetSpec, download: Download, folder: Path, known_hash: str | None) -> Path:
+def _download(spec: DatasetSpec, download: Download, folder: Path, known_hash: str | None, named: bool) -> Path:
     if known_hash is None:
         raise DataError(
             f"--data.dataset {spec.name}: no published checksum is known for {download.url}, so it is not "
             "downloaded unverified: download it yourself, check it, and pass its hash with --data.dataset_hash "
             "sha256:<hex>, or pass the extracted text with --data.path"
         )
-    path = _retrieve(spec, download, folder, known_hash)
+    cached = (folder / download.filename).exists()
+    path = _retrieve(spec, download, folder, known_hash, named)
     # pooch has just hashed the file against a SHA-256 given as known_hash: reading it again would only repeat that.
     digest = known_hash.rpartition(":")[2].lower() if _is_sha256(known_hash) else _sha256(path)
     recorded = _read_manifest(folder).get(path.name)
@@ -310,8 +337,11 @@ def _download(spec: DatasetSpec, download: Download, folder: Path, known_hash: s
             _record(folder, path.name, digest)
         return path
     # It passes the published MD5 yet is not the file verified on first use: fetch it afresh, once.
+    if cached:
+        why = f"passes the published check {known_hash} but differs from the SHA-256 recorded in {folder / MANIFEST}"
+        _refuse_unless_named(named, spec, path, why)
     path.unlink()
-    path = _retrieve(spec, download, folder, known_hash)
+    path = _retrieve(spec, download, folder, known_hash, named)
     digest = _sha256(path)
     if digest == recorded:
         return path
@@ -368,7 +398,9 @@ def fetch_dataset(name: str, cache_dir: str | Path | None = None, known_hash: st
 
     Args:
         name: a key of :data:`DATASETS`.
-        cache_dir: where to keep files; ``None`` means :func:`default_cache_dir`.
+        cache_dir: where to keep files; ``None`` means :func:`default_cache_dir`. A file that fails its check is
+            deleted and fetched again only in a cache the user named (``cache_dir`` or ``$SEQNORM_CACHE``); in the
+            built-in ``~/.cache/seqnorm`` it is refused and left as it is.
         known_hash: replaces the registered checksum (needed where none is registered); only for datasets made of
             a single download.
 
@@ -377,6 +409,7 @@ def fetch_dataset(name: str, cache_dir: str | Path | None = None, known_hash: st
     """
     spec = get_spec(name)
     folder = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()) / spec.name
+    named = cache_dir is not None or bool(os.environ.get("SEQNORM_CACHE"))
     if known_hash is not None and len(spec.downloads) != 1:
         raise DataError(
             f"--data.dataset_hash applies to datasets made of one download; {spec.name} has {len(spec.downloads)}"
@@ -388,15 +421,17 @@ def fetch_dataset(name: str, cache_dir: str | Path | None = None, known_hash: st
         download = source.download
         if source.member is None:
             if download.url not in fetched:
-                fetched[download.url] = _download(spec, download, folder, known_hash or download.known_hash)
+                fetched[download.url] = _download(spec, download, folder, known_hash or download.known_hash, named)
             paths[split] = fetched[download.url]
             continue
         destination = folder / Path(source.member).name
         expected = recorded.get(destination.name)
         # Unpacked on an earlier run from a verified archive, and unchanged since: used without the archive.
         if expected is None or not destination.is_file() or _sha256(destination) != expected:
+            if expected is not None and destination.exists():
+                _refuse_unless_named(named, spec, destination, f"differs from the SHA-256 recorded in {MANIFEST}")
             if download.url not in fetched:
-                fetched[download.url] = _download(spec, download, folder, known_hash or download.known_hash)
+                fetched[download.url] = _download(spec, download, folder, known_hash or download.known_hash, named)
             _extract(fetched[download.url], source.member, destination)
             _record(folder, destination.name, _sha256(destination))
         paths[split] = destination

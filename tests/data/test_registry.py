@@ -192,6 +192,32 @@ def test_a_cached_copy_failing_its_checksum_offline_is_named_and_deleted(
     assert not tampered.exists()
 
 
+def test_a_cached_copy_failing_its_checksum_in_the_built_in_cache_is_refused_and_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only a cache the user named has files deleted or replaced: in ``~/.cache/seqnorm`` a copy that fails its check
+    stays as it is, nothing is downloaded over it, and the error says what to do."""
+    monkeypatch.delenv("SEQNORM_CACHE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    _register(
+        monkeypatch, DatasetSpec("dead", "test", {"train": SplitFile(Download("http://127.0.0.1:9/x.txt", "0" * 64))})
+    )
+    folder = default_cache_dir() / "dead"
+    assert folder.is_relative_to(tmp_path)
+    folder.mkdir(parents=True)
+    kept = folder / "x.txt"
+    kept.write_text("someone's own file")
+    with pytest.raises(DataError) as caught:
+        fetch_dataset("dead")
+    assert str(caught.value) == (
+        f"--data.dataset dead: the cached {kept} does not match its checksum ({'0' * 64}); seqnorm deletes or "
+        "replaces files only in a cache you name: check it, then delete it and run again (or pass --data.cache_dir "
+        "FOLDER)"
+    )
+    assert list(folder.iterdir()) == [kept] and kept.read_text() == "someone's own file"
+
+
 def test_ptb_char_files_become_plain_text() -> None:
     assert ptb_char_to_text(" a e r _ b a n k \n n o _ i t \n") == "aer bank\nno it\n"
 
