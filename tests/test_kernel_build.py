@@ -11,7 +11,9 @@ set-up (``make venv``).
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -188,3 +190,110 @@ def test_status_looks_without_building(tmp_path: Path, monkeypatch: pytest.Monke
     status = kernels.status()
     assert status.startswith("off: the C++ kernels are not built") and "the first layer to use them builds" in status
     assert calls == [] and not list(tmp_path.iterdir())
+
+
+# ---- a broken cache: checked before it is loaded, built again, never a crash -----------------------------------------
+
+
+def _truncate(directory: Path) -> None:
+    library = directory / "seqnorm_kernels.so"
+    library.write_bytes(library.read_bytes()[:4096])  # mapped, it killed every process with a bus error
+
+
+def _garbage(directory: Path) -> None:
+    library = directory / "seqnorm_kernels.so"
+    library.write_bytes(bytes(range(256)) * (library.stat().st_size // 256))
+
+
+def _stale_torch(directory: Path) -> None:
+    manifest = json.loads((directory / kernels.MANIFEST).read_text(encoding="utf-8"))
+    manifest["torch"] = "2.13.0+cpu (a torch rebuilt from other sources under the same version)"
+    (directory / kernels.MANIFEST).write_text(json.dumps(manifest), encoding="utf-8")
+
+
+DAMAGE = {
+    "truncated": _truncate,
+    "empty": lambda directory: (directory / "seqnorm_kernels.so").write_bytes(b""),
+    "garbage": _garbage,
+    "stale torch": _stale_torch,
+    "no manifest": lambda directory: (directory / kernels.MANIFEST).unlink(),
+    # the library gone, torch's ninja files and object file left: every process compiled, failed to rename into the
+    # non-empty folder, threw its build away, said "built", then "not built"
+    "half built": lambda directory: (directory / "seqnorm_kernels.so").unlink(),
+}
+
+
+def _stub_compile(monkeypatch: pytest.MonkeyPatch, cache: Path, library: Path) -> list[str]:
+    """Builds in this process hand out the real library (as COMPILE_STUB does for other processes)."""
+    from torch.utils import cpp_extension
+
+    calls: list[str] = []
+
+    def compile_stub(name: str, sources: list[str], build_directory: str, **kwargs: Any) -> None:
+        calls.append(build_directory)
+        shutil.copy(library, Path(build_directory) / "seqnorm_kernels.so")
+
+    monkeypatch.setattr(cpp_extension, "load", compile_stub)
+    monkeypatch.setenv("SEQNORM_KERNELS_DIR", str(cache))
+    monkeypatch.setenv("CXX", sys.executable)
+    return calls
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_broken_build_is_never_loaded_and_the_advice_builds_it_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, built_library: Path, damage: str
+) -> None:
+    cache = tmp_path / "cache"
+    calls = _stub_compile(monkeypatch, cache, built_library)
+    directory = kernels.build().parent
+    assert kernels.MANIFEST in {path.name for path in directory.iterdir()}
+    DAMAGE[damage](directory)
+    looked = subprocess.run(  # what `seqnorm --version` does: it died with exit code 135 (SIGBUS) on a truncated one
+        [sys.executable, "-c", "from seqnorm import kernels; print(kernels.status())"],
+        env=_environment(cache),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert looked.returncode == 0, looked.stderr
+    if damage == "half built":
+        assert looked.stdout.startswith("off: the C++ kernels are not built"), looked.stdout
+    else:
+        assert looked.stdout.startswith(f"off: the C++ kernels in {directory} fail their check ("), looked.stdout
+        assert "rebuild them: `python -m seqnorm.kernels`" in looked.stdout
+    from seqnorm.kernels.__main__ import main as build_command
+
+    assert build_command([]) == 0  # the advice: it returned "built" at once when the library file existed
+    assert len(calls) == 2 and kernels._broken(directory) is None
+    assert (directory / "seqnorm_kernels.so").read_bytes() == built_library.read_bytes()
+    assert sorted(path.name for path in cache.iterdir()) == [directory.name, f"{directory.name}.lock"]  # no leftovers
+
+
+@pytest.mark.parametrize("compiler", [True, False])
+def test_the_first_layer_builds_a_truncated_build_again_or_runs_the_plain_path(
+    tmp_path: Path, built_library: Path, compiler: bool
+) -> None:
+    cache, record = tmp_path / "cache", tmp_path / "builds.txt"
+    assert _first_layer(cache, built_library, record).returncode == 0
+    (directory,) = [path for path in cache.iterdir() if path.is_dir()]
+    _truncate(directory)
+    again = _first_layer(cache, built_library, record, **({} if compiler else {"CXX": str(tmp_path / "no-compiler")}))
+    assert again.returncode == 0, again.stderr
+    if compiler:  # built again, once, saying why
+        assert again.stdout.split() == ["kernel"] and _builds(record) == 2
+        assert "the build there fails its check: seqnorm_kernels.so holds 4096 bytes" in again.stderr
+    else:  # nothing to build with: the plain path, and the warning says why
+        assert again.stdout.split() == ["loop"] and _builds(record) == 1
+        assert (
+            "fail their check (seqnorm_kernels.so holds 4096 bytes" in again.stderr and "RuntimeWarning" in again.stderr
+        )
+
+
+def test_force_builds_a_good_build_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, built_library: Path) -> None:
+    from seqnorm.kernels.__main__ import main as build_command
+
+    calls = _stub_compile(monkeypatch, tmp_path / "cache", built_library)
+    assert build_command([]) == 0 and build_command([]) == 0
+    assert len(calls) == 1  # found, checked, kept
+    assert build_command(["--force"]) == 0
+    assert len(calls) == 2

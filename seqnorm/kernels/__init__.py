@@ -4,8 +4,11 @@ The C++ sources are in ``seqnorm/csrc`` (``norms.h``: each norm's step and backw
 ``recurrence.cpp``: the time loops). They are compiled once per machine with torch's ``cpp_extension`` by the
 first layer that needs them (or ahead of time by ``python -m seqnorm.kernels``, which ``make venv`` runs) into a cache
 directory (:func:`cache_dir`), keyed by the sources, the torch version and the CPU's vector instructions, and loaded
-from there. A first-use build prints one notice (what, where, how long, how to opt out) and holds a file lock, so
-that processes starting together (DDP ranks, pytest-xdist workers) build once and the others wait and then load it.
+from there. A build is published whole (a temporary folder renamed into place) with a manifest of the library's size
+and SHA-256 and the torch it was built for (:data:`MANIFEST`), which every load checks first: a truncated, empty,
+replaced or stale library is rebuilt once (or, where it cannot be, the plain path runs with a warning), never
+loaded. A first-use build prints one notice (what, where, how long, how to opt out) and holds a file lock, so that
+processes starting together (DDP ranks, pytest-xdist workers) build once and the others wait and then load it.
 Without a build — no compiler, a failed build (recorded beside the cache and not retried by later processes),
 ``SEQNORM_KERNELS=0`` — every layer runs its plain-PyTorch path (the loop over the cell's step, or the reference
 loop), which is also what the tests compare the kernels with, and one warning says why.
@@ -43,8 +46,10 @@ import contextlib
 import hashlib
 import importlib.machinery
 import importlib.util
+import json
 import os
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -63,6 +68,7 @@ __all__ = [
     "BACKEND_ENV",
     "CACHE_ENV",
     "DEFAULT_CACHE_MB",
+    "MANIFEST",
     "NO_NORM",
     "Backend",
     "CacheInfo",
@@ -123,30 +129,94 @@ def _failed(directory: Path) -> Path:
     return directory.with_name(directory.name + ".failed")
 
 
-def build(verbose: bool = False, *, first_use: bool = False) -> Path:
-    """Compile the kernels for this machine into :func:`cache_dir` (a no-op when that build exists); its path.
+MANIFEST = "manifest.json"
+"""Beside the library in a build: its size and SHA-256, and the torch, compiler and Python it was built with.
+Written last into the build's temporary folder, which one rename then publishes; checked before every load."""
 
-    One process at a time builds (a file lock beside the build): a process that finds another building waits for it,
-    says so, and takes its build. ``first_use`` (the layers' call, :func:`native`) prints the notice of what is
-    being built, where, for how long and how to opt out, and does not retry a build that failed before (an explicit
-    ``python -m seqnorm.kernels`` does). Raises whatever torch's ``cpp_extension`` raises when there is no compiler
-    or the build fails, after noting the failure beside the build (:func:`status` and the layers' warning then say
-    why, not only "not built").
+
+def _torch_identity() -> str:
+    # the commit too: a torch rebuilt from other sources can keep the version string (the build key's)
+    return f"{torch.__version__} ({torch.version.git_version})"
+
+
+def _compiler_version() -> str:
+    try:
+        compiler = os.environ.get("CXX", "c++")
+        result = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return next(iter(result.stdout.splitlines()), "unknown").strip()
+
+
+def _write_manifest(directory: Path) -> None:
+    library = _library(directory).read_bytes()
+    manifest = {
+        "library": _library(directory).name,
+        "size": len(library),
+        "sha256": hashlib.sha256(library).hexdigest(),
+        "torch": _torch_identity(),
+        "compiler": _compiler_version(),
+        "python": sys.version.split()[0],
+    }
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+
+
+def _broken(directory: Path) -> str | None:
+    """Why the build in ``directory`` must not be loaded, or ``None``: it is not there at all (no library: nothing
+    to load, whatever a broken build left beside it), or it is exactly what its manifest says (size, SHA-256, this
+    torch). Checked before the library is mapped: a truncated one killed every process that loaded it (bus error)."""
+    library = _library(directory)
+    if not library.exists():
+        return None
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text(encoding="utf-8"))
+        size, digest, built_for = manifest["size"], manifest["sha256"], manifest["torch"]
+        data = library.read_bytes()
+    except (OSError, ValueError, KeyError, TypeError) as error:  # ValueError: not JSON, or not UTF-8
+        return f"no readable {MANIFEST} ({type(error).__name__})"
+    if len(data) != size:
+        return f"{library.name} holds {len(data)} bytes, its {MANIFEST} says {size}"
+    if hashlib.sha256(data).hexdigest() != digest:
+        return f"{library.name} is not the file its {MANIFEST} describes (SHA-256)"
+    if built_for != _torch_identity():
+        return f"built for torch {built_for}, this is torch {_torch_identity()}"
+    return None
+
+
+def _ready(directory: Path) -> bool:
+    return _library(directory).exists() and _broken(directory) is None
+
+
+def build(verbose: bool = False, *, first_use: bool = False, force: bool = False) -> Path:
+    """Compile the kernels for this machine into :func:`cache_dir` (a no-op when that build exists and passes its
+    check, unless ``force``); its path.
+
+    A build is written into a fresh temporary folder, its :data:`MANIFEST` last, and published by one rename over
+    whatever was there (a broken build, a half-built folder), so a reader finds a whole build or none. One process
+    at a time builds (a file lock beside the build): a process that finds another building waits for it, says so,
+    and takes its build. ``first_use`` (the layers' call, :func:`native`) prints the notice of what is being built,
+    where, for how long and how to opt out, and does not retry a build that failed before (an explicit ``python -m
+    seqnorm.kernels`` does). Raises whatever torch's ``cpp_extension`` raises when there is no compiler or the build
+    fails, after noting the failure beside the build (:func:`status` and the layers' warning then say why, not only
+    "not built").
     """
     capability = cpu.capability()
     directory = cache_dir() / _build_key(capability)
-    if _library(directory).exists():
+    if not force and _ready(directory):
         return _library(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     with _build_lock(directory):
-        if _library(directory).exists():  # another process built it while this one waited
+        if not force and _ready(directory):  # another process built it while this one waited
             return _library(directory)
         if first_use:
             if _failed(directory).exists():  # another process's build just failed: do not repeat it
                 raise RuntimeError(_failed(directory).read_text(encoding="utf-8"))
+            broken = _broken(directory)
             _notice(
                 f"seqnorm: building the C++ kernels for this machine into {directory} (once per torch and seqnorm "
-                f"version; about {BUILD_TIME}). Set {ENV_SWITCH}=0 to skip them and run the plain-PyTorch path."
+                f"version; about {BUILD_TIME}"
+                + (f"; the build there fails its check: {broken}" if broken else "")
+                + f"). Set {ENV_SWITCH}=0 to skip them and run the plain-PyTorch path."
             )
         started = time.perf_counter()
         path = _compile(directory, capability, verbose)
@@ -181,7 +251,13 @@ def _compile(directory: Path, capability: str, verbose: bool) -> Path:
             reason = f"{type(error).__name__}: {error}".splitlines()[0][:500]
             _failed(directory).write_text(reason, encoding="utf-8")
         raise
+    _write_manifest(work)
     _failed(directory).unlink(missing_ok=True)
+    if directory.exists():  # a broken or half-built one (under the lock: no build of this seqnorm is writing it)
+        stale = directory.with_name(f"{directory.name}.stale-{os.getpid()}")
+        shutil.rmtree(stale, ignore_errors=True)
+        directory.rename(stale)  # a process that mapped its library keeps it: the file lives until unmapped
+        shutil.rmtree(stale, ignore_errors=True)
     try:
         work.rename(directory)
     except OSError:  # a build that holds no lock finished first (an older seqnorm sharing the cache): same sources
@@ -270,13 +346,20 @@ def _load_cpu(build_missing: bool = True) -> Backend | None:
         return _load_triton("cpu")
     directory = cache_dir() / _build_key(cpu.capability())
     path = _library(directory)
-    if not path.exists() and build_missing and _compiler() and not _failed(directory).exists():
+    if not _ready(directory) and build_missing and _compiler() and not _failed(directory).exists():
         try:
-            build(first_use=True)
+            build(first_use=True)  # a broken build is rebuilt (once: under the lock, then checked again)
         except Exception as error:  # recorded beside the build (the warning names it), unless that failed too
             if not _failed(directory).exists():
                 _WHY_NOT["cpu"] = f"the C++ kernels could not be built ({type(error).__name__}: {error})"
                 return None
+    broken = _broken(directory)
+    if broken is not None:  # never mapped: a truncated library is a bus error, not an exception
+        _WHY_NOT["cpu"] = (
+            f"the C++ kernels in {directory} fail their check ({broken}), so they are not loaded; rebuild them: "
+            "`python -m seqnorm.kernels`"
+        )
+        return None
     if not path.exists():
         if _failed(directory).exists():
             reason = _failed(directory).read_text(encoding="utf-8")
@@ -293,8 +376,10 @@ def _load_cpu(build_missing: bool = True) -> Backend | None:
         assert spec is not None
         module = importlib.util.module_from_spec(spec)
         loader.exec_module(module)
-    except ImportError as error:  # a build for another torch that kept the same version string, say
-        _WHY_NOT["cpu"] = f"the C++ kernels at {path} failed to load ({error}); rebuild: `python -m seqnorm.kernels`"
+    except ImportError as error:  # whole and as built, yet it does not load here (a system library changed, say)
+        _WHY_NOT["cpu"] = (
+            f"the C++ kernels at {path} failed to load ({error}); rebuild them: `python -m seqnorm.kernels --force`"
+        )
         return None
     module.set_cache_limit(cpu.cache_limit())
     return CpuBackend(module)
