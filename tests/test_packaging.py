@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -69,6 +70,27 @@ def test_pyproject_lists_every_package() -> None:
     data_packages = {".".join(("seqnorm", "configs", *parts)) for parts in folders} | {"seqnorm.csrc"}
     assert set(config["packages"]) == found | data_packages
     assert config["package-dir"] == {"seqnorm.configs": "configs"}
+
+
+def test_make_test_tests_both_ends_of_the_declared_triton_range() -> None:
+    """``[gpu]`` allowed triton 3.6 to 3.9 while only 3.6 was tested, and 3.9's interpreter refused two kernels: the
+    lowest version the range allows is [test]'s pin, the highest is the Makefile's second run, and nothing above it
+    (a newer minor) is admitted untested."""
+    tomllib = pytest.importorskip("tomllib")
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (declared,) = [Requirement(r).specifier for r in extras["gpu"] if Requirement(r).name == "triton"]
+    (pinned,) = [Requirement(r).specifier for r in extras["test"] if Requirement(r).name == "triton"]
+    lowest = Version(str(next(iter(pinned))).removeprefix("=="))
+    makefile = (ROOT / "Makefile").read_text()
+    highest = Version(re.search(r"^TRITON_HIGHEST := (\S+)$", makefile, re.MULTILINE).group(1))  # type: ignore[union-attr]
+    assert lowest in declared and highest in declared
+    below = Version(f"{lowest.major}.{lowest.minor - 1}.99") if lowest.minor else Version(f"{lowest.major - 1}.99")
+    assert below not in declared, "the range admits a version below the tested lowest"
+    assert Version(f"{highest.major}.{highest.minor + 1}.0") not in declared, "the range admits an untested minor"
+    assert "PYTHONPATH=$(HIGHEST) $(BIN)/python -m pytest" in makefile and "tests/test_triton_backend.py" in makefile
 
 
 def test_the_wheel_ships_every_config(tmp_path: Path) -> None:

@@ -108,7 +108,9 @@ def rows_backward(
         weight = tl.load(weight_ptr + offsets, mask=valid, other=0.0)
     for index in range(0, ROWS_EACH):
         row = program * ROWS_EACH + index
-        here = valid & (row < rows)  # the last program's rows past the end load zeros and add nothing
+        # the last program's rows past the end load zeros and add nothing. A scalar condition selects, not `&`:
+        # Triton 3.9's interpreter makes `vector & scalar` an int32 mask and refuses it ("mask has unsupported dtype")
+        here = tl.where(row < rows, valid, False)
         dy = tl.load(dy_ptr + row * features + offsets, mask=here, other=0.0)
         dshift = dshift + dy
         if KIND != 0:
@@ -179,7 +181,7 @@ def batch_forward(
             d = tl.where(
                 use_batch, tl.minimum(tl.maximum((batch_mean - running_mean) * running_rstd, -d_limit), d_limit), d
             )
-        update = valid & use_batch
+        update = tl.where(use_batch, valid, False)  # not `valid & use_batch`: see rows_backward
         tl.store(running_mean_ptr + at, _lerp(running_mean, batch_mean, step_weight), mask=update)
         tl.store(running_var_ptr + at, _lerp(running_var, batch_var * unbias, step_weight), mask=update)
         mean = tl.where(use_batch, batch_mean, running_mean)
