@@ -162,16 +162,23 @@ def test_a_failed_write_keeps_the_previous_file_and_leaves_no_temp(
     assert [path.name for path in tmp_path.iterdir()] == ["last.ckpt"]
 
 
-def test_a_full_disk_during_fit_surfaces_and_keeps_the_last_good_checkpoint(
-    story: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_full_disk_during_fit_is_one_line_and_keeps_the_last_good_checkpoint(
+    story: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     seen = _watch_publications(monkeypatch)
     _fill_disk_after(monkeypatch, good_writes=1)  # last.ckpt at step 5 (its best-* is a hard link, not a write)
-    with pytest.raises(OSError) as error:
+    with pytest.raises(SystemExit) as exit_info:  # it was a raw `OSError: [Errno 28]` traceback
         main(_fit_args(story, 20))
-    assert error.value.errno == errno.ENOSPC
+    assert exit_info.value.code == 1
     directory = run_path(0) / "checkpoints"
     assert _check_directory(directory) == seen[-1] == {"last.ckpt": 5, "best-epoch=0-step=5.ckpt": 5}
+    (line,) = capsys.readouterr().err.strip().splitlines()[-1:]
+    full = os.strerror(errno.ENOSPC)
+    assert line == (
+        f"seqnorm fit: error: no space left on the device of {directory.parent.resolve()} ({full}): free space there "
+        "(older runs under lightning_logs/, their checkpoints/ folders) or pass --trainer.default_root_dir on a disk "
+        f"with room; the last complete checkpoint is kept: resume with --ckpt_path {directory.resolve() / 'last.ckpt'}"
+    )
 
 
 def _child_env(tmp_path: Path, tmpdir: Path | None) -> dict[str, str]:

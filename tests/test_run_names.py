@@ -74,3 +74,40 @@ def test_the_name_says_cell_norm_size_depth_and_direction() -> None:
     stacked = SequenceClassifier(20, 3, norm="rms", hidden_size=32, num_layers=2, bidirectional=True)
     assert run_name(stacked) == "lstm-rms-h32-2layers-bi"
     assert run_name(torch.nn.Linear(2, 2)) is None  # no seqnorm layer: Lightning's own lightning_logs/version_N
+
+
+def _contents(folder: Path) -> dict[str, tuple[int, int]]:
+    return {str(path.relative_to(folder)): (path.stat().st_size, path.stat().st_mtime_ns) for path in folder.rglob("*")}
+
+
+def test_two_runs_started_together_in_one_folder_take_two_versions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both chose ``version_0``: the second wrote an event file into the first run's folder, then died with a raw
+    ``RuntimeError: SaveConfigCallback expected .../config.yaml to NOT exist``. Here the second run listed the folder
+    before the first made its ``version_0`` (a stale listing, as two processes starting together have): it must
+    still take a folder of its own, writing nothing into the first's."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from seqnorm.cli import runs
+
+    monkeypatch.chdir(tmp_path)
+    main(["fit", *TINY])
+    (first,) = tmp_path.glob("lightning_logs/*/version_0")
+    before = _contents(first)
+    monkeypatch.setattr(TensorBoardLogger, "_get_next_version", lambda self: 0)  # Lightning's own numbering, stale
+    monkeypatch.setattr(runs, "_next_version", lambda parent: 0, raising=False)  # and seqnorm's
+    main(["fit", *TINY])
+    assert _contents(first) == before
+    second = first.with_name("version_1")
+    assert (second / "config.yaml").is_file() and (second / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_a_claimed_run_folder_is_released_only_while_empty(tmp_path: Path) -> None:
+    from seqnorm.cli.runs import release_unused_runs, run_logger
+
+    unused, used = (Path(run_logger(str(tmp_path), "lstm-layer-h8").log_dir) for _ in range(2))
+    assert (unused.name, used.name) == ("version_0", "version_1") and unused.is_dir()  # claimed at once
+    (used / "config.yaml").write_text("written\n", encoding="utf-8")
+    release_unused_runs()  # a command that failed before its first write leaves no empty version_N
+    assert not unused.exists() and (used / "config.yaml").is_file()

@@ -26,6 +26,7 @@ also take the data set-up from it (class, vocabulary, format, level, unit, sizes
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
 import sys
@@ -60,7 +61,9 @@ from seqnorm.cli.runs import (
     DataInstantiator,
     ModelInstantiator,
     continued_run_logger,
+    disk_full_message,
     flag_value,
+    release_unused_runs,
     run_logger,
     run_name,
     with_checkpoint_model,
@@ -449,6 +452,13 @@ def main(args: list[str] | None = None) -> None:
         shown = user_error(error) if isinstance(error, ValueError) else error
         print(f"seqnorm {command}: error: {in_command_line_words(str(shown), MODELS)}", file=sys.stderr)
         raise SystemExit(2) from None
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT) or os.environ.get("SEQNORM_DEBUG"):
+            raise
+        print(f"seqnorm {command}: error: {disk_full_message(error)}", file=sys.stderr)
+        raise SystemExit(1) from None
+    finally:
+        release_unused_runs()  # a run that failed before its first write leaves no empty version_N behind
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ Kept apart from :mod:`seqnorm.cli.app` so that the command itself stays a short 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.cli import LightningCLI, _InstantiatorFn
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 
 from seqnorm.layers import LAYERS, RecurrentLayer
@@ -27,7 +29,10 @@ __all__ = [
     "ModelInstantiator",
     "checkpoint_run_dir",
     "continued_run_logger",
+    "disk_full_message",
     "flag_value",
+    "last_run_dir",
+    "release_unused_runs",
     "run_dir",
     "run_logger",
     "run_name",
@@ -69,19 +74,90 @@ def _logs_dir(default_root_dir: str | None) -> str:
     return os.path.join(os.path.normpath(os.path.expanduser(local)) if local is not None else root, LOGS_NAME)
 
 
+_CLAIMED: list[str] = []  # the run folders this process claimed (claim_version), newest last
+_OPENED: list[str] = []  # every run folder this process writes into, claimed or continued, newest last
+
+
+def _claim_version(parent: str) -> str | int | None:
+    """A new run's ``version_N`` under ``parent``, claimed by creating its folder: ``os.mkdir`` fails where another
+    process made it first (two runs started together in one folder both chose ``version_0``, and the second wrote an
+    event file into the first's folder before dying on its ``config.yaml``), and this run takes the next number.
+    ``None`` (Lightning numbers it, nothing created) on a process other than the global rank 0, whose folder rank 0
+    chooses, and for a remote folder; a SLURM job's id as Lightning has it (a requeued job continues its folder)."""
+    job = SLURMEnvironment.job_id()
+    if job is not None:
+        return job
+    if rank_zero_only.rank != 0 or os.environ.get("NODE_RANK", "0") != "0" or local_path(parent) is None:
+        return None
+    os.makedirs(parent, exist_ok=True)
+    number = _next_version(parent)  # by the time of the mkdir below, another process may have taken it
+    while True:
+        folder = os.path.join(parent, f"version_{number}")
+        try:
+            os.mkdir(folder)
+        except FileExistsError:
+            number += 1
+            continue
+        _CLAIMED.append(folder)
+        return number
+
+
+def _next_version(parent: str) -> int:
+    """One more than the highest ``version_N`` under ``parent`` (Lightning's numbering), 0 for none."""
+    taken = [entry.partition("_")[2] for entry in os.listdir(parent) if entry.startswith("version_")]
+    return max((int(n) for n in taken if n.isdigit()), default=-1) + 1
+
+
+def release_unused_runs() -> None:
+    """Remove the run folders this process claimed and never wrote into (a command that failed before its first
+    write): ``os.rmdir`` removes only an empty folder."""
+    while _CLAIMED:
+        with contextlib.suppress(OSError):
+            os.rmdir(_CLAIMED.pop())
+
+
+def last_run_dir() -> str | None:
+    """The run folder this process opened last (for messages about it), ``None`` before any."""
+    return _OPENED[-1] if _OPENED else None
+
+
 def run_logger(default_root_dir: str | None, name: str | None, version: str | None = None) -> TensorBoardLogger:
     """The ``seqnorm`` command's default logger: Lightning's (TensorBoard, a SLURM job's id as its version), writing
     into ``<default_root_dir>/lightning_logs/<name>/version_N`` (``lightning_logs/version_N`` when ``name`` is
-    ``None``: Lightning's own layout); ``version`` (a folder name) continues that run instead of numbering a new one."""
+    ``None``: Lightning's own layout), a new run's folder claimed at once (:func:`_claim_version`); ``version`` (a
+    folder name) continues that run instead of numbering a new one."""
     name = name or ""
-    return TensorBoardLogger(_logs_dir(default_root_dir), name=name, version=version or SLURMEnvironment.job_id())
+    parent = os.path.join(_logs_dir(default_root_dir), name)
+    chosen = version or _claim_version(parent)
+    logger = TensorBoardLogger(_logs_dir(default_root_dir), name=name, version=chosen)
+    if chosen is not None:  # None: another process's folder, which Lightning's lazy numbering would only guess
+        _OPENED.append(logger.log_dir)
+    return logger
 
 
 def run_dir(default_root_dir: str | None, name: str | None) -> str:
-    """The folder :func:`run_logger` would open now for a new run (numbered the same way; nothing is created):
-    where a run without a logger keeps its config.yaml and checkpoints."""
+    """A new run's folder, numbered and claimed as :func:`run_logger` does: where a run without a logger keeps its
+    config.yaml and checkpoints."""
+    parent = os.path.join(_logs_dir(default_root_dir), name or "")
     # CSVLogger numbers runs as TensorBoardLogger does, without needing tensorboard
-    return CSVLogger(_logs_dir(default_root_dir), name=name or "", version=SLURMEnvironment.job_id()).log_dir
+    folder = CSVLogger(_logs_dir(default_root_dir), name=name or "", version=_claim_version(parent)).log_dir
+    _OPENED.append(folder)
+    return folder
+
+
+def disk_full_message(error: OSError) -> str:
+    """One line for a full disk (or quota): where, what to free, and that the last complete checkpoint is kept
+    (checkpoints are written to a temporary file and renamed: a failed write leaves the previous one)."""
+    run = last_run_dir()
+    where = os.path.dirname(error.filename) if isinstance(error.filename, str) else run or os.getcwd()
+    message = (
+        f"no space left on the device of {where} ({error.strerror}): free space there (older runs under "
+        f"{LOGS_NAME}/, their checkpoints/ folders) or pass --trainer.default_root_dir on a disk with room"
+    )
+    last = Path(run, "checkpoints", "last.ckpt") if run is not None else None
+    if last is not None and last.is_file():
+        return f"{message}; the last complete checkpoint is kept: resume with --ckpt_path {last}"
+    return f"{message}; no checkpoint was lost (a write that fails leaves the previous file)"
 
 
 def checkpoint_run_dir(ckpt_path: str | None) -> Path | None:
