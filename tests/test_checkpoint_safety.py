@@ -581,6 +581,29 @@ def test_hparams_file_is_checked_too(story: Path, trained: Path, monkeypatch: py
     assert LanguageModel.load_from_checkpoint(trained, hparams_file=hparams_file, strict=False).hparams.norm == "rms"
 
 
+LAUGHS = "\n".join(  # "billion laughs": nine aliases of nine aliases ... of a string, 10**9 strings once expanded
+    [f"laugh0: &laugh0 [{', '.join(['lol'] * 9)}]"]
+    + [f"laugh{n}: &laugh{n} [{', '.join([f'*laugh{n - 1}'] * 9)}]" for n in range(1, 9)]
+)
+
+
+@pytest.mark.parametrize("where", ["a key of its own", "a model argument"])
+def test_a_billion_laughs_hparams_file_is_a_checkpoint_error(
+    story: Path, trained: Path, capsys: pytest.CaptureFixture, where: str
+) -> None:
+    """It was a raw TypeError, where other bad files get the one-line CheckpointError."""
+    hparams = dict(torch.load(trained, weights_only=True)["hyper_parameters"])
+    text = yaml.safe_dump(hparams) + LAUGHS + "\n"
+    if where == "a model argument":
+        text = yaml.safe_dump({k: v for k, v in hparams.items() if k != "init"}) + LAUGHS + "\ninit: *laugh8\n"
+    hparams_file = story.parent / "laughs.yaml"
+    hparams_file.write_text(text, encoding="utf-8")
+    with pytest.raises(CheckpointError) as caught:
+        LanguageModel.load_from_checkpoint(trained, hparams_file=hparams_file)
+    assert str(caught.value).startswith(f"LanguageModel.load_from_checkpoint: hparams_file {hparams_file}: refused: ")
+    assert "alias" in str(caught.value) and "\n" not in str(caught.value)
+
+
 def _with_text_format(trained: Path, path: Path, text_format: object) -> None:
     checkpoint = torch.load(trained, weights_only=True)
     checkpoint["seqnorm_data"]["text_format"] = text_format

@@ -117,6 +117,9 @@ def test_the_limit_bounds_what_is_kept_and_empty_cache_lets_go_of_it() -> None:
     for bad in (-1, float("nan"), "lots"):
         with pytest.raises(ValueError, match=r"seqnorm.kernels.set_cache_limit: expected a number of MiB >= 0, got"):
             kernels.set_cache_limit(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^set_cache_limit: expected a number of bytes >= 0, got -1$"):
+        native.set_cache_limit(-1)  # the binding itself: it took a negative limit as 0
+    assert native.cache_info()[1] == 0
 
 
 def test_a_kept_tensor_reports_its_whole_block_and_cannot_be_resized() -> None:

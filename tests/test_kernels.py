@@ -8,6 +8,7 @@ fallback); here: the plan, the generation step, gradcheck, float32, counters, an
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -434,7 +435,11 @@ def test_a_failed_build_is_recorded_and_named(tmp_path: Path, monkeypatch: pytes
     assert "their last build failed: RuntimeError: Ninja is required" in kernels.status()
 
 
-def test_a_build_another_process_finished_first_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_build_published_meanwhile_without_the_lock_is_replaced_by_one_with_a_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process that holds no lock (an older seqnorm sharing the cache) renamed a build into place while this one
+    compiled: it has no manifest, so no load would take it; ours replaces it whole, and no folder is left over."""
     from torch.utils import cpp_extension
 
     monkeypatch.setenv("SEQNORM_KERNELS_DIR", str(tmp_path))
@@ -446,9 +451,10 @@ def test_a_build_another_process_finished_first_is_kept(tmp_path: Path, monkeypa
         (final / "seqnorm_kernels.so").write_text("theirs")
 
     monkeypatch.setattr(cpp_extension, "load", racing)
-    assert kernels.build().read_text() == "theirs"
+    assert kernels.build().read_text() == "ours"
+    assert kernels._broken(final) is None  # whole, and as its manifest says
     left = sorted(path.name for path in tmp_path.iterdir() if path.suffix != ".lock")
-    assert left == [final.name]  # our work directory is gone
+    assert left == [final.name]  # our work directory and theirs are gone
 
 
 def test_the_build_command_without_a_compiler(tmp_path: Path) -> None:
@@ -660,6 +666,9 @@ def test_trials_run_blocks_in_rotating_rounds_and_compare_each_block_s_fastest_t
 
     with pytest.raises(ValueError, match="Trials: expected a candidate below 2, got 2"):
         tied.record(2, 1.0)
+    for bad, shown in ((math.nan, "nan"), (math.inf, "inf"), (-1.0, "-1")):  # taken before, deciding at random
+        with pytest.raises(ValueError, match=f"Trials: expected seconds to be a finite number >= 0, got {shown}$"):
+            native.Trials(2).record(0, bad)
     with pytest.raises(ValueError, match="Trials: expected at least one candidate, got 0"):
         native.Trials(0)
 

@@ -29,6 +29,8 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <stdexcept>
+#include <string>
 #include <thread>
 #include <tuple>
 
@@ -93,8 +95,11 @@ class BufferCache {
   }
 
   void set_limit(int64_t bytes) {
+    if (bytes < 0) {  // it was taken as 0, silently
+      throw std::invalid_argument("set_cache_limit: expected a number of bytes >= 0, got " + std::to_string(bytes));
+    }
     std::lock_guard<ProcessMutex> lock(mutex_);
-    limit_ = bytes < 0 ? 0 : size_t(bytes);
+    limit_ = size_t(bytes);
     evict(limit_);
   }
 

@@ -33,6 +33,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -167,6 +168,11 @@ class Trials {
     if (candidate >= candidates_) {
       throw std::invalid_argument("Trials: expected a candidate below " + std::to_string(candidates_) + ", got " +
                                   std::to_string(candidate));
+    }
+    if (!std::isfinite(seconds) || seconds < 0) {  // a NaN would lose every comparison and decide nothing sensible
+      std::ostringstream shown;
+      shown << seconds;
+      throw std::invalid_argument("Trials: expected seconds to be a finite number >= 0, got " + shown.str());
     }
     if (chosen_.has_value()) return;
     const size_t round = runs_ / (candidates_ * kBlock);

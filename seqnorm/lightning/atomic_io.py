@@ -20,7 +20,7 @@ from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
 
-__all__ = ["TEMP_SUFFIX", "AtomicCheckpointIO", "atomic_copy", "local_path"]
+__all__ = ["TEMP_SUFFIX", "AtomicCheckpointIO", "AtomicTextFile", "atomic_copy", "local_path"]
 
 TEMP_SUFFIX = ".tmp"
 """Temporary files are ``.<target name>.<random hex>.tmp``: hidden, and never matching ``*.ckpt``, so a file left by a
@@ -86,6 +86,34 @@ def atomic_copy(source: str, target: str) -> None:
     except BaseException:
         _discard(temp)
         raise
+
+
+class AtomicTextFile:
+    """A text file written under a new temporary name beside ``target`` (created exclusively: never through a link)
+    and renamed onto ``target`` by :meth:`commit`, so that a link planted at ``target`` is replaced, not written
+    through, and a failed or interrupted run (:meth:`discard`) leaves whatever ``target`` held before."""
+
+    def __init__(self, target: str | os.PathLike[str]) -> None:
+        self.target = os.path.abspath(target)
+        self._temp = _temp_path(self.target)
+        self._file = open(self._temp, "x", encoding="utf-8")  # noqa: SIM115 - closed by commit or discard
+
+    def write(self, text: str) -> None:
+        self._file.write(text)
+
+    def commit(self) -> None:
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            _publish(self._temp, self.target)
+        except BaseException:
+            self.discard()
+            raise
+
+    def discard(self) -> None:
+        self._file.close()
+        _discard(self._temp)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

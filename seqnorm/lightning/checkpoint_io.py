@@ -217,17 +217,38 @@ def _check_instantiator(hparams: dict[str, Any], key: str, where: str) -> None:
         )
 
 
+class _AliasFound(yaml.YAMLError):
+    pass
+
+
+class _PlainLoader(yaml.SafeLoader):
+    """``yaml.safe_load``'s loader, refusing aliases (``*name``): plain hyperparameters never need one, and nested
+    aliases ("billion laughs": nine aliases of nine aliases ... of a string) expand into 10**9 values in whatever
+    walks or copies the result."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise _AliasFound(f"*{event.anchor} on line {event.start_mark.line + 1}")
+        return super().compose_node(parent, index)
+
+
 def read_hparams_file(path: str | os.PathLike[str], where: str) -> dict[str, Any]:
-    """Hyperparameters from a YAML file (``load_from_checkpoint``'s ``hparams_file``), read once with
-    ``yaml.safe_load`` (no Python objects) and checked by :func:`check_hyper_parameters`."""
+    """Hyperparameters from a YAML file (``load_from_checkpoint``'s ``hparams_file``), read once as
+    ``yaml.safe_load`` would (no Python objects), without aliases, and checked by :func:`check_hyper_parameters`."""
     where = f"{where} {path}"
     suffix = Path(path).suffix.lower()
     if suffix not in (".yaml", ".yml"):
         raise CheckpointError(f"{where}: expected a .yaml or .yml file, got {suffix or 'no suffix'}")
     try:
-        hparams = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        hparams = yaml.load(Path(path).read_text(encoding="utf-8"), Loader=_PlainLoader)  # a SafeLoader
     except (OSError, UnicodeDecodeError) as error:
         raise CheckpointError(f"{where}: cannot be read ({error})") from None
+    except _AliasFound as error:
+        raise CheckpointError(
+            f"{where}: refused: it uses a YAML alias ({error}); seqnorm's hyperparameters are plain values that "
+            'never need one, and nested aliases expand beyond any memory (a "billion laughs" file)'
+        ) from None
     except yaml.YAMLError as error:
         raise CheckpointError(f"{where}: not YAML ({' '.join(str(error).split())})") from None
     check_hyper_parameters(hparams, where)

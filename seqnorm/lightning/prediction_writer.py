@@ -6,11 +6,13 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from seqnorm.lightning.atomic_io import AtomicTextFile
 
 __all__ = ["PREDICTIONS_FILE", "PredictionWriter"]
 
@@ -26,7 +28,9 @@ class PredictionWriter(BasePredictionWriter):
     :meth:`LanguageModel.prediction_records <seqnorm.lightning.LanguageModel.prediction_records>`); this callback
     adds ``index``, the sequence's position in the predict dataset (seqnorm's DataModules predict on the test split
     in file order, so for a labelled file the index is the line's number among its non-blank lines, from 0), and
-    writes the rows as the batches arrive, so memory does not grow with the data. ``seqnorm predict`` installs it.
+    writes the rows as the batches arrive, so memory does not grow with the data, into a temporary file beside the
+    target that becomes it when the predict ends (a link at the path is replaced, never written through; a predict
+    that fails leaves the previous file). ``seqnorm predict`` installs it.
 
     Args:
         output_dir: where to write; ``None``: the trainer's ``log_dir`` (the run's
@@ -44,7 +48,7 @@ class PredictionWriter(BasePredictionWriter):
         self.filename = filename
         self.path: Path | None = None
         """The file written by the latest ``predict``."""
-        self._file: IO[str] | None = None
+        self._file: AtomicTextFile | None = None
         self._rows = 0
 
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -60,7 +64,9 @@ class PredictionWriter(BasePredictionWriter):
             name = name.with_name(f"{name.stem}.rank{trainer.global_rank}{name.suffix}")
         directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / name
-        self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - closed in on_predict_end / on_exception
+        # through a temporary file renamed into place at the end: a link planted at the path is replaced, not
+        # written through (open(path, "w") followed it), and a predict that fails keeps the previous file
+        self._file = AtomicTextFile(self.path)
         self._rows = 0
 
     def write_on_batch_end(
@@ -84,13 +90,12 @@ class PredictionWriter(BasePredictionWriter):
         self._rows += len(records)
 
     def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._close()
+        file, self._file = self._file, None
+        if file is not None:
+            file.commit()
         rank_zero_info(f"PredictionWriter: {self._rows} predictions written to {self.path}")
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._close()
-
-    def _close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        file, self._file = self._file, None
+        if file is not None:
+            file.discard()
