@@ -31,7 +31,6 @@ __all__ = [
     "continued_run_logger",
     "disk_full_message",
     "flag_value",
-    "last_run_dir",
     "release_unused_runs",
     "run_dir",
     "run_logger",
@@ -74,7 +73,7 @@ def _logs_dir(default_root_dir: str | None) -> str:
     return os.path.join(os.path.normpath(os.path.expanduser(local)) if local is not None else root, LOGS_NAME)
 
 
-_CLAIMED: list[str] = []  # the run folders this process claimed (claim_version), newest last
+_CLAIMED: list[str] = []  # the run folders this process claimed (_claim_version) and has not released
 _OPENED: list[str] = []  # every run folder this process writes into, claimed or continued, newest last
 
 
@@ -116,11 +115,6 @@ def release_unused_runs() -> None:
             os.rmdir(_CLAIMED.pop())
 
 
-def last_run_dir() -> str | None:
-    """The run folder this process opened last (for messages about it), ``None`` before any."""
-    return _OPENED[-1] if _OPENED else None
-
-
 def run_logger(default_root_dir: str | None, name: str | None, version: str | None = None) -> TensorBoardLogger:
     """The ``seqnorm`` command's default logger: Lightning's (TensorBoard, a SLURM job's id as its version), writing
     into ``<default_root_dir>/lightning_logs/<name>/version_N`` (``lightning_logs/version_N`` when ``name`` is
@@ -148,7 +142,7 @@ def run_dir(default_root_dir: str | None, name: str | None) -> str:
 def disk_full_message(error: OSError) -> str:
     """One line for a full disk (or quota): where, what to free, and that the last complete checkpoint is kept
     (checkpoints are written to a temporary file and renamed: a failed write leaves the previous one)."""
-    run = last_run_dir()
+    run = _OPENED[-1] if _OPENED else None  # the run this process opened last
     where = os.path.dirname(error.filename) if isinstance(error.filename, str) else run or os.getcwd()
     message = (
         f"no space left on the device of {where} ({error.strerror}): free space there (older runs under "
