@@ -346,14 +346,15 @@ def _load_cpu(build_missing: bool = True) -> Backend | None:
         return _load_triton("cpu")
     directory = cache_dir() / _build_key(cpu.capability())
     path = _library(directory)
-    if not _ready(directory) and build_missing and _compiler() and not _failed(directory).exists():
+    broken = _broken(directory)
+    if (broken is not None or not path.exists()) and build_missing and _compiler() and not _failed(directory).exists():
         try:
             build(first_use=True)  # a broken build is rebuilt (once: under the lock, then checked again)
         except Exception as error:  # recorded beside the build (the warning names it), unless that failed too
             if not _failed(directory).exists():
                 _WHY_NOT["cpu"] = f"the C++ kernels could not be built ({type(error).__name__}: {error})"
                 return None
-    broken = _broken(directory)
+        broken = _broken(directory)
     if broken is not None:  # never mapped: a truncated library is a bus error, not an exception
         _WHY_NOT["cpu"] = (
             f"the C++ kernels in {directory} fail their check ({broken}), so they are not loaded; rebuild them: "
