@@ -20,13 +20,16 @@ import argparse
 import contextlib
 import copy
 import cProfile
+import math
 import pstats
 import statistics
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
+from torch.autograd.profiler_util import FunctionEvent
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # seqnorm from this checkout
 
@@ -149,6 +152,24 @@ def check(device: torch.device) -> tuple[list[str], float]:
     return lines, worst_of_all
 
 
+def device_kernels(events: Iterable[FunctionEvent]) -> tuple[int, float]:
+    """The kernels a profile recorded on the GPU and the milliseconds the GPU was busy with them: ``(launches,
+    busy)``. Only the device's own rows count (``device_type`` CUDA, memory copies and sets left out), their time
+    spans merged so that kernels overlapping on two streams count once. Summing ``self_device_time_total`` over
+    ``key_averages()`` counted a cuBLAS kernel twice, under its own row and again under the aten op that launched it,
+    and its rows' counts counted those ops as launches."""
+    spans = sorted(
+        (event.time_range.start, event.time_range.end)
+        for event in events
+        if event.device_type == DeviceType.CUDA and not event.name.startswith(("Memcpy", "Memset"))
+    )
+    busy, reached = 0.0, -math.inf
+    for start, end in spans:
+        busy += max(end - max(start, reached), 0)
+        reached = max(reached, end)
+    return len(spans), busy / 1000
+
+
 def profile(device: torch.device, size: str) -> None:
     """Where a training step's time goes: the device's busy time (the sum of its kernels' durations) against the
     step's wall time, and the host-side calls that take the most time, for the LN- and BN-LSTM at ``size``."""
@@ -164,13 +185,11 @@ def profile(device: torch.device, size: str) -> None:
         with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
             run()
             torch.cuda.synchronize()
-        events = trace.key_averages()
-        busy = sum(event.self_device_time_total for event in events) / 1000
-        launches = sum(event.count for event in events if event.self_device_time_total > 0)
+        launches, busy = device_kernels(trace.events())
         print(f"\nLSTM norm={norm!r}, T={steps} B={batch} I={inputs} H={hidden}: wall {wall:.2f} ms a step, "
-              f"device busy {busy:.2f} ms ({busy / wall:.0%}), {launches} kernel launches; host calls by self CPU "
-              "time:\n")  # fmt: skip
-        print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+              f"device busy {busy:.2f} ms ({busy / wall:.0%}), {launches} kernel launches ({launches / steps:.1f} a "
+              "time step, forward and backward); host calls by self CPU time:\n")  # fmt: skip
+        print(trace.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
         python = cProfile.Profile()
         python.runcall(run)
         torch.cuda.synchronize()
