@@ -8,6 +8,7 @@ sizes that are not multiples of the block, two layers, bidirectional; float32 an
 
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
 import importlib.util
@@ -17,6 +18,7 @@ import re
 import tokenize
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -496,3 +498,38 @@ def test_a_forward_without_lengths_reads_nothing_back_from_the_device(norm: str)
     with _Ops() as ops:
         layer(x)
     assert not [name for name in ops.names if name in _SYNCS]
+
+
+_HOST_READS = {"item", "tolist", "cpu", "numpy"}  # methods that read a device tensor back to the host (a sync)
+_CONVERSIONS = {"int", "float", "bool"}  # int(tensor) and the like: the same, written as a conversion
+
+
+def _host_reads_in_loops(source: str) -> list[str]:
+    """Every host read of a tensor inside a ``for``/``while`` loop of ``source``: ``.item()``, ``.tolist()``,
+    ``.cpu()``, ``.numpy()``, and ``int/float/bool(x)`` of anything but a literal or a ``len(...)``."""
+    found = []
+    for loop in (node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.For | ast.While)):
+        for node in ast.walk(loop):
+            if not isinstance(node, ast.Call):
+                continue
+            if isinstance(node.func, ast.Attribute) and node.func.attr in _HOST_READS:
+                found.append(f"line {node.lineno}: .{node.func.attr}()")
+            elif isinstance(node.func, ast.Name) and node.func.id in _CONVERSIONS and node.args:
+                argument = node.args[0]
+                harmless = isinstance(argument, ast.Constant) or (
+                    isinstance(argument, ast.Call) and isinstance(argument.func, ast.Name) and argument.func.id == "len"
+                )
+                if not harmless:
+                    found.append(f"line {node.lineno}: {node.func.id}(...)")
+    return found
+
+
+def test_no_loop_of_the_triton_backend_reads_a_tensor_back_to_the_host() -> None:
+    """A host read inside the time loop is a device synchronization every step (the launch test counts syncs on the
+    CPU, where none shows): checked in the source of every module of the backend."""
+    package = Path(seqnorm.kernels.__file__).parent / "triton_backend"
+    found = {path.name: _host_reads_in_loops(path.read_text(encoding="utf-8")) for path in package.glob("*.py")}
+    assert {name: reads for name, reads in found.items() if reads} == {}
+    # and the check finds what it looks for
+    planted = "for t in range(steps):\n    n = int(lengths[t])\n    x = y.item() + z.cpu().sum() + int(len(a))\n"
+    assert _host_reads_in_loops(planted) == ["line 2: int(...)", "line 3: .item()", "line 3: .cpu()"]
