@@ -74,9 +74,11 @@ def _bpc(run: Path, version: int) -> float:
     return logged_scalars(run / f"{RUN}/version_{version}")["test/bpc"][-1][1]
 
 
+@pytest.mark.usefixtures("one_route")  # here and in the child (--trainer.deterministic): the route trials round apart
 def test_a_checkpoint_is_tested_on_a_new_file_with_nothing_else(run: Path) -> None:
     """It stopped at "Option 'test_path' is not accepted": the data module was not taken from the checkpoint."""
-    alone = _seqnorm(run, "test", "--ckpt_path", LAST, "--data.test_path", "C.txt", *QUIET)
+    one_route = ["--trainer.deterministic", "true"]
+    alone = _seqnorm(run, "test", "--ckpt_path", LAST, "--data.test_path", "C.txt", *one_route, *QUIET)
     assert alone.returncode == 0, alone.stderr
     # the full original command, the test file added: the same data set-up, so the same number
     main(["test", *FIT, "--data.test_path", "C.txt", "--ckpt_path", LAST, *QUIET])
@@ -95,6 +97,7 @@ def test_a_checkpoint_is_tested_on_a_new_file_with_nothing_else(run: Path) -> No
     assert data["init_args"]["train_path"] is None and data["init_args"]["val_path"] is None
 
 
+@pytest.mark.usefixtures("one_route")  # the kernels' route trials round differently; they are not what is compared
 def test_a_contradicting_config_names_the_runs_own_config_which_works(run: Path) -> None:
     """``--config configs/char_lm.yaml`` (hidden_size 512) against the checkpoint (16): the error names the run's
     own config.yaml, and passing it (before --ckpt_path) tests as the checkpoint alone does."""
