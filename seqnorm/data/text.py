@@ -162,10 +162,12 @@ class TextCorpus(SequenceDataModule):
         if text_format is not None and text_format not in TEXT_FORMATS:
             raise DataError(f"--data.text_format {text_format!r}: choose one of {', '.join(TEXT_FORMATS)}")
         own_text = path is not None or train_path is not None
-        if text_format == "ptb_char" and not own_text and self.spec is None:
+        # a validation or test file alone is text of the user's too (evaluating a checkpoint, whose vocabulary it is)
+        any_file = own_text or val_path is not None or test_path is not None
+        if text_format == "ptb_char" and not any_file and self.spec is None:
             raise DataError(
-                "--data.text_format ptb_char needs a file (--data.path or --data.train_path): the embedded task is "
-                "plain text"
+                "--data.text_format ptb_char needs a file (--data.path, --data.train_path, or with a checkpoint's "
+                "vocabulary --data.val_path or --data.test_path): the embedded task is plain text"
             )
         self.level: Literal["char", "word"] = level or (self.spec.level if self.spec else "char")  # type: ignore[assignment]
         # None is kept apart from "plain": only a format nobody named is checked for PTB-char's look.

@@ -166,3 +166,32 @@ def test_cli_fits_tests_and_generates_on_a_ptb_char_file(
     assert "--data.text_format ptb_char" in capsys.readouterr().err
     main(["generate", "--ckpt_path", str(last), "--prompt", "the cat", "--length", "20", "--seed", "0"])
     assert "_" not in capsys.readouterr().out
+
+
+def test_a_ptb_char_checkpoint_is_tested_on_a_new_file_with_nothing_else(tmp_path: Path) -> None:
+    """``seqnorm test --ckpt_path C --data.test_path F`` stopped at "--data.text_format ptb_char needs a file
+    (--data.path or --data.train_path)": the checkpoint carries the vocabulary, the test file is the file."""
+    import os
+    import subprocess
+    import sys
+
+    from seqnorm.cli.threads import THREADS_ENV
+
+    (tmp_path / "ptb.char.train.txt").write_text(PTB_CHAR, encoding="utf-8")
+    (tmp_path / "ptb.char.test.txt").write_text(_ptb_char(_sentences(12, seed=2)), encoding="utf-8")
+    quiet = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+    fit = ["fit", "--model", "LanguageModel", "--data", "TextCorpus", "--data.path", "ptb.char.train.txt"]
+    fit += ["--data.text_format", "ptb_char", "--model.hidden_size", "16", "--model.embedding_dim", "8"]
+    fit += ["--data.batch_size", "4", "--data.window_length", "17", "--trainer.max_steps", "2", *quiet]
+    fit += ["--trainer.limit_val_batches", "1"]
+    environment = {**os.environ, THREADS_ENV: "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+
+    def seqnorm(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "seqnorm.cli", *args]
+        return subprocess.run(command, cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300)
+
+    assert seqnorm(*fit).returncode == 0
+    last = str(run_path(0, tmp_path).relative_to(tmp_path) / "checkpoints" / "last.ckpt")
+    tested = seqnorm("test", "--ckpt_path", last, "--data.test_path", "ptb.char.test.txt", *quiet)
+    assert tested.returncode == 0, tested.stderr
+    assert "test/bpc" in tested.stdout + tested.stderr
