@@ -83,6 +83,37 @@ def test_flags_that_are_valid_or_cannot_be_judged_get_no_suggestion(words: list[
     assert unknown_flag(words, options, {"model": (LanguageModel,)}) is None
 
 
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (
+            ["fit", *SMALL_LM, "--data.text_format", "ptbchar"],
+            "--data.text_format ptbchar: expected one of plain, ptb_char, got 'ptbchar'; did you mean ptb_char?",
+        ),
+        (
+            ["fit", *SMALL_LM, "--model.cell", "lstmm"],
+            "--model.cell lstmm: expected one of lstm, gru, got 'lstmm'; did you mean lstm?",
+        ),
+        (
+            ["test", *SMALL_LM, "--data.unit=lines"],
+            "--data.unit lines: expected one of line, paragraph, sentence, window, stream, got 'lines'; did you mean "
+            "line?",
+        ),
+        (
+            ["fit", "--model", "SequenceClassifier", "--data", "LabeledText", "--data.format", "tssv"],
+            "--data.format tssv: expected one of tsv, first_token, got 'tssv'; did you mean tsv?",
+        ),
+    ],
+)
+def test_a_value_that_is_none_of_the_choices_is_one_line_with_the_nearest(
+    tmp_path: Path, args: list[str], expected: str
+) -> None:
+    """They ended 61-67 lines of jsonargparse in ``Given value: NestedArg(key='cell', val='lstmm')``."""
+    result = _seqnorm(args, tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [f"seqnorm {args[0]}: error: {expected}"]
+
+
 def test_a_bad_value_keeps_jsonargparses_report(capsys: pytest.CaptureFixture[str]) -> None:
     error = cli_usage_error(capsys, ["fit", *SMALL_LM, "--model.num_layers", "many"])
     assert "no such flag" not in error and "not a flag" not in error and "num_layers" in error

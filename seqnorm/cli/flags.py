@@ -6,8 +6,10 @@ checks the command line's flags first: the first one that is no option of the pa
 chosen for ``--model``/``--data``/``--optimizer``/``--lr_scheduler`` (``--model.hidden_size``), is named with
 :func:`difflib.get_close_matches` over the valid ones, in two lines. A model argument of before norm specs
 (``max_steps``, a norm option inside ``rnn_options``), as a flag or in a ``--config`` file, is one line naming its
-replacement (:func:`~seqnorm.lightning.old_hparams.old_key_error`). Any other error (a bad value, a typo inside a
-``--config`` file) keeps jsonargparse's full report.
+replacement (:func:`~seqnorm.lightning.old_hparams.old_key_error`). A value that is none of a model or data
+argument's choices (``--model.cell lstmm``) is one sentence with the choices and the nearest one
+(:func:`bad_choice`). Any other error (another bad value, a typo inside a ``--config`` file) keeps jsonargparse's
+full report.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import difflib
 import importlib
 import json
 import sys
+import types
+import typing
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar, NoReturn
 
@@ -26,7 +30,7 @@ from lightning.pytorch.cli import LightningArgumentParser
 
 from seqnorm.lightning.old_hparams import old_key_error
 
-__all__ = ["FlagSuggestingParser", "FunctionFlagParser", "class_flags", "unknown_flag"]
+__all__ = ["FlagSuggestingParser", "FunctionFlagParser", "bad_choice", "class_flags", "unknown_flag"]
 
 _NESTED_BASES = {"optimizer": torch.optim.Optimizer, "lr_scheduler": torch.optim.lr_scheduler.LRScheduler}
 _NESTED_MODULES = {"optimizer": torch.optim, "lr_scheduler": torch.optim.lr_scheduler}
@@ -146,6 +150,57 @@ def unknown_flag(
     return None
 
 
+def _choices(cls: type, name: str) -> tuple[str, ...] | None:
+    """The values ``cls``'s argument ``name`` takes when its type is a choice of strings (``Literal``, optional or
+    not); ``None`` for any other type (a free string, a number, a spec)."""
+    try:
+        hint = typing.get_type_hints(cls.__init__).get(name)
+    except Exception:  # an annotation that does not resolve: no judgement here, jsonargparse's then
+        return None
+    members = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    choices: list[str] = []
+    for member in members:
+        if member is type(None):
+            continue
+        if typing.get_origin(member) is not typing.Literal or not all(isinstance(a, str) for a in member.__args__):
+            return None
+        choices += member.__args__
+    return tuple(choices) or None
+
+
+def bad_choice(words: Sequence[str], nested: dict[str, Sequence[type]]) -> str | None:
+    """The error for the first ``--model.<arg>``/``--data.<arg>`` value that is none of the argument's choices
+    (``--model.cell lstmm``, ``--data.unit lines``): the flag, the value, the choices and the nearest one, in one
+    sentence (jsonargparse's report of the same ran to 60 lines and ended in ``NestedArg(key='cell', ...)``).
+    Judged against the class the words choose (``--model LanguageModel``), else every class that takes the
+    argument; ``None`` when no value is judged wrong here."""
+    chosen: dict[str, str] = {}
+    for index, word in enumerate(words):
+        flag = _flag(word)
+        if flag is None:
+            continue
+        value = word.partition("=")[2] if "=" in word else (words[index + 1] if index + 1 < len(words) else None)
+        root, _, name = flag[2:].partition(".")
+        if root in nested and not name:
+            chosen[root] = value or ""
+            continue
+        name = name.removeprefix("init_args.")
+        if root not in nested or value is None or value.startswith("--") or value == "null" or "." in name:
+            continue
+        classes = list(nested[root])
+        if chosen.get(root):
+            named = _named_class(chosen[root], classes)
+            classes = [named] if named is not None else []
+        found = [choices for cls in classes if (choices := _choices(cls, name)) is not None]
+        if not found or any(value in choices for choices in found):
+            continue
+        choices = found[0]
+        nearest = difflib.get_close_matches(value, choices, n=1, cutoff=0.5)
+        guess = f"; did you mean {nearest[0]}?" if nearest else ""
+        return f"{flag} {value}: expected one of {', '.join(choices)}, got {value!r}{guess}"
+    return None
+
+
 def _either(flags: list[str]) -> str:
     return flags[0] if len(flags) == 1 else f"{', '.join(flags[:-1])} or {flags[-1]}"
 
@@ -168,6 +223,13 @@ class _SuggestsFlags(ArgumentParser):
                 print(f"{command}: error: {old}", file=sys.stderr)
                 raise SystemExit(2)
             try:
+                choice = bad_choice(words, self.nested_classes)
+            except Exception:  # a hint must never hide the error it explains
+                choice = None
+            if choice is not None:
+                print(f"{self._command(words)}: error: {choice}", file=sys.stderr)
+                raise SystemExit(2)
+            try:
                 found = self._unknown_flag(words)
             except Exception:  # a hint must never hide the error it explains: jsonargparse's report then
                 found = None
@@ -180,6 +242,13 @@ class _SuggestsFlags(ArgumentParser):
                 print(f"{command}: error: {flag}: {where}{guess}\n({listing} lists the flags)", file=sys.stderr)
                 raise SystemExit(2)
         super().error(message, ex)
+
+    def _command(self, words: list[str]) -> str:
+        """The command as jsonargparse's own tip names it ("seqnorm fit"), from this parser or its subcommand's."""
+        command = self.prog.replace(" [options]", "")
+        subcommands = self._subcommands_action
+        subcommand = next((word for word in words if subcommands is not None and word in subcommands.choices), None)
+        return f"{command} {subcommand}" if subcommand is not None else command
 
     def _unknown_flag(self, words: list[str]) -> tuple[str, tuple[str, list[str], list[str]]] | None:
         subcommands = self._subcommands_action
