@@ -71,7 +71,6 @@ def test_a_mistyped_flag_names_the_closest_valid_ones(
     "words",
     [
         ["--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.monitor", "val/loss"],  # under a listed option
-        ["--trainer.max_step", "3"],  # argparse takes a unique prefix
         ["--model", "my_package.UnknownModel", "--model.anything", "1"],  # a class not importable here: not judged
         ["--model.norm.init_args.eps", "1e-3"],  # under an argument of the model
     ],
@@ -112,6 +111,22 @@ def test_a_value_that_is_none_of_the_choices_is_one_line_with_the_nearest(
     result = _seqnorm(args, tmp_path)
     assert result.returncode == 2
     assert result.stderr.splitlines() == [f"seqnorm {args[0]}: error: {expected}"]
+
+
+def test_an_abbreviated_flag_is_refused_with_the_flag_meant(tmp_path: Path) -> None:
+    """argparse took a unique prefix: ``--trainer.max_step 3`` ran as ``--trainer.max_steps 3``, unsaid."""
+    result = _seqnorm(["fit", *SMALL_LM, "--trainer.max_step", "3"], tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[0].startswith(
+        "seqnorm fit: error: --trainer.max_step: no such flag; did you mean --trainer.max_steps"
+    )
+    from seqnorm.lightning import LanguageModel
+
+    options = ["--trainer", "--trainer.max_steps", "--model"]
+    assert unknown_flag(["--trainer.max_step", "3"], options, {"model": (LanguageModel,)})[:2] == (
+        "--trainer.max_step",
+        ["--trainer.max_steps"],
+    )
 
 
 def test_a_bad_value_keeps_jsonargparses_report(capsys: pytest.CaptureFixture[str]) -> None:

@@ -72,16 +72,15 @@ def _candidates(key: str, nested: dict[str, Sequence[type]]) -> list[type]:
 
 
 def _accepted(flag: str, options: Sequence[str]) -> bool:
-    """Whether ``flag`` is one of ``options``, a unique prefix of one (argparse's abbreviations), or a key under an
-    option whose keys are not listed there (``--trainer.callbacks.step``, ``--model.norm.init_args.eps``)."""
+    """Whether ``flag`` is one of ``options``, or a key under an option whose keys are not listed there
+    (``--trainer.callbacks.step``, ``--model.norm.init_args.eps``). Not a prefix of one: the parsers take no
+    abbreviations (``--trainer.max_step`` ran as ``--trainer.max_steps``, unsaid)."""
     if flag in options:
         return True
     parent = flag.rpartition(".")[0]
     if parent and any(option.startswith(f"{parent}.") for option in options):
-        return sum(option.startswith(flag) for option in options) == 1  # its siblings are listed: it is not
-    return any(flag.startswith(f"{option}.") for option in options) or (
-        sum(option.startswith(flag) for option in options) == 1
-    )
+        return False  # its siblings are listed: it is not
+    return any(flag.startswith(f"{option}.") for option in options)
 
 
 def _closest(flag: str, valid: Sequence[str]) -> list[str]:
@@ -210,6 +209,10 @@ class _SuggestsFlags(ArgumentParser):
     where the full list is (module docstring). ``nested_classes``: the classes ``--model``/``--data`` may name."""
 
     nested_classes: ClassVar[dict[str, Sequence[type]]] = {}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)  # subcommands' parsers inherit it (jsonargparse)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         words = getattr(self, "args", None)  # what parse_args was given (jsonargparse keeps it)
