@@ -1,17 +1,16 @@
 """A new norm is one module (with its spec) plus one registry entry: the proof.
 
-Everything the library needs of :class:`ToyScaleNorm` is in this file: the module, implementing
-:class:`~seqnorm.norms.protocol.StepPieces` and declaring its fast forms, its spec (a :class:`~seqnorm.norms.NormSpec`
-subclass with a ``name``) and one ``NORMS`` entry. ``seqnorm.LSTM``/``GRU`` then take ``norm="toy_scale"``, the plan
-runs the loop over hoisted input terms in training and the lean step for generation, both equal the reference loop
-(float64, 1e-9, variable lengths), and the layer trains.
+Everything the library needs of :class:`ScaleNorm` is in ``examples/custom_norm.py`` (shipped for users to copy): the
+module, implementing :class:`~seqnorm.norms.protocol.StepPieces` and declaring its fast forms, its spec (a
+:class:`~seqnorm.norms.NormSpec` subclass with a ``name``) and one ``NORMS`` entry. ``seqnorm.LSTM``/``GRU`` then take
+``norm="scale"``, the plan runs the loop over hoisted input terms in training and the lean step for generation, both
+equal the reference loop (float64, 1e-9, variable lengths), and the layer trains.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -19,67 +18,16 @@ from torch import Tensor, nn
 from torch.testing import assert_close
 
 import seqnorm
-from seqnorm.norms import NORMS, NormContext, NormScheme, NormSpec
+from examples.custom_norm import NAME, ScaleNorm, register
+from seqnorm.norms import NORMS
 from seqnorm.norms.protocol import StepPieces
 
 TOLERANCE = {"rtol": 1e-9, "atol": 1e-9}
-NAME = "toy_scale"
-
-
-@dataclass(frozen=True, kw_only=True)
-class ToyScaleSpec(NormSpec):
-    """The toy norm's options: its ``eps``."""
-
-    name: ClassVar[str] = NAME
-    eps: float = 1e-5
-
-
-class ToyScaleNorm(nn.Module):
-    """ScaleNorm (Nguyen & Salazar 2019), ``γ x / (||x|| / sqrt(F) + eps)`` per row, with every form's pieces."""
-
-    fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "generation"})
-
-    def __init__(self, num_features: int, eps: float = 1e-5, *, device: Any = None, dtype: Any = None) -> None:
-        super().__init__()
-        self.num_features, self.eps, self.bias = num_features, eps, None
-        self.weight = nn.Parameter(torch.empty(num_features, device=device, dtype=dtype))
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:  # the cells reset their norms with their own parameters
-        nn.init.uniform_(self.weight, 0.5, 1.5)
-
-    def _scale(self, x: Tensor) -> Tensor:
-        return 1.0 / (torch.linalg.vector_norm(x, dim=-1, keepdim=True) / self.num_features**0.5 + self.eps)
-
-    # --- reference and loop ---
-
-    def forward(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:
-        return self.weight * x * self._scale(x)
-
-    def forward_step(self, x: Tensor, step: int = 0, mask: Tensor | None = None) -> Tensor:
-        return self.forward(x)
-
-    def forward_sequence(self, x: Tensor, mask: Tensor | None = None, counts: list[int] | None = None) -> Tensor:
-        return self.forward(x)
-
-    # --- StepPieces: generation ---
-
-    def generation_step(self, shift: Tensor | None) -> Callable[[Tensor, int], Tensor]:
-        def scale_norm(y: Tensor, step: int) -> Tensor:
-            out = self.forward(y)
-            return out if shift is None else out + shift
-
-        return scale_norm
-
-
-def build_toy_scale(features: int, role: str, ctx: NormContext) -> nn.Module:
-    spec: ToyScaleSpec = ctx.spec  # type: ignore[assignment]
-    return ToyScaleNorm(features, spec.eps, device=ctx.device, dtype=ctx.dtype)
 
 
 @pytest.fixture
 def toy_scale() -> Iterator[None]:
-    NORMS[NAME] = NormScheme(NAME, ToyScaleSpec, build_toy_scale)  # the one registry entry
+    register()  # the one registry entry
     yield
     del NORMS[NAME]
 
@@ -95,7 +43,7 @@ def _pair(layer_class: type, **kwargs: Any) -> tuple[nn.Module, nn.Module]:
 @pytest.mark.usefixtures("toy_scale")
 def test_the_toy_is_a_step_pieces_norm_built_from_the_registry() -> None:
     layer = seqnorm.LSTM(3, 5, norm=seqnorm.NORMS[NAME].spec(eps=1e-3))
-    norms = [module for module in layer.modules() if isinstance(module, ToyScaleNorm)]
+    norms = [module for module in layer.modules() if isinstance(module, ScaleNorm)]
     assert len(norms) == 3  # input, recurrent and cell-state norms of the one cell
     assert all(isinstance(norm, StepPieces) and norm.eps == 1e-3 for norm in norms)
 
@@ -163,6 +111,6 @@ def test_the_lightning_modules_take_any_registered_name() -> None:
     from seqnorm.lightning import LanguageModel
 
     model = LanguageModel(vocab_size=11, norm=NAME, hidden_size=8, embedding_dim=4)
-    assert any(isinstance(module, ToyScaleNorm) for module in model.modules())
-    with pytest.raises(ValueError, match=r"expected norm to be one of .*'toy_scale'"):
-        LanguageModel(vocab_size=11, norm="toy_scales")
+    assert any(isinstance(module, ScaleNorm) for module in model.modules())
+    with pytest.raises(ValueError, match=r"expected norm to be one of .*'scale'"):
+        LanguageModel(vocab_size=11, norm="scales")
