@@ -18,7 +18,7 @@ from jsonargparse import Namespace
 
 from seqnorm.cli.runs import checkpoint_run_dir
 from seqnorm.data.base import from_checkpoint
-from seqnorm.data.formats import TEXT_FORMATS
+from seqnorm.data.formats import TEXT_FORMATS, checked_format
 from seqnorm.lightning.base import DATA_STATE_KEY
 from seqnorm.lightning.checkpoint_io import DATA_HPARAMS_KEY, corrupt_checkpoint, names_class
 from seqnorm.lightning.old_hparams import current_hparams
@@ -163,7 +163,7 @@ def apply_checkpoint_text_format(
         raise corrupt_checkpoint(f"--ckpt_path {ckpt_path}", what)
     given = explicit.get("init_args") if explicit is not None else None
     if given is None or given.get("text_format") is None:
-        init_args["text_format"] = saved
+        init_args["text_format"] = checked_format(saved)  # a saved plain checks the new file's look
 
 
 def _norm_config(saved: Any, owner: str) -> Any:

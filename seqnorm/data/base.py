@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from seqnorm.data.errors import DataError
 from seqnorm.data.files import check_encoding
+from seqnorm.data.formats import checked_format
 from seqnorm.data.loader import ResumableDataLoader
 from seqnorm.data.sampler import BucketBatchSampler, EpochBatchSampler, InOrderBatchSampler, RandomBatchSampler
 from seqnorm.data.vocab import Vocabulary
@@ -59,7 +60,8 @@ def from_checkpoint(saved: dict[str, Any], where: str) -> dict[str, Any]:
     """Of the data arguments ``saved`` in a checkpoint (those the caller would take: none the user set), the ones a
     run may take from it: none of :data:`LOCAL_SETTINGS`, and each file of :data:`DATA_PATHS` a regular file (not a
     device such as ``/dev/zero``, a FIFO or a folder), said once ("test data from the checkpoint: ..."), since it is
-    read on the file's say-so. Raises :class:`DataError` naming ``where`` (the checkpoint) and the flag to pass."""
+    read on the file's say-so; a saved ``text_format`` as :func:`~seqnorm.data.formats.checked_format` gives it.
+    Raises :class:`DataError` naming ``where`` (the checkpoint) and the flag to pass."""
     taken = {}
     for name, value in saved.items():
         if name in LOCAL_SETTINGS:
@@ -67,7 +69,7 @@ def from_checkpoint(saved: dict[str, Any], where: str) -> dict[str, Any]:
         if name in DATA_PATHS and value is not None:
             _check_regular_file(name, value, where)
             rank_zero_info(f"{DATA_PATHS[name]} data from the checkpoint: {value} (--data.{name}; {where})")
-        taken[name] = value
+        taken[name] = checked_format(value) if name == "text_format" else value
     return taken
 
 

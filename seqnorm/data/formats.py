@@ -21,7 +21,14 @@ from typing import Literal, NamedTuple
 
 from seqnorm.data.errors import DataError
 
-__all__ = ["TEXT_FORMATS", "TextFormat", "apply_text_format", "looks_like_ptb_char", "ptb_char_to_text"]
+__all__ = [
+    "TEXT_FORMATS",
+    "TextFormat",
+    "apply_text_format",
+    "checked_format",
+    "looks_like_ptb_char",
+    "ptb_char_to_text",
+]
 
 TextFormat = Literal["plain", "ptb_char"]
 TEXT_FORMATS: tuple[TextFormat, ...] = ("plain", "ptb_char")
@@ -78,6 +85,14 @@ def looks_like_ptb_char(text: str) -> bool:
     whitespace, as in PTB-char files."""
     survey = _survey(text)
     return survey.spaced > survey.other
+
+
+def checked_format(saved: TextFormat | None) -> TextFormat | None:
+    """The format to read new files with for a checkpoint's run that read its text as ``saved``: ``"ptb_char"`` as it
+    is (which checks the look too), ``"plain"`` as ``None``, so that a file that looks like PTB-char is refused as at
+    fit time rather than read unchecked: plain is a format, not an exemption (a word model scored a spaced character
+    file at ppl 88.5, silently). A user's own ``--data.text_format plain`` still reads a file unchecked."""
+    return None if saved == "plain" else saved
 
 
 def apply_text_format(text: str, text_format: TextFormat | None, source: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Literal
 
 import torch
@@ -37,6 +38,10 @@ SYNTHETIC_LM_LINES = 5000
 """Lines of the embedded bracket task used when no file and no dataset is given (about 210k characters)."""
 
 DEFAULT_TEST_FRACTION = 0.1
+OOV_WARNING = 0.05
+"""A validation or test file read with a checkpoint's vocabulary warns when more than this share of its tokens is not
+in it (read as ``<unk>``): the file is likely not the kind of text the model learned (another tokenization, level or
+language). PTB's own word-level text spells ``<unk>`` literally; those tokens are in the vocabulary and do not count."""
 """The share carved for test when ``test_fraction`` is not given and the training text is the only text."""
 
 
@@ -287,6 +292,8 @@ class TextCorpus(SequenceDataModule):
         if self._vocab is None:
             counts = vocab_counts(self._items["train"], self.level, self.unit)
             self._vocab = Vocabulary.from_counts(counts, self.min_freq, self.max_vocab_size)
+        else:  # a checkpoint's vocabulary: say so when a file of the user's is mostly outside it
+            self._warn_out_of_vocabulary()
         if self.unit == "stream":
             return self._stream_datasets()
         datasets = {}
@@ -303,6 +310,24 @@ class TextCorpus(SequenceDataModule):
                 f"{self.batch_size}: lower --data.batch_size or --data.window_length, or add text"
             )
         return datasets
+
+    def _warn_out_of_vocabulary(self) -> None:
+        assert self._items is not None and self._vocab is not None
+        for split in ("val", "test"):
+            path, items = self.paths[split], self._items.get(split)
+            if path is None or not items:
+                continue
+            counts = vocab_counts(items, self.level, self.unit)
+            total = sum(counts.values())
+            unknown = sum(count for token, count in counts.items() if token not in self._vocab)
+            if total and unknown / total > OOV_WARNING:
+                warnings.warn(
+                    f"TextCorpus: {unknown / total:.1%} of the tokens of --data.{split}_path {path} ({unknown} of "
+                    f"{total}) are not in the checkpoint's vocabulary and are read as <unk>: the file may not be the "
+                    f"kind of text the model was trained on (another --data.level, tokenization, format or "
+                    "language), and its loss would say little",
+                    stacklevel=2,
+                )
 
     def _stream_datasets(self) -> dict[str, Dataset]:
         assert self._items is not None and self._vocab is not None

@@ -6,6 +6,7 @@ It lives beside the LightningModules because it joins the model with the vocabul
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -87,7 +88,16 @@ def generate_text(
         return model.step(torch.tensor([token], device=device), state)
 
     start = [vocab.bos_index] if natural_units else []
-    prompt_ids = vocab.encode(tokenize(prompt, level))  # type: ignore[arg-type]
+    prompt_tokens = tokenize(prompt, level)  # type: ignore[arg-type]
+    prompt_ids = vocab.encode(prompt_tokens)
+    unknown = sorted({token for token in prompt_tokens if token not in vocab})
+    if unknown:  # they were turned into <unk> in silence
+        what = "characters" if level == "char" else "words"
+        shown = ", ".join(repr(token) for token in unknown[:10]) + (", ..." if len(unknown) > 10 else "")
+        warnings.warn(
+            f"generate_text: the prompt's {what} {shown} are not in the model's vocabulary and are fed as <unk>",
+            stacklevel=2,
+        )
     if not natural_units and not prompt_ids:
         line_break = vocab.eos_index if level == "word" else vocab.encode(["\n"])[0]
         if line_break == vocab.unk_index:

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
+import re
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -171,12 +175,6 @@ def test_cli_fits_tests_and_generates_on_a_ptb_char_file(
 def test_a_ptb_char_checkpoint_is_tested_on_a_new_file_with_nothing_else(tmp_path: Path) -> None:
     """``seqnorm test --ckpt_path C --data.test_path F`` stopped at "--data.text_format ptb_char needs a file
     (--data.path or --data.train_path)": the checkpoint carries the vocabulary, the test file is the file."""
-    import os
-    import subprocess
-    import sys
-
-    from seqnorm.cli.threads import THREADS_ENV
-
     (tmp_path / "ptb.char.train.txt").write_text(PTB_CHAR, encoding="utf-8")
     (tmp_path / "ptb.char.test.txt").write_text(_ptb_char(_sentences(12, seed=2)), encoding="utf-8")
     quiet = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
@@ -184,14 +182,71 @@ def test_a_ptb_char_checkpoint_is_tested_on_a_new_file_with_nothing_else(tmp_pat
     fit += ["--data.text_format", "ptb_char", "--model.hidden_size", "16", "--model.embedding_dim", "8"]
     fit += ["--data.batch_size", "4", "--data.window_length", "17", "--trainer.max_steps", "2", *quiet]
     fit += ["--trainer.limit_val_batches", "1"]
-    environment = {**os.environ, THREADS_ENV: "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-
-    def seqnorm(*args: str) -> subprocess.CompletedProcess[str]:
-        command = [sys.executable, "-m", "seqnorm.cli", *args]
-        return subprocess.run(command, cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300)
-
-    assert seqnorm(*fit).returncode == 0
+    assert _seqnorm(tmp_path, *fit).returncode == 0
     last = str(run_path(0, tmp_path).relative_to(tmp_path) / "checkpoints" / "last.ckpt")
-    tested = seqnorm("test", "--ckpt_path", last, "--data.test_path", "ptb.char.test.txt", *quiet)
+    tested = _seqnorm(tmp_path, "test", "--ckpt_path", last, "--data.test_path", "ptb.char.test.txt", *quiet)
     assert tested.returncode == 0, tested.stderr
     assert "test/bpc" in tested.stdout + tested.stderr
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A character LM trained (two steps) on plain English: its folder and its last.ckpt, relative to it."""
+    from seqnorm.cli import main
+    from tests.conftest import QUIET, write_story
+
+    folder = tmp_path_factory.mktemp("plain")
+    write_story(folder / "story.txt", lines=200)
+    model = ["--model", "LanguageModel", "--model.hidden_size", "16", "--model.embedding_dim", "8"]
+    data = ["--data", "TextCorpus", "--data.path", str(folder / "story.txt"), "--data.batch_size", "4"]
+    root = ["--trainer.default_root_dir", str(folder), "--trainer.limit_val_batches", "1"]
+    main(["fit", *model, *data, *QUIET, *root, "--trainer.max_steps", "2", "--data.window_length", "17"])
+    return folder, str(run_path(0, folder).relative_to(folder) / "checkpoints" / "last.ckpt")
+
+
+def _seqnorm(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The ``seqnorm`` command in a process of its own, in ``folder``, as a user runs it."""
+    from seqnorm.cli.threads import THREADS_ENV
+
+    environment = {**os.environ, THREADS_ENV: "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    command = [sys.executable, "-m", "seqnorm.cli", *args]
+    return subprocess.run(command, cwd=folder, env=environment, capture_output=True, text=True, timeout=300)
+
+
+QUIET_TEST = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+
+
+def test_a_plain_checkpoint_tested_on_a_spaced_character_file_is_refused_as_at_fit(plain_run: tuple[Path, str]) -> None:
+    """A char LM trained on plain text scored 7.87 bpc on a PTB-char file, silently: a checkpoint's "plain" read the
+    file unchecked, where fit refuses it. The user's own --data.text_format plain still reads it as it is."""
+    folder, last = plain_run
+    (folder / "spaced.txt").write_text(PTB_CHAR, encoding="utf-8")
+    refused = _seqnorm(folder, "test", "--ckpt_path", last, "--data.test_path", "spaced.txt", *QUIET_TEST)
+    assert refused.returncode == 2
+    assert "--data.test_path spaced.txt: expected plain text, got what looks like PTB-char text" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    named = ["--data.text_format", "plain"]
+    assert (
+        _seqnorm(folder, "test", "--ckpt_path", last, "--data.test_path", "spaced.txt", *named, *QUIET_TEST).returncode
+        == 0
+    )
+
+
+def test_a_test_file_mostly_outside_the_vocabulary_is_said_with_its_rate(plain_run: tuple[Path, str]) -> None:
+    folder, last = plain_run
+    (folder / "greek.txt").write_text("η γάτα κάθεται στο χαλί\n" * 40, encoding="utf-8")
+    tested = _seqnorm(folder, "test", "--ckpt_path", last, "--data.test_path", "greek.txt", *QUIET_TEST)
+    assert tested.returncode == 0, tested.stderr
+    rate = re.search(r"TextCorpus: ([\d.]+)% of the tokens of --data.test_path greek.txt \(\d+ of \d+\)", tested.stderr)
+    assert rate is not None and float(rate.group(1)) > 50, tested.stderr
+    assert "not in the checkpoint's vocabulary and are read as <unk>" in tested.stderr
+    (folder / "english.txt").write_text((folder / "story.txt").read_text(encoding="utf-8")[:2000], encoding="utf-8")
+    quiet = _seqnorm(folder, "test", "--ckpt_path", last, "--data.test_path", "english.txt", *QUIET_TEST)
+    assert quiet.returncode == 0 and "vocabulary" not in quiet.stderr
+
+
+def test_generate_says_which_prompt_characters_the_vocabulary_lacks(plain_run: tuple[Path, str]) -> None:
+    folder, last = plain_run
+    generated = _seqnorm(folder, "generate", "--ckpt_path", last, "--prompt", "the ωcat", "--length", "5")
+    assert generated.returncode == 0, generated.stderr
+    assert "the prompt's characters 'ω' are not in the model's vocabulary and are fed as <unk>" in generated.stderr
