@@ -299,3 +299,25 @@ def test_the_progress_bar_fits_80_columns_and_names_the_run_after_a_resume(
 )
 def test_run_label(version: int | str | None, label: str | None) -> None:
     assert run_label(version) == label
+
+
+def test_batch_norm_at_batch_size_1_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    """It was refused after the model summary, the sanity validation and the first step's forward."""
+    from tests.conftest import write_story
+
+    write_story(tmp_path / "story.txt")
+    args = ["fit", *SMALL_LM, "--data.path", "story.txt", "--model.norm", "batch", "--data.batch_size", "1"]
+    result = _seqnorm([*args, "--trainer.max_steps", "2"], tmp_path)
+    assert result.returncode == 2
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            "seqnorm fit: error: LSTMCell: expected a batch of at least 2 rows to form per-timestep batch statistics in "
+            "training, got batch size 1."
+        )
+    )
+    output = result.stdout + result.stderr
+    assert "Total estimated model params" not in output and "Sanity" not in output and "Traceback" not in output
+    running = _seqnorm([*args, "--model.small_batch", "running", "--trainer.max_steps", "1", *QUIET], tmp_path)
+    assert running.returncode == 0, running.stderr  # what the error suggests trains

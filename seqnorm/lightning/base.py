@@ -265,6 +265,17 @@ class TaskModule(pl.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
 
+    def setup(self, stage: str) -> None:
+        """Before anything runs (the model summary, the sanity validation, the first step), refuse a per-timestep
+        BN that cannot train at the data's batch size, with the error its first training step would raise. One
+        process only: synchronized statistics span the processes' rows."""
+        batch = getattr(getattr(self.trainer, "datamodule", None), "batch_size", None)
+        if stage != "fit" or not isinstance(batch, int) or self.trainer.world_size > 1:
+            return
+        for module in self.modules():
+            if isinstance(module, TimestepBatchNorm):
+                module.check_batch_size(batch)
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Lightning saves the DataModule state too, but under its class name; one fixed key lets `generate`
         # rebuild the vocabulary from the checkpoint alone.

@@ -231,6 +231,12 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
             return fewest < 2
         return self.small_batch == "tail" and batch < 2
 
+    def check_batch_size(self, batch: int) -> None:
+        """Raise now the error a training call on ``batch`` rows would raise at its first step (a run checks its
+        batch size before anything runs)."""
+        if self.raises_small_batch(batch, batch):
+            raise self._small_batch_error(0, batch, batch)
+
     # --- population statistics (seqnorm.update_bn) ---
 
     def collect_population(self) -> None:
