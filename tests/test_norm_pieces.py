@@ -1,4 +1,4 @@
-"""A norm written outside the library (``ToyScaleNorm`` of tests/test_new_norm.py) that implements
+"""A norm written outside the library (``ScaleNorm`` of examples/custom_norm.py) that implements
 :class:`~seqnorm.norms.protocol.StepPieces` and declares the plain-PyTorch fast forms, swapped into the cells here (no
 registry): the plan runs it on the loop over hoisted input terms and the lean generation step, and both equal the
 reference loop (float64, 1e-9). Nothing in ``seqnorm.layers`` knows this norm."""
@@ -12,9 +12,9 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
+from examples.custom_norm import ScaleNorm
 from seqnorm.norms.protocol import StepPieces
 from tests.conftest import LAYERS, TORCH_KINDS
-from tests.test_new_norm import ToyScaleNorm
 
 TOLERANCE = {"rtol": 1e-9, "atol": 1e-9}
 
@@ -26,7 +26,7 @@ def _layer(kind: str, **kwargs: Any) -> nn.Module:
     for cell in layer.cells:
         for role in ("norm_ih", "norm_hh", "norm_c"):
             if getattr(cell, role, None) is not None:
-                setattr(cell, role, ToyScaleNorm(getattr(cell, role).num_features, dtype=torch.float64))
+                setattr(cell, role, ScaleNorm(getattr(cell, role).num_features, dtype=torch.float64))
     return layer
 
 
@@ -38,7 +38,7 @@ def _pair(kind: str) -> tuple[nn.Module, nn.Module]:
 
 
 def test_the_toy_implements_the_protocol() -> None:
-    assert isinstance(ToyScaleNorm(3), StepPieces)
+    assert isinstance(ScaleNorm(3), StepPieces)
 
 
 @pytest.mark.parametrize("kind", TORCH_KINDS)
