@@ -115,3 +115,21 @@ def test_bn_on_lines_uses_running_statistics_at_single_row_tails(tmp_path: Path,
         (rows[unit],) = read_csv(out / "results.csv")
     assert rows["line"]["status"] == "ok" and float(rows["line"]["fallback_per_update"]) > 0
     assert rows["window"]["status"] == "ok" and float(rows["window"]["fallback_per_update"]) == 0
+
+
+def test_the_demo_says_what_its_short_run_cannot_show() -> None:
+    """``make demo`` ended on LN behind no normalization (3.775 against 3.754 at batch 1) beside a story that LN
+    works: it now says, in the run's own numbers, that the short run cannot rank them, and where the runs that can
+    are."""
+    import demo
+
+    def cell(norm: str, size: int, bpc: float, std: float, status: str = "ok") -> dict:
+        return {"norm": norm, "batch_size": size, "val_bpc": bpc, "val_bpc_std": std, "status": status}
+
+    rows = [
+        cell("none", 1, 3.754, 0.020), cell("layer", 1, 3.775, 0.031), cell("batch", 1, 0.0, 0.0, "ValueError: ..."),
+        cell("none", 32, 3.905, 0.010), cell("layer", 32, 3.868, 0.012),
+    ]  # fmt: skip
+    said = demo.what_a_short_run_shows(rows, "val_bpc")
+    assert "B=1: LN behind no norm by 0.021 (seed std up to 0.031); B=32: LN ahead of no norm by 0.037" in said
+    assert "per-timestep BN cannot train at batch size 1" in said and "docs/results.md" in said
