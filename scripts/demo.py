@@ -79,15 +79,14 @@ def what_a_short_run_shows(rows: Sequence[dict[str, Any]], value: str) -> str:
             lead = cells["none"][value] - cells["layer"][value]
             spread = max(cells["none"][f"{value}_std"], cells["layer"][f"{value}_std"])
             side = "ahead of" if lead > 0 else "behind"
-            said.append(f"B={size}: LN {side} no norm by {abs(lead):.3f} (seed std up to {spread:.3f})")
+            said.append(f"\n  B={size}: LN {side} no norm by {abs(lead):.3f} (seed std up to {spread:.3f})")
     return (
         "What this short run shows: per-timestep BN cannot train at batch size 1, and LayerNorm trains at every batch"
-        "\nsize. What it cannot show is which norm learns better: after "
-        f"{batch_size_sweep.QUICK['tokens']:,} training tokens of the embedded task,"
-        f"\nLN against no normalization is {'; '.join(said) or 'not measured'}: differences of the size of the"
-        "\nseeds' spread, either way. Near convergence on real text (docs/results.md: tiny Shakespeare, up to 20,000"
-        "\nupdates, 3 seeds, paired) LN leads the plain LSTM on every seed, by 0.10-0.25 bpc at batch 1 and 0.065-0.09"
-        "\nat batch 32."
+        "\nsize. What it cannot show is which norm learns better in the end: it ranks the first "
+        f"{batch_size_sweep.QUICK['tokens']:,} training tokens"
+        f"\nof the embedded task, where{''.join(said) or ' LN and no normalization were not both measured'}"
+        "\nNear convergence on real text (docs/results.md: tiny Shakespeare, up to 20,000 updates, 3 seeds, paired) LN"
+        "\nleads the plain LSTM on every seed, by 0.10-0.25 bpc at batch 1 and 0.065-0.09 at batch 32."
     )
 
 

@@ -131,5 +131,5 @@ def test_the_demo_says_what_its_short_run_cannot_show() -> None:
         cell("none", 32, 3.905, 0.010), cell("layer", 32, 3.868, 0.012),
     ]  # fmt: skip
     said = demo.what_a_short_run_shows(rows, "val_bpc")
-    assert "B=1: LN behind no norm by 0.021 (seed std up to 0.031); B=32: LN ahead of no norm by 0.037" in said
+    assert "\n  B=1: LN behind no norm by 0.021 (seed std up to 0.031)\n  B=32: LN ahead of no norm by 0.037" in said
     assert "per-timestep BN cannot train at batch size 1" in said and "docs/results.md" in said
