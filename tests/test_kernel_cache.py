@@ -117,6 +117,12 @@ def test_the_limit_bounds_what_is_kept_and_empty_cache_lets_go_of_it() -> None:
     for bad in (-1, float("nan"), "lots"):
         with pytest.raises(ValueError, match=r"seqnorm.kernels.set_cache_limit: expected a number of MiB >= 0, got"):
             kernels.set_cache_limit(bad)  # type: ignore[arg-type]
+    for huge in (1e30, 1 << 43):  # more bytes than the binding's int64 holds: it was pybind's many-line TypeError
+        with pytest.raises(ValueError, match=r"^seqnorm.kernels.set_cache_limit: expected .* MiB below 2\*\*43"):
+            kernels.set_cache_limit(huge)
+    kernels.set_cache_limit((1 << 43) - 1)  # the largest taken: 8 EiB, no limit in practice
+    assert native.cache_info()[1] == ((1 << 43) - 1) << 20
+    kernels.set_cache_limit(0)
     with pytest.raises(ValueError, match=r"^set_cache_limit: expected a number of bytes >= 0, got -1$"):
         native.set_cache_limit(-1)  # the binding itself: it took a negative limit as 0
     assert native.cache_info()[1] == 0
@@ -137,7 +143,12 @@ def test_a_kept_tensor_reports_its_whole_block_and_cannot_be_resized() -> None:
 
 @pytest.mark.parametrize(
     ("setting", "expected"),
-    [("0", "limit 0"), ("2.5", f"limit {int(2.5 * MIB)}"), ("many", "SEQNORM_KERNEL_CACHE_MB: expected a number")],
+    [
+        ("0", "limit 0"),
+        ("2.5", f"limit {int(2.5 * MIB)}"),
+        ("many", "SEQNORM_KERNEL_CACHE_MB: expected a number"),
+        ("1e30", "SEQNORM_KERNEL_CACHE_MB: expected a number of MiB below 2**43"),  # was a TypeError at first use
+    ],
 )
 def test_the_environment_sets_the_limit_and_a_bad_value_is_named(setting: str, expected: str) -> None:
     code = (

@@ -153,9 +153,8 @@ class Trials {
   static constexpr int kBlock = 4;
   static constexpr int kRounds = 3;
 
-  explicit Trials(size_t candidates) : candidates_(candidates) {
-    if (candidates == 0) throw std::invalid_argument("Trials: expected at least one candidate, got 0");
-  }
+  // Signed counts and indices, checked here: as size_t, pybind refused a negative one with its own TypeError.
+  explicit Trials(int64_t candidates) : candidates_(checked_count(candidates)) {}
 
   // The candidate to run next.
   size_t turn() const {
@@ -164,10 +163,10 @@ class Trials {
   }
 
   // One run of `candidate` took `seconds`; the run that completes the rounds decides.
-  void record(size_t candidate, double seconds) {
-    if (candidate >= candidates_) {
-      throw std::invalid_argument("Trials: expected a candidate below " + std::to_string(candidates_) + ", got " +
-                                  std::to_string(candidate));
+  void record(int64_t candidate, double seconds) {
+    if (candidate < 0 || uint64_t(candidate) >= candidates_) {
+      throw std::invalid_argument("Trials: expected a candidate from 0 to " + std::to_string(candidates_ - 1) +
+                                  ", got " + std::to_string(candidate));
     }
     if (!std::isfinite(seconds) || seconds < 0) {  // a NaN would lose every comparison and decide nothing sensible
       std::ostringstream shown;
@@ -179,7 +178,7 @@ class Trials {
     const bool switch_run = runs_ % kBlock == 0;
     ++runs_;
     if (rounds_.size() <= round) rounds_.resize(round + 1, std::vector<std::vector<double>>(candidates_));
-    if (!switch_run) rounds_[round][candidate].push_back(seconds);
+    if (!switch_run) rounds_[round][size_t(candidate)].push_back(seconds);
     if (runs_ % (candidates_ * kBlock) == 0) decide();
   }
 
@@ -191,6 +190,13 @@ class Trials {
     const auto middle = values.begin() + values.size() / 2;
     std::nth_element(values.begin(), middle, values.end());
     return *middle;
+  }
+
+  static size_t checked_count(int64_t candidates) {
+    if (candidates < 1) {
+      throw std::invalid_argument("Trials: expected at least one candidate, got " + std::to_string(candidates));
+    }
+    return size_t(candidates);
   }
 
   void decide() {

@@ -1006,7 +1006,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "The routes measured in this process so far: (rows, K, N, threads, route) each");
   m.def("brgemm_available", &seqnorm::brgemm_works, "Whether oneDNN's float32 brgemm runs here");
   pybind11::class_<seqnorm::Trials>(m, "Trials", "Picks the fastest of a few candidates on the work itself (product.h)")
-      .def(pybind11::init<size_t>(), pybind11::arg("candidates"))
+      .def(pybind11::init<int64_t>(), pybind11::arg("candidates"))
       .def("turn", &seqnorm::Trials::turn, "The candidate to run next")
       .def("record", &seqnorm::Trials::record, pybind11::arg("candidate"), pybind11::arg("seconds"),
            "One run of `candidate` took `seconds`")

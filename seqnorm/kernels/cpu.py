@@ -78,6 +78,8 @@ def _megabytes_to_bytes(value: object, owner: str) -> int:
         megabytes = math.nan
     if not math.isfinite(megabytes) or megabytes < 0:
         raise ValueError(f"{owner}: expected a number of MiB >= 0, got {value!r}")
+    if megabytes >= 1 << 43:  # its bytes would not fit the kernels' int64 (pybind's TypeError at the binding)
+        raise ValueError(f"{owner}: expected a number of MiB below 2**43 (8 EiB), got {value!r}")
     return int(megabytes * (1 << 20))
 
 
