@@ -12,6 +12,7 @@ import sys
 import tarfile
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -72,10 +73,8 @@ def test_pyproject_lists_every_package() -> None:
     assert config["package-dir"] == {"seqnorm.configs": "configs"}
 
 
-def test_make_test_tests_both_ends_of_the_declared_triton_range() -> None:
-    """``[gpu]`` allowed triton 3.6 to 3.9 while only 3.6 was tested, and 3.9's interpreter refused two kernels: the
-    lowest version the range allows is [test]'s pin, the highest is the Makefile's second run, and nothing above it
-    (a newer minor) is admitted untested."""
+def _triton_range() -> tuple[Any, Any, Any]:
+    """``[gpu]``'s triton specifier, the lowest version tested ([test]'s pin) and the highest (the Makefile's)."""
     tomllib = pytest.importorskip("tomllib")
     from packaging.requirements import Requirement
     from packaging.version import Version
@@ -83,14 +82,44 @@ def test_make_test_tests_both_ends_of_the_declared_triton_range() -> None:
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     (declared,) = [Requirement(r).specifier for r in extras["gpu"] if Requirement(r).name == "triton"]
     (pinned,) = [Requirement(r).specifier for r in extras["test"] if Requirement(r).name == "triton"]
-    lowest = Version(str(next(iter(pinned))).removeprefix("=="))
     makefile = (ROOT / "Makefile").read_text()
-    highest = Version(re.search(r"^TRITON_HIGHEST := (\S+)$", makefile, re.MULTILINE).group(1))  # type: ignore[union-attr]
+    highest = re.search(r"^TRITON_HIGHEST := (\S+)$", makefile, re.MULTILINE).group(1)  # type: ignore[union-attr]
+    return declared, Version(str(next(iter(pinned))).removeprefix("==")), Version(highest)
+
+
+def test_make_test_tests_both_ends_of_the_declared_triton_range() -> None:
+    """``[gpu]`` allowed triton 3.6 to 3.9 while only 3.6 was tested, and 3.9's interpreter refused two kernels: the
+    lowest version the range allows is [test]'s pin, the highest is the Makefile's second run, and nothing above it
+    (a newer minor) is admitted untested."""
+    from packaging.version import Version
+
+    declared, lowest, highest = _triton_range()
+    makefile = (ROOT / "Makefile").read_text()
     assert lowest in declared and highest in declared
     below = Version(f"{lowest.major}.{lowest.minor - 1}.99") if lowest.minor else Version(f"{lowest.major - 1}.99")
     assert below not in declared, "the range admits a version below the tested lowest"
     assert Version(f"{highest.major}.{highest.minor + 1}.0") not in declared, "the range admits an untested minor"
     assert "PYTHONPATH=$(HIGHEST) $(BIN)/python -m pytest" in makefile and "tests/test_triton_backend.py" in makefile
+
+
+def test_the_docs_name_the_tested_triton_versions() -> None:
+    """Where a user reads which triton ``[gpu]`` takes and what ``make test`` runs it under (README, docs/index.md,
+    docs/performance.md), the versions are the tested ends: moving TRITON_HIGHEST or [test]'s pin moves the docs."""
+    _, lowest, highest = _triton_range()
+    span = f"{lowest.major}.{lowest.minor}-{highest.major}.{highest.minor}"
+
+    def text(name: str) -> str:
+        return " ".join((ROOT / name).read_text().split())
+
+    for page in ("README.md", "docs/index.md"):
+        assert f'pip install ".[gpu]" # + triton {span} ' in text(page), page
+    assert f"triton {highest}, the highest" in text("README.md") and f".venv/triton-{highest}" in text("README.md")
+    performance = text("docs/performance.md")
+    assert f"allows triton {lowest.major}.{lowest.minor} to {highest.major}.{highest.minor}:" in performance
+    assert f"{lowest} (the test extra's pin" in performance and f".venv/triton-{highest}" in performance
+    # the table of which torch ships which triton ends at the tested ends
+    (row,) = [line for line in (ROOT / "docs/performance.md").read_text().splitlines() if line.startswith("| triton |")]
+    assert row.split("|")[2].strip() == str(lowest) and row.split("|")[-2].strip().endswith(f"({highest})"), row
 
 
 def test_the_wheel_ships_every_config(tmp_path: Path) -> None:
