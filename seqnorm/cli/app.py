@@ -61,6 +61,7 @@ from seqnorm.cli.runs import (
     DataInstantiator,
     ModelInstantiator,
     continued_run_logger,
+    disk_full_held_in_threads,
     disk_full_message,
     flag_value,
     release_unused_runs,
@@ -437,8 +438,9 @@ def main(args: list[str] | None = None) -> None:
         if command == "generate":
             _generate_command(argv[1:])
         else:
-            # args None: LightningCLI reads sys.argv itself; prog: also under `python -m seqnorm`, and in tests
-            cli = SeqnormCLI(args=args, seed_everything_default=0, parser_kwargs={"prog": "seqnorm"})
+            with disk_full_held_in_threads():  # TensorBoard writes in a thread: its full disk is one line too
+                # args None: LightningCLI reads sys.argv itself; prog: also under `python -m seqnorm`, and in tests
+                cli = SeqnormCLI(args=args, seed_everything_default=0, parser_kwargs={"prog": "seqnorm"})
             if cli.trainer.received_sigterm:  # the run finished before the loops noticed the signal
                 raise SIGTERMException
     except SIGTERMException:  # Lightning's SystemExit(None) would exit 0, as if the run had completed

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 
 from seqnorm.layers import LAYERS, RecurrentLayer
-from seqnorm.lightning.atomic_io import local_path
+from seqnorm.lightning.atomic_io import is_disk_full, local_path
 from seqnorm.lightning.checkpoint_io import data_class, read_checkpoint, task_class
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "ModelInstantiator",
     "checkpoint_run_dir",
     "continued_run_logger",
+    "disk_full_held_in_threads",
     "disk_full_message",
     "flag_value",
     "release_unused_runs",
@@ -152,6 +154,47 @@ def disk_full_message(error: OSError) -> str:
     if last is not None and last.is_file():
         return f"{message}; the last complete checkpoint is kept: resume with --ckpt_path {last}"
     return f"{message}; no checkpoint was lost (a write that fails leaves the previous file)"
+
+
+_HELD: list[BaseException] = []  # full-disk errors of this process's threads, kept quiet for the command to report
+_SETTLED: list[BaseException] = []  # full-disk errors the command ended with (and reported)
+_running = False  # whether a command is in disk_full_held_in_threads
+_thread_hook: Callable[[threading.ExceptHookArgs], Any] = threading.excepthook  # the hook ours hands the rest to
+
+
+def _hold_disk_full(args: threading.ExceptHookArgs) -> None:
+    error = args.exc_value
+    if error is not None and is_disk_full(error) and (_running or any(error is done for done in _SETTLED)):
+        _HELD.append(error)
+        return
+    _thread_hook(args)
+
+
+@contextlib.contextmanager
+def disk_full_held_in_threads() -> Iterator[None]:
+    """Around a command: a full disk met in one of its background threads is the command's to report, once.
+
+    TensorBoard's event writer writes in a thread, and hands the thread's error to the next write, flush or close,
+    whose OSError the command reports in one line (:func:`disk_full_message`); the thread also raised it, and
+    ``threading.excepthook`` printed its traceback after that line, cut short by the exit. Here that traceback is
+    held (before the command's report, or after it, for the error reported); one held while the command ended
+    without an error is raised at the end, and reported the same way. Other errors reach the previous hook."""
+    global _running, _thread_hook
+    if threading.excepthook is not _hold_disk_full:
+        _thread_hook, threading.excepthook = threading.excepthook, _hold_disk_full
+    _HELD.clear()
+    _running = True
+    try:
+        try:
+            yield
+        finally:
+            _running = False
+        if _HELD:  # a thread's full disk that nothing handed back: the run's logs are incomplete
+            raise _HELD[0]
+    except OSError as error:
+        if is_disk_full(error):
+            _SETTLED.append(error)
+        raise
 
 
 def checkpoint_run_dir(ckpt_path: str | None) -> Path | None:
