@@ -80,27 +80,37 @@ def _contents(folder: Path) -> dict[str, tuple[int, int]]:
     return {str(path.relative_to(folder)): (path.stat().st_size, path.stat().st_mtime_ns) for path in folder.rglob("*")}
 
 
+# The user's own loggers, which Lightning numbers (lightning_logs/version_N), a TensorBoard and a CSV log side by side
+USER_LOGGERS = ["--trainer.logger+=TensorBoardLogger", "--trainer.logger.save_dir", "."]
+USER_LOGGERS += ["--trainer.logger+=CSVLogger", "--trainer.logger.save_dir", "."]
+
+
+@pytest.mark.parametrize("loggers", [[], USER_LOGGERS], ids=["default-logger", "users-loggers"])
 def test_two_runs_started_together_in_one_folder_take_two_versions(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, loggers: list[str]
 ) -> None:
     """Both chose ``version_0``: the second wrote an event file into the first run's folder, then died with a raw
     ``RuntimeError: SaveConfigCallback expected .../config.yaml to NOT exist``. Here the second run listed the folder
     before the first made its ``version_0`` (a stale listing, as two processes starting together have): it must
-    still take a folder of its own, writing nothing into the first's."""
-    from lightning.pytorch.loggers import TensorBoardLogger
+    still take a folder of its own, writing nothing into the first's. The user's own loggers too, which Lightning
+    numbered only when they first wrote."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
     from seqnorm.cli import runs
 
     monkeypatch.chdir(tmp_path)
-    main(["fit", *TINY])
-    (first,) = tmp_path.glob("lightning_logs/*/version_0")
+    main(["fit", *TINY, *loggers])
+    (first,) = tmp_path.glob("lightning_logs/**/version_0")
     before = _contents(first)
-    monkeypatch.setattr(TensorBoardLogger, "_get_next_version", lambda self: 0)  # Lightning's own numbering, stale
+    for logger in (TensorBoardLogger, CSVLogger):  # Lightning's own numbering, stale
+        monkeypatch.setattr(logger, "_get_next_version", lambda self: 0)
     monkeypatch.setattr(runs, "_next_version", lambda parent: 0, raising=False)  # and seqnorm's
-    main(["fit", *TINY])
+    main(["fit", *TINY, *loggers])
     assert _contents(first) == before
     second = first.with_name("version_1")
     assert (second / "config.yaml").is_file() and (second / "checkpoints" / "last.ckpt").is_file()
+    assert len(list(second.glob("events.out.tfevents.*"))) == 1
+    assert (second / "metrics.csv").is_file() == bool(loggers)  # the CSV log beside the TensorBoard one
 
 
 def test_a_claimed_run_folder_is_released_only_while_empty(tmp_path: Path) -> None:

@@ -60,6 +60,7 @@ from seqnorm.cli.runs import (
     EVALUATIONS,
     DataInstantiator,
     ModelInstantiator,
+    claim_versions,
     continued_run_logger,
     disk_full_held_in_threads,
     disk_full_message,
@@ -306,6 +307,8 @@ class SeqnormCLI(LightningCLI):
                 # config.yaml is there already: it becomes the resumed run's (Lightning refuses to overwrite it)
                 self.save_config_kwargs = {**self.save_config_kwargs, "overwrite": True}
             config["logger"] = logger if logger is not None else run_logger(root, name)
+        else:  # the user's own loggers, numbered and claimed as the default one is
+            claim_versions(config["logger"] if isinstance(config.get("logger"), list | tuple) else [config["logger"]])
         if self.subcommand == "predict":
             given = config.get("callbacks") or []
             given = list(given) if isinstance(given, list | tuple) else [given]

@@ -29,6 +29,7 @@ __all__ = [
     "DataInstantiator",
     "ModelInstantiator",
     "checkpoint_run_dir",
+    "claim_versions",
     "continued_run_logger",
     "disk_full_held_in_threads",
     "disk_full_message",
@@ -86,14 +87,18 @@ def _claim_version(parent: str) -> str | int | None:
     ``None`` (Lightning numbers it, nothing created) on a process other than the global rank 0, whose folder rank 0
     chooses, and for a remote folder; a SLURM job's id as Lightning has it (a requeued job continues its folder)."""
     job = SLURMEnvironment.job_id()
-    if job is not None:
-        return job
-    if rank_zero_only.rank != 0 or os.environ.get("NODE_RANK", "0") != "0" or local_path(parent) is None:
+    return job if job is not None else _claim_next(parent)
+
+
+def _claim_next(parent: str) -> int | None:
+    """The next free ``version_N`` under ``parent``, its folder made by ``os.mkdir`` (:func:`_claim_version`)."""
+    local = local_path(parent)  # a plain path, also for a file:// URL
+    if rank_zero_only.rank != 0 or os.environ.get("NODE_RANK", "0") != "0" or local is None:
         return None
-    os.makedirs(parent, exist_ok=True)
-    number = _next_version(parent)  # by the time of the mkdir below, another process may have taken it
+    os.makedirs(local, exist_ok=True)
+    number = _next_version(local)  # by the time of the mkdir below, another process may have taken it
     while True:
-        folder = os.path.join(parent, f"version_{number}")
+        folder = os.path.join(local, f"version_{number}")
         try:
             os.mkdir(folder)
         except FileExistsError:
@@ -129,6 +134,24 @@ def run_logger(default_root_dir: str | None, name: str | None, version: str | No
     if chosen is not None:  # None: another process's folder, which Lightning's lazy numbering would only guess
         _OPENED.append(logger.log_dir)
     return logger
+
+
+def claim_versions(loggers: Sequence[Any]) -> None:
+    """Number the runs of the user's own loggers as :func:`run_logger` numbers the default one: a local
+    TensorBoardLogger or CSVLogger whose ``version`` is unset gets the next ``version_N`` under its root directory,
+    claimed (:func:`_claim_next`) before anything is written. Lightning numbers them only when they first write:
+    two runs started together could both take ``version_0``, the second writing an event file into the first's
+    folder before dying on its ``config.yaml``. Loggers with one root directory share one number, as Lightning's
+    numbering gives them (a TensorBoard and a CSV log side by side in one ``version_N``)."""
+    claimed: dict[str, int | None] = {}
+    for logger in loggers:
+        if not isinstance(logger, TensorBoardLogger | CSVLogger) or logger._version is not None:
+            continue
+        if logger.root_dir not in claimed:
+            claimed[logger.root_dir] = _claim_next(logger.root_dir)
+        if claimed[logger.root_dir] is not None:  # None: not global rank 0, or remote; Lightning numbers it
+            logger._version = claimed[logger.root_dir]  # the attribute Lightning's `version` fills when first read
+            _OPENED.append(logger.log_dir)
 
 
 def run_dir(default_root_dir: str | None, name: str | None) -> str:
