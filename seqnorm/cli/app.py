@@ -46,6 +46,7 @@ from seqnorm.cli.checks import (
     apply_checkpoint_data,
     apply_checkpoint_hparams,
     apply_checkpoint_text_format,
+    check_config_not_taken,
     check_data_matches,
     check_resumed_batch_size,
     check_weights_fit,
@@ -317,6 +318,7 @@ class SeqnormCLI(LightningCLI):
                 # without a writer, predict would compute every prediction and write none.
                 callbacks = [*callbacks, PredictionWriter()]
         trainer = super()._instantiate_trainer(config, callbacks)
+        check_config_not_taken(trainer)  # a folder given, not claimed: another run's? Before its logger writes there
         if self._checked is not None:  # the Trainer restores the checkpoint that was checked, not a new read
             path, checkpoint = self._checked
             trainer.strategy.checkpoint_io = CheckedCheckpointIO(path, checkpoint, trainer.strategy.checkpoint_io)
