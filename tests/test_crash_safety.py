@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,8 +19,11 @@ from typing import Any
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+from tensorboard.summary.writer.record_writer import RecordWriter
 
 from seqnorm.cli import SIGTERM_EXIT_CODE, main
+from seqnorm.cli.runs import disk_full_held_in_threads
 from seqnorm.lightning import atomic_io
 from seqnorm.lightning.atomic_io import AtomicCheckpointIO
 from tests.conftest import QUIET, run_path
@@ -163,13 +167,15 @@ def test_a_failed_write_keeps_the_previous_file_and_leaves_no_temp(
 
 
 def test_a_full_disk_during_fit_is_one_line_and_keeps_the_last_good_checkpoint(
-    story: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    story: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], recwarn: pytest.WarningsRecorder
 ) -> None:
     seen = _watch_publications(monkeypatch)
     _fill_disk_after(monkeypatch, good_writes=1)  # last.ckpt at step 5 (its best-* is a hard link, not a write)
     with pytest.raises(SystemExit) as exit_info:  # it was a raw `OSError: [Errno 28]` traceback
         main(_fit_args(story, 20))
     assert exit_info.value.code == 1
+    # The save of last.ckpt on the way out met the full disk too: it is the error's to say, not a warning line more
+    assert not [str(warning.message) for warning in recwarn if "could not save" in str(warning.message)]
     directory = run_path(0) / "checkpoints"
     assert _check_directory(directory) == seen[-1] == {"last.ckpt": 5, "best-epoch=0-step=5.ckpt": 5}
     (line,) = capsys.readouterr().err.strip().splitlines()[-1:]
@@ -179,6 +185,63 @@ def test_a_full_disk_during_fit_is_one_line_and_keeps_the_last_good_checkpoint(
         "(older runs under lightning_logs/, their checkpoints/ folders) or pass --trainer.default_root_dir on a disk "
         f"with room; the last complete checkpoint is kept: resume with --ckpt_path {directory.resolve() / 'last.ckpt'}"
     )
+
+
+def test_a_full_disk_met_by_the_tensorboard_writer_thread_is_the_same_one_line(
+    story: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """TensorBoard writes its event file in a thread, which raised ENOSPC twice: handed to the command's next write
+    (the one line), and out of the thread, whose traceback came after that line on a real 16 MB tmpfs."""
+    out_of_threads: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: out_of_threads.append(args.exc_value))
+
+    write, writes = RecordWriter.write, []
+
+    def filling(self: RecordWriter, data: bytes) -> None:  # the event file's header fits, then the disk is full
+        writes.append(data)
+        if len(writes) > 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        write(self, data)
+
+    monkeypatch.setattr(RecordWriter, "write", filling)
+    with pytest.raises(SystemExit) as exit_info:
+        main(_fit_args(story, 20))
+    assert exit_info.value.code == 1
+    for writer in threading.enumerate():  # the failed writer thread has raised: let its excepthook run
+        if isinstance(writer, _AsyncWriterThread) and writer.exception is not None:
+            writer.join()
+    assert out_of_threads == []
+    run = run_path(0).resolve()
+    assert [line for line in capsys.readouterr().err.splitlines() if not line.startswith("INFO: ")] == [
+        f"seqnorm fit: error: no space left on the device of {run} ({os.strerror(errno.ENOSPC)}): free space there "
+        "(older runs under lightning_logs/, their checkpoints/ folders) or pass --trainer.default_root_dir on a disk "
+        "with room; no checkpoint was lost (a write that fails leaves the previous file)"
+    ]
+
+
+def test_a_full_disk_in_a_thread_is_the_commands_to_report_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    out_of_threads: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: out_of_threads.append(args.exc_value))
+
+    def in_a_thread(error: BaseException) -> None:
+        def fail() -> None:
+            raise error
+
+        thread = threading.Thread(target=fail)
+        thread.start()
+        thread.join()
+
+    full, other = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), OSError(errno.EACCES, "Permission denied")
+    with pytest.raises(OSError) as raised, disk_full_held_in_threads():
+        in_a_thread(full)  # nothing handed it back (TensorBoard does): the command ends with it
+        in_a_thread(other)
+    assert raised.value is full
+    in_a_thread(full)  # after the command reported it (a thread's late excepthook): still quiet
+    in_a_thread(OSError(errno.ENOSPC, "another disk, after the command"))
+    assert [str(error) for error in out_of_threads] == [
+        "[Errno 13] Permission denied",
+        "[Errno 28] another disk, after the command",
+    ]
 
 
 def _child_env(tmp_path: Path, tmpdir: Path | None) -> dict[str, str]:

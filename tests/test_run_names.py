@@ -80,27 +80,69 @@ def _contents(folder: Path) -> dict[str, tuple[int, int]]:
     return {str(path.relative_to(folder)): (path.stat().st_size, path.stat().st_mtime_ns) for path in folder.rglob("*")}
 
 
+# The user's own loggers, which Lightning numbers (lightning_logs/version_N), a TensorBoard and a CSV log side by side
+USER_LOGGERS = ["--trainer.logger+=TensorBoardLogger", "--trainer.logger.save_dir", "."]
+USER_LOGGERS += ["--trainer.logger+=CSVLogger", "--trainer.logger.save_dir", "."]
+
+
+@pytest.mark.parametrize("loggers", [[], USER_LOGGERS], ids=["default-logger", "users-loggers"])
 def test_two_runs_started_together_in_one_folder_take_two_versions(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, loggers: list[str]
 ) -> None:
     """Both chose ``version_0``: the second wrote an event file into the first run's folder, then died with a raw
     ``RuntimeError: SaveConfigCallback expected .../config.yaml to NOT exist``. Here the second run listed the folder
     before the first made its ``version_0`` (a stale listing, as two processes starting together have): it must
-    still take a folder of its own, writing nothing into the first's."""
-    from lightning.pytorch.loggers import TensorBoardLogger
+    still take a folder of its own, writing nothing into the first's. The user's own loggers too, which Lightning
+    numbered only when they first wrote."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
     from seqnorm.cli import runs
 
     monkeypatch.chdir(tmp_path)
-    main(["fit", *TINY])
-    (first,) = tmp_path.glob("lightning_logs/*/version_0")
+    main(["fit", *TINY, *loggers])
+    (first,) = tmp_path.glob("lightning_logs/**/version_0")
     before = _contents(first)
-    monkeypatch.setattr(TensorBoardLogger, "_get_next_version", lambda self: 0)  # Lightning's own numbering, stale
+    for logger in (TensorBoardLogger, CSVLogger):  # Lightning's own numbering, stale
+        monkeypatch.setattr(logger, "_get_next_version", lambda self: 0)
     monkeypatch.setattr(runs, "_next_version", lambda parent: 0, raising=False)  # and seqnorm's
-    main(["fit", *TINY])
+    main(["fit", *TINY, *loggers])
     assert _contents(first) == before
     second = first.with_name("version_1")
     assert (second / "config.yaml").is_file() and (second / "checkpoints" / "last.ckpt").is_file()
+    assert len(list(second.glob("events.out.tfevents.*"))) == 1
+    assert (second / "metrics.csv").is_file() == bool(loggers)  # the CSV log beside the TensorBoard one
+
+
+@pytest.mark.parametrize("given", ["version-flag", "slurm-job-id"])
+def test_a_run_given_another_runs_folder_stops_in_one_line_before_writing_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], given: str
+) -> None:
+    """A folder given, not claimed (``--trainer.logger.version``; a SLURM job's id, every run's version in that job):
+    the run wrote an event file into the other run's folder, then died with SaveConfigCallback's RuntimeError."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    monkeypatch.chdir(tmp_path)
+    if given == "version-flag":
+        flags = ["--trainer.logger", "TensorBoardLogger", "--trainer.logger.save_dir", ".", "--trainer.logger.version"]
+        flags.append("0")
+        other, shown = Path("lightning_logs/version_0"), os.path.join(".", "lightning_logs", "version_0")
+        remedy = "leave --trainer.logger.version unset (each run then takes the next free version_N) or pass one free"
+    else:
+        monkeypatch.setattr(SLURMEnvironment, "job_id", staticmethod(lambda: "4242"))
+        flags, other = [], Path.cwd() / "lightning_logs/lstm-layer-h8/4242"
+        shown = str(other)
+        remedy = "in a SLURM job every run's version is the job's id: give each run its own --trainer.default_root_dir"
+    (other / "checkpoints").mkdir(parents=True)
+    (other / "config.yaml").write_text("the other run's\n", encoding="utf-8")
+    (other / "checkpoints" / "last.ckpt").write_bytes(b"the other run's")
+    before = _contents(other)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", *TINY, *flags])
+    assert exit_info.value.code == 2
+    assert _contents(other) == before  # no event file of this run's there
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"seqnorm fit: error: {shown} already holds a run (config.yaml), which this one would write into: {remedy}"
+    )
 
 
 def test_a_claimed_run_folder_is_released_only_while_empty(tmp_path: Path) -> None:

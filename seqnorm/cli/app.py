@@ -46,6 +46,7 @@ from seqnorm.cli.checks import (
     apply_checkpoint_data,
     apply_checkpoint_hparams,
     apply_checkpoint_text_format,
+    check_config_not_taken,
     check_data_matches,
     check_resumed_batch_size,
     check_weights_fit,
@@ -60,7 +61,9 @@ from seqnorm.cli.runs import (
     EVALUATIONS,
     DataInstantiator,
     ModelInstantiator,
+    claim_versions,
     continued_run_logger,
+    disk_full_held_in_threads,
     disk_full_message,
     flag_value,
     release_unused_runs,
@@ -305,6 +308,8 @@ class SeqnormCLI(LightningCLI):
                 # config.yaml is there already: it becomes the resumed run's (Lightning refuses to overwrite it)
                 self.save_config_kwargs = {**self.save_config_kwargs, "overwrite": True}
             config["logger"] = logger if logger is not None else run_logger(root, name)
+        else:  # the user's own loggers, numbered and claimed as the default one is
+            claim_versions(config["logger"] if isinstance(config.get("logger"), list | tuple) else [config["logger"]])
         if self.subcommand == "predict":
             given = config.get("callbacks") or []
             given = list(given) if isinstance(given, list | tuple) else [given]
@@ -313,6 +318,7 @@ class SeqnormCLI(LightningCLI):
                 # without a writer, predict would compute every prediction and write none.
                 callbacks = [*callbacks, PredictionWriter()]
         trainer = super()._instantiate_trainer(config, callbacks)
+        check_config_not_taken(trainer)  # a folder given, not claimed: another run's? Before its logger writes there
         if self._checked is not None:  # the Trainer restores the checkpoint that was checked, not a new read
             path, checkpoint = self._checked
             trainer.strategy.checkpoint_io = CheckedCheckpointIO(path, checkpoint, trainer.strategy.checkpoint_io)
@@ -437,8 +443,9 @@ def main(args: list[str] | None = None) -> None:
         if command == "generate":
             _generate_command(argv[1:])
         else:
-            # args None: LightningCLI reads sys.argv itself; prog: also under `python -m seqnorm`, and in tests
-            cli = SeqnormCLI(args=args, seed_everything_default=0, parser_kwargs={"prog": "seqnorm"})
+            with disk_full_held_in_threads():  # TensorBoard writes in a thread: its full disk is one line too
+                # args None: LightningCLI reads sys.argv itself; prog: also under `python -m seqnorm`, and in tests
+                cli = SeqnormCLI(args=args, seed_everything_default=0, parser_kwargs={"prog": "seqnorm"})
             if cli.trainer.received_sigterm:  # the run finished before the loops noticed the signal
                 raise SIGTERMException
     except SIGTERMException:  # Lightning's SystemExit(None) would exit 0, as if the run had completed

@@ -15,6 +15,10 @@ from typing import Any
 
 import torch
 from jsonargparse import Namespace
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch import Trainer
+from lightning.pytorch.cli import SaveConfigCallback
+from lightning.pytorch.utilities import rank_zero_only
 
 from seqnorm.cli.runs import checkpoint_run_dir
 from seqnorm.data.base import from_checkpoint
@@ -31,6 +35,7 @@ __all__ = [
     "apply_checkpoint_data",
     "apply_checkpoint_hparams",
     "apply_checkpoint_text_format",
+    "check_config_not_taken",
     "check_data_matches",
     "check_resumed_batch_size",
     "check_weights_fit",
@@ -317,6 +322,28 @@ def check_writable_dir(value: str | None, flag: str = "--trainer.default_root_di
             f"{named}: cannot write there ({error.strerror or error}); logs, config.yaml and checkpoints go there: "
             "pass a directory you can write to"
         ) from None
+
+
+def check_config_not_taken(trainer: Trainer) -> None:
+    """Refuse a run whose folder already holds another run's ``config.yaml``, before anything is written there.
+
+    A new run's folder is claimed (:mod:`seqnorm.cli.runs`), but one it is given is not: ``--trainer.logger.version``,
+    or a SLURM job's id, the version of every run of that job. Lightning's SaveConfigCallback refuses such a folder
+    only as the run sets up, after the logger has written an event file into the other run's folder, with a
+    ``RuntimeError`` traceback. A resumed fit continuing its own run overwrites its config.yaml (and is let through).
+    """
+    saver = next((callback for callback in trainer.callbacks if isinstance(callback, SaveConfigCallback)), None)
+    if saver is None or saver.overwrite or not saver.save_to_log_dir or rank_zero_only.rank != 0:
+        return
+    log_dir = trainer.log_dir  # the folder SaveConfigCallback writes into; no logger has written yet
+    if log_dir is None or "://" in log_dir or not (Path(log_dir) / saver.config_filename).is_file():
+        return
+    if os.path.basename(os.path.normpath(log_dir)) == SLURMEnvironment.job_id():
+        remedy = "in a SLURM job every run's version is the job's id: give each run its own --trainer.default_root_dir"
+    else:
+        remedy = "leave --trainer.logger.version unset (each run then takes the next free version_N) or pass one free"
+    taken = f"{log_dir} already holds a run ({saver.config_filename}), which this one would write into"
+    raise ValueError(f"{taken}: {remedy}")
 
 
 def _raised_in_seqnorm(traceback: TracebackType | None) -> bool:

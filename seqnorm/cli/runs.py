@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 
 from seqnorm.layers import LAYERS, RecurrentLayer
-from seqnorm.lightning.atomic_io import local_path
+from seqnorm.lightning.atomic_io import is_disk_full, local_path
 from seqnorm.lightning.checkpoint_io import data_class, read_checkpoint, task_class
 
 __all__ = [
@@ -28,7 +29,9 @@ __all__ = [
     "DataInstantiator",
     "ModelInstantiator",
     "checkpoint_run_dir",
+    "claim_versions",
     "continued_run_logger",
+    "disk_full_held_in_threads",
     "disk_full_message",
     "flag_value",
     "release_unused_runs",
@@ -84,14 +87,18 @@ def _claim_version(parent: str) -> str | int | None:
     ``None`` (Lightning numbers it, nothing created) on a process other than the global rank 0, whose folder rank 0
     chooses, and for a remote folder; a SLURM job's id as Lightning has it (a requeued job continues its folder)."""
     job = SLURMEnvironment.job_id()
-    if job is not None:
-        return job
-    if rank_zero_only.rank != 0 or os.environ.get("NODE_RANK", "0") != "0" or local_path(parent) is None:
+    return job if job is not None else _claim_next(parent)
+
+
+def _claim_next(parent: str) -> int | None:
+    """The next free ``version_N`` under ``parent``, its folder made by ``os.mkdir`` (:func:`_claim_version`)."""
+    local = local_path(parent)  # a plain path, also for a file:// URL
+    if rank_zero_only.rank != 0 or os.environ.get("NODE_RANK", "0") != "0" or local is None:
         return None
-    os.makedirs(parent, exist_ok=True)
-    number = _next_version(parent)  # by the time of the mkdir below, another process may have taken it
+    os.makedirs(local, exist_ok=True)
+    number = _next_version(local)  # by the time of the mkdir below, another process may have taken it
     while True:
-        folder = os.path.join(parent, f"version_{number}")
+        folder = os.path.join(local, f"version_{number}")
         try:
             os.mkdir(folder)
         except FileExistsError:
@@ -129,6 +136,24 @@ def run_logger(default_root_dir: str | None, name: str | None, version: str | No
     return logger
 
 
+def claim_versions(loggers: Sequence[Any]) -> None:
+    """Number the runs of the user's own loggers as :func:`run_logger` numbers the default one: a local
+    TensorBoardLogger or CSVLogger whose ``version`` is unset gets the next ``version_N`` under its root directory,
+    claimed (:func:`_claim_next`) before anything is written. Lightning numbers them only when they first write:
+    two runs started together could both take ``version_0``, the second writing an event file into the first's
+    folder before dying on its ``config.yaml``. Loggers with one root directory share one number, as Lightning's
+    numbering gives them (a TensorBoard and a CSV log side by side in one ``version_N``)."""
+    claimed: dict[str, int | None] = {}
+    for logger in loggers:
+        if not isinstance(logger, TensorBoardLogger | CSVLogger) or logger._version is not None:
+            continue
+        if logger.root_dir not in claimed:
+            claimed[logger.root_dir] = _claim_next(logger.root_dir)
+        if claimed[logger.root_dir] is not None:  # None: not global rank 0, or remote; Lightning numbers it
+            logger._version = claimed[logger.root_dir]  # the attribute Lightning's `version` fills when first read
+            _OPENED.append(logger.log_dir)
+
+
 def run_dir(default_root_dir: str | None, name: str | None) -> str:
     """A new run's folder, numbered and claimed as :func:`run_logger` does: where a run without a logger keeps its
     config.yaml and checkpoints."""
@@ -152,6 +177,47 @@ def disk_full_message(error: OSError) -> str:
     if last is not None and last.is_file():
         return f"{message}; the last complete checkpoint is kept: resume with --ckpt_path {last}"
     return f"{message}; no checkpoint was lost (a write that fails leaves the previous file)"
+
+
+_HELD: list[BaseException] = []  # full-disk errors of this process's threads, kept quiet for the command to report
+_SETTLED: list[BaseException] = []  # full-disk errors the command ended with (and reported)
+_running = False  # whether a command is in disk_full_held_in_threads
+_thread_hook: Callable[[threading.ExceptHookArgs], Any] = threading.excepthook  # the hook ours hands the rest to
+
+
+def _hold_disk_full(args: threading.ExceptHookArgs) -> None:
+    error = args.exc_value
+    if error is not None and is_disk_full(error) and (_running or any(error is done for done in _SETTLED)):
+        _HELD.append(error)
+        return
+    _thread_hook(args)
+
+
+@contextlib.contextmanager
+def disk_full_held_in_threads() -> Iterator[None]:
+    """Around a command: a full disk met in one of its background threads is the command's to report, once.
+
+    TensorBoard's event writer writes in a thread, and hands the thread's error to the next write, flush or close,
+    whose OSError the command reports in one line (:func:`disk_full_message`); the thread also raised it, and
+    ``threading.excepthook`` printed its traceback after that line, cut short by the exit. Here that traceback is
+    held (before the command's report, or after it, for the error reported); one held while the command ended
+    without an error is raised at the end, and reported the same way. Other errors reach the previous hook."""
+    global _running, _thread_hook
+    if threading.excepthook is not _hold_disk_full:
+        _thread_hook, threading.excepthook = threading.excepthook, _hold_disk_full
+    _HELD.clear()
+    _running = True
+    try:
+        try:
+            yield
+        finally:
+            _running = False
+        if _HELD:  # a thread's full disk that nothing handed back: the run's logs are incomplete
+            raise _HELD[0]
+    except OSError as error:
+        if is_disk_full(error):
+            _SETTLED.append(error)
+        raise
 
 
 def checkpoint_run_dir(ckpt_path: str | None) -> Path | None:

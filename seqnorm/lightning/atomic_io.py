@@ -9,6 +9,7 @@ the run directory is on another filesystem the "commit" is a copy, and a kill du
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 import secrets
@@ -20,11 +21,16 @@ from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
 
-__all__ = ["TEMP_SUFFIX", "AtomicCheckpointIO", "AtomicTextFile", "atomic_copy", "local_path"]
+__all__ = ["TEMP_SUFFIX", "AtomicCheckpointIO", "AtomicTextFile", "atomic_copy", "is_disk_full", "local_path"]
 
 TEMP_SUFFIX = ".tmp"
 """Temporary files are ``.<target name>.<random hex>.tmp``: hidden, and never matching ``*.ckpt``, so a file left by a
 SIGKILL mid-write is not taken for a checkpoint by Lightning's ``last*.ckpt`` search or a ``*.ckpt`` glob."""
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether ``error`` is a write refused for lack of room: a full device (ENOSPC) or a used-up quota (EDQUOT)."""
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def local_path(path: _PATH) -> str | None:

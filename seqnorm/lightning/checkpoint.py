@@ -15,7 +15,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
-from seqnorm.lightning.atomic_io import AtomicCheckpointIO, atomic_copy, local_path
+from seqnorm.lightning.atomic_io import AtomicCheckpointIO, atomic_copy, is_disk_full, local_path
 
 __all__ = ["ResumableCheckpoint"]
 
@@ -36,7 +36,8 @@ class ResumableCheckpoint(ModelCheckpoint):
     - **Exceptions and signals write only last.** Lightning's ``save_on_exception`` writes a file named by
       ``filename`` (``best-...ckpt`` here) although nothing was validated; here a run ending in an exception, Ctrl-C
       or SIGTERM writes only ``last.ckpt`` (``interrupted.ckpt`` when ``save_last`` is off), and only while fitting.
-      If that save fails too, a warning is logged and the original exception propagates.
+      If that save fails too, a warning is logged (not when both are a full disk: the exception says it) and the
+      original exception propagates.
     - **last.ckpt at every validation.** Lightning rewrites ``last.ckpt`` only when a top-k file is saved; here
       every validation refreshes it, so a killed run loses at most one validation interval.
     - **last.ckpt at the final step.** A run stopped by ``max_steps`` between two validations still saves its final
@@ -223,7 +224,9 @@ class ResumableCheckpoint(ModelCheckpoint):
                 filepath = self.format_checkpoint_name(self._monitor_candidates(trainer), name)
                 super()._save_checkpoint(trainer, filepath)
         except Exception as error:  # a full disk, say: report it, and let the original exception through
-            rank_zero_warn(f"ResumableCheckpoint: could not save {name} after {type(exception).__name__}: {error!r}")
+            if not (is_disk_full(exception) and is_disk_full(error)):  # both: the exception says it already
+                failed = type(exception).__name__
+                rank_zero_warn(f"ResumableCheckpoint: could not save {name} after {failed}: {error!r}")
             return
         step = trainer.global_step
         rank_zero_info(f"ResumableCheckpoint: {type(exception).__name__} at step {step}; saved {filepath}")
