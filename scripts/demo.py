@@ -41,7 +41,7 @@ def banner(text: str) -> None:
 
 def train_with_tensorboard(norm: str, steps: int) -> Path:
     """A short CLI run of the embedded char LM with ``norm``; returns its run folder, ``lightning_logs/<run
-    name>/version_N`` (``lstm-layer-h64/version_0``)."""
+    name>/version_N`` (``charlm-embedded-lstm-layer-h64/version_0``)."""
     logs = Path("lightning_logs")
     before = set(logs.glob("*/version_*")) if logs.is_dir() else set()
     seqnorm_main(

@@ -143,6 +143,17 @@ def run_path(version: int = 0, root: Path | str = ".") -> Path:
     return runs[0]
 
 
+def evaluation_path(command: str, number: int = 0, root: Path | str = ".") -> Path:
+    """``<run>/<command>_<number>``: the ``number``-th ``validate``/``test``/``predict`` of the checkpoint of
+    ``run_path(0, root)``, which writes beside its training run, inside its folder."""
+    return run_path(0, root) / f"{command}_{number}"
+
+
+def last_checkpoint(root: Path | str = ".") -> Path:
+    """``last.ckpt`` of ``run_path(0, root)``."""
+    return run_path(0, root) / "checkpoints" / "last.ckpt"
+
+
 def logged_scalars(run: Path) -> dict[str, list[tuple[int, float]]]:
     """Every scalar a TensorBoard run directory holds: tag -> [(step, value), ...] in the order written."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -17,7 +17,7 @@ import seqnorm
 from seqnorm.cli import main
 from seqnorm.lightning import LanguageModel, SequenceClassifier
 from seqnorm.norms import BatchNormSpec, LayerNormSpec
-from tests.conftest import QUIET, WORDS, logged_scalars, run_path
+from tests.conftest import QUIET, WORDS, evaluation_path, logged_scalars, run_path
 
 TINY_LM = ["--model.hidden_size", "48", "--model.embedding_dim", "16", "--model.lr", "0.01"]
 
@@ -62,9 +62,9 @@ def test_char_lm_on_own_file_trains_resumes_and_generates(story: Path, capsys: p
     main(["generate", "--ckpt_path", str(last), "--prompt", "the ", "--length", "60", "--seed", "0"])
     assert capsys.readouterr().out.rstrip("\n") == text  # seeded: reproducible
 
-    # test reads the same checkpoint, in a run directory of its own
+    # test reads the same checkpoint, in a folder of its own beside the run (inside it)
     main(["test", *base, *TINY_LM, *QUIET, "--ckpt_path", str(last)])
-    tested = logged_scalars(run_path(1))
+    tested = logged_scalars(evaluation_path("test"))
     assert {"test/loss", "test/bpc"} <= set(tested)
     assert tested["test/bpc"][0][1] < 1.3
 
@@ -140,7 +140,8 @@ def test_fit_with_no_data_arguments_trains_the_embedded_task(tmp_path: Path, mon
     switches += ["--model.rnn_options", '{"zoneout_h": 0.1}']
     main(["fit", "--model", "LanguageModel", "--data", "TextCorpus", *TINY_LM, *switches, *short])
     main(["fit", "--model", "SequenceClassifier", "--data", "LabeledText", "--model.hidden_size", "16", *short])
-    language_model, classifier = Path("lightning_logs/lstm-layer-h48"), Path("lightning_logs/lstm-layer-h16")
+    language_model = Path("lightning_logs/charlm-embedded-lstm-layer-h48")
+    classifier = Path("lightning_logs/classifier-embedded-lstm-layer-h16")
     assert "val/bpc" in logged_scalars(language_model / "version_0")
     checkpoint = torch.load(language_model / "version_0/checkpoints/last.ckpt", weights_only=False)
     assert checkpoint["hyper_parameters"]["rnn_options"] == {"zoneout_h": 0.1}

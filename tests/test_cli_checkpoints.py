@@ -17,7 +17,7 @@ import torch
 from seqnorm.cli import main
 from seqnorm.data import TextCorpus
 from seqnorm.lightning import LanguageModel, SequenceClassifier
-from tests.conftest import QUIET, WORDS, logged_scalars, run_path, write_story
+from tests.conftest import QUIET, WORDS, evaluation_path, last_checkpoint, logged_scalars, run_path, write_story
 
 TINY = ["--model.hidden_size", "16", "--model.embedding_dim", "8", "--model.lr", "0.01", "--data.batch_size", "16"]
 # a validation every 3 steps, so a resumed run's validations continue the curve
@@ -30,7 +30,6 @@ TASKS = {
 TASKS["LanguageModel"] += ["--data.unit", "line"]  # one sequence per line: one prediction per line
 TASKS["SequenceClassifier"] += ["--data.test_path", "test.tsv"]
 # Both tasks' runs are named after what they train (an LSTM with LayerNorm, hidden_size 16): cli.runs.run_name
-LAST = Path("lightning_logs/lstm-layer-h16/version_0/checkpoints/last.ckpt")
 
 
 def _write_labeled(path: Path, rows: int, seed: int) -> list[str]:
@@ -78,10 +77,10 @@ def _metric(task: str) -> str:
 @pytest.mark.parametrize("command", ["validate", "test"])
 def test_evaluation_from_a_checkpoint(run: tuple[str, list[str]], command: str) -> None:
     task, args = run
-    main([command, *args, "--ckpt_path", str(LAST)])
+    main([command, *args, "--ckpt_path", str(last_checkpoint())])
     stage = "val" if command == "validate" else "test"
-    # a new run directory: the evaluation's config.yaml and metrics are its own, the training run is left as it was
-    logged = logged_scalars(run_path(1))
+    # a folder of its own beside the training run, inside it: the evaluation's config.yaml and metrics
+    logged = logged_scalars(evaluation_path(command))
     assert {f"{stage}/loss", f"{stage}/{_metric(task)}"} <= set(logged)
 
 
@@ -90,9 +89,9 @@ def test_the_checkpoint_names_the_model_when_no_flag_does(run: tuple[str, list[s
     task, args = run
     without_model = args[2:]  # drops "--model <task>": the checkpoint's class is used
     assert "--model" not in without_model
-    main(["test", *without_model, "--ckpt_path", str(LAST)])
-    assert f"test/{_metric(task)}" in logged_scalars(run_path(1))
-    config = (run_path(1) / "config.yaml").read_text(encoding="utf-8")
+    main(["test", *without_model, "--ckpt_path", str(last_checkpoint())])
+    assert f"test/{_metric(task)}" in logged_scalars(evaluation_path("test"))
+    config = (evaluation_path("test") / "config.yaml").read_text(encoding="utf-8")
     assert f"class_path: seqnorm.lightning.{task}" in config
 
 
@@ -100,11 +99,11 @@ def test_the_checkpoint_names_the_model_when_no_flag_does(run: tuple[str, list[s
 def test_resumed_fit_continues_the_same_run(run: tuple[str, list[str]]) -> None:
     _, args = run
     before = logged_scalars(run_path(0))
-    main(["fit", *args, *SCHEDULE, "--trainer.max_steps", str(STEPS + 3), "--ckpt_path", str(LAST)])
+    main(["fit", *args, *SCHEDULE, "--trainer.max_steps", str(STEPS + 3), "--ckpt_path", str(last_checkpoint())])
     assert sorted(path.name for path in run_path(0).parent.iterdir()) == ["version_0"]
-    assert torch.load(LAST, weights_only=True)["global_step"] == STEPS + 3
+    assert torch.load(last_checkpoint(), weights_only=True)["global_step"] == STEPS + 3
     # the copied run's top-k files are tracked on from their new place: last.ckpt is rewritten, not a last-v1.ckpt
-    assert not list(LAST.parent.glob("last-v*"))
+    assert not list(last_checkpoint().parent.glob("last-v*"))
     after = logged_scalars(run_path(0))
     # one TensorBoard run whose curves go on: the earlier points are kept, the resumed run's follow them
     assert [step for step, _ in before["val/loss"]] == [2, 5]  # steps count from 0: after steps 3 and 6
@@ -118,10 +117,10 @@ def test_resumed_fit_continues_the_same_run(run: tuple[str, list[str]]) -> None:
 @pytest.mark.parametrize("run", ["SequenceClassifier"], indirect=True)
 def test_classifier_predictions_are_label_names_that_score_what_test_reports(run: tuple[str, list[str]]) -> None:
     _, args = run
-    main(["test", *args, "--ckpt_path", str(LAST)])
-    main(["predict", *args, "--ckpt_path", str(LAST)])
-    tested = logged_scalars(run_path(1))["test/acc"][-1][1]
-    rows = [json.loads(line) for line in (run_path(2) / "predictions.jsonl").read_text().splitlines()]
+    main(["test", *args, "--ckpt_path", str(last_checkpoint())])
+    main(["predict", *args, "--ckpt_path", str(last_checkpoint())])
+    tested = logged_scalars(evaluation_path("test"))["test/acc"][-1][1]
+    rows = [json.loads(line) for line in (evaluation_path("predict") / "predictions.jsonl").read_text().splitlines()]
     truth = [line.split("\t")[0] for line in Path("test.tsv").read_text().splitlines()]
     assert [row["index"] for row in rows] == list(range(len(truth)))  # one row per input line, in input order
     assert {row["label"] for row in rows} <= {"pets", "other"}
@@ -137,10 +136,11 @@ def test_classifier_labels_unlabelled_text(run: tuple[str, list[str]]) -> None:
     _, args = run
     texts = [line.split("\t", 1)[1] for line in Path("test.tsv").read_text().splitlines()]
     Path("unlabelled.txt").write_text("\n".join([texts[0], "", *texts[1:]]) + "\n", encoding="utf-8")
-    main(["predict", *args, "--ckpt_path", str(LAST)])
-    main(["predict", *args, "--data.predict_path", "unlabelled.txt", "--ckpt_path", str(LAST)])
+    main(["predict", *args, "--ckpt_path", str(last_checkpoint())])
+    main(["predict", *args, "--data.predict_path", "unlabelled.txt", "--ckpt_path", str(last_checkpoint())])
     labelled, unlabelled = (
-        [json.loads(line) for line in (run_path(n) / "predictions.jsonl").read_text().splitlines()] for n in (1, 2)
+        [json.loads(line) for line in (evaluation_path("predict", n) / "predictions.jsonl").read_text().splitlines()]
+        for n in (0, 1)
     )
     assert len(unlabelled) == len(texts)
     for got, expected in zip(unlabelled, labelled, strict=True):
@@ -153,17 +153,17 @@ def test_a_classifier_checkpoint_tests_and_labels_with_nothing_but_the_file(run:
     """The checkpoint supplies the data set-up (LabeledText, its vocabulary, labels, batch size): the run's own test
     file when none is named, a named file alone (the training file unread), and texts to label alone."""
     _, args = run
-    main(["test", *args, "--ckpt_path", str(LAST)])  # the full command
-    main(["test", "--ckpt_path", str(LAST), *QUIET])  # the run's own test file, named by the checkpoint
-    main(["test", "--ckpt_path", str(LAST), "--data.test_path", "test.tsv", *QUIET])
+    main(["test", *args, "--ckpt_path", str(last_checkpoint())])  # the full command
+    main(["test", "--ckpt_path", str(last_checkpoint()), *QUIET])  # the run's own test file, named by the checkpoint
+    main(["test", "--ckpt_path", str(last_checkpoint()), "--data.test_path", "test.tsv", *QUIET])
     # no training file read: the vocabulary and labels are the checkpoint's
-    assert "train_path: null" in (run_path(3) / "config.yaml").read_text(encoding="utf-8")
-    accuracies = [logged_scalars(run_path(n))["test/acc"][-1][1] for n in (1, 2, 3)]
+    assert "train_path: null" in (evaluation_path("test", 2) / "config.yaml").read_text(encoding="utf-8")
+    accuracies = [logged_scalars(evaluation_path("test", n))["test/acc"][-1][1] for n in (0, 1, 2)]
     assert accuracies[0] == accuracies[1] == accuracies[2]
     texts = [line.split("\t", 1)[1] for line in Path("test.tsv").read_text().splitlines()]
     Path("unlabelled.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
-    main(["predict", "--ckpt_path", str(LAST), "--data.predict_path", "unlabelled.txt", *QUIET])
-    rows = (run_path(4) / "predictions.jsonl").read_text().splitlines()
+    main(["predict", "--ckpt_path", str(last_checkpoint()), "--data.predict_path", "unlabelled.txt", *QUIET])
+    rows = (evaluation_path("predict") / "predictions.jsonl").read_text().splitlines()
     assert len(rows) == len(texts)
 
 
@@ -171,9 +171,9 @@ def test_a_classifier_checkpoint_tests_and_labels_with_nothing_but_the_file(run:
 def test_predict_with_the_runs_own_config_still_writes_predictions(run: tuple[str, list[str]]) -> None:
     """The fit run's config.yaml lists fit's callbacks, which replace predict's default list (its writer)."""
     own = ["--config", str(run_path(0) / "config.yaml"), "--trainer.default_root_dir", "."]  # not the original's
-    main(["predict", *own, "--ckpt_path", str(LAST)])
-    assert (run_path(1) / "predictions.jsonl").read_text().splitlines()
-    config = (run_path(1) / "config.yaml").read_text(encoding="utf-8")
+    main(["predict", *own, "--ckpt_path", str(last_checkpoint())])
+    assert (evaluation_path("predict") / "predictions.jsonl").read_text().splitlines()
+    config = (evaluation_path("predict") / "config.yaml").read_text(encoding="utf-8")
     assert "PredictionWriter" not in config  # the writer came from the fallback, not from the list
 
 
@@ -182,8 +182,8 @@ def test_language_model_predictions_are_per_sequence_losses(
     run: tuple[str, list[str]], caplog: pytest.LogCaptureFixture
 ) -> None:
     _, args = run
-    main(["predict", *args, "--ckpt_path", str(LAST)])
-    written = run_path(1) / "predictions.jsonl"
+    main(["predict", *args, "--ckpt_path", str(last_checkpoint())])
+    written = evaluation_path("predict") / "predictions.jsonl"
     rows = [json.loads(line) for line in written.read_text().splitlines()]
     test_split = TextCorpus(path="story.txt", unit="line").datasets["test"]
     assert [row["index"] for row in rows] == list(range(len(test_split)))
@@ -195,9 +195,9 @@ def test_language_model_predictions_are_per_sequence_losses(
 def test_generate_from_a_language_model_and_not_from_a_classifier(
     trained: dict[str, Path], capsys: pytest.CaptureFixture
 ) -> None:
-    main(["generate", "--ckpt_path", str(trained["LanguageModel"] / LAST), "--length", "20", "--seed", "0"])
+    main(["generate", "--ckpt_path", str(last_checkpoint(trained["LanguageModel"])), "--length", "20", "--seed", "0"])
     assert set(capsys.readouterr().out.rstrip("\n")) <= set((trained["LanguageModel"] / "story.txt").read_text())
-    classifier = trained["SequenceClassifier"] / LAST
+    classifier = last_checkpoint(trained["SequenceClassifier"])
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", "--ckpt_path", str(classifier)])
     assert exit_info.value.code == 2
@@ -213,7 +213,7 @@ def test_checkpoint_hyperparameters_are_constructor_arguments(trained: dict[str,
     # The CLI links data.level into the model; a SequenceClassifier takes no level, and its checkpoints once held it
     # anyway, which broke every reader that builds the model from the saved hyperparameters with jsonargparse.
     for task, cls in (("SequenceClassifier", SequenceClassifier), ("LanguageModel", LanguageModel)):
-        path = trained[task] / LAST
+        path = last_checkpoint(trained[task])
         hparams = torch.load(path, weights_only=True)["hyper_parameters"]
         assert set(hparams) - {"_class_path", "_instantiator"} <= set(inspect.signature(cls).parameters)
         # Lightning's own reader for CLI checkpoints: the class comes from the file (what LightningCLI does too)
@@ -225,19 +225,19 @@ def test_checkpoint_hyperparameters_are_constructor_arguments(trained: dict[str,
 @pytest.mark.parametrize("run", ["SequenceClassifier"], indirect=True)
 def test_checkpoint_written_before_the_fix_still_reads(run: tuple[str, list[str]]) -> None:
     _, args = run
-    checkpoint = torch.load(LAST, weights_only=True)
+    checkpoint = torch.load(last_checkpoint(), weights_only=True)
     checkpoint["hyper_parameters"]["level"] = "word"  # what the linked level left in classifier checkpoints
     torch.save(checkpoint, "old.ckpt")
     main(["test", *args, "--ckpt_path", "old.ckpt"])
-    assert "test/acc" in logged_scalars(run_path(1))
+    assert "test/acc" in logged_scalars(run_path(1))  # old.ckpt is outside the run folders: a run of its own
 
 
 def test_stream_language_model_predicts_every_window(story: Path) -> None:
     # a character LM on a file reads it as streams by default: one row per stream and window, each from zeros
     args = ["--model", "LanguageModel", "--data", "TextCorpus", "--data.path", str(story), *TINY, *QUIET]
     main(["fit", *args, "--data.window_length", "65", "--trainer.max_steps", "2", "--trainer.limit_val_batches", "1"])
-    main(["predict", *args, "--data.window_length", "65", "--ckpt_path", str(LAST)])
-    rows = [json.loads(line) for line in (run_path(1) / "predictions.jsonl").read_text().splitlines()]
+    main(["predict", *args, "--data.window_length", "65", "--ckpt_path", str(last_checkpoint())])
+    rows = [json.loads(line) for line in (evaluation_path("predict") / "predictions.jsonl").read_text().splitlines()]
     windows = TextCorpus(path=str(story), batch_size=16, window_length=65).datasets["test"]
     assert [(row["window"], row["stream"]) for row in rows] == [(w, s) for w in range(len(windows)) for s in range(16)]
     assert [row["index"] for row in rows] == list(range(len(rows)))
@@ -251,7 +251,7 @@ def test_predict_without_texts_to_predict_names_the_flag(
     _, args = run
     without_test_file = args[: args.index("--data.test_path")] + args[args.index("--data.test_path") + 2 :]
     with pytest.raises(SystemExit) as exit_info:
-        main(["predict", *without_test_file, "--ckpt_path", str(LAST)])
+        main(["predict", *without_test_file, "--ckpt_path", str(last_checkpoint())])
     assert exit_info.value.code == 2
     message = capsys.readouterr().err.strip().splitlines()[-1]  # Lightning's log lines may come before it
     assert message == (

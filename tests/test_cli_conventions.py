@@ -168,7 +168,8 @@ def test_small_batch_error_names_the_flag_that_works(tmp_path: Path, monkeypatch
     assert "--model.small_batch running" in error and "--model.norm layer" in error
     assert 'small_batch="running"' not in error
     main([*bn_at_batch_one, "--model.small_batch", "running"])  # the flag the message names does work
-    assert (run_path(1, tmp_path) / "checkpoints" / "last.ckpt").is_file()
+    # the refused run left no folder behind (it failed before its first step): this one is version_0
+    assert (run_path(0, tmp_path) / "checkpoints" / "last.ckpt").is_file()
 
 
 def test_only_suggested_model_arguments_become_flags() -> None:

@@ -27,7 +27,7 @@ from seqnorm.lightning.checkpoint_io import CheckpointError
 from tests.conftest import QUIET, logged_scalars, write_story
 
 ROOT = Path(__file__).resolve().parent.parent
-RUN = "lightning_logs/lstm-layer-h16"  # the run's folder: named after what it trains (an LN-LSTM, hidden_size 16)
+RUN = "lightning_logs/charlm-A-lstm-layer-h16"  # the run's folder, named after what it trains: a char LM on A.txt
 LAST = f"{RUN}/version_0/checkpoints/last.ckpt"
 # The user's command, with a model and batches small enough for a test (the config's sizes are a real run's).
 SIZES = ["--model.hidden_size", "16", "--model.embedding_dim", "8", "--data.batch_size", "4"]
@@ -70,8 +70,9 @@ def run(trained: tuple[Path, str], tmp_path: Path, monkeypatch: pytest.MonkeyPat
     return tmp_path
 
 
-def _bpc(run: Path, version: int) -> float:
-    return logged_scalars(run / f"{RUN}/version_{version}")["test/bpc"][-1][1]
+def _bpc(run: Path, number: int) -> float:
+    """test/bpc of the ``number``-th test of the run's checkpoint (beside the run, in its folder)."""
+    return logged_scalars(run / f"{RUN}/version_0/test_{number}")["test/bpc"][-1][1]
 
 
 @pytest.mark.usefixtures("one_route")  # here and in the child (--trainer.deterministic): the route trials round apart
@@ -82,8 +83,8 @@ def test_a_checkpoint_is_tested_on_a_new_file_with_nothing_else(run: Path) -> No
     assert alone.returncode == 0, alone.stderr
     # the full original command, the test file added: the same data set-up, so the same number
     main(["test", *FIT, "--data.test_path", "C.txt", "--ckpt_path", LAST, *QUIET])
-    assert _bpc(run, 1) == _bpc(run, 2)
-    config = yaml.safe_load((run / f"{RUN}/version_1/config.yaml").read_text(encoding="utf-8"))
+    assert _bpc(run, 0) == _bpc(run, 1)
+    config = yaml.safe_load((run / f"{RUN}/version_0/test_0/config.yaml").read_text(encoding="utf-8"))
     data = config["data"]
     assert data["class_path"] == "seqnorm.data.TextCorpus"
     # the run's set-up, recorded in the evaluation's config.yaml; its training files were not needed
@@ -112,7 +113,7 @@ def test_a_contradicting_config_names_the_runs_own_config_which_works(run: Path)
     root = ["--trainer.default_root_dir", "."]  # the run's config.yaml names the fit's folder (a tmp folder)
     main(["test", "--config", own, *root, "--ckpt_path", LAST, "--data.test_path", "C.txt", *QUIET])
     main(["test", "--ckpt_path", LAST, "--data.test_path", "C.txt", *QUIET])
-    assert _bpc(run, 1) == _bpc(run, 2)
+    assert _bpc(run, 0) == _bpc(run, 1)
 
 
 def test_a_config_after_ckpt_path_that_resets_it_is_refused(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -132,10 +133,10 @@ def test_validate_and_predict_take_the_runs_data_from_the_checkpoint(run: Path) 
     # FIT's config turns HiddenStateStats on, which observes a validation batch: bitwise the same number all the
     # same (an Intel Xeon gave 4.4774017333984375 against 4.477402210235596 when the batch was observed in place)
     main(["validate", *FIT, "--ckpt_path", LAST, *QUIET])
-    validated = [logged_scalars(run / f"{RUN}/version_{n}")["val/bpc"][-1][1] for n in (1, 2)]
+    validated = [logged_scalars(run / f"{RUN}/version_0/validate_{n}")["val/bpc"][-1][1] for n in (0, 1)]
     assert validated[0] == validated[1]
     main(["predict", "--ckpt_path", LAST, "--data.test_path", "C.txt", *QUIET])
-    rows = (run / f"{RUN}/version_3/predictions.jsonl").read_text().splitlines()
+    rows = (run / f"{RUN}/version_0/predict_0/predictions.jsonl").read_text().splitlines()
     windows = TextCorpus(train_path="A.txt", test_path="C.txt", batch_size=4, window_length=33).datasets["test"]
     assert len(rows) == len(windows) * 4  # one row per window and stream
 

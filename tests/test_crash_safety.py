@@ -32,8 +32,9 @@ TINY = ["--model.hidden_size", "16", "--model.embedding_dim", "8"]
 VAL_EVERY = 5
 # A save of this model takes a few milliseconds, long enough for a poll to see its temporary file and kill then.
 SAVES_TAKE_A_WHILE = ["--model.hidden_size", "64", "--model.embedding_dim", "32"]
-# The run folders, named after what they train (cli.runs.run_name): an LSTM with LayerNorm, hidden_size 16 or 64
-TINY_RUN, SLOW_SAVES_RUN = "lightning_logs/lstm-layer-h16/version_0", "lightning_logs/lstm-layer-h64/version_0"
+# The run folders, named after what they train (cli.runs.run_name): a char LM on story.txt, an LN-LSTM of 16 or 64
+TINY_RUN = "lightning_logs/charlm-story-lstm-layer-h16/version_0"
+SLOW_SAVES_RUN = "lightning_logs/charlm-story-lstm-layer-h64/version_0"
 UNREACHED = 10**6  # max_steps of a run that is to be killed: however fast the machine, it is still training
 LAUNCH_DEADLINE = 180.0  # seconds; only a guard against a hung child on an overloaded machine, never an assertion
 
@@ -211,7 +212,8 @@ def test_a_full_disk_met_by_the_tensorboard_writer_thread_is_the_same_one_line(
         if isinstance(writer, _AsyncWriterThread) and writer.exception is not None:
             writer.join()
     assert out_of_threads == []
-    run = run_path(0).resolve()
+    run = Path(TINY_RUN).resolve()
+    assert not run.exists()  # it failed before its first step: nothing of it is left to take up room
     assert [line for line in capsys.readouterr().err.splitlines() if not line.startswith("INFO: ")] == [
         f"seqnorm fit: error: no space left on the device of {run} ({os.strerror(errno.ENOSPC)}): free space there "
         "(older runs under lightning_logs/, their checkpoints/ folders) or pass --trainer.default_root_dir on a disk "

@@ -5,12 +5,13 @@ Examples::
 
     seqnorm fit --model LanguageModel --data TextCorpus --data.path my.txt --model.norm layer
     seqnorm fit --config configs/char_lm.yaml --config configs/norm/batch.yaml --data.path my.txt
-    seqnorm fit ... --ckpt_path lightning_logs/lstm-layer-h256/version_0/checkpoints/last.ckpt  # resume: continues it
-    seqnorm predict ... --ckpt_path lightning_logs/lstm-layer-h256/version_0/checkpoints/last.ckpt  # -> version_1/
-    seqnorm generate --ckpt_path lightning_logs/lstm-layer-h256/version_0/checkpoints/last.ckpt --prompt "The "
+    seqnorm fit ... --ckpt_path lightning_logs/charlm-my-lstm-layer-h256/version_0/checkpoints/last.ckpt  # resumes it
+    seqnorm predict --ckpt_path lightning_logs/charlm-my-lstm-layer-h256/version_0/checkpoints/last.ckpt  # predict_0/
+    seqnorm generate --ckpt_path lightning_logs/charlm-my-lstm-layer-h256/version_0/checkpoints/last.ckpt
 
 Each run gets ``lightning_logs/<run name>/version_N``, named after what it trains (:func:`seqnorm.cli.runs.run_name`);
-a prediction run writes its ``predictions.jsonl`` there.
+``validate``/``test``/``predict`` of its checkpoint write beside it, into ``version_N/<subcommand>_K`` (a prediction
+run's ``predictions.jsonl`` too).
 
 User errors (a missing file, bad text, an impossible setting, a checkpoint that is not one) end with a
 one-paragraph message and exit code 2, not a traceback; set ``SEQNORM_DEBUG=1`` to see the traceback.
@@ -20,7 +21,8 @@ Checkpoints are untrusted input: every one is read with ``torch.load(weights_onl
 (a flag that contradicts them is an error, see :mod:`seqnorm.cli.checks`); ``validate``, ``test`` and ``predict``
 also take the data set-up from it (class, vocabulary, format, level, unit, sizes), so the new file is all they need::
 
-    seqnorm test --ckpt_path lightning_logs/lstm-layer-h256/version_0/checkpoints/last.ckpt --data.test_path new.txt
+    seqnorm test --ckpt_path lightning_logs/charlm-my-lstm-layer-h256/version_0/checkpoints/last.ckpt \
+        --data.test_path new.txt
 """
 
 from __future__ import annotations
@@ -61,10 +63,12 @@ from seqnorm.cli.runs import (
     EVALUATIONS,
     DataInstantiator,
     ModelInstantiator,
+    RunProgress,
     claim_versions,
     continued_run_logger,
     disk_full_held_in_threads,
     disk_full_message,
+    evaluation_logger,
     flag_value,
     release_unused_runs,
     run_logger,
@@ -114,7 +118,7 @@ DEFAULT_CALLBACKS: list[dict[str, Any]] = [
 ]
 PREDICT_CALLBACKS: list[dict[str, Any]] = [
     *DEFAULT_CALLBACKS,
-    # One JSON line per input under the run directory (lightning_logs/<run name>/version_N/predictions.jsonl).
+    # One JSON line per input in the run directory (lightning_logs/<run name>/version_N/predict_K/predictions.jsonl).
     {"class_path": "seqnorm.lightning.prediction_writer.PredictionWriter"},
 ]
 # The progress bar is not listed here but added when the Trainer is built (seqnorm.cli.trainer: a RichProgressBar
@@ -288,7 +292,7 @@ class SeqnormCLI(LightningCLI):
             self._resumed = None
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
-        name = run_name(self.model)
+        name = run_name(self.model, self.datamodule)
         adjust_trainer_config(config, name)  # enable_checkpointing false, logger false, the progress bar (cli.trainer)
         # --trainer.sync_batchnorm true: seqnorm's per-timestep BN too, through Lightning's LayerSync mechanism.
         plugins = config.get("plugins") or []
@@ -296,14 +300,17 @@ class SeqnormCLI(LightningCLI):
         if config.get("sync_batchnorm") and not any(isinstance(plugin, LayerSync) for plugin in plugins):
             config["plugins"] = [*plugins, SyncBatchNorm()]
         # The default logger is Lightning's, in a folder named after what the run trains (cli.runs.run_logger). A
-        # resumed fit continues its run directory: one TensorBoard run, one version_N. validate/test/predict get a
-        # new version: their config.yaml, metrics and predictions are theirs.
+        # resumed fit continues its run directory: one TensorBoard run, one version_N. validate/test/predict of a
+        # run's checkpoint write beside it, into <run>/<subcommand>_N: their config.yaml, metrics and predictions.
         if config.get("logger") in (None, True) and not config.get("barebones"):  # barebones refuses any logger
             root = config.get("default_root_dir")
+            ckpt_path = self.config[self.subcommand].get("ckpt_path") if self.subcommand is not None else None
             logger = None
             if self.subcommand == "fit":
-                logger = continued_run_logger(self.config["fit"].get("ckpt_path"), root)
-            if logger is not None:
+                logger = continued_run_logger(ckpt_path, root)
+            elif self.subcommand in EVALUATIONS:
+                logger = evaluation_logger(ckpt_path, root, self.subcommand)
+            if self.subcommand == "fit" and logger is not None:
                 self._continues_run = True
                 # config.yaml is there already: it becomes the resumed run's (Lightning refuses to overwrite it)
                 self.save_config_kwargs = {**self.save_config_kwargs, "overwrite": True}
@@ -317,6 +324,7 @@ class SeqnormCLI(LightningCLI):
                 # A callbacks list replaced predict's default (a fit run's config.yaml lists fit's callbacks):
                 # without a writer, predict would compute every prediction and write none.
                 callbacks = [*callbacks, PredictionWriter()]
+        callbacks = [*callbacks, RunProgress()]  # a run that fails before its first step leaves no folder behind
         trainer = super()._instantiate_trainer(config, callbacks)
         check_config_not_taken(trainer)  # a folder given, not claimed: another run's? Before its logger writes there
         if self._checked is not None:  # the Trainer restores the checkpoint that was checked, not a new read
@@ -433,6 +441,7 @@ def main(args: list[str] | None = None) -> None:
         return
     quiet_known_noise()
     command = argv[0]
+    failed = True  # until the command returns: a run that failed before its first step leaves no folder behind
     try:
         argv = resolve_config_names(argv)  # `--config seqnorm:NAME`: a config shipped with the package
         argv = with_checkpoint_model(argv, MODELS, DATAMODULES)  # `test --ckpt_path X` without --model, --data
@@ -448,7 +457,9 @@ def main(args: list[str] | None = None) -> None:
                 cli = SeqnormCLI(args=args, seed_everything_default=0, parser_kwargs={"prog": "seqnorm"})
             if cli.trainer.received_sigterm:  # the run finished before the loops noticed the signal
                 raise SIGTERMException
+        failed = False
     except SIGTERMException:  # Lightning's SystemExit(None) would exit 0, as if the run had completed
+        failed = False  # stopped, not failed: its last.ckpt is what a requeued job resumes from
         print(f"seqnorm {command}: stopped by SIGTERM", file=sys.stderr)
         raise SystemExit(SIGTERM_EXIT_CODE) from None
     except (ValueError, MisconfigurationException) as error:
@@ -465,7 +476,7 @@ def main(args: list[str] | None = None) -> None:
         print(f"seqnorm {command}: error: {disk_full_message(error)}", file=sys.stderr)
         raise SystemExit(1) from None
     finally:
-        release_unused_runs()  # a run that failed before its first write leaves no empty version_N behind
+        release_unused_runs(failed)  # an empty version_N, or a failed one with no step taken, is removed
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ _SUMMARIES = (
     ("fit", "Train a model (--model LanguageModel | SequenceClassifier, --data TextCorpus | LabeledText)."),
     ("validate", "Evaluate a checkpoint (--ckpt_path) on the validation split."),
     ("test", "Evaluate a checkpoint (--ckpt_path) on the test split."),
-    ("predict", "Write a checkpoint's predictions to lightning_logs/<run name>/version_N/predictions.jsonl."),
+    ("predict", "Write a checkpoint's predictions to predictions.jsonl, beside its run (<run>/predict_N/)."),
     ("generate", "Sample text from a LanguageModel checkpoint."),
     ("configs", "List the shipped configs, used as --config seqnorm:NAME."),
 )

@@ -8,18 +8,21 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch import Callback
 from lightning.pytorch.cli import LightningCLI, _InstantiatorFn
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 
 from seqnorm.layers import LAYERS, RecurrentLayer
+from seqnorm.lightning import LanguageModel, SequenceClassifier
 from seqnorm.lightning.atomic_io import is_disk_full, local_path
 from seqnorm.lightning.checkpoint_io import data_class, read_checkpoint, task_class
 
@@ -28,11 +31,13 @@ __all__ = [
     "LOGS_NAME",
     "DataInstantiator",
     "ModelInstantiator",
+    "RunProgress",
     "checkpoint_run_dir",
     "claim_versions",
     "continued_run_logger",
     "disk_full_held_in_threads",
     "disk_full_message",
+    "evaluation_logger",
     "flag_value",
     "release_unused_runs",
     "run_dir",
@@ -48,14 +53,18 @@ LOGS_NAME = "lightning_logs"
 """The folder under ``--trainer.default_root_dir`` that holds the runs, ``<run name>/version_N`` each."""
 
 
-def run_name(model: nn.Module) -> str | None:
-    """What a run trains, as its folder under ``lightning_logs/`` names it: ``<cell>-<norm>-h<hidden_size>``, then
-    ``-<N>layers`` for a stack and ``-bi`` for a bidirectional layer (``lstm-layer-h128``,
-    ``gru-batch-h64-2layers-bi``).
+def run_name(model: nn.Module, datamodule: Any = None) -> str | None:
+    """What a run trains, as its folder under ``lightning_logs/`` names it: the task, the data, then
+    ``<cell>-<norm>-h<hidden_size>``, ``-<N>layers`` for a stack and ``-bi`` for a bidirectional layer
+    (``charlm-ptb.char.valid-lstm-layer-h128``, ``classifier-embedded-gru-batch-h64-2layers-bi``).
 
-    Read from the first seqnorm layer in ``model`` (the cell by its name in :data:`seqnorm.LAYERS`, the norm by its
-    spec's registry name); ``None`` for a model without one. TensorBoard lists runs by folder, so LN and BN runs of
-    one task read apart in its run list instead of as ``version_0``, ``version_1``.
+    The task is ``charlm`` or ``wordlm`` for a :class:`~seqnorm.lightning.LanguageModel` (by its level) and
+    ``classifier`` for a :class:`~seqnorm.lightning.SequenceClassifier`, left out for another model; the data is
+    the DataModule's ``source_name`` (a registered corpus's name, the first file's name, ``embedded``), left out
+    without one. The cell is read from the first seqnorm layer in ``model`` (by its name in
+    :data:`seqnorm.LAYERS`, the norm by its spec's registry name); ``None`` for a model without one. TensorBoard
+    lists runs by folder, so a char LM and a word LM, or LN and BN runs of one task, read apart in its run list
+    instead of as ``version_0``, ``version_1``.
     """
     layer = next((module for module in model.modules() if isinstance(module, RecurrentLayer)), None)
     if layer is None:
@@ -66,6 +75,13 @@ def run_name(model: nn.Module) -> str | None:
         parts.append(f"{layer.num_layers}layers")
     if layer.bidirectional:
         parts.append("bi")
+    source = getattr(datamodule, "source_name", None)
+    if isinstance(source, str):
+        parts.insert(0, source)
+    if isinstance(model, LanguageModel):
+        parts.insert(0, f"{model.hparams.level}lm")
+    elif isinstance(model, SequenceClassifier):
+        parts.insert(0, "classifier")
     return "-".join(parts)
 
 
@@ -76,7 +92,9 @@ def _logs_dir(default_root_dir: str | None) -> str:
     return os.path.join(os.path.normpath(os.path.expanduser(local)) if local is not None else root, LOGS_NAME)
 
 
-_CLAIMED: list[str] = []  # the run folders this process claimed (_claim_version) and has not released
+_CLAIMED: list[str] = []  # the run folders this process claimed (_claim_next) and has not released
+_STARTED: set[str] = set()  # those of them whose run took its first step (RunProgress)
+_MADE: list[str] = []  # the folders above them that claiming made (a new run name's), nearest first
 _OPENED: list[str] = []  # every run folder this process writes into, claimed or continued, newest last
 
 
@@ -90,15 +108,17 @@ def _claim_version(parent: str) -> str | int | None:
     return job if job is not None else _claim_next(parent)
 
 
-def _claim_next(parent: str) -> int | None:
-    """The next free ``version_N`` under ``parent``, its folder made by ``os.mkdir`` (:func:`_claim_version`)."""
+def _claim_next(parent: str, prefix: str = "version") -> int | None:
+    """The next free ``<prefix>_N`` under ``parent``, its folder made by ``os.mkdir`` (:func:`_claim_version`)."""
     local = local_path(parent)  # a plain path, also for a file:// URL
     if rank_zero_only.rank != 0 or os.environ.get("NODE_RANK", "0") != "0" or local is None:
         return None
+    made = [folder for folder in _folders_above(local) if not os.path.isdir(folder)]
     os.makedirs(local, exist_ok=True)
-    number = _next_version(local)  # by the time of the mkdir below, another process may have taken it
+    _MADE.extend(made)
+    number = _next_version(local, prefix)  # by the time of the mkdir below, another process may have taken it
     while True:
-        folder = os.path.join(local, f"version_{number}")
+        folder = os.path.join(local, f"{prefix}_{number}")
         try:
             os.mkdir(folder)
         except FileExistsError:
@@ -108,18 +128,51 @@ def _claim_next(parent: str) -> int | None:
         return number
 
 
-def _next_version(parent: str) -> int:
-    """One more than the highest ``version_N`` under ``parent`` (Lightning's numbering), 0 for none."""
-    taken = [entry.partition("_")[2] for entry in os.listdir(parent) if entry.startswith("version_")]
+def _folders_above(path: str) -> list[str]:
+    """``path`` and the folders above it, nearest first."""
+    folders = [os.path.abspath(path)]
+    while os.path.dirname(folders[-1]) != folders[-1]:
+        folders.append(os.path.dirname(folders[-1]))
+    return folders
+
+
+def _next_version(parent: str, prefix: str = "version") -> int:
+    """One more than the highest ``<prefix>_N`` under ``parent`` (Lightning's numbering of ``version_N``), 0 for
+    none."""
+    taken = [entry[len(prefix) + 1 :] for entry in os.listdir(parent) if entry.startswith(f"{prefix}_")]
     return max((int(n) for n in taken if n.isdigit()), default=-1) + 1
 
 
-def release_unused_runs() -> None:
-    """Remove the run folders this process claimed and never wrote into (a command that failed before its first
-    write): ``os.rmdir`` removes only an empty folder."""
+class RunProgress(Callback):
+    """Marks this process's new runs as started at their first step: the first training batch, or for an
+    evaluation its first batch (the sanity check's validation batches are not one). A run that fails before
+    that leaves nothing behind (:func:`release_unused_runs`)."""
+
+    def _started(self, trainer: Any, *_: Any) -> None:
+        if not trainer.sanity_checking:
+            _STARTED.update(_CLAIMED)
+
+    on_train_batch_end = on_validation_batch_end = on_test_batch_end = on_predict_batch_end = _started
+
+
+def release_unused_runs(failed: bool = False) -> None:
+    """At the end of a command, remove the run folders this process claimed and did not use: an empty one (the
+    command failed before its first write; ``os.rmdir`` removes only an empty folder), and, when the command
+    ``failed``, one whose run never took its first step (:class:`RunProgress`): its ``config.yaml``,
+    ``hparams.yaml`` and event files record a run that did not happen, and would be the next ``version_N`` a user
+    opens. A folder claimed by this process holds only what this run wrote there. Then the folders that claiming
+    made above them, where nothing else was written since (``os.rmdir``)."""
     while _CLAIMED:
+        folder = _CLAIMED.pop()
+        if failed and folder not in _STARTED:
+            shutil.rmtree(folder, ignore_errors=True)
         with contextlib.suppress(OSError):
-            os.rmdir(_CLAIMED.pop())
+            os.rmdir(folder)
+    for folder in _MADE:  # then the folders made for them, now empty (a new run name's): nearest first
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
+    _MADE.clear()
+    _STARTED.clear()
 
 
 def run_logger(default_root_dir: str | None, name: str | None, version: str | None = None) -> TensorBoardLogger:
@@ -282,30 +335,57 @@ class DataInstantiator(_InstantiatorFn):
         return datamodule
 
 
-def continued_run_logger(ckpt_path: str | None, default_root_dir: str | None) -> TensorBoardLogger | None:
-    """The default logger (:func:`run_logger`), writing into the run a checkpoint belongs to.
-
-    Returns a logger when ``ckpt_path`` is a local file in the layout the default logger writes under this run's
-    root directory, ``<default_root_dir>/lightning_logs/<run name>/<version>/checkpoints/<file>`` (or, from before
-    runs were named, ``lightning_logs/<version>/checkpoints/<file>``); the resumed fit then adds to that run's
-    TensorBoard curves, ``config.yaml`` and top-k checkpoints instead of opening ``version_N+1``. ``None`` (a new
-    run) for a checkpoint anywhere else, e.g. one kept outside the run folders or written under another
-    ``--trainer.default_root_dir``. A run folder moved or copied into ``lightning_logs/`` continues too
-    (:class:`~seqnorm.lightning.checkpoint.ResumableCheckpoint` rebases its saved state).
-    """
+def _run_of(ckpt_path: str | None, default_root_dir: str | None) -> tuple[str, str | None, str] | None:
+    """Where the run a checkpoint belongs to is, when ``ckpt_path`` is a local file in the layout the default logger
+    writes under this run's root directory, ``<default_root_dir>/lightning_logs/<run name>/<version>/checkpoints/
+    <file>`` (or, from before runs were named, ``lightning_logs/<version>/checkpoints/<file>``): the root
+    directory, the run's name (``None`` for the unnamed layout) and its version folder. ``None`` for a checkpoint
+    anywhere else, e.g. one kept outside the run folders or written under another ``--trainer.default_root_dir``."""
     run = checkpoint_run_dir(ckpt_path)
     root = default_root_dir if default_root_dir is not None else os.getcwd()
     if run is None or local_path(root) is None:  # remote paths: Lightning's default
         return None
     logs, run = Path(_logs_dir(root)).resolve(), run.resolve()
     if run.parent == logs:
-        name = None
-    elif run.parent.parent == logs:
-        name = run.parent.name
-    else:
+        return root, None, run.name
+    if run.parent.parent == logs:
+        return root, run.parent.name, run.name
+    return None
+
+
+def continued_run_logger(ckpt_path: str | None, default_root_dir: str | None) -> TensorBoardLogger | None:
+    """The default logger (:func:`run_logger`), writing into the run a checkpoint belongs to (:func:`_run_of`).
+
+    The resumed fit then adds to that run's TensorBoard curves, ``config.yaml`` and top-k checkpoints instead of
+    opening ``version_N+1``. ``None`` (a new run) for a checkpoint elsewhere. A run folder moved or copied into
+    ``lightning_logs/`` continues too (:class:`~seqnorm.lightning.checkpoint.ResumableCheckpoint` rebases its saved
+    state).
+    """
+    found = _run_of(ckpt_path, default_root_dir)
+    if found is None:
         return None
+    root, name, version = found
     # The same paths as the first run's, so ModelCheckpoint recognizes its saved dirpath and restores its top-k state.
-    return run_logger(root, name, version=run.name)
+    return run_logger(root, name, version=version)
+
+
+def evaluation_logger(ckpt_path: str | None, default_root_dir: str | None, subcommand: str) -> TensorBoardLogger | None:
+    """The default logger of ``validate``/``test``/``predict`` on a checkpoint of a run (:func:`_run_of`): beside
+    the training run, inside its folder, as ``<run>/<subcommand>_N`` (``lightning_logs/charlm-...-h128/version_0/
+    test_0``), claimed as a new run's folder is. Its ``config.yaml``, metrics and predictions are the evaluation's,
+    and TensorBoard lists it under the run it evaluates. ``None`` (a new run of its own) for a checkpoint
+    elsewhere."""
+    found = _run_of(ckpt_path, default_root_dir)
+    if found is None:
+        return None
+    root, name, version = found
+    run = os.path.join(_logs_dir(root), name or "", version)
+    number = _claim_next(run, subcommand)
+    # None: not global rank 0, whose logger writes nothing (Lightning's numbering is only a placeholder there)
+    logger = TensorBoardLogger(run, name="", version=f"{subcommand}_{number}" if number is not None else None)
+    if number is not None:
+        _OPENED.append(logger.log_dir)
+    return logger
 
 
 _RUN_SUBCOMMANDS = ("fit", "validate", "test", "predict")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import stat
 import warnings
 from collections.abc import Callable
@@ -42,6 +43,15 @@ DATA_PATHS = {
     "predict_path": "prediction",
 }
 """The DataModules' file arguments, and the split each names (for the line that says a checkpoint chose one)."""
+
+
+def short_name(name: str, limit: int = 32) -> str:
+    """``name`` as a few filesystem-safe characters for a folder name: a text suffix (``.txt``, ``.tsv``, ``.text``)
+    dropped, runs of other characters than letters, digits, ``.``, ``-``, ``_`` turned into one ``_``, at most
+    ``limit`` characters; ``data`` when nothing is left."""
+    stem = re.sub(r"\.(txt|tsv|text)$", "", name, flags=re.IGNORECASE)
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", stem).strip("._-")[:limit].rstrip("._-")
+    return safe or "data"
 
 
 def check_at_least(flag: str, value: int | None, minimum: int) -> None:
@@ -100,6 +110,7 @@ class SequenceDataModule(pl.LightningDataModule):
 
     _collate: Callable[..., dict[str, torch.Tensor]]
     level: str  # "char" or "word": set by each subclass
+    paths: dict[str, str | None]  # the files given, by split ("train", "val", "test"): set by each subclass
 
     def __init__(self, batch_size: int, bucket: bool, encoding: str, seed: int, num_workers: int) -> None:
         super().__init__()
@@ -116,6 +127,14 @@ class SequenceDataModule(pl.LightningDataModule):
 
     def _build(self) -> dict[str, Dataset]:
         raise NotImplementedError
+
+    @property
+    def source_name(self) -> str:
+        """The data in a few filesystem-safe characters, as a run's name says it: the first file given (training
+        first) without its folder and its ``.txt``/``.tsv`` suffix (``ptb.char.valid`` for
+        ``data/ptb.char.valid.txt``), ``embedded`` for the embedded task."""
+        given = next((path for path in self.paths.values() if path is not None), None)
+        return short_name(os.path.basename(os.path.normpath(given))) if given is not None else "embedded"
 
     @classmethod
     def load_from_checkpoint(  # type: ignore[override]

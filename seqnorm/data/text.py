@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 
-from seqnorm.data.base import SPLITS, SequenceDataModule, check_at_least, check_fraction
+from seqnorm.data.base import SPLITS, SequenceDataModule, check_at_least, check_fraction, short_name
 from seqnorm.data.collate import LanguageModelingDataset, collate_lm
 from seqnorm.data.errors import DataError
 from seqnorm.data.files import read_text
@@ -202,6 +202,11 @@ class TextCorpus(SequenceDataModule):
             return f"--data.dataset {self.spec.name}"
         given = [path for path in self.paths.values() if path is not None]  # a training text first, if any
         return given[0] if given else "the embedded synthetic task"
+
+    @property
+    def source_name(self) -> str:
+        """The registered corpus's name, else the first file's (:attr:`SequenceDataModule.source_name`)."""
+        return short_name(self.spec.name) if self.spec is not None else super().source_name
 
     def prepare_data(self) -> None:
         """Download the registered dataset, if any (Lightning calls this on one process only)."""

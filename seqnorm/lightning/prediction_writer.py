@@ -17,7 +17,7 @@ from seqnorm.lightning.atomic_io import AtomicTextFile
 __all__ = ["PREDICTIONS_FILE", "PredictionWriter"]
 
 PREDICTIONS_FILE = "predictions.jsonl"
-"""The file name under the run directory (``lightning_logs/<run name>/version_N/``)."""
+"""The file name in the predict run's directory (``lightning_logs/<run name>/version_N/predict_K/``)."""
 
 
 class PredictionWriter(BasePredictionWriter):
@@ -34,7 +34,7 @@ class PredictionWriter(BasePredictionWriter):
 
     Args:
         output_dir: where to write; ``None``: the trainer's ``log_dir`` (the run's
-            ``lightning_logs/<run name>/version_N``).
+            folder, ``lightning_logs/<run name>/version_N/predict_K`` for a run's checkpoint).
         filename: the file's name. With several processes, each writes its own ``<stem>.rank<R><suffix>``.
     """
 
