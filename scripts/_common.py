@@ -198,13 +198,18 @@ def build_model(
 
     ``seed`` defaults to ``args.seed``. ``batch_renorm`` gets :data:`RENORM_SCHEDULE` unless its spec sets a
     schedule. An LSTM gets ``args.forget_bias`` (``--forget-bias``) whatever the norm; without it, or with
-    ``library``, the library's default of each norm.
+    ``library``, the library's default of each norm. ``args.gamma_init`` (``--gamma-init``, where a script has it)
+    sets every norm's initial gain.
     """
     spec = NORMS[norm].spec() if isinstance(norm, str) else norm
     if isinstance(spec, BatchRenormSpec) and all(
         getattr(spec, key) == default_of(BatchRenormSpec, key) for key in RENORM_SCHEDULE
     ):
         norm = dataclasses.replace(spec, **RENORM_SCHEDULE)
+    gamma_init = getattr(args, "gamma_init", None)  # --gamma-init: every norm's initial gain alike
+    spec = NORMS[norm].spec() if isinstance(norm, str) else norm
+    if gamma_init is not None and "gamma_init" in {field.name for field in dataclasses.fields(spec)}:
+        norm = dataclasses.replace(spec, gamma_init=gamma_init)
     forget_bias = getattr(args, "forget_bias", LIBRARY_FORGET_BIAS)
     if forget_bias != LIBRARY_FORGET_BIAS and getattr(args, "cell", "lstm") == "lstm":
         rnn_kwargs.setdefault("forget_bias", forget_bias)

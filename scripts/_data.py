@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -153,9 +154,14 @@ def open_corpus(
 
 
 def load_sequences(
-    args: argparse.Namespace, steps: int, unit: str = "window", vocab_from: TextCorpus | None = None
+    args: argparse.Namespace,
+    steps: int,
+    unit: str = "window",
+    vocab_from: TextCorpus | None = None,
+    splits: Sequence[str] = ("train", "val"),
 ) -> tuple[TextCorpus, dict[str, Sequences]]:
-    """The ``train`` and ``val`` splits of ``--text``/``--dataset`` (else the embedded corpus) cut by ``unit``.
+    """The ``splits`` (``train`` and ``val``; ``test`` too where a script reports it) of ``--text``/``--dataset``
+    (else the embedded corpus) cut by ``unit``. The carved splits do not depend on which are loaded.
 
     ``steps`` is the window's number of predictions, or for lines the most any piece of a line has. ``vocab_from``
     shares another corpus's vocabulary (the same text cut another way; the vocabularies of one text agree). Data
@@ -164,8 +170,8 @@ def load_sequences(
     if unit not in UNITS:
         raise ValueError(f"load_sequences: expected unit to be one of {', '.join(UNITS)}, got {unit!r}")
     corpus = open_corpus(args, "window" if unit == "stream" else unit, steps + 1, vocab_from)
-    splits = {}
-    for split in ("train", "val"):
+    loaded = {}
+    for split in splits:
         sequences = corpus.datasets[split].sequences  # type: ignore[attr-defined]
         if unit != "line":
             sequences = [s for s in sequences if len(s) == steps + 1]
@@ -174,9 +180,9 @@ def load_sequences(
                 f"{corpus.source}: the {split} split has no window of {steps + 1} tokens; add text or use fewer steps"
             )
             raise SystemExit(script_message(error))
-        splits[split] = _stack(sequences)
-        splits[split].stateful = unit == "stream"
-    return corpus, splits
+        loaded[split] = _stack(sequences)
+        loaded[split].stateful = unit == "stream"
+    return corpus, loaded
 
 
 def load_windows(

@@ -7,8 +7,11 @@ one initialization. So every cell of a script's grid (a norm at a batch size, sa
    initialization and the order of the batches; the data split is fixed by ``--seed``);
 2. takes the learning rate with the lowest mean validation loss over seeds (``--select mean``, every lr x seed
    run), or the cheaper rule ``--select first``: the best lr on the first seed, then the other seeds at that lr
-   only. A rate at which any seed fails (an error, divergence) is not eligible. When the best rate is the
-   largest or the smallest one tried, the comparison is not settled (a rate beyond the edge may be better still),
+   only; or, keeping selection apart from what is reported, ``--select apart``: the best mean over
+   ``--select-seeds`` seeds numbered from :data:`SELECTION_SEEDS_FROM`, which no table reports, then the reported
+   seeds ``0..N-1`` at that lr only (the selection's optimism stays out of the reported numbers). A rate at which
+   any seed fails (an error, divergence) is not eligible. When the best rate is the largest or the smallest one
+   tried, the comparison is not settled (a rate beyond the edge may be better still),
    so the grid extends itself: one more rate beyond that edge, by the ratio of the edge to its neighbour (rounded
    to 2 significant digits), until the best rate is interior or ``--lr-extensions`` rates were added to the cell
    (the cap; ``lrs_added`` and ``lr_edge`` say what happened: ``lr_edge`` is ``top``/``bottom`` when the cap
@@ -30,8 +33,9 @@ one initialization. So every cell of a script's grid (a norm at a batch size, sa
 6. initializes every norm's forget-gate bias alike (``--forget-bias``, default 1 for all, the plain LSTM
    included: :data:`_common.FORGET_BIAS`), stated in the notes and in the ``forget_bias`` column.
 
-The validation split both selects the rate and reports the loss; with a grid of 2-3 rates the optimism this adds
-is small next to the seed spread, and it is the same for every norm.
+Under ``mean`` and ``first`` the validation split both selects the rate and reports the loss, on shared seeds: the
+optimism this adds is the same for every norm but can be as large as a small effect; ``apart`` (with a held-out test
+number where a script reports one) removes it.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ __all__ = [
     "PAIRED_COLUMNS",
     "QUICK",
     "SELECTIONS",
+    "SELECTION_SEEDS_FROM",
     "Cell",
     "Paired",
     "TrialCache",
@@ -85,7 +90,9 @@ __all__ = [
     "uses_batch_statistics",
 ]
 
-SELECTIONS = ("mean", "first")
+SELECTIONS = ("mean", "first", "apart")
+SELECTION_SEEDS_FROM = 1000
+"""Under ``--select apart`` the rate is chosen on seeds ``1000, 1001, ...``: seeds no table reports (0..N-1)."""
 BN_METRICS = ("exact", "running")
 # At most one rate added per cell in the quick settings (make demo stays a few minutes), three in the full ones.
 QUICK = {"lrs": [3e-3, 1e-2], "seeds": 2, "select": "first", "bn_stats_tokens": 10_000, "lr_extensions": 1}
@@ -109,7 +116,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--select",
         choices=SELECTIONS,
         help="mean: the lr with the best mean validation loss over all seeds; first: best on seed 0, then the "
-        "other seeds at that lr only (cheaper)",
+        "other seeds at that lr only (cheaper); apart: best mean over --select-seeds seeds that are not reported "
+        f"(numbered from {SELECTION_SEEDS_FROM}), then the reported seeds at that lr",
+    )
+    group.add_argument(
+        "--select-seeds",
+        type=_common.positive_int,
+        default=2,
+        metavar="K",
+        help="under --select apart: the seeds the rate is chosen on (default 2), apart from the reported ones",
     )
     group.add_argument(
         "--lr-extensions",
@@ -262,12 +277,14 @@ class Cell:
     @property
     def chosen(self) -> list[Trial]:
         """The runs at the chosen rate (at a failed cell: those of the first rate where a run failed, which hold
-        the reason; under the ``first`` rule that may be a later seed, seed 0 having trained)."""
+        the reason; under the ``first`` rule that may be a later seed, seed 0 having trained). Under ``apart`` the
+        selection's own seeds are left out where reported seeds ran."""
         if self.lr is not None:
             lr = self.lr
         else:
             lr = next((row["lr"] for row in self.trials if row["status"] != "ok"), self.trials[0]["lr"])
-        return [row for row in self.trials if row["lr"] == lr]
+        runs = [row for row in self.trials if row["lr"] == lr]
+        return [row for row in runs if row["seed"] < SELECTION_SEEDS_FROM] or runs
 
 
 @dataclass
@@ -301,8 +318,9 @@ class TrialCache:
     def for_args(cls, args: argparse.Namespace, script: str, ignore: Sequence[str] = ()) -> TrialCache:
         """The cache of ``--trials-cache``; settings are ``args`` except what only picks cells or places output."""
         skipped = {"out", "threads", "quick", "trials_cache", "cache_dir", "lrs", "seeds", "select", *ignore}
-        skipped |= {"lr_extensions", "bn_select"}  # these pick rates, not a run's outcome
+        skipped |= {"lr_extensions", "bn_select", "select_seeds"}  # these pick rates, not a run's outcome
         skipped |= {"norms", "batch_sizes", "no_pooled", "no_untrained_stats"}  # these pick cells
+        skipped |= {k for k in ("gamma_init", "report") if getattr(args, k, None) in (None, "val")}  # the defaults
         settings = {"script": script, **{k: v for k, v in vars(args).items() if k not in skipped}}
         text = settings.get("text")
         if text is not None and Path(text).is_file():  # the file's content, not only its path: an edited corpus
@@ -350,13 +368,14 @@ def run_cell(
     cache: TrialCache | None = None,
     name: str = "",
     extensions: int = 0,
+    select_seeds: int = 2,
 ) -> Cell:
     """Run ``train_one(lr, seed)`` over the grid by the ``select`` rule and choose the learning rate by ``key``.
 
     While the chosen rate is the largest or smallest tried, and fewer than ``extensions`` rates were added, one rate
-    beyond that edge is run (all seeds under ``mean``, seed 0 under ``first``) and the choice made again (the module
-    docstring's step 2). With a ``cache``, runs are stored and read back under ``name`` (the cell), the rate and the
-    seed.
+    beyond that edge is run (all seeds under ``mean``, seed 0 under ``first``, the ``select_seeds`` selection seeds
+    under ``apart``) and the choice made again (the module docstring's step 2). With a ``cache``, runs are stored
+    and read back under ``name`` (the cell), the rate and the seed.
     """
     if select not in SELECTIONS:
         raise ValueError(f"run_cell: expected select to be one of {', '.join(SELECTIONS)}, got {select!r}")
@@ -366,7 +385,10 @@ def run_cell(
             return {"lr": lr, "seed": seed, **train_one(lr, seed)}
         return {"lr": lr, "seed": seed, **cache.run(f"{name}|lr={lr!r}|seed={seed}", lambda: train_one(lr, seed))}
 
-    first_seeds = range(seeds) if select == "mean" else range(1)
+    if select == "apart":
+        first_seeds = range(SELECTION_SEEDS_FROM, SELECTION_SEEDS_FROM + select_seeds)
+    else:
+        first_seeds = range(seeds) if select == "mean" else range(1)
     rates = list(dict.fromkeys(lrs))
     trials = [one(lr, seed) for lr in rates for seed in first_seeds]
     lr = choose_lr(trials, key)
@@ -380,8 +402,8 @@ def run_cell(
         trials += [one(beyond, seed) for seed in first_seeds]
         lr = choose_lr(trials, key)
     edge = _edge(lr, rates)
-    if select == "first" and lr is not None:
-        trials += [one(lr, seed) for seed in range(1, seeds)]
+    if select in ("first", "apart") and lr is not None:
+        trials += [one(lr, seed) for seed in range(1 if select == "first" else 0, seeds)]
         if choose_lr([row for row in trials if row["lr"] == lr], key) is None:
             lr, edge = None, ""  # a later seed failed at the rate seed 0 chose
     return Cell(lr, trials, added, edge)
@@ -406,9 +428,11 @@ def summarize(cell: Cell, key: str = "val_loss", other_key: str | None = None) -
         "lr_chosen_on": key,
     }
     if other_key is not None:
-        # under --select first only the chosen rate has every seed: the rates are compared on seed 0 alone then
+        # under --select first only the chosen rate has every seed: the rates are compared on seed 0 alone then;
+        # under --select apart on the selection's seeds
+        apart = [row for row in cell.trials if row["seed"] >= SELECTION_SEEDS_FROM]
         every_seed = len({row["lr"] for row in cell.trials if row["seed"] != 0}) > 1
-        pool = cell.trials if every_seed else [row for row in cell.trials if row["seed"] == 0]
+        pool = apart or (cell.trials if every_seed else [row for row in cell.trials if row["seed"] == 0])
         summary["lr_other_metric"] = choose_lr(pool, other_key)
     numeric = [
         column
@@ -552,11 +576,12 @@ def grid_row(cell: Cell, key: str) -> dict[str, str]:
 
 def notes(args: argparse.Namespace, cache: TrialCache | None = None) -> list[str]:
     """The protocol's lines for ``results.md`` (with how many runs ``cache`` read back)."""
-    rule = (
-        "the lowest mean validation loss over all seeds"
-        if args.select == "mean"
-        else "the lowest validation loss of seed 0, then the other seeds at that rate only"
-    )
+    rule = {
+        "mean": "the lowest mean validation loss over all seeds",
+        "first": "the lowest validation loss of seed 0, then the other seeds at that rate only",
+        "apart": f"the lowest mean validation loss over {getattr(args, 'select_seeds', 2)} selection seeds (from "
+        f"{SELECTION_SEEDS_FROM}) that no table reports, then the reported seeds 0..{args.seeds - 1} at that rate only",
+    }[args.select]
     extensions = getattr(args, "lr_extensions", 0)
     extension = (
         f"When a cell's best rate was the largest or smallest tried, one rate beyond that edge was added (the "

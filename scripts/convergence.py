@@ -123,6 +123,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--evaluations", type=_common.positive_int, help="validation points along each run")
     parser.add_argument("--grad-points", type=_common.positive_int, help="gradient profiles along each run (>= 2)")
     parser.add_argument("--grad-rows", type=_common.positive_int, help="validation windows per gradient profile")
+    parser.add_argument(
+        "--report",
+        choices=("val", "test"),
+        default="val",
+        help="the headline: val (the validation loss at the end, which also chose the rate) or test (the held-out "
+        "test split at the best-validation point of each run; the last point's test number beside it)",
+    )
+    parser.add_argument(
+        "--gamma-init",
+        type=_common.positive_float,
+        help="initial gain of every norm (the spec's gamma_init; default each norm's own: 0.1 for BN, 1 for LN/RMS)",
+    )
     _protocol.add_arguments(parser)
     args = parser.parse_args(argv)
     args = _common.resolve(args, QUICK, FULL)
@@ -196,8 +208,10 @@ def run_one(
     seed: int,
     profile: bool,
 ) -> dict[str, Any]:
-    """One training run of ``updates`` updates; with ``profile``, its learning curve and gradient profiles."""
-    train, val = data["train"], data["val"]
+    """One training run of ``updates`` updates; with ``profile``, its learning curve, gradient profiles and, where
+    ``data`` has a test split, the test loss at the last point (``test_loss``) and at the point of the curve with
+    the best validation loss (``best_test_loss``, at update ``best_update``: the checkpoint early stopping keeps)."""
+    train, val, test = data["train"], data["val"], data.get("test") if profile else None
     steps = train.steps
     value = _data.value_name(corpus.level)
     model = _common.build_model(corpus.vocab_size, args, norm, max_steps=steps, seed=seed)
@@ -213,7 +227,13 @@ def run_one(
 
     def measure(module: nn.Module) -> dict[str, float]:
         loss = _common.evaluate(module, val)[0]
-        return {"val_loss": loss, value: _data.loss_value(loss, corpus.level)}
+        measured = {"val_loss": loss, value: _data.loss_value(loss, corpus.level)}
+        if test is not None:
+            test_loss = _common.evaluate(module, test)[0]
+            measured.update(test_loss=test_loss, **{_test_name(value): _data.loss_value(test_loss, corpus.level)})
+        return measured
+
+    best: dict[str, Any] = {}  # the best validation point so far: its update and the model's state then
 
     def along(module: nn.Module) -> float:
         """A point of the learning curve, and a gradient profile where one is due (training pauses)."""
@@ -221,7 +241,10 @@ def run_one(
         if update in targets:
             total, last = gradient_through_time(module, val, batch_size, args.grad_rows)
             grads.append({"update": update, "total": total, "last": last})
-        return measure(module)["val_loss"]
+        loss = _common.evaluate(module, val)[0]
+        if test is not None and update > 0 and loss < best.get("val_loss", math.inf):
+            best.update(val_loss=loss, update=update, state=copy.deepcopy(module.state_dict()))
+        return loss
 
     row, result = _protocol.trial(
         model,
@@ -239,6 +262,8 @@ def run_one(
         evaluate_fn=along if profile else None,
     )
     row["ms_per_update"] = 1000 * result.seconds / max(result.updates, 1)
+    if best and result.status == "ok":
+        row.update(best_checkpoint(model, best, measure, norm, train, args.bn_stats_tokens))
     if profile and result.status == "ok":
         row["curve"] = [[tokens // tokens_per_update, loss] for tokens, loss in result.curve]
         row["grads"] = grads
@@ -247,6 +272,31 @@ def run_one(
             row["curve"][-1][1], corpus.level
         )
     return row
+
+
+def _test_name(value: str) -> str:
+    """The test twin of a validation metric's name: ``val_bpc`` -> ``test_bpc``."""
+    return "test_" + value.removeprefix("val_")
+
+
+def best_checkpoint(
+    model: nn.Module,
+    best: dict[str, Any],
+    measure: Any,
+    norm: str,
+    train: _data.Sequences,
+    stats_tokens: int,
+) -> dict[str, Any]:
+    """The metrics of ``model`` with the state of its best validation point (``best``): each metric of
+    ``measure`` as ``best_<metric>`` (BN also with exact statistics, ``best_<metric>_exact``), and
+    ``best_update``."""
+    kept = copy.deepcopy(model)
+    kept.load_state_dict(best["state"])
+    measured = {f"best_{key}": value for key, value in measure(kept).items()}
+    if _protocol.uses_batch_statistics(norm):
+        exact = measure(_protocol.exact_statistics(kept, train, stats_tokens))
+        measured.update({f"best_{key}_exact": value for key, value in exact.items()})
+    return {**measured, "best_update": best["update"]}
 
 
 # --- the grid --------------------------------------------------------------------------------------------------------
@@ -273,9 +323,18 @@ def run_cell(
         def train_short(rate: float, seed: int) -> dict[str, Any]:
             return run_one(args, corpus, data, norm, batch_size, short, rate, seed, profile=False)
 
-        seeds = args.seeds if args.select == "mean" else 1  # "first": the rate is chosen on seed 0
+        # "first": the rate is chosen on seed 0; "apart": on the selection's own seeds (none reported at this budget)
+        seeds = {"mean": args.seeds, "first": 1, "apart": 0}[args.select]
         chosen = _protocol.run_cell(
-            train_short, args.lrs, seeds, "mean", key, cache, f"select|{name}|updates={short}", args.lr_extensions
+            train_short,
+            args.lrs,
+            seeds,
+            "apart" if args.select == "apart" else "mean",
+            key,
+            cache,
+            f"select|{name}|updates={short}",
+            args.lr_extensions,
+            args.select_seeds,
         )
         selection = [
             {"norm": norm, "batch_size": batch_size, "steps": steps, "updates": short, **t} for t in chosen.trials
@@ -298,8 +357,9 @@ def run_cell(
         other = _protocol.other_key(norm, args)
         if other is not None:
             summary["lr_other_metric"] = _protocol.choose_lr(selection, other)
+    reported = f"best_{_test_name(value)}" if args.report == "test" else value
     summary.update(
-        headline=value + key.removeprefix("val_loss"),
+        headline=reported + key.removeprefix("val_loss"),
         chosen=cell.chosen,
         forget_bias=args.forget_bias,
         lr_source="--lr" if args.lr is not None else f"selected on {args.select_fraction:g} of the updates",
@@ -315,8 +375,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     cache = _protocol.TrialCache.for_args(args, NAME, ignore=("seq_lens", "updates", "lr", "select_fraction"))
     rows, selection, trials = [], [], []
     corpus = None
+    splits = ("train", "val", "test") if args.report == "test" else ("train", "val")
     for steps in args.seq_lens:
-        corpus, data = _data.load_sequences(args, steps, "window", vocab_from=corpus)
+        corpus, data = _data.load_sequences(args, steps, "window", vocab_from=corpus, splits=splits)
         data["val"] = data["val"].head(args.val_tokens)
         print(
             f"{corpus.source}: T = {steps}, {len(data['train'])} training windows, {data['val'].tokens} validation "
@@ -420,15 +481,15 @@ def settled(rows: Sequence[dict[str, Any]], level: str) -> list[dict[str, Any]]:
 
 
 def against_batch_norm(rows: Sequence[dict[str, Any]], value: str) -> list[dict[str, Any]]:
-    """The batch-independent norms against per-timestep BN of the same (T, B), paired by seed: ``value`` against
-    BN's headline metric (its exact statistics by default)."""
+    """The batch-independent norms against per-timestep BN of the same (T, B), paired by seed: each row's headline
+    metric (``value``, or its test twin under ``--report test``) against BN's (its exact statistics by default)."""
     batch = {(r["steps"], r["batch_size"]): r for r in rows if r["norm"] == "batch" and r["status"] == "ok"}
     summary = []
     for row in rows:
         bn = batch.get((row["steps"], row["batch_size"]))
         if bn is None or row["norm"] in ("batch", "batch_renorm") or row["status"] != "ok":
             continue
-        paired = _protocol.paired_against(row["chosen"], bn["chosen"], value, bn["headline"])
+        paired = _protocol.paired_against(row["chosen"], bn["chosen"], row["headline"], bn["headline"])
         summary.append(
             {
                 "T": row["steps"],
@@ -512,8 +573,16 @@ def write_outputs(
     value: str,
 ) -> None:
     level = "char" if value == "val_bpc" else "word"
+    test = _test_name(value)
+    shown = f"best_{test}" if args.report == "test" else value  # the headline's name in the tables
     for row in rows:
         row["minutes_per_run"] = row.get("seconds", math.nan) / 60
+
+    def last_point(row: dict[str, Any]) -> str:
+        """Under --report test, the last point's test number beside the best point's (the headline)."""
+        last = test + row["headline"].removeprefix(f"best_{test}")
+        return _protocol.pm(row[last], row[f"{last}_std"]) if row["status"] == "ok" and last in row else ""
+
     summary = [
         {
             "T": row["steps"],
@@ -522,10 +591,12 @@ def write_outputs(
             "lr": ""
             if row["lr"] is None
             else f"{row['lr']:g}" + (f" ({row['lr_edge']} edge)" if row["lr_edge"] else ""),
-            value: _protocol.pm(row[row["headline"]], row[f"{row['headline']}_std"])
+            shown: _protocol.pm(row[row["headline"]], row[f"{row['headline']}_std"])
             if row["status"] == "ok"
             else row["status"].split(":")[0],
             "diff_vs_none": row.get("paired", ""),
+            f"last_{test}": last_point(row) if args.report == "test" else "",
+            "best_update": row.get("best_update"),
             "gain_last_fifth": row.get("gain_last_fifth"),
             "updates": row.get("updates"),
             "minutes_per_run": row.get("minutes_per_run"),
@@ -534,6 +605,7 @@ def write_outputs(
     ]
     columns = ["steps", "batch_size", "norm", "status", "lr", "lrs_added", "lr_edge", "lr_other_metric", "seeds"]
     measured = [value, f"{value}_exact", "ema_gap", "val_loss", "val_loss_exact", "gain_last_fifth", "train_loss"]
+    measured += [f"best_{test}", f"best_{test}_exact", test, f"{test}_exact", f"best_{value}", "best_update"]
     columns += [name for key in measured for name in (key, f"{key}_std") if any(name in row for row in rows)]
     columns += [*_protocol.PAIRED_COLUMNS, "updates", "tokens", "ms_per_update", "seconds", "minutes_per_run"]
     columns += ["lr_chosen_on", "lr_source", "forget_bias"]
@@ -543,7 +615,17 @@ def write_outputs(
         f"Fixed windows of T steps drawn at random, {_common.forget_bias_text(args)}; LSTM hidden {args.hidden}, "
         f"embedding {args.embedding}, Adam, gradient norm clipped at 1; updates per run by batch size: "
         f"{args.updates}. Validation on {'the first ' + str(args.val_tokens) if args.val_tokens else 'all'} "
-        f"validation tokens, eval mode; {value} is the headline (BN: with {bn_metric}).",
+        f"validation tokens, eval mode; {shown} is the headline (BN: with {bn_metric}).",
+        *(
+            [f"{shown}: the held-out test split (never used to choose anything) at the point of each run's learning "
+             f"curve with the best validation loss (every {1 / args.evaluations:.0%} of the updates: the checkpoint "
+             f"early stopping keeps; `best_update`), {test} and `last_{test}` at the last point; rates chosen apart "
+             "from the reported seeds (--select apart)." if args.select == "apart" else
+             f"{shown}: the held-out test split at the point of each run's learning curve with the best validation "
+             f"loss (`best_update`); `last_{test}` at the last point."]
+            if args.report == "test"
+            else []
+        ),
         (f"Every cell trained at --lr {args.lr:g}." if args.lr is not None else
          f"Rates chosen on runs of {args.select_fraction:g} of each cell's updates ({args.select} rule), a shorter "
          "budget than the final runs: it can favour a larger rate than the full budget would. Every selection run "
@@ -568,9 +650,11 @@ def write_outputs(
         extra_tables=[
             (
                 f"Mean ± std over seeds at each cell's rate; diff_vs_none: paired per-seed difference from the plain "
-                f"LSTM of the same T and B, {value}: mean [95% t-interval], seeds where the sign held",
+                f"LSTM of the same T and B, {shown}: mean [95% t-interval], seeds where the sign held",
                 summary,
-                ["T", "B", "norm", "lr", value, "diff_vs_none", "gain_last_fifth", "updates", "minutes_per_run"],
+                ["T", "B", "norm", "lr", shown, "diff_vs_none"]
+                + ([f"last_{test}", "best_update"] if args.report == "test" else [])
+                + ["gain_last_fifth", "updates", "minutes_per_run"],
             ),
             (
                 "How far back the last prediction's gradient reaches: ||dl_T/dh_0|| / ||dl_T/dh_T|| (grad_last at the "
@@ -585,7 +669,7 @@ def write_outputs(
                 ["T", "B", "norm", "at_half", "at_four_fifths", "at_end", "seeds"],
             ),
             (
-                f"Against per-timestep BN of the same T and B, paired by seed: {value} minus BN's (its headline "
+                f"Against per-timestep BN of the same T and B, paired by seed: {shown} minus BN's (its headline "
                 "metric), mean [95% t-interval], seeds where the sign held",
                 against_batch_norm(rows, value),
                 ["T", "B", "norm", "minus_batch"],
@@ -595,7 +679,9 @@ def write_outputs(
     keys = ["norm", "batch_size", "steps", "lr", "seed", "status", value, f"{value}_exact", "ema_gap", "val_loss"]
     keys += ["val_loss_exact", "train_loss", "updates", "tokens", "seconds", "ms_per_update"]
     _common.write_csv(args.out / "selection.csv", selection, keys)
-    _common.write_csv(args.out / "trials.csv", trials, [*keys, "gain_last_fifth"])
+    tested = [f"best_{test}", f"best_{test}_exact", test, f"{test}_exact", f"best_{value}", "best_update"]
+    tested = [key for key in tested if any(key in row for row in trials)]  # under --report test
+    _common.write_csv(args.out / "trials.csv", trials, [*keys, *tested, "gain_last_fifth"])
     _common.write_csv(
         args.out / "curves.csv",
         curve_rows(trials, level, value),

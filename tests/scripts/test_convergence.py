@@ -155,6 +155,50 @@ def test_the_gradient_through_time_is_the_total_derivative_through_the_recurrenc
     assert last[0] < last[-1]  # the last prediction's gradient fades going back (a check that t is not reversed)
 
 
+def test_report_test_gives_the_best_validation_points_test_number_beside_the_last(
+    tmp_path: Path, read_csv: Callable, finite: Callable
+) -> None:
+    """The carved test split was never reported, and the reported number was the selection's own metric."""
+    out = tmp_path / "out"
+    argv = [*_argv(tmp_path, "none", "layer", "batch"), "--report", "test", "--select", "apart", "--select-seeds", "1"]
+    convergence.main([*argv, "--updates", "24", "--evaluations", "6"])
+    selection = read_csv(out / "selection.csv")
+    assert {int(row["seed"]) for row in selection} == {1000}  # chosen apart from the reported seeds 0 and 1
+    trials = read_csv(out / "trials.csv")
+    assert {int(row["seed"]) for row in trials if row["status"] == "ok"} == {0, 1}  # a failed cell: its reason
+    rows = {(row["norm"], int(row["batch_size"])): row for row in read_csv(out / "results.csv")}
+    layer = rows[("layer", 4)]
+    assert finite(layer["best_test_bpc"]) and finite(layer["test_bpc"]) and finite(layer["best_val_bpc"])
+    assert finite(rows[("batch", 4)]["best_test_bpc_exact"])
+    markdown = (out / "results.md").read_text()
+    assert "best_test_bpc is the headline" in markdown and "last_test_bpc" in markdown
+    for row in (row for row in trials if row["norm"] == "layer" and row["batch_size"] == "4"):
+        assert 0 < int(row["best_update"]) <= 24  # a point of the curve, not the untrained model
+        # the best point has the lowest validation loss of the curve: the last point's is no lower
+        assert float(row["best_val_bpc"]) <= float(row["val_bpc"]) + 1e-6
+        if int(row["best_update"]) == 24:  # the best point is the last: the same model, the same test number
+            assert float(row["best_test_bpc"]) == pytest.approx(float(row["test_bpc"]))
+    # the test split is what the tables headline: their paired differences are computed from it
+    paired = statistics.fmean(
+        float(a["best_test_bpc"]) - float(b["best_test_bpc"])
+        for a in trials
+        for b in trials
+        if (a["norm"], b["norm"], a["batch_size"], b["batch_size"]) == ("layer", "none", "4", "4")
+        and a["seed"] == b["seed"]
+    )
+    assert float(layer["diff_vs_none"]) == pytest.approx(paired, rel=1e-5)  # the CSVs keep 8 digits
+
+
+@pytest.mark.parametrize("gamma", [0.1, 1.0])
+def test_gamma_init_sets_every_norms_initial_gain(gamma: float) -> None:
+    args = argparse.Namespace(hidden=8, embedding=4, seed=0, gamma_init=gamma)
+    for norm in ("layer", "batch", "rms"):
+        model = _common.build_model(10, args, norm, max_steps=5)
+        gains = [p for name, p in model.named_parameters() if name.endswith("weight") and "norm" in name]
+        assert gains and all(torch.all(p == gamma) for p in gains), norm
+    assert _common.build_model(10, args, "none", max_steps=5) is not None  # no norm, no gain: nothing to set
+
+
 def test_updates_by_batch_size() -> None:
     args = convergence.parse_args(["--batch-sizes", "1", "32", "--updates", "1:20000", "3000"])
     assert args.updates == {1: 20000, 32: 3000}

@@ -54,6 +54,18 @@ def test_first_rule_chooses_on_seed_zero_then_runs_the_other_seeds_at_that_rate_
     assert {(row["lr"], row["seed"]) for row in cell.chosen} == {(0.1, 0), (0.1, 1), (0.1, 2)}
 
 
+def test_apart_rule_chooses_on_seeds_that_are_not_reported() -> None:
+    """Seed 0 both chose the rate and was reported: the selection's optimism went into the headline."""
+    start = _protocol.SELECTION_SEEDS_FROM
+    losses = {**LOSSES, (0.01, start): 2.4, (0.01, start + 1): 2.4, (0.1, start): 2.0, (0.1, start + 1): 2.1}
+    train_one, calls = _fake(losses)
+    cell = _protocol.run_cell(train_one, [0.01, 0.1], seeds=3, select="apart", select_seeds=2)
+    assert cell.lr == 0.1  # the selection seeds' mean; the reported seeds' would have chosen 0.01
+    assert calls == [(0.01, start), (0.01, start + 1), (0.1, start), (0.1, start + 1), (0.1, 0), (0.1, 1), (0.1, 2)]
+    assert [row["seed"] for row in cell.chosen] == [0, 1, 2]  # what is reported: no selection seed
+    assert _protocol.summarize(cell, other_key="val_loss")["lr_other_metric"] == 0.1  # on the selection seeds
+
+
 def test_a_rate_with_a_failed_seed_is_not_eligible() -> None:
     train_one, _ = _fake(LOSSES, failing={(0.01, 2)})
     assert _protocol.run_cell(train_one, [0.01, 0.1], seeds=3, select="mean").lr == 0.1
