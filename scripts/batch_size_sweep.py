@@ -150,7 +150,7 @@ def run_grid(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[
             name = f"{norm}|B={batch_size}"
             key = _protocol.selection_key(norm, args)
             cell = _protocol.run_cell(
-                train_one, args.lrs, args.seeds, args.select, key, cache, name, args.lr_extensions
+                train_one, args.lrs, args.seeds, args.select, key, cache, name, args.lr_extensions, args.select_seeds
             )
             trials += [{"norm": norm, "batch_size": batch_size, **row} for row in cell.trials]
             curves += [

@@ -154,7 +154,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
 
         name = f"{norm}|max_steps={max_steps}|{beyond}"
         key = _protocol.selection_key(norm, args)
-        cell = _protocol.run_cell(train_one, args.lrs, args.seeds, args.select, key, cache, name, args.lr_extensions)
+        cell = _protocol.run_cell(
+            train_one, args.lrs, args.seeds, args.select, key, cache, name, args.lr_extensions, args.select_seeds
+        )
         label = f"{norm} (max_steps={max_steps}{', pooled' if beyond == 'pooled' else ''})"
         trials += [{"variant": label, **row} for row in cell.trials]
         row: dict[str, Any] = {

@@ -121,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             name = f"{norm}|B={batch_size}"
             key = _protocol.selection_key(norm, args)
             cell = _protocol.run_cell(
-                train_one, args.lrs, args.seeds, args.select, key, cache, name, args.lr_extensions
+                train_one, args.lrs, args.seeds, args.select, key, cache, name, args.lr_extensions, args.select_seeds
             )
             trials += [{"norm": norm, "batch_size": batch_size, **row} for row in cell.trials]
             row = {

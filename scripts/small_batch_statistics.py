@@ -208,7 +208,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
 
     # The BN model is trained under the fair protocol; the measurements below are means over its seeds.
     key = _protocol.selection_key("batch", args)
-    cell = _protocol.run_cell(train_one, args.lrs, args.seeds, args.select, key, extensions=args.lr_extensions)
+    cell = _protocol.run_cell(
+        train_one, args.lrs, args.seeds, args.select, key, extensions=args.lr_extensions, select_seeds=args.select_seeds
+    )
     if cell.lr is None:
         raise SystemExit(f"{NAME}: the BN model did not train: {cell.trials[0]['status']}")
     trained = _protocol.summarize(cell, key, _protocol.other_key("batch", args))
