@@ -23,8 +23,12 @@ def test_every_norm_has_an_overlay() -> None:
 @pytest.mark.parametrize("task", TASKS, ids=lambda path: path.stem)
 def test_config_instantiates(task: Path, norm: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
+    data = []
+    if "text_format: ptb_char" in task.read_text(encoding="utf-8"):  # a recipe for a PTB-char file of the user's
+        Path("ptb.char.train.txt").write_text("a b c _ d e f\n" * 2000, encoding="utf-8")  # 64 windows of 100
+        data = ["--data.train_path", "ptb.char.train.txt"]
     cli = SeqnormCLI(
-        args=["--config", str(task), "--config", str(OVERLAYS[norm]), "--trainer.logger", "false"],
+        args=["--config", str(task), "--config", str(OVERLAYS[norm]), "--trainer.logger", "false", *data],
         run=False,
     )
     assert cli.model.hparams.norm == norm
