@@ -302,29 +302,51 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
 
 
 def plot(rows: list[dict[str, Any]], by_step: dict[tuple[int, str], torch.Tensor], path: Path) -> None:
+    """Three panels: the share of rows still active along the steps (bucketed and random batches, one colour
+    each, one line style per batch size), the noise of the batch statistics against theory, and BN's train/eval gap
+    against the batch size it normalizes with."""
     plt = _common.pyplot()
-    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4), dpi=90)
+    figure, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4.2), dpi=90)
     shown = [size for size in sorted({size for size, _ in by_step}) if size >= 4][-2:]  # two sizes stay legible
-    for index, batch_size in enumerate(shown):
-        for label, style in (("bucketed", "-"), ("random", ":")):
-            curve = by_step[(batch_size, label)].numpy()
-            left.plot(curve, style, color=f"C{index}", linewidth=1.2, label=f"B={batch_size} {label}")
+    for batching, color in (("bucketed", "C0"), ("random", "C3")):
+        for batch_size, style in zip(shown, ("-", "--"), strict=False):
+            curve = by_step[(batch_size, batching)].numpy()
+            left.plot(curve, style, color=color, linewidth=1.6, label=f"{batching} batches, B={batch_size}")
     left.set_xlabel("time step t")
-    left.set_ylabel("share of rows active (batches still running)")
-    left.set_title("Effective batch along variable-length batches", fontsize=10)
-    left.legend(fontsize=8)
+    left.set_ylabel("active rows / B (batches still running at t)")
+    left.set_title("Effective batch along variable-length lines", fontsize=10)
+    left.set_ylim(0, 1.05)
+    left.legend(fontsize=8, loc="lower left")
     noisy = [r for r in rows if r["batch_size"] > 1 and not math.isnan(r.get("var_noise", math.nan))]
     sizes = [r["batch_size"] for r in noisy]
-    for key, marker in (("mean_noise", "o"), ("var_noise", "s")):
-        right.loglog(sizes, [r[key] for r in noisy], marker=marker, label=f"{key} (measured)")
-        right.loglog(sizes, [r[f"{key}_theory"] for r in noisy], "--", color="gray", linewidth=1)
-    right.minorticks_off()
-    right.set_xticks(sizes, [str(size) for size in sizes])
-    right.set_yticks([0.1, 0.2, 0.5, 1.0], ["0.1", "0.2", "0.5", "1"])
-    right.set_xlabel("batch size B")
-    right.set_ylabel("relative std of the batch estimate")
-    right.set_title("Noise of batch mean/variance (dashed: theory)", fontsize=10)
-    right.legend(fontsize=8)
+    names = {"mean_noise": "batch mean: std / population std", "var_noise": "batch variance: std / population var"}
+    for (key, marker), color in zip((("mean_noise", "o"), ("var_noise", "s")), ("C0", "C1"), strict=True):
+        middle.loglog(sizes, [r[key] for r in noisy], marker=marker, color=color, label=f"{names[key]} (measured)")
+        middle.loglog(sizes, [r[f"{key}_theory"] for r in noisy], ":", color=color, linewidth=1.2,
+                      label=f"{names[key].split(':')[0]}: sampling theory")  # fmt: skip
+    middle.minorticks_off()
+    middle.set_xticks(sizes, [str(size) for size in sizes])
+    middle.set_yticks([0.1, 0.2, 0.5, 1.0], ["0.1", "0.2", "0.5", "1"])
+    middle.set_xlabel("batch size B")
+    middle.set_ylabel("relative spread of the batch estimate")
+    middle.set_title("Noise of per-timestep batch statistics", fontsize=10)
+    middle.legend(fontsize=7)
+    gaps = [r for r in rows if not math.isnan(float(r.get("train_eval_gap", math.nan) or math.nan))]
+    if gaps:
+        right.errorbar(
+            [r["batch_size"] for r in gaps],
+            [r["train_eval_gap"] for r in gaps],
+            yerr=[r.get("train_eval_gap_std", 0.0) or 0.0 for r in gaps],
+            marker="o",
+            capsize=3,
+        )
+        right.set_xscale("log")  # the gap itself on a linear scale: near 0 at large B, and it may be negative
+        right.axhline(0.0, color="gray", linewidth=0.8)
+        right.minorticks_off()
+        right.set_xticks([r["batch_size"] for r in gaps], [str(r["batch_size"]) for r in gaps])
+    right.set_xlabel("batch size B of the validation batches")
+    right.set_ylabel("loss in training mode − eval mode (nats/char)")
+    right.set_title("BN's train/eval gap (mean ± std over seeds)", fontsize=10)
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)
