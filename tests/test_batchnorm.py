@@ -258,3 +258,25 @@ def test_a_strided_gain_gets_the_gradient_of_a_dense_one_in_a_cells_step(masked:
         y = norm.forward_step(leaf, 1, mask)
         grads.append(torch.autograd.grad((y * torch.arange(15.0, dtype=y.dtype).view(5, 3)).sum(), [leaf, norm.weight]))
     assert_close(grads[1], grads[0])
+
+
+def test_a_steps_mask_is_read_from_the_device_once_and_again_after_it_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cell's step hands one mask to its three norms: each counted its real rows with a host sync of its own.
+    The count is kept for that mask; the same tensor written in place, or another one, is counted again."""
+    from seqnorm.norms import batch
+
+    reads = []
+    sum_ = torch.Tensor.sum
+    monkeypatch.setattr(torch.Tensor, "sum", lambda self, *a, **k: reads.append(self) or sum_(self, *a, **k))
+    cell = seqnorm.LSTMCell(3, 4, norm="batch")
+    x, mask = torch.randn(5, 3), torch.tensor([True, True, True, False, False])
+    reference = [TimestepBatchNorm(16), TimestepBatchNorm(16)]  # alike: γ 0.1, β 0, zero running statistics
+    cell(x, step=0, mask=mask)
+    assert sum(read is mask for read in reads) == 1  # three norms, one read
+    assert batch.real_rows(mask) == 3
+    mask[3] = True  # in place: counted again
+    assert batch.real_rows(mask) == 4
+    assert batch.real_rows(mask.clone()) == 4 and batch.real_rows(torch.ones(5, dtype=torch.bool)) == 5
+    # the statistics are those of the real rows, as forward() computes them (its own count)
+    y = reference[0].forward_step(x[:, :1].repeat(1, 16), 0, mask)
+    assert_close(y, reference[1](x[:, :1].repeat(1, 16), 0, mask))

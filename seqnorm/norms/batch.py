@@ -49,6 +49,7 @@ scale and offset per step) are in :mod:`seqnorm.norms.batch_pieces`, which this 
 
 from __future__ import annotations
 
+import weakref
 from typing import ClassVar, Literal, get_args
 
 import torch
@@ -79,6 +80,22 @@ SMALL_BATCH_POLICIES: tuple[str, ...] = get_args(SmallBatchPolicy)
 DEFAULT_SMALL_BATCH: SmallBatchPolicy = "tail"
 """What a training step with fewer than 2 active rows does unless ``small_batch`` says otherwise (module docstring)."""
 BeyondMaxSteps = Literal["last", "pooled"]
+
+
+_counted: tuple[weakref.ref[Tensor], int, int] | None = None  # the last mask counted: it, its version, its count
+
+
+def real_rows(mask: Tensor) -> int:
+    """The number of rows ``mask`` marks real, read from the device once per mask: a cell's step hands one mask to
+    its two or three norms, and each read is a host sync (a ``sum`` and an ``item``). A mask written in place since
+    (its version moved) or a new tensor is counted again."""
+    global _counted
+    seen = _counted
+    if seen is not None and seen[0]() is mask and seen[1] == mask._version:
+        return seen[2]
+    count = int(mask.sum())
+    _counted = (weakref.ref(mask), mask._version, count)
+    return count
 
 
 class TimestepBatchNorm(BatchNormPieces, nn.Module):
@@ -295,7 +312,7 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
         if not self.training:
             return self.forward(x, step, mask)
         batch = x.shape[0]
-        count = batch if mask is None else int(mask.sum())
+        count = batch if mask is None else real_rows(mask)
         if count == batch:
             mask = None  # every row real: the unmasked step's moments
         if (
