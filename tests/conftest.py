@@ -136,6 +136,10 @@ def cli_usage_error(capsys: pytest.CaptureFixture[str], args: list[str]) -> str:
     return error
 
 
+HOISTED = ("loop", "kernel", "triton")
+"""The plan's paths over hoisted input terms: the loop, or the device's kernels where they are built."""
+
+
 def run_path(version: int = 0, root: Path | str = ".") -> Path:
     """``<root>/lightning_logs/<run name>/version_<version>``, the run of that number (the test's runs share a name)."""
     runs = sorted(Path(root).glob(f"lightning_logs/*/version_{version}"))

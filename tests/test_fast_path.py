@@ -6,6 +6,7 @@ layers) and with them switched off (the plain-PyTorch loop over the cell's step)
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from seqnorm.layers.fast import choose_path
 from seqnorm.norms import TimestepBatchNorm, TimestepBatchRenorm
 from tests.conftest import (
     BATCH_NORMS,
+    HOISTED,
     LAYERS,
     NORMS,
     ROW_NORMS,
@@ -89,8 +91,8 @@ def test_fast_equals_reference(kind: str, norm: str, training: bool) -> None:
     hx = _hx(kind, 4, 4)
     for layer in (reference, fast):
         layer.train(training)
-    expected_path = "fused" if norm in ("none", "weight") else "fast"
-    assert choose_path(fast, lengths, 4) == expected_path
+    expected_paths = ("torch_kernel",) if norm in ("none", "weight") else HOISTED
+    assert choose_path(fast, lengths, 4) in expected_paths
     for _ in range(2):  # the second call sees running statistics (and renorm limits) the first one wrote
         _assert_same(_run(reference, x, hx, lengths), _run(fast, x, hx, lengths))
 
@@ -99,7 +101,7 @@ def test_fast_equals_reference(kind: str, norm: str, training: bool) -> None:
 @pytest.mark.parametrize("kind", TORCH_KINDS)
 def test_fast_equals_reference_with_dropout(kind: str, norm: str) -> None:
     reference, fast = _pair(kind, norm, num_layers=2, dropout=0.3, recurrent_dropout=0.2, batch_first=True)
-    assert choose_path(fast, None, 5) == "fast"  # random masks keep even norm="none" off torch's kernel
+    assert choose_path(fast, None, 5) in HOISTED  # random masks keep even norm="none" off torch's kernel
     x = torch.randn(5, 6, 3, dtype=torch.float64)
     _assert_same(_run(reference, x, None, None, seed=7), _run(fast, x, None, None, seed=7))
 
@@ -132,7 +134,7 @@ def test_small_batch_fallback_and_error_as_reference(kind: str, norm: str) -> No
     x = torch.randn(6, 3, 3, dtype=torch.float64)
     for policy in ("tail", "running"):
         reference, fast = _pair(kind, norm, bidirectional=True, small_batch=policy)
-        assert choose_path(fast, lengths, 3) == "fast"
+        assert choose_path(fast, lengths, 3) in HOISTED
         _assert_same(_run(reference, x, None, lengths), _run(fast, x, None, lengths))
         counts = [[getattr(m, "fallback_steps", None) for m in layer.modules()] for layer in (reference, fast)]
         assert counts[0] == counts[1] and 2 in counts[0]  # every path counts the fallback steps alike
@@ -154,7 +156,7 @@ def test_observer_forces_the_reference_path(norm: str) -> None:
     observed, _ = layer(x)
     handle.remove()
     assert steps == [0, 1, 2, 3, 4]
-    assert choose_path(layer, None, 3) == "fast"
+    assert choose_path(layer, None, 3) in HOISTED
     assert_close(observed, layer(x)[0])
     assert expected.shape == observed.shape
 
@@ -202,5 +204,48 @@ def test_forward_sequence_equals_stepwise_forward(cls: type[TimestepBatchNorm], 
 def test_impl_option() -> None:
     assert seqnorm.GRU(3, 4).impl == "auto"
     assert "impl='reference'" in repr(seqnorm.LSTM(3, 4, impl="reference"))
-    with pytest.raises(ValueError, match=r"^LSTM: expected impl to be one of 'auto', 'reference', got 'cuda'$"):
+    expected = "'auto', 'reference', 'loop', 'kernel', 'triton', 'torch_kernel'"
+    with pytest.raises(ValueError, match=rf"^LSTM: expected impl to be one of {expected}, got 'cuda'$"):
         seqnorm.LSTM(3, 4, impl="cuda")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("pinned", ["loop", "kernel", "reference"])
+def test_impl_pins_a_path_by_the_plans_own_name(pinned: str) -> None:
+    """A path was named three ways (the plan's ``kernel``/``loop``, ``choose_path``'s ``fast``/``fused``, ``impl=``'s
+    ``auto``/``reference``), and only the reference could be pinned. One vocabulary now: the plan's."""
+    torch.manual_seed(0)
+    auto = seqnorm.LSTM(3, 5, norm="layer", num_layers=2, bidirectional=True).double()
+    layer = copy.deepcopy(auto)
+    layer.impl = pinned  # type: ignore[assignment]
+    x, lengths = torch.randn(6, 4, 3, dtype=torch.float64, requires_grad=True), torch.tensor([6, 3, 5, 2])
+    if pinned == "kernel" and seqnorm.kernels.native("cpu") is None:  # the plain paths' run: the kernels are off
+        with pytest.raises(ValueError, match=r"^LSTM: impl='kernel' cannot run this call: no compiled kernels"):
+            layer(x, lengths=lengths)
+        return
+    plan = layer.plan(x, lengths=lengths)
+    assert plan.path == pinned and set(plan.cells) <= {pinned}
+    assert choose_path(layer, lengths, 4) == pinned
+    got, expected = layer(x, lengths=lengths)[0], auto(x, lengths=lengths)[0]
+    assert_close(got, expected, **TOLERANCE)
+    assert_close(torch.autograd.grad(got.sum(), x)[0], torch.autograd.grad(expected.sum(), x)[0], **TOLERANCE)
+
+
+@pytest.mark.parametrize(
+    ("pinned", "layer", "why"),
+    [
+        ("torch_kernel", dict(norm="layer"), "cannot run this call: torch's kernel normalizes nothing"),
+        ("kernel", dict(norm="layer", zoneout_h=0.1), "cannot run this call: zoneout"),
+        ("loop", dict(norm="layer", observed=True), "cannot run this call: an observer is hooked to cells[0]"),
+        ("kernel", dict(norm="batch", first_step=2), "first_step=2 with per-timestep statistics"),
+    ],
+    ids=["torch_kernel-normalized", "kernel-zoneout", "loop-observed", "kernel-first_step"],
+)
+def test_a_pinned_path_that_cannot_run_the_call_says_why(pinned: str, layer: dict, why: str) -> None:
+    options = dict(layer)
+    observed, first_step = options.pop("observed", False), options.pop("first_step", 0)
+    lstm = seqnorm.LSTM(3, 5, impl=pinned, **options)  # type: ignore[arg-type]
+    if observed:
+        lstm.cells[0].observer.register_forward_hook(lambda *args: None)
+    with pytest.raises(ValueError, match=r"^LSTM: impl='\w+' cannot run this call: ") as error:
+        lstm(torch.randn(4, 2, 3), first_step=first_step)
+    assert why in str(error.value) and str(error.value).endswith("here")  # and what impl='auto' runs

@@ -11,7 +11,7 @@ from torch.testing import assert_close
 
 import seqnorm
 from seqnorm.layers.fast import choose_path
-from tests.conftest import CELLS, KINDS, LAYERS, NORMS
+from tests.conftest import CELLS, HOISTED, KINDS, LAYERS, NORMS
 from tests.test_fast_path import _assert_same, _pair, _run
 
 TIGHT = {"rtol": 1e-12, "atol": 1e-12}
@@ -180,7 +180,7 @@ def test_fast_equals_reference_with_regularizers(kind: str, norm: str) -> None:
         rates.pop("zoneout_c")
     reference, fast = _pair(kind, norm, num_layers=2, bidirectional=True, dropout=0.3, **rates)
     lengths = torch.tensor([5, 3, 5, 4])
-    assert choose_path(fast, lengths, 4) == "fast"  # random draws keep even norm="none" off torch's kernel
+    assert choose_path(fast, lengths, 4) in HOISTED  # random draws keep even norm="none" off torch's kernel
     x = torch.randn(5, 4, 3, dtype=torch.float64)
     _assert_same(_run(reference, x, None, lengths, seed=7), _run(fast, x, None, lengths, seed=7))
 
@@ -188,8 +188,8 @@ def test_fast_equals_reference_with_regularizers(kind: str, norm: str) -> None:
 @pytest.mark.parametrize("name", list(REGULARIZERS))
 def test_each_regularizer_keeps_the_fused_kernel_out_in_training_only(name: str) -> None:
     layer = seqnorm.LSTM(3, 4, **{name: 0.1})
-    assert choose_path(layer, None, 2) == "fast"
-    assert choose_path(layer.eval(), None, 2) == "fused"
+    assert choose_path(layer, None, 2) in HOISTED
+    assert choose_path(layer.eval(), None, 2) == "torch_kernel"
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -25,7 +25,7 @@ def project(
     """``F.linear(x, weight, bias)`` for ``x`` ``(..., in)``, ``weight`` ``(out, in)``.
 
     ``out``: a contiguous tensor of the result's shape to write it into, for a caller that computes the projection's
-    gradients itself (autograd records nothing then): :mod:`seqnorm.layers.kernel`'s recurrence, whose projection
+    gradients itself (autograd records nothing then): :mod:`seqnorm.layers.compiled`'s recurrence, whose projection
     goes into the kernels' kept memory. ``copy=False`` (with ``out``): multiply by the transposed view of ``W``
     rather than a row-major copy of ``W^T``, for a caller that measured it faster here
     (:meth:`seqnorm.kernels.cpu.CpuBackend.project_kept`)."""

@@ -37,7 +37,7 @@ never over its own input (``StepNorm::forward_row``).
 Devices: :func:`native` returns a device type's :class:`~seqnorm.kernels.backend.Backend` (:data:`BACKENDS`): the C++
 kernels above on the CPU (:class:`~seqnorm.kernels.cpu.CpuBackend`), the Triton kernels on CUDA
 (:mod:`seqnorm.kernels.triton_backend`, imported only when a CUDA tensor, or ``SEQNORM_BACKEND=triton``, asks for
-it), with the same entry points; the autograd Function in :mod:`seqnorm.layers.kernel` and the plan serve both.
+it), with the same entry points; the autograd Function in :mod:`seqnorm.layers.compiled` and the plan serve both.
 """
 
 from __future__ import annotations

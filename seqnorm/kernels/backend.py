@@ -4,7 +4,7 @@
 A backend runs a layer direction's whole normalized recurrence (forward and backward through time) and the no-grad
 generation step for tensors of one device type. :func:`seqnorm.kernels.native` returns the device's backend, once
 loaded; the plan (:mod:`seqnorm.layers.plan`) asks it whether it can run a cell's norms (:meth:`Backend.unsupported`)
-and names its path after it (:attr:`Backend.name`); :mod:`seqnorm.layers.kernel`'s autograd Function and generation
+and names its path after it (:attr:`Backend.name`); :mod:`seqnorm.layers.compiled`'s autograd Function and generation
 step then call its entry points without deciding anything again.
 
 - ``"kernel"``: the C++ kernels on the CPU (:class:`seqnorm.kernels.cpu.CpuBackend`, sources in ``seqnorm/csrc``).

@@ -9,7 +9,7 @@ The loop written here is the plain reference (layers and directions are stacked 
 every path shares). By default (``impl="auto"``) layers run a faster path with the same
 results — torch's fused kernel when nothing is normalized, otherwise the input side of all steps at once and a lean
 loop — chosen in one place, :func:`seqnorm.layers.plan.plan_for`, from what the cells and norms declare (see
-:meth:`RecurrentLayer.plan`); ``impl="reference"`` forces this loop.
+:meth:`RecurrentLayer.plan`); ``impl="reference"`` forces this loop, and the plan's other path names pin theirs.
 """
 
 from __future__ import annotations

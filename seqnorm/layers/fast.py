@@ -12,7 +12,7 @@ declare (its module docstring lists the conditions):
   step). Every regularizer runs here exactly as in the reference: the per-sequence masks come from the same
   :func:`~seqnorm.layers.dropout.draw_sequence_masks` call at the same point, and zoneout is drawn by the same step.
 - ``"kernel"`` (``"triton"``): as ``"loop"``, but the recurrence, forward and backward through time, is the device's
-  compiled kernels' (:mod:`seqnorm.layers.kernel`), which also run the input norm step by step where it declares
+  compiled kernels' (:mod:`seqnorm.layers.compiled`), which also run the input norm step by step where it declares
   their form.
 
 :meth:`RecurrentLayer.step` without gradients runs the lean step of :mod:`seqnorm.layers.stepping` (each cell's step
@@ -32,9 +32,10 @@ from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from seqnorm.cells.base import RecurrentCell
-from seqnorm.layers import kernel
+from seqnorm.kernels import KernelNorm
+from seqnorm.layers import compiled
 from seqnorm.layers.dropout import draw_sequence_masks
-from seqnorm.layers.plan import Plan, cell_kernel, plan_for
+from seqnorm.layers.plan import Path, Plan, cell_kernel, plan_for
 from seqnorm.layers.stack import PaddingLayout, padding_layout, run_stack
 from seqnorm.torch_ops import CELL_KERNELS, SEQUENCE_KERNELS
 
@@ -43,23 +44,18 @@ if TYPE_CHECKING:
 
 __all__ = ["Impl", "choose_path", "run_fast", "run_fused", "step_cell"]
 
-Impl = Literal["auto", "reference"]
-IMPLS: tuple[str, ...] = ("auto", "reference")
-_SHORT_NAMES = {
-    "torch_kernel": "fused",
-    "kernel": "fast",
-    "triton": "fast",
-    "loop": "fast",
-    "reference": "reference",
-}
+Impl = Literal["auto", "reference", "loop", "kernel", "triton", "torch_kernel"]
+IMPLS: tuple[str, ...] = ("auto", "reference", "loop", "kernel", "triton", "torch_kernel")
+"""``impl=`` of a layer: ``"auto"`` (the plan's choice) or one of the plan's own path names, which pins the path of
+a whole sequence (:func:`seqnorm.layers.plan.plan_for`: a call that path cannot run is an error that says why)."""
 
 
-def choose_path(layer: Layer, lengths: Tensor | None, batch: int) -> Literal["reference", "fused", "fast"]:
-    """:func:`~seqnorm.layers.plan.plan_for`'s forward path in three words: ``"fused"`` (torch's kernel),
-    ``"fast"`` (hoisted input terms: the kernels or ``"loop"``) or ``"reference"``, for a batch of ``batch``."""
+def choose_path(layer: Layer, lengths: Tensor | None, batch: int) -> Path:
+    """The path :func:`~seqnorm.layers.plan.plan_for` picks for a sequence of a batch of ``batch`` (its name:
+    ``"torch_kernel"``, ``"kernel"``/``"triton"``, ``"loop"`` or ``"reference"``)."""
     weight = layer.cells[0].reference_parameter()  # only where inputs would live and their dtype matter
     facts = weight.new_empty(0, batch, layer.input_size)
-    return _SHORT_NAMES[plan_for(layer, facts, lengths).path]  # type: ignore[return-value]
+    return plan_for(layer, facts, lengths).path
 
 
 # --- torch's fused kernel ---
@@ -103,13 +99,13 @@ def run_fast(
     each direction runs the kernels or the loop, as ``plan.cells`` says (``plan.input_norms``: with its input norm
     inside the kernels)."""
     layout = padding_layout(lengths, x.shape[0], x.shape[1], x.device)
-    routes = dict(zip(layer.cells, zip(plan.cells, plan.input_norms, strict=True), strict=True))
+    routes = dict(zip(layer.cells, zip(plan.cells, plan.input_norms, plan.kernel_norms, strict=True), strict=True))
     return run_stack(layer, x, h0, c0, layout, partial(_run_direction, layer, routes))
 
 
 def _run_direction(
     layer: Layer,
-    routes: dict[RecurrentCell, tuple[str, bool]],
+    routes: dict[RecurrentCell, tuple[str, bool, tuple[KernelNorm, ...] | None]],
     cell: RecurrentCell,
     sequence: Tensor,
     state: Any,
@@ -119,9 +115,10 @@ def _run_direction(
     dropped = draw_sequence_masks(layer, cell, sequence, state)
     if dropped.input is not None:
         sequence = sequence * dropped.input
-    route, input_norm_inside = routes[cell]
+    route, input_norm_inside, norms = routes[cell]
     if route in ("kernel", "triton"):  # the device's backend, as the plan found it
-        return kernel.run_recurrence(cell, sequence, state, dropped.weight_hh, layout, input_norm_inside)
+        assert norms is not None, "the plan carries the norms of every cell it routes to the kernels"
+        return compiled.run_recurrence(cell, sequence, state, dropped.weight_hh, layout, input_norm_inside, norms)
     terms = cell.input_terms(sequence, layout.active, layout.counts)  # (T, B, G*H)
     # Weight norm (and DropConnect): computed once per sequence, not once per step.
     weight_hh = cell.weight_hh if dropped.weight_hh is None else dropped.weight_hh

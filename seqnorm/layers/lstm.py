@@ -39,8 +39,11 @@ class LSTM(RecurrentLayer):
         norm, max_steps, init, forget_bias, device, dtype: as :class:`~seqnorm.LSTMCell`, for every cell (a
             norm's options are fields of its spec: ``norm=BatchNormSpec(momentum=0.05)``).
         impl: ``"auto"`` (default): the fastest path with the reference's results (torch's fused kernel when
-            nothing is normalized, else hoisted input terms and a lean loop; see :mod:`seqnorm.layers.fast`);
-            ``"reference"``: the plain per-step loop. Observers hooked to a cell always get the reference loop.
+            nothing is normalized, else the compiled kernels or hoisted input terms and a lean loop; see
+            :mod:`seqnorm.layers.plan`); ``"reference"``: the plain per-step loop; or a path pinned by the plan's own
+            name, ``"loop"``, ``"kernel"`` (``"triton"`` on CUDA) or ``"torch_kernel"``, for a whole sequence (a
+            call that path cannot run is a ``ValueError`` saying why). Observers hooked to a cell always get the
+            reference loop.
 
     Inputs: ``input, hx=None, lengths=None``
         - **input** ``(L, N, H_in)`` (``(N, L, H_in)`` with ``batch_first``), ``(L, H_in)`` unbatched, or a

@@ -6,7 +6,7 @@
   cells that declare ``torch_kernel``, nothing normalized (``"none"``, or plain ``"weight"``), no random draws (their
   masks would differ from the reference's) and no autocast (torch's CPU LSTM kernel fails in bfloat16).
 - ``"kernel"`` (``"triton"``): the input side of all steps at once, then the device's backend's recurrence, forward
-  and backward through time (:mod:`seqnorm.layers.kernel`): the C++ kernels on the CPU, the Triton kernels on CUDA
+  and backward through time (:mod:`seqnorm.layers.compiled`): the C++ kernels on the CPU, the Triton kernels on CUDA
   (or on the CPU with ``SEQNORM_BACKEND=triton``; the path is named after the backend's
   :attr:`~seqnorm.kernels.backend.Backend.name`). The kernels restate torch's LSTM/GRU step: they need
   ``torch_kernel``, the default norm placement, no variational recurrent dropout, zoneout or projection, recurrent
@@ -46,6 +46,7 @@ from torch import Tensor, nn
 from torch.nn.utils.parametrize import type_before_parametrizations
 
 from seqnorm import kernels
+from seqnorm.kernels import NO_NORM, KernelNorm
 
 if TYPE_CHECKING:
     from seqnorm.cells.base import RecurrentCell
@@ -55,6 +56,7 @@ __all__ = [
     "Path",
     "Plan",
     "cell_kernel",
+    "cell_kernel_norms",
     "declared",
     "kernel_blocker",
     "kernel_input_norm",
@@ -82,6 +84,9 @@ class Plan:
     reason: str
     cells: tuple[Path, ...] = ()
     input_norms: tuple[bool, ...] = ()
+    kernel_norms: tuple[tuple[KernelNorm, ...] | None, ...] = ()
+    """Per cell on the kernels, what its norms hand them (:func:`cell_kernel_norms`, without their shifts), built
+    once for the plan's checks and the run (``None`` for a cell on the loop)."""
 
     def __str__(self) -> str:
         per_cell = f" (cells: {', '.join(self.cells)})" if len(set(self.cells)) > 1 else ""
@@ -136,26 +141,37 @@ def plan_for(
 
 
 def kernel_blocker(layer: Layer | None, cell: RecurrentCell, dtype: torch.dtype, device: str) -> str | None:
-    """Why the device's kernels (:mod:`seqnorm.layers.kernel`) cannot run ``cell``'s recurrence exactly, or ``None``.
+    """Why the device's kernels (:mod:`seqnorm.layers.compiled`) cannot run ``cell``'s recurrence exactly, or ``None``.
 
     ``layer`` supplies the variational recurrent dropout (``None``: none drawn).
     """
+    return _kernel_route(layer, cell, dtype, device)[0]
+
+
+def _kernel_route(
+    layer: Layer | None, cell: RecurrentCell, dtype: torch.dtype, device: str
+) -> tuple[str | None, tuple[KernelNorm, ...] | None]:
+    """:func:`kernel_blocker`, and where nothing blocks, the cell's :func:`cell_kernel_norms` its last check built
+    (the plan carries them to the run)."""
     name = type_before_parametrizations(cell).__name__
     if cell_kernel(cell) is None:
-        return f"{name} declares no torch_kernel, whose step the kernels restate"
+        return f"{name} declares no torch_kernel, whose step the kernels restate", None
     if cell.norm_placement != "separate" or cell.state_norm != "output":
-        return "norm_placement/state_norm other than the defaults"
+        return "norm_placement/state_norm other than the defaults", None
     if layer is not None and layer.training and layer.recurrent_dropout:
-        return "variational recurrent dropout"
+        return "variational recurrent dropout", None
     if cell.draws_random:
-        return "zoneout"
+        return "zoneout", None
     if cell.weight_hr is not None:
-        return "a projection"
+        return "a projection", None
     for norm in (cell.norm_hh, cell.norm_c):
         blocker = norm_blocker(norm, "kernel")
         if blocker is not None:
-            return f"a recurrent or cell-state norm: {blocker}"
-    return _compiled_blocker(device, cell, dtype)  # the backend says what it runs of half precision and autocast
+            return f"a recurrent or cell-state norm: {blocker}", None
+    built = cell_kernel_norms(cell)
+    # the backend says what it runs of half precision and autocast (asked last: loading the kernels, it may build)
+    untried = _compiled_blocker(device, cell, dtype, norms=built)
+    return (untried, None) if untried is not None else (None, built)
 
 
 def kernel_input_norm(cell: RecurrentCell) -> bool:
@@ -171,7 +187,25 @@ def kernel_path(device: str) -> Path:
     return backend.name  # type: ignore[return-value]
 
 
-def _compiled_blocker(device: str, cell: RecurrentCell, dtype: torch.dtype, step: bool = False) -> str | None:
+def cell_kernel_norms(cell: RecurrentCell) -> tuple[KernelNorm, ...]:
+    """What ``cell``'s norms hand the kernels, without their shifts (the run adds them): the input norm's where the
+    kernels run it (else :data:`~seqnorm.kernels.NO_NORM`, ``input_terms`` applying it before), the recurrent norm's
+    and, for an LSTM, the cell-state norm's. Each module's own ``kernel_norm``, asked once per call."""
+
+    def of(norm: nn.Module | None) -> KernelNorm:
+        return NO_NORM if norm is None else norm.kernel_norm(None)  # type: ignore[operator]
+
+    recurrent = (of(cell.norm_hh), of(cell.norm_c)) if cell_kernel(cell) == "lstm" else (of(cell.norm_hh),)
+    return (of(cell.norm_ih) if kernel_input_norm(cell) else NO_NORM, *recurrent)
+
+
+def _compiled_blocker(
+    device: str,
+    cell: RecurrentCell,
+    dtype: torch.dtype,
+    step: bool = False,
+    norms: tuple[KernelNorm, ...] | None = None,
+) -> str | None:
     if torch.compiler.is_compiling() or torch.compiler.is_exporting():  # opaque to both; the plain path traces
         return "torch.compile or torch.export is tracing"
     backend = kernels.native(device)  # asked last: the first miss warns why
@@ -179,9 +213,7 @@ def _compiled_blocker(device: str, cell: RecurrentCell, dtype: torch.dtype, step
         return f"no compiled kernels for {device!r} ({kernels.status(device)})"
     # The norms the backend would be given (the others declare the form, or are None): an input norm it does not
     # run is applied before (input_terms).
-    recurrent = (cell.norm_hh, cell.norm_c) if cell_kernel(cell) == "lstm" else (cell.norm_hh,)
-    norms = (cell.norm_ih if kernel_input_norm(cell) else None, *recurrent)
-    kinds = tuple("none" if norm is None else norm.kernel_norm(None).kind for norm in norms)  # type: ignore[operator]
+    kinds = tuple(norm.kind for norm in (cell_kernel_norms(cell) if norms is None else norms))
     autocast = torch.is_autocast_enabled(device)
     if autocast:  # the recurrence runs in the parameters' dtype, its input projection under autocast
         dtype = cell.weight_hh.dtype
@@ -198,9 +230,44 @@ def _forward_plan(
     lengths: Tensor | None,
     first_step: int = 0,
 ) -> Plan:
-    cells: list[RecurrentCell] = list(layer.cells)
     if layer.impl == "reference":
         return Plan("reference", "impl='reference'")
+    chosen = _auto_forward_plan(layer, x, lengths, first_step)
+    if layer.impl == "auto" or (layer.impl == chosen.path and set(chosen.cells) <= {chosen.path}):
+        return chosen
+    return _pinned_plan(layer, chosen, x)
+
+
+def _pinned_plan(layer: Layer, chosen: Plan, x: Tensor) -> Plan:
+    """The plan of a path ``impl=`` pins, where this call can run it; else a ``ValueError`` saying why, and what
+    ``"auto"`` would run. ``"loop"`` runs wherever the hoisted input terms do (the kernels' calls and torch's
+    kernel's, for cells that declare ``hoisted_step``); the kernels where every cell's recurrence can run on them;
+    torch's kernel only where the plan would choose it."""
+    cells: list[RecurrentCell] = list(layer.cells)
+    pinned, count = layer.impl, len(cells)
+    why = chosen.reason
+    if pinned == "loop" and chosen.path != "reference":
+        why = _hoisting_blocker(cells) or ""
+        if not why:
+            return Plan("loop", "impl='loop'", ("loop",) * count, (False,) * count, (None,) * count)
+    elif pinned == "torch_kernel" and chosen.path != "reference":
+        why = _torch_kernel_blocker(layer, cells, x) or why
+    elif pinned in ("kernel", "triton") and chosen.path != "reference":
+        checked = [_kernel_route(layer, cell, x.dtype, x.device.type) for cell in cells]
+        why = _hoisting_blocker(cells) or next((blocker for blocker, _ in checked if blocker is not None), "")
+        if not why and kernel_path(x.device.type) != pinned:
+            why = f"the kernels for {x.device.type!r} are the {kernel_path(x.device.type)!r} backend"
+        if not why:
+            inside = tuple(kernel_input_norm(cell) for cell in cells)
+            return Plan(pinned, f"impl={pinned!r}", (pinned,) * count, inside, tuple(b for _, b in checked))
+    raise ValueError(
+        f"{type(layer).__name__}: impl={pinned!r} cannot run this call: {why}; impl='auto' runs {chosen.path!r} here"
+    )
+
+
+def _auto_forward_plan(layer: Layer, x: Tensor, lengths: Tensor | None, first_step: int) -> Plan:
+    """The path the plan chooses by itself (``impl="auto"``)."""
+    cells: list[RecurrentCell] = list(layer.cells)
     if first_step and any(cell.indexed_by_step for cell in cells):
         return Plan("reference", f"first_step={first_step} with per-timestep statistics (fast paths count from 0)")
     for index, cell in enumerate(cells):
@@ -210,28 +277,41 @@ def _forward_plan(
         return Plan("reference", "a batch norm raises its small-batch error (a step or batch with < 2 real rows)")
     name = type_before_parametrizations(cells[0]).__name__
     kernel = cell_kernel(cells[0])
-    if kernel is not None and all(cell_kernel(c) == kernel for c in cells) and not any(c.has_norms for c in cells):
-        if _draws_random(layer):
-            blocked = "random masks that torch's kernel would draw differently"
-        elif torch.is_autocast_enabled(x.device.type):
-            blocked = "autocast"
-        else:
-            return Plan("torch_kernel", f"{name} declares torch_kernel={kernel!r} and nothing is normalized")
-        kernel_note = f"; not torch's kernel: {blocked}"
-    else:
-        kernel_note = "" if kernel is not None else f"; {name} declares no torch_kernel"
+    blocked = _torch_kernel_blocker(layer, cells, x)
+    if blocked is None:
+        return Plan("torch_kernel", f"{name} declares torch_kernel={kernel!r} and nothing is normalized")
+    if kernel is None:
+        kernel_note = f"; {name} declares no torch_kernel"
+    else:  # normalized cells are the common case, and need no note
+        kernel_note = "" if any(c.has_norms for c in cells) else f"; not torch's kernel: {blocked}"
     undeclared = _hoisting_blocker(cells)
     if undeclared is not None:
         return Plan("reference", undeclared + kernel_note)
-    blockers = [kernel_blocker(layer, cell, x.dtype, x.device.type) for cell in cells]
+    checked = [_kernel_route(layer, cell, x.dtype, x.device.type) for cell in cells]
+    blockers, norms = [blocker for blocker, _ in checked], [built for _, built in checked]
     if all(blocker is not None for blocker in blockers):
         reason = f"{name} declares hoisted_step; not the kernels: {blockers[0]}{kernel_note}"
-        return Plan("loop", reason, ("loop",) * len(cells), (False,) * len(cells))
+        return Plan("loop", reason, ("loop",) * len(cells), (False,) * len(cells), (None,) * len(cells))
     backend = kernel_path(x.device.type)
     routes: tuple[Path, ...] = tuple(backend if blocker is None else "loop" for blocker in blockers)
     inside = tuple(blocker is None and kernel_input_norm(cell) for blocker, cell in zip(blockers, cells, strict=True))
+    carried = tuple(built if blocker is None else None for built, blocker in zip(norms, blockers, strict=True))
     reason = f"{name} declares torch_kernel={kernel!r} and its norms the 'kernel' form: the {backend} backend"
-    return Plan(backend, reason + kernel_note, routes, inside)
+    return Plan(backend, reason + kernel_note, routes, inside, carried)
+
+
+def _torch_kernel_blocker(layer: Layer, cells: list[RecurrentCell], x: Tensor) -> str | None:
+    """Why torch's fused LSTM/GRU kernel cannot run these cells' sequence exactly, or ``None``."""
+    kernel = cell_kernel(cells[0])
+    if kernel is None or any(cell_kernel(cell) != kernel for cell in cells):
+        return f"{type_before_parametrizations(cells[0]).__name__} declares no torch_kernel"
+    if any(cell.has_norms for cell in cells):
+        return "torch's kernel normalizes nothing"
+    if _draws_random(layer):
+        return "random masks that torch's kernel would draw differently"
+    if torch.is_autocast_enabled(x.device.type):
+        return "autocast"
+    return None
 
 
 def _hoisting_blocker(cells: list[RecurrentCell]) -> str | None:

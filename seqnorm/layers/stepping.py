@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from seqnorm import kernels
 from seqnorm.cells.base import RecurrentCell
 from seqnorm.kernels import native
-from seqnorm.layers.kernel import compiled_step
+from seqnorm.layers.compiled import compiled_step
 from seqnorm.layers.plan import cell_kernel, plan_for
 from seqnorm.torch_ops import CELL_KERNELS
 

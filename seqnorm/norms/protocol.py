@@ -6,7 +6,7 @@ The forms (which one runs is :mod:`seqnorm.layers.plan`'s choice):
   same function, fewer operations) and ``forward_sequence`` (every step of ``(T, B, F)`` at once).
 - **generation**: the lean no-grad step (:mod:`seqnorm.layers.stepping`) calls :meth:`StepPieces.generation_step`
   once per cached step and the function it returns at every step.
-- **kernel**: the compiled kernels (:mod:`seqnorm.layers.kernel`) are given what the module's ``kernel_norm`` returns
+- **kernel**: the compiled kernels (:mod:`seqnorm.layers.compiled`) are given what the module's ``kernel_norm`` returns
   (:class:`~seqnorm.kernels.KernelNorm`); the math is the kernels' own.
 
 A norm declares the forms it implements in ``fast_forms`` (the plan reads that declaration, never this Protocol);

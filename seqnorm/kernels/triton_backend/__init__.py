@@ -7,7 +7,7 @@ reverse, with the weight and input gradients as large matmuls after the loop. Tw
 a program per row of the batch where every norm keeps its statistics per row (:mod:`.rows`), a program per block of
 features over every row where per-timestep BatchNorm takes statistics across the rows (:mod:`.column_layout`). The
 entry points have the C++ kernels' signatures (:class:`seqnorm.kernels.backend.Backend`), so the autograd Function of
-:mod:`seqnorm.layers.kernel` and the plan run unchanged. Nothing here reads a value back to the host inside the loops.
+:mod:`seqnorm.layers.compiled` and the plan run unchanged. Nothing here reads a value back to the host inside the loops.
 
 Kernels: :mod:`.norms` (each norm's statistics and backward), :mod:`.cells` (the gates), :mod:`.recurrence` and
 :mod:`.columns` (the fused steps of the two layouts).

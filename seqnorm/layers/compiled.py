@@ -46,6 +46,11 @@ def kernel_norm(norm: nn.Module | None, shift: Tensor | None, *, frozen: bool = 
     return norm.kernel_norm(shift, frozen=frozen)  # type: ignore[operator]
 
 
+def _shifted(norm: KernelNorm, shift: Tensor | None) -> KernelNorm:
+    """``norm`` followed by ``shift`` (the plan builds the norms without the biases that follow them)."""
+    return norm if shift is None else dataclasses.replace(norm, shift=shift)
+
+
 def _plus(first: Tensor | None, second: Tensor | None) -> Tensor | None:
     if first is None or second is None:
         return second if first is None else first
@@ -84,6 +89,7 @@ def run_recurrence(
     weight_hh: Tensor | None,
     layout: PaddingLayout,
     input_norm_inside: bool,
+    norms: tuple[KernelNorm, ...],
 ) -> tuple[Tensor, Any]:
     """One direction of one layer on the kernels; returns ``(outputs (T, B, H), final state)``.
 
@@ -95,6 +101,9 @@ def run_recurrence(
         layout: where the real rows are (:func:`~seqnorm.layers.stack.padding_layout`).
         input_norm_inside: whether the kernels run the input norm (the plan's
             :func:`~seqnorm.layers.plan.kernel_input_norm`); else ``input_terms`` applies it first.
+        norms: what the cell's norms hand the kernels, as the plan built them
+            (:func:`~seqnorm.layers.plan.cell_kernel_norms`: input, recurrent and, for an LSTM, cell-state norm,
+            without shifts); the biases that follow each norm become its shift here.
     """
     kernels = native(sequence.device.type)  # the backend the plan found for the device
     assert kernels is not None, "the plan routes here only where the kernels are loaded"
@@ -110,13 +119,13 @@ def run_recurrence(
         # recurrence takes x and W_ih and projects itself, so that its backward can hand the projection's
         # gradients the input norm's dx a chunk of steps at a time (csrc/recurrence.cpp, StepChunks).
         inputs, weight_ih = sequence, cell.weight_ih
-        ih = kernel_norm(cell.norm_ih, _plus(beta["ih"], cell.folded_bias()))
+        ih = _shifted(norms[0], _plus(beta["ih"], cell.folded_bias()))
     else:  # no input norm, or one the kernels do not run (sequence-wise statistics): the finished input terms
         inputs, ih = cell.input_terms(sequence, layout.active, layout.counts), NO_NORM
     # The recurrent norm's shift: its β and the bias that follows it (a GRU's b_hh; an LSTM folds both biases into
     # the input side).
-    hh = kernel_norm(cell.norm_hh, _plus(beta["hh"], cell.recurrent_bias()))
-    norms = (ih, hh, kernel_norm(cell.norm_c, beta["c"])) if lstm else (ih, hh)
+    hh = _shifted(norms[1], _plus(beta["hh"], cell.recurrent_bias()))
+    norms = (ih, hh, _shifted(norms[2], beta["c"])) if lstm else (ih, hh)
     call = _Call(kernels, None if layout.active is None else layout.active.contiguous(), norms, lstm)
     weights = tuple(tensor for norm in norms for tensor in (norm.weight, norm.shift))
     weight = (cell.weight_hh if weight_hh is None else weight_hh).contiguous()
