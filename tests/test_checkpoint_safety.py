@@ -19,11 +19,12 @@ import yaml
 
 import seqnorm.cli.app
 import seqnorm.lightning.base
+from seqnorm import checkpoint_io
+from seqnorm.checkpoint_io import CheckpointError
 from seqnorm.cli import main
-from seqnorm.lightning import LanguageModel, checkpoint_io
+from seqnorm.lightning import LanguageModel
 from seqnorm.lightning.base import TaskModule
 from seqnorm.lightning.checkpoint import ResumableCheckpoint
-from seqnorm.lightning.checkpoint_io import CheckpointError
 from tests.conftest import QUIET, logged_scalars, run_path, write_story
 
 TINY = ["--model.hidden_size", "16", "--model.embedding_dim", "8", *QUIET]
@@ -184,7 +185,7 @@ def test_a_class_spec_in_a_string_would_be_imported_without_the_check(
 ) -> None:
     # jsonargparse parses a string for an Any-typed field as YAML and resolves the class_path it finds there
     path, marker = _string_spec_checkpoint(story, trained, monkeypatch, "json")
-    monkeypatch.setattr("seqnorm.lightning.checkpoint_io._structure_in_string", lambda value: None)
+    monkeypatch.setattr("seqnorm.checkpoint_io._structure_in_string", lambda value: None)
     with pytest.raises(ValueError):  # the model refuses the option, but only after the class was imported
         LanguageModel.load_from_checkpoint(path)
     assert marker.exists()

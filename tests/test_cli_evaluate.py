@@ -19,11 +19,11 @@ import pytest
 import torch
 import yaml
 
+from seqnorm.checkpoint_io import CheckpointError
 from seqnorm.cli import main
 from seqnorm.cli.threads import THREADS_ENV
 from seqnorm.data import DataError, LabeledText, TextCorpus
 from seqnorm.data.base import SequenceDataModule
-from seqnorm.lightning.checkpoint_io import CheckpointError
 from tests.conftest import QUIET, logged_scalars, write_story
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -84,6 +84,58 @@ def test_no_module_of_seqnorm_is_in_an_import_circle() -> None:
     assert not circles, "import circles:\n" + "\n".join(circles)
 
 
+def _package(name: str) -> str:
+    """The package a module belongs to as docs/architecture.md draws them: ``seqnorm.<package>`` for a module of a
+    subpackage (``seqnorm.kernels.triton_backend.rows`` -> ``seqnorm.kernels``), a top-level module as itself."""
+    parts = name.split(".")
+    if len(parts) == 1:
+        return name
+    top = ".".join(parts[:2])
+    return top if (PACKAGE / parts[1]).is_dir() else name
+
+
+def _packages(graph: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """``graph`` collapsed onto packages: package A imports package B where a module of A imports one of B."""
+    collapsed: dict[str, dict[str, int]] = {}
+    for name, targets in graph.items():
+        edges = collapsed.setdefault(_package(name), {})
+        for target, line in targets.items():
+            if _package(target) != _package(name):
+                edges.setdefault(_package(target), line)
+    return collapsed
+
+
+PACKAGES = _packages(GRAPH)
+
+
+def test_no_package_of_seqnorm_is_in_an_import_circle() -> None:
+    """Imports point downward between packages too: no module circle can hide one (cells -> norms -> kernels ->
+    cells went through function-local imports of different modules; data -> lightning -> data likewise)."""
+    circles = [" -> ".join(cycle) for cycle in _cycles(PACKAGES)]
+    assert not circles, "package import circles:\n" + "\n".join(circles)
+
+
+def test_kernels_import_nothing_of_seqnorm() -> None:
+    """docs/architecture.md: ``seqnorm/kernels/`` imports nothing of seqnorm, so the norms can name its types."""
+    outside = {
+        f"{name} -> {target} (line {line})"
+        for name, targets in GRAPH.items()
+        if _package(name) == "seqnorm.kernels"
+        for target, line in targets.items()
+        if _package(target) != "seqnorm.kernels"
+    }
+    assert not outside, "seqnorm/kernels/ imports from outside it:\n" + "\n".join(sorted(outside))
+
+
+def test_the_package_check_reads_packages() -> None:
+    """The two checks above see what they should: submodules fold into their package, top-level modules stay."""
+    assert _package("seqnorm.kernels.triton_backend.rows") == "seqnorm.kernels"
+    assert _package("seqnorm.checkpoint_io") == "seqnorm.checkpoint_io" and _package("seqnorm") == "seqnorm"
+    folded = _packages({"seqnorm.cells.a": {"seqnorm.norms.b": 3}, "seqnorm.norms.b": {"seqnorm.cells.c": 7}})
+    assert _cycles(folded) == [["seqnorm.cells", "seqnorm.norms", "seqnorm.cells"]]
+    assert {"seqnorm.norms", "seqnorm.kernels"} <= set(PACKAGES["seqnorm.layers"])
+
+
 def _builds_on_the_base(tree: ast.Module) -> bool:
     """Whether the module defines a subclass of RecurrentLayer (a layer: LSTM, GRU): it imports the base by design."""
     return any(

@@ -16,9 +16,9 @@ import yaml
 
 import seqnorm
 import seqnorm.norms as norms
+from seqnorm.checkpoint_io import CheckpointError, read_checkpoint
 from seqnorm.cli import SeqnormCLI, main
 from seqnorm.lightning import LanguageModel
-from seqnorm.lightning.checkpoint_io import CheckpointError, read_checkpoint
 from seqnorm.norms import NORMS, REMOVED_KEYWORDS, NormSpec, spec_from_dict
 from seqnorm.norms.specs import field_names
 from tests.conftest import CELLS, LAYERS, run_path

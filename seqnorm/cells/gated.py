@@ -11,8 +11,8 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrizations, parametrize
 
 from seqnorm.cells.base import RecurrentCell
-from seqnorm.cells.projection import project
 from seqnorm.init import init_recurrent_
+from seqnorm.kernels.projection import project
 
 __all__ = ["GatedCell"]
 

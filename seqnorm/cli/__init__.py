@@ -1,4 +1,4 @@
-"""The ``seqnorm`` command (``seqnorm.__main__`` is its entry point), one module per concern.
+"""The ``seqnorm`` command (:mod:`seqnorm.cli.entry` is its entry point), one module per concern.
 
 - :mod:`~seqnorm.cli.commands`: what it answers without Lightning: ``--version``, the top-level ``--help``, ``configs``
 - :mod:`~seqnorm.cli.app`: LightningCLI's ``fit``, ``validate``, ``test``, ``predict``, and ``generate``

@@ -17,7 +17,7 @@ User errors (a missing file, bad text, an impossible setting, a checkpoint that 
 one-paragraph message and exit code 2, not a traceback; set ``SEQNORM_DEBUG=1`` to see the traceback.
 
 Checkpoints are untrusted input: every one is read with ``torch.load(weights_only=True)`` (see
-:mod:`seqnorm.lightning.checkpoint_io`), and with ``--ckpt_path`` the checkpoint's model hyperparameters are used
+:mod:`seqnorm.checkpoint_io`), and with ``--ckpt_path`` the checkpoint's model hyperparameters are used
 (a flag that contradicts them is an error, see :mod:`seqnorm.cli.checks`); ``validate``, ``test`` and ``predict``
 also take the data set-up from it (class, vocabulary, format, level, unit, sizes), so the new file is all they need::
 
@@ -44,6 +44,15 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 from lightning.pytorch.plugins.layer_sync import LayerSync
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
+from seqnorm.checkpoint_io import (
+    ALLOWED_GLOBALS,
+    CheckedCheckpointIO,
+    corrupt_checkpoint,
+    data_class,
+    names_class,
+    read_checkpoint,
+    task_class,
+)
 from seqnorm.cli.checks import (
     apply_checkpoint_data,
     apply_checkpoint_hparams,
@@ -81,15 +90,6 @@ from seqnorm.data import LabeledText, TextCorpus, Vocabulary
 from seqnorm.data.units import UNITS
 from seqnorm.lightning import LanguageModel, SequenceClassifier, SyncBatchNorm
 from seqnorm.lightning.base import DATA_STATE_KEY
-from seqnorm.lightning.checkpoint_io import (
-    ALLOWED_GLOBALS,
-    CheckedCheckpointIO,
-    corrupt_checkpoint,
-    data_class,
-    names_class,
-    read_checkpoint,
-    task_class,
-)
 from seqnorm.lightning.generate import SAMPLING_MINIMUMS, generate_text, sampling_out_of_range
 from seqnorm.lightning.prediction_writer import PredictionWriter
 from seqnorm.shipped_configs import resolve_config_names
@@ -437,7 +437,7 @@ def _generate_command(args: list[str]) -> None:
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``seqnorm`` console script."""
     argv = sys.argv[1:] if args is None else args
-    if answer_without_lightning(argv):  # --version, --help, configs, usage errors (what seqnorm.__main__ answers)
+    if answer_without_lightning(argv):  # --version, --help, configs, usage errors (what seqnorm.cli.entry answers)
         return
     quiet_known_noise()
     command = argv[0]

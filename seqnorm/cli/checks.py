@@ -20,11 +20,11 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_only
 
+from seqnorm.checkpoint_io import DATA_HPARAMS_KEY, corrupt_checkpoint, names_class
 from seqnorm.cli.runs import checkpoint_run_dir
 from seqnorm.data.base import from_checkpoint
 from seqnorm.data.formats import TEXT_FORMATS, checked_format
 from seqnorm.lightning.base import DATA_STATE_KEY
-from seqnorm.lightning.checkpoint_io import DATA_HPARAMS_KEY, corrupt_checkpoint, names_class
 from seqnorm.lightning.old_hparams import current_hparams
 from seqnorm.norms import NORMS, NormSpec, spec_from_dict
 
@@ -126,7 +126,7 @@ def apply_checkpoint_data(
     set-up of the checkpoint's run, so that ``--ckpt_path`` and the new file are the whole command.
 
     What the user set (command line or ``--config``: ``explicit``) stays. The rest comes from the run's data
-    arguments (:data:`~seqnorm.lightning.checkpoint_io.DATA_HPARAMS_KEY`, checked plain values) and, where the run
+    arguments (:data:`~seqnorm.checkpoint_io.DATA_HPARAMS_KEY`, checked plain values) and, where the run
     resolved them (:data:`STATE_SETUP`), from its data state; the :data:`DATA_SOURCES` only when the user names none
     (``seqnorm test --ckpt_path X`` tests on the run's own test split). Never the settings of this machine
     (:data:`~seqnorm.data.base.LOCAL_SETTINGS`: the cache, a checksum to trust, worker processes), and a file only

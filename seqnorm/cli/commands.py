@@ -1,7 +1,7 @@
 """The parts of the ``seqnorm`` command that need neither Lightning nor jsonargparse: ``--version``, the top-level
 ``--help``, ``configs`` and the usage errors before a subcommand is known.
 
-:func:`seqnorm.__main__.main` (the console script) answers these before it imports :mod:`seqnorm.cli.app`: importing
+:func:`seqnorm.cli.entry.main` (the console script) answers these before it imports :mod:`seqnorm.cli.app`: importing
 Lightning and jsonargparse there made each of them take seconds longer (docs/cli.md), and they work on a base install
 without the ``train`` extra.
 """

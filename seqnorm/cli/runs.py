@@ -21,10 +21,10 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 
+from seqnorm.checkpoint_io import data_class, read_checkpoint, task_class
 from seqnorm.layers import LAYERS, RecurrentLayer
 from seqnorm.lightning import LanguageModel, SequenceClassifier
 from seqnorm.lightning.atomic_io import is_disk_full, local_path
-from seqnorm.lightning.checkpoint_io import data_class, read_checkpoint, task_class
 
 __all__ = [
     "EVALUATIONS",

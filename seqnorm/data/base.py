@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 
+from seqnorm.checkpoint_io import DATA_HPARAMS_KEY, corrupt_checkpoint, data_class, read_checkpoint, subclasses
 from seqnorm.data.errors import DataError
 from seqnorm.data.files import check_encoding
 from seqnorm.data.formats import checked_format
@@ -142,20 +143,17 @@ class SequenceDataModule(pl.LightningDataModule):
     ) -> Self:
         """The DataModule a checkpoint's run read its data with: its saved arguments (``kwargs`` replace single
         ones) and its vocabulary, as Lightning's ``load_from_checkpoint`` makes it, from a file that passes
-        :func:`~seqnorm.lightning.checkpoint_io.read_checkpoint`.
+        :func:`~seqnorm.checkpoint_io.read_checkpoint`.
 
         The file is read once, with ``weights_only=True``; the arguments must be plain values, and the class they
         name must be this class or a subclass of it, never imported on the file's say-so (a foreign one is a
-        :class:`~seqnorm.lightning.checkpoint_io.CheckpointError`). The cache, a checksum to trust and the number of
+        :class:`~seqnorm.checkpoint_io.CheckpointError`). The cache, a checksum to trust and the number of
         worker processes are never taken from it (:data:`LOCAL_SETTINGS`: pass them in ``kwargs``), and a file it
         names must be a regular file and is said once (:func:`from_checkpoint`).
         """
-        # imported here: seqnorm.lightning's modules import seqnorm.data
-        from seqnorm.lightning.checkpoint_io import DATA_HPARAMS_KEY, corrupt_checkpoint, data_class, read_checkpoint
-
         flag = f"{cls.__name__}.load_from_checkpoint"
         checkpoint = read_checkpoint(checkpoint_path, flag)
-        target = data_class(checkpoint, _subclasses(cls), checkpoint_path, flag) or cls
+        target = data_class(checkpoint, subclasses(cls), checkpoint_path, flag) or cls
         taken = inspect.signature(target.__init__).parameters  # names no longer taken are ignored, as Lightning does
         saved = {name: value for name, value in (checkpoint.get(DATA_HPARAMS_KEY) or {}).items() if name in taken}
         saved = from_checkpoint({n: v for n, v in saved.items() if n not in kwargs}, f"{flag} {checkpoint_path}")
@@ -274,8 +272,3 @@ class SequenceDataModule(pl.LightningDataModule):
                 "with the texts to predict"
             )
         return self._loader("test", shuffle=False, bucket=None)
-
-
-def _subclasses(cls: type) -> list[type]:
-    """``cls`` and every subclass of it defined so far."""
-    return [cls, *(found for subclass in cls.__subclasses__() for found in _subclasses(subclass))]

@@ -93,7 +93,7 @@ class Backend(Protocol):
         ...
 
     def project_kept(self, sequence: Tensor, weight: Tensor, out: Tensor) -> Tensor:
-        """The input projection ``W x`` of the whole sequence into ``out`` (:func:`seqnorm.cells.projection.project`),
+        """The input projection ``W x`` of the whole sequence into ``out`` (:func:`seqnorm.kernels.projection.project`),
         with the operands in whatever layout is fastest here."""
         ...
 

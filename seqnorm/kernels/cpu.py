@@ -17,6 +17,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from seqnorm.kernels.projection import project
+
 __all__ = [
     "CACHE_ENV",
     "DEFAULT_CACHE_MB",
@@ -135,10 +137,8 @@ class CpuBackend:
 
     def project_kept(self, sequence: Tensor, weight: Tensor, out: Tensor) -> Tensor:
         """The recurrence's input projection ``W x`` of the whole sequence into ``out``
-        (:func:`~seqnorm.cells.projection.project`), ``W^T`` as a row-major copy or as the transposed view, whichever
-        multiplied faster here for the shape (:class:`ProjectionLayout`)."""
-        from seqnorm.cells.projection import project  # here: seqnorm.cells imports the kernels' package
-
+        (:func:`~seqnorm.kernels.projection.project`), ``W^T`` as a row-major copy or as the transposed view,
+        whichever multiplied faster here for the shape (:class:`ProjectionLayout`)."""
         rows = sequence.numel() // max(1, sequence.shape[-1])
         choice = ProjectionLayout.of(weight, rows)
         if choice.copy_wins is not None:

@@ -1,7 +1,7 @@
 """The compiled kernels' form of a layer direction's recurrence and of the generation step (:mod:`seqnorm.kernels`).
 
 :func:`run_recurrence` runs what the fast path's loop over hoisted input terms computes. The input projection
-``W_ih x`` of all steps is one matmul (:func:`~seqnorm.cells.projection.project`); then the recurrence — the input
+``W_ih x`` of all steps is one matmul (:func:`~seqnorm.kernels.projection.project`); then the recurrence — the input
 norm on each step's projection (its shift carrying the biases), ``W_hh h`` into a preallocated buffer, the recurrent
 norm, the gates, the cell-state norm — runs in C++ as one ``torch.autograd.Function`` whose backward through time is
 C++ as well. The Function makes the projection itself, so that its backward can turn the input norm's gradient into

@@ -15,16 +15,17 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
-from seqnorm.data.loader import ResumableDataLoader
-from seqnorm.layers.fast import Impl
-from seqnorm.lightning.checkpoint_io import (
+from seqnorm.checkpoint_io import (
     CheckpointError,
     checked_stream,
     corrupt_checkpoint,
     read_checkpoint,
     read_hparams_file,
+    subclasses,
     task_class,
 )
+from seqnorm.data.loader import ResumableDataLoader
+from seqnorm.layers.fast import Impl
 from seqnorm.lightning.old_hparams import current_hparams
 from seqnorm.lightning.resume import (
     RANDOM_STATE_KEY,
@@ -113,7 +114,7 @@ class TaskModule(pl.LightningModule):
 
         The file is read once, with ``weights_only=True``, and checked: its ``_class_path`` must name this class or
         one of its subclasses, and its hyperparameters must hold plain values only. A crafted or foreign file is a
-        :class:`~seqnorm.lightning.checkpoint_io.CheckpointError` and nothing in it runs. The model is built from
+        :class:`~seqnorm.checkpoint_io.CheckpointError` and nothing in it runs. The model is built from
         the checked contents, never from a second read of the path. ``hparams_file`` (a YAML file) replaces the saved
         hyperparameters and passes the same checks; ``kwargs`` replace single hyperparameters, as in Lightning.
         """
@@ -137,7 +138,7 @@ class TaskModule(pl.LightningModule):
         hyperparameters checked there, or by :func:`read_hparams_file`); errors name the file as ``flag``
         (``--ckpt_path`` for the CLI)."""
         where = f"{flag} {checkpoint_path}"
-        task_class(checkpoint, _subclasses(cls), checkpoint_path, flag)
+        task_class(checkpoint, subclasses(cls), checkpoint_path, flag)
         # Keys of before norm specs read as today's (the built model is the same); Lightning reads this dict.
         saved = checkpoint["hyper_parameters"] = current_hparams(checkpoint["hyper_parameters"])
         norm = saved.get("norm")
@@ -164,7 +165,7 @@ class TaskModule(pl.LightningModule):
 
         Call it right after ``save_hyperparameters()``. Checkpoints hold plain values only (they are read with
         ``weights_only=True``, and a ``class_path`` in their hyperparameters is refused:
-        :mod:`~seqnorm.lightning.checkpoint_io`), so a spec is saved as ``spec.to_dict()``, which only seqnorm's
+        :mod:`~seqnorm.checkpoint_io`), so a spec is saved as ``spec.to_dict()``, which only seqnorm's
         registry turns back into a spec; a name stays a name, as the shipped configs write it.
         """
         owner = type(self).__name__
@@ -410,11 +411,3 @@ def _is_loss_entry(entry: object) -> bool:
 def _as_floats(losses: Any) -> list[tuple[float, int]]:
     """The ``train/loss`` window as plain numbers for a checkpoint (read with ``weights_only=True``)."""
     return [(float(value), int(count)) for value, count in losses]
-
-
-def _subclasses(cls: type) -> list[type]:
-    """``cls`` and every subclass of it defined so far."""
-    found = [cls]
-    for subclass in cls.__subclasses__():
-        found += _subclasses(subclass)
-    return found

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from seqnorm.kernels.backend import KernelNorm
+from seqnorm.kernels.projection import project
 from seqnorm.kernels.triton_backend import column_layout, rows
 from seqnorm.kernels.triton_backend.checks import check_backward, check_forward, check_step
 from seqnorm.kernels.triton_backend.common import FLOATS
@@ -131,8 +132,6 @@ def prepare_step(weights: tuple[Tensor, Tensor], batch: int, fixed: Callable[[Te
 
 def project_kept(sequence: Tensor, weight: Tensor, out: Tensor) -> Tensor:
     """The input projection of the whole sequence into ``out`` (one cuBLAS product; either layout of ``W`` alike)."""
-    from seqnorm.cells.projection import project  # here: seqnorm.cells imports the kernels' package
-
     return project(sequence, weight, out=out)
 
 
