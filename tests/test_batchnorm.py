@@ -280,3 +280,32 @@ def test_a_steps_mask_is_read_from_the_device_once_and_again_after_it_changes(mo
     # the statistics are those of the real rows, as forward() computes them (its own count)
     y = reference[0].forward_step(x[:, :1].repeat(1, 16), 0, mask)
     assert_close(y, reference[1](x[:, :1].repeat(1, 16), 0, mask))
+
+
+def test_which_form_runs_a_training_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Who calls what in a cell's training step, so that no branch is kept that nothing reaches: plain BN's batch
+    steps are torch's fused kernels (forward_step's own), its tail steps the pieces' running-statistics step; batch
+    renorm's batch steps are its own pieces' step, whose moments come from the fused kernel (_fused_step)."""
+    from seqnorm.norms import batch_pieces
+
+    calls: list[str] = []
+
+    def spy(owner: object, name: str) -> None:
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *args, **kw: calls.append(name) or real(*args, **kw))
+
+    spy(TimestepBatchNorm, "_fused_forward_step")
+    spy(batch_pieces.BatchNormPieces, "step_forward")
+    spy(batch_pieces.BatchNormPieces, "_fused_step")
+    spy(TimestepBatchRenorm, "step_forward")
+    x = torch.randn(4, 6)
+    tail = torch.tensor([True, False, False, False])
+    norm = TimestepBatchNorm(6)
+    norm.forward_step(x, 0)
+    assert calls == ["_fused_forward_step"]
+    calls.clear()
+    norm.forward_step(x, 1, tail)
+    assert calls == ["step_forward"] and norm.fallback_steps == 1  # the pieces, on running statistics
+    calls.clear()
+    TimestepBatchRenorm(6, warmup=0).forward_step(x, 0)
+    assert calls == ["step_forward", "_fused_step"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from seqnorm.norms import DEFAULT_SMALL_BATCH, NORMS
+from seqnorm.norms import DEFAULT_SMALL_BATCH, NORMS, REMOVED_OPTIONS
 from seqnorm.norms.specs import default_of, field_names
 
 __all__ = ["OLD_NORM_OPTIONS", "RENAMED_HPARAMS", "current_hparams", "old_key_error"]
@@ -27,19 +27,9 @@ __all__ = ["OLD_NORM_OPTIONS", "RENAMED_HPARAMS", "current_hparams", "old_key_er
 RENAMED_HPARAMS = {"max_steps": "norm_max_steps"}
 """Old name -> new name of the task modules' arguments."""
 
-OLD_NORM_OPTIONS: dict[str, Any] = {
-    "eps": 1e-5,
-    "momentum": 0.1,
-    "affine": True,
-    "gamma_init": None,
-    "beta_init": 0.0,
-    "input_stats": "timestep",
-    "beyond_max_steps": "last",
-    "norm_placement": "separate",
-    "state_norm": "output",
-}
-"""Norm options that ``rnn_options`` took before specs, each with its default of then (a default said nothing, so a
-norm without that option accepted it)."""
+OLD_NORM_OPTIONS: dict[str, Any] = REMOVED_OPTIONS
+"""Norm options that ``rnn_options`` took before specs, each with its default of then: the norms' own list of what
+they no longer take as keywords (:data:`seqnorm.norms.REMOVED_OPTIONS`)."""
 
 
 def current_hparams(hparams: Mapping[str, Any]) -> dict[str, Any]:

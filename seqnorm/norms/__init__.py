@@ -53,6 +53,7 @@ __all__ = [
     "DEFAULT_SMALL_BATCH",
     "NORMS",
     "REMOVED_KEYWORDS",
+    "REMOVED_OPTIONS",
     "SMALL_BATCH_POLICIES",
     "BatchNormSpec",
     "BatchRenormSpec",
@@ -308,22 +309,24 @@ def check_placement(owner: str, spec: NormSpec, *, has_cell_state: bool) -> Plac
     return placement
 
 
-REMOVED_KEYWORDS = frozenset(
-    {
-        "eps",
-        "momentum",
-        "small_batch",
-        "affine",
-        "gamma_init",
-        "beta_init",
-        "input_stats",
-        "beyond_max_steps",
-        "norm_placement",
-        "state_norm",
-        "norm_options",
-    }
-)
-"""Norm options that cells and layers took as keywords before specs; now fields of the spec passed as ``norm=``."""
+REMOVED_OPTIONS: dict[str, Any] = {
+    "eps": 1e-5,
+    "momentum": 0.1,
+    "affine": True,
+    "gamma_init": None,
+    "beta_init": 0.0,
+    "input_stats": "timestep",
+    "beyond_max_steps": "last",
+    "norm_placement": "separate",
+    "state_norm": "output",
+}
+"""Norm options that cells, layers and models took as keywords before specs (now fields of the spec passed as
+``norm=``), each with its default of then: a default said nothing, so a norm without that option accepted it (what
+an old checkpoint's ``rnn_options`` held, :mod:`seqnorm.lightning.old_hparams`)."""
+
+REMOVED_KEYWORDS = frozenset({*REMOVED_OPTIONS, "small_batch", "norm_options"})
+"""The keywords a cell or layer refuses, naming the spec to use: :data:`REMOVED_OPTIONS`, the small-batch policy and
+the ``norm_options`` dict that carried the rest."""
 
 
 def removed_keyword_error(owner: str, norm: object, name: str, value: object) -> TypeError:

@@ -136,17 +136,12 @@ class BatchNormPieces:
     def step_forward(
         self, x: Tensor, step: int, mask: Tensor | None, count: int, weight: Tensor, shift: Tensor | None
     ) -> tuple[Tensor, StepRecord]:
-        row = min(step, self.max_steps - 1)
         # Fewer than 2 rows in training: the "running" fallback (forward raises the erroring policy's error).
         use_batch = self.training and count >= 2
         if self.training and not use_batch:
             self.fallback_steps += 1
-        if use_batch and self.fused_update:
-            # torch's fused kernel updates the running row in place with BN's rule (momentum, unbiased variance), as
-            # forward_step does.
-            y, mean, rstd = self._fused_step(x, mask, row, weight, shift)
-            self.num_batches_tracked[row].add_(1)
-            return y, StepRecord(mean, rstd, True)
+        # A batch step of plain BN never comes here: forward_step runs it by torch's fused kernels
+        # (TimestepBatchNorm._fused_forward_step); batch renorm's batch steps are its own step_forward.
         if use_batch:
             mean, var = masked_moments(x, mask, count)
             rstd = torch.rsqrt(var + self.eps)
@@ -158,21 +153,17 @@ class BatchNormPieces:
         y = (x - mean) * rstd * weight
         return (y if shift is None else y + shift), StepRecord(mean, rstd, use_batch)
 
-    def _fused_step(
-        self, x: Tensor, mask: Tensor | None, row: int, weight: Tensor | None, shift: Tensor | None
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """``(γ x̂ + shift, mean, 1/std)`` of a training step with batch statistics, which torch's fused kernel forms
-        over the real rows (``mask``; ``None``: all), updating running row ``row`` in place by BN's rule; padded
-        rows are normalized with the same moments. Needs :attr:`fused_update`."""
+    def _fused_step(self, x: Tensor, mask: Tensor | None, row: int) -> tuple[Tensor, Tensor, Tensor]:
+        """``(x̂, mean, 1/std)`` of a training step with batch statistics, which torch's fused kernel forms over the
+        real rows (``mask``; ``None``: all), updating running row ``row`` in place by BN's rule; padded rows are
+        normalized with the same moments. Needs :attr:`fused_update`. Batch renorm's step calls it, and applies its
+        correction and ``γ`` to ``x̂``."""
         running = self.running_mean[row], self.running_var[row]
         if mask is None:
-            return torch_ops.batch_norm_with_stats(x, weight, shift, *running, True, self.momentum, self.eps)
+            return torch_ops.batch_norm_with_stats(x, None, None, *running, True, self.momentum, self.eps)
         # The real rows gathered: one kernel for their moments and the update, instead of a dozen masked operations.
         _, mean, rstd = torch_ops.batch_norm_with_stats(x[mask], None, None, *running, True, self.momentum, self.eps)
-        y = (x - mean) * rstd
-        if weight is not None:
-            y = y * weight
-        return (y if shift is None else y + shift), mean, rstd
+        return (x - mean) * rstd, mean, rstd
 
     def step_backward(
         self, dy: Tensor, x: Tensor, mask: Tensor | None, weight: Tensor, shift: Tensor | None, record: StepRecord

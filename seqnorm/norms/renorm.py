@@ -133,7 +133,7 @@ class TimestepBatchRenorm(TimestepBatchNorm):
         previous_mean = running_mean.clone()  # both branches below update the row in place
         if self.fused_update:
             # The fused kernel updates the running row in place with BN's rule (momentum, unbiased variance).
-            x_hat, mean, rstd = self._fused_step(x, mask, row, None, None)
+            x_hat, mean, rstd = self._fused_step(x, mask, row)
             self.num_batches_tracked[row].add_(1)
         else:
             mean, var = masked_moments(x, mask, count)
