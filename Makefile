@@ -17,7 +17,7 @@ $(BIN)/.installed: pyproject.toml
 # The compiled kernels (seqnorm/csrc), built once per machine into ~/.cache/seqnorm/kernels (python -m seqnorm.kernels):
 # here, so that neither the demo nor the tests pay the build (a layer would build them on first use). Without a compiler
 # it says so and the plain path runs.
-$(BIN)/.kernels: $(BIN)/.installed $(wildcard seqnorm/csrc/*) seqnorm/kernels/__init__.py
+$(BIN)/.kernels: $(BIN)/.installed $(wildcard seqnorm/csrc/*) seqnorm/kernels/builder.py seqnorm/kernels/cpu.py
 	$(BIN)/python -m seqnorm.kernels
 	touch $@
 

@@ -1,7 +1,7 @@
 // The bindings' checks of their arguments, made before anything reads or writes their memory (as torch's ATen
 // kernels check every shape, dtype and device at the boundary): a call the kernels cannot run raises ValueError
 // (TypeError for a dtype) that names the entry point, the argument, what was expected and what came, instead of
-// reading past a buffer. recurrence.cpp's bindings state each argument's shape here; NormArgs::validate (norms.h)
+// reading past a buffer. The bindings (bindings.cpp) state each argument's shape here; NormArgs::validate (norms.h)
 // checks a norm's tensors against the features it normalizes.
 //
 // A passing check builds no message (SEQNORM_CHECK's pieces are evaluated only on failure): a generation step takes

@@ -137,7 +137,7 @@ inline bool brgemm_works() {
 }
 
 // The rule that picks the fastest of a few candidates on the work itself, written once: the products' routes here
-// and the generation step's weight layouts (seqnorm/layers/kernel.py, through the binding `Trials`).
+// and the generation step's weight layouts (seqnorm/layers/compiled.py, through the binding `Trials`).
 //
 // The candidates run in blocks of kBlock consecutive runs on the work as it comes, and a block counts by its fastest
 // timed run, the first run not timed: after a switch a route runs slower for a run or two (each route keeps its own
