@@ -1,8 +1,10 @@
 """A cell of your own in seqnorm's layers: IndRNN (Li et al. 2018), a diagonal recurrent weight and no dense ``W_hh``.
 
 A new cell subclasses :class:`seqnorm.RecurrentCell` and defines its parameters (``build``), their initialization
-(``reset_parameters``) and one time step (``step_unchecked``); what every cell shares (argument checks, the zero
-state, padding, zoneout, observers) comes from the base. A :class:`seqnorm.RecurrentLayer` with ``cell_class`` set
+(``reset_parameters``) and one time step (``step_unchecked(x, state, step, mask)``), taking its state where it enters
+the recurrence through ``self.recurrent_input(h)`` and its recurrent weight as ``self.recurrent_weight()``, so that
+the layers' recurrent dropout and DropConnect reach it; what every cell shares (argument checks, the zero state,
+padding, zoneout, observers) comes from the base. A :class:`seqnorm.RecurrentLayer` with ``cell_class`` set
 then runs it stacked, bidirectional, over ``lengths`` or a ``PackedSequence``, and one ``step()`` at a time, with
 torch's state-dict keys. A cell that declares no fast form runs the layers' reference loop.
 
@@ -46,28 +48,16 @@ class IndRNNCell(seqnorm.RecurrentCell):
         nn.init.uniform_(self.weight_hh, 0.0, 1.0)  # |w| <= 1: no unit's state grows without bound
         super().reset_parameters()
 
-    def step_unchecked(
-        self,
-        x: Tensor | None,
-        state: Tensor,
-        step: int,
-        mask: Tensor | None,
-        recurrent_mask: Tensor | None = None,
-        weight_hh: Tensor | None = None,
-        input_normed: Tensor | None = None,
-        *,
-        input_term: Tensor | None = None,
-    ) -> Tensor:
-        # recurrent_mask and weight_hh: the layers' recurrent dropout and DropConnect, which the step applies
+    def step_unchecked(self, x: Tensor, state: Tensor, step: int, mask: Tensor | None) -> Tensor:
         h_prev = state
-        h_in = h_prev if recurrent_mask is None else h_prev * recurrent_mask
-        term = F.linear(x, self.weight_ih)  # type: ignore[arg-type]
+        term = F.linear(x, self.weight_ih)
         if self.norm_ih is not None:
             term = self.norm_ih(term, step, mask)  # the mask keeps padded rows out of batch statistics
         if self.bias_ih is not None:
             term = term + self.bias_ih + self.bias_hh
-        recurrent = self.weight_hh if weight_hh is None else weight_hh
-        return self.settle(torch.relu(term + recurrent * h_in), h_prev, mask, self.zoneout_h)
+        # The layers' recurrent dropout and DropConnect reach the step here (the identity without them).
+        recurrent = self.recurrent_weight() * self.recurrent_input(h_prev)
+        return self.settle(torch.relu(term + recurrent), h_prev, mask, self.zoneout_h)
 
 
 class IndRNN(seqnorm.RecurrentLayer):

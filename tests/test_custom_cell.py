@@ -134,6 +134,47 @@ def test_weight_dropout_drops_entries_of_the_diagonal() -> None:
     assert_close(output, _by_hand(layer, x, lengths)[0], **TOLERANCE)
 
 
+def test_recurrent_dropout_reaches_the_cells_step() -> None:
+    """A custom cell took the recurrent mask as its fifth argument and had to apply it itself; a cell that did not
+    lost the layer's recurrent dropout silently. The step now asks ``self.recurrent_input(h)``: the mask is drawn
+    once per sequence and multiplies the state where it enters the recurrence (the carried state is not dropped)."""
+    torch.manual_seed(5)
+    layer = IndRNN(3, 4, recurrent_dropout=0.5, norm="layer", dtype=torch.float64)
+    x = torch.randn(5, 2, 3, dtype=torch.float64)
+    torch.manual_seed(6)
+    output, _ = layer(x)
+    torch.manual_seed(6)
+    mask = torch.bernoulli(torch.full((2, 4), 0.5, dtype=torch.float64)) / 0.5  # draw_sequence_masks's first draw
+    cell, h, expected = layer.cells[0], x.new_zeros(2, 4), []
+    for x_t in x:
+        h = torch.relu(cell.norm_ih(x_t @ cell.weight_ih.T) + cell.bias_ih + cell.bias_hh + cell.weight_hh * h * mask)
+        expected.append(h)
+    assert_close(output, torch.stack(expected), **TOLERANCE)
+    assert not torch.equal(output, layer.eval()(x)[0])  # in evaluation nothing is dropped
+
+
+class _OwnWeightsCell(IndRNNCell):
+    """The IndRNN step reading its state and ``weight_hh`` directly, as a cell written before the contract did."""
+
+    def step_unchecked(self, x: Tensor, state: Tensor, step: int, mask: Tensor | None) -> Tensor:
+        term = self.norm_ih(x @ self.weight_ih.T, step, mask) + self.bias_ih + self.bias_hh
+        return self.settle(torch.relu(term + self.weight_hh * state), state, mask)
+
+
+@pytest.mark.parametrize(
+    ("option", "said"),
+    [("recurrent_dropout", "self.recurrent_input(h)"), ("weight_dropout", "self.recurrent_weight()")],
+)
+def test_a_cell_that_never_asks_for_a_drawn_regularizer_is_refused_not_run_without_it(option: str, said: str) -> None:
+    layer_class = type("OwnWeights", (seqnorm.RecurrentLayer,), {"cell_class": _OwnWeightsCell})
+    layer = layer_class(3, 4, norm="layer", **{option: 0.3})
+    x = torch.randn(5, 2, 3)
+    with pytest.raises(ValueError, match=r"^OwnWeights: _OwnWeightsCell's step_unchecked\(\) never used ") as error:
+        layer(x)
+    assert option in str(error.value) and said in str(error.value)
+    assert layer.eval()(x)[0].shape == (5, 2, 4)  # nothing drawn in evaluation: it runs
+
+
 def test_hidden_state_stats_refuses_it_by_name() -> None:
     # the callback's statistics read the gate blocks a GatedCell has: a clear error, not an AttributeError mid-run
     from seqnorm.callbacks.observe import find_cells

@@ -37,11 +37,8 @@ class GatedUnitCell(GatedCell):
     def forward(self, x: Tensor, state: Tensor | None = None, *, step: int = 0, mask: Tensor | None = None) -> Tensor:
         return self.step_unchecked(x, self.initial_state(x.shape[0], x) if state is None else state, step, mask)
 
-    def step_unchecked(
-        self, x: Tensor | None, state: Tensor, step: int, mask: Tensor | None, *args: Any, **kwargs: Any
-    ) -> Tensor:
-        # The recurrent mask (args[0]) is not used: this toy is run without recurrent dropout.
-        input_term, recurrent_term = self.gate_terms(x, state, step, mask, None, *args[1:], **kwargs)
+    def step_terms(self, x: Tensor | None, state: Tensor, step: int, mask: Tensor | None, **terms: Any) -> Tensor:
+        input_term, recurrent_term = self.gate_terms(x, self.recurrent_input(state), step, mask, None, **terms)
         return self._mix(input_term, recurrent_term, state, mask)
 
     def _mix(self, a: Tensor, u: Tensor, h_prev: Tensor, mask: Tensor | None) -> Tensor:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -35,7 +37,24 @@ from seqnorm.validation import (
     check_step,
 )
 
-__all__ = ["RecurrentCell", "StepObserver"]
+__all__ = ["RecurrentCell", "SequenceRegularizers", "StepObserver"]
+
+
+class SequenceRegularizers:
+    """What a layer drew for one sequence of one cell (:func:`seqnorm.layers.dropout.draw_sequence_masks`), which
+    the cell's step reads through :meth:`RecurrentCell.recurrent_input` and :meth:`RecurrentCell.recurrent_weight`,
+    and how often it did: a layer refuses a cell that never asked for what was drawn (it would be lost silently)."""
+
+    __slots__ = ("inputs_read", "recurrent", "weight_hh", "weights_read")
+
+    def __init__(self, recurrent: Tensor | None, weight_hh: Tensor | None) -> None:
+        self.recurrent = recurrent  # (B, P), scaled by 1/(1-p): variational recurrent dropout
+        self.weight_hh = weight_hh  # W_hh for every step: DropConnect's copy, or weight norm's computed once
+        self.inputs_read = 0
+        self.weights_read = 0
+
+
+_RUNNING = threading.local()  # per thread: cell -> the SequenceRegularizers of the sequence it is running
 
 
 class StepObserver(nn.Module):
@@ -231,30 +250,54 @@ class RecurrentCell(PicklableParametrizations):
             state = (self.check_state_tensor("h", state[0], batch, x), self.check_state_tensor("c", state[1], batch, x))
         return self.step_unchecked(x, state, step, mask)
 
-    def step_unchecked(
-        self,
-        x: Tensor | None,
-        state: Any,
-        step: int,
-        mask: Tensor | None,
-        recurrent_mask: Tensor | None = None,
-        weight_hh: Tensor | None = None,
-        input_normed: Tensor | None = None,
-        *,
-        input_term: Tensor | None = None,
-    ) -> Any:
-        """One step without input checks: :meth:`forward`, the layers' reference loop and their hoisted loop call it.
+    def step_unchecked(self, x: Tensor, state: Any, step: int, mask: Tensor | None) -> Any:
+        """One step without input checks: :meth:`forward` and the layers' loops call it.
 
         ``x`` ``(B, input_size)``; ``state`` as :meth:`initial_state` makes it; ``step`` the time index (for
         per-timestep norms); ``mask`` ``(B,)`` bool or ``None``, ``False`` for padded rows, which keep their state
-        (:meth:`settle`) and must enter no batch statistics (pass it to the norms). The layers' regularizers:
-        ``recurrent_mask`` ``(B, P)`` is a variational dropout mask (already scaled by ``1/(1-p)``) for the state
-        where it enters the recurrent term; ``weight_hh`` replaces the cell's ``weight_hh`` (DropConnect, the layer's
-        ``weight_dropout``, drawn once per sequence from that parameter); ``input_normed`` is this step's slice of
-        :meth:`sequence_input_norm`. ``input_term`` is given only to a cell that declares ``hoisted_step``
-        (:class:`~seqnorm.cells.gated.GatedCell`), with ``x`` ``None``. Zoneout, drawn at every step, is the cell's.
+        (:meth:`settle`) and must enter no batch statistics (pass it to the norms). Where the state enters the
+        recurrent term, take it through :meth:`recurrent_input`, and the recurrent weight through
+        :meth:`recurrent_weight`: the layers' variational recurrent dropout and DropConnect, drawn once per
+        sequence, reach the step there (a layer refuses a cell that never asks while they are on). Zoneout, drawn
+        at every step, is the cell's (:meth:`settle`).
         """
         raise NotImplementedError(f"{type(self).__name__}: a cell defines step_unchecked() (its step)")
+
+    def recurrent_input(self, h: Tensor) -> Tensor:
+        """``h`` where it enters the recurrent term: with the layer's variational recurrent dropout applied while a
+        layer runs a sequence with it (its mask drawn once per sequence), else ``h`` itself. The carried state is
+        not dropped: only what the recurrent weight multiplies."""
+        drawn = self._running()
+        if drawn is None or drawn.recurrent is None:
+            return h
+        drawn.inputs_read += 1
+        return h * drawn.recurrent
+
+    def recurrent_weight(self) -> Tensor:
+        """The recurrent weight for this step: the layer's DropConnect copy of ``weight_hh`` (drawn once per
+        sequence), or the one the layer computed once for the sequence (weight norm), else ``self.weight_hh``."""
+        drawn = self._running()
+        if drawn is None or drawn.weight_hh is None:
+            return self.weight_hh
+        drawn.weights_read += 1
+        return drawn.weight_hh
+
+    def _running(self) -> SequenceRegularizers | None:
+        running = getattr(_RUNNING, "cells", None)
+        return None if not running else running.get(self)
+
+    @contextlib.contextmanager
+    def running_sequence(self, drawn: SequenceRegularizers) -> Iterator[SequenceRegularizers]:
+        """While a layer runs one sequence of this cell (in this thread): what it drew, for
+        :meth:`recurrent_input` and :meth:`recurrent_weight` to hand the steps."""
+        running = getattr(_RUNNING, "cells", None)
+        if running is None:
+            running = _RUNNING.cells = {}
+        running[self] = drawn
+        try:
+            yield drawn
+        finally:
+            del running[self]
 
     def settle(self, new: Tensor, old: Tensor, mask: Tensor | None, rate: float = 0.0) -> Tensor:
         """A state tensor after a step: :meth:`zoneout` at ``rate`` (a fresh draw in training), then the padded rows
@@ -264,8 +307,8 @@ class RecurrentCell(PicklableParametrizations):
 
     def sequence_input_norm(self, x: Tensor, mask: Tensor | None, counts: list[int]) -> list[Tensor] | None:
         """Per step of ``x`` ``(T, B, input_size)``, the normalized input term where its statistics need the whole
-        sequence (``input_stats="sequence"``), passed to :meth:`step_unchecked` as ``input_normed``; ``None``
-        (here): each step normalizes its own input."""
+        sequence (``input_stats="sequence"``), which a gated cell's step takes as ``input_normed``
+        (:meth:`~seqnorm.cells.gated.GatedCell.step_terms`); ``None`` (here): each step normalizes its own input."""
         return None
 
     # --- input checks --------------------------------------------------------------------------------------------

@@ -110,6 +110,27 @@ class GatedCell(RecurrentCell):
 
     # --- one time step -------------------------------------------------------------------------------------------
 
+    def step_unchecked(self, x: Tensor, state: Any, step: int, mask: Tensor | None) -> Any:
+        """One step (:meth:`RecurrentCell.step_unchecked`): :meth:`step_terms` from ``x``."""
+        return self.step_terms(x, state, step, mask)
+
+    def step_terms(
+        self,
+        x: Tensor | None,
+        state: Any,
+        step: int,
+        mask: Tensor | None,
+        *,
+        input_normed: Tensor | None = None,
+        input_term: Tensor | None = None,
+    ) -> Any:
+        """A gated cell's step, also from an input term the layer computed beforehand (its hook for the layers'
+        loops): ``input_normed``, this step's ``N_ih(W_ih x)`` where its statistics need the whole sequence
+        (:meth:`sequence_input_norm`), or, for a cell that declares ``hoisted_step``, ``input_term``, this step's
+        slice of :meth:`input_terms` (``x`` is then ``None``). Otherwise as :meth:`step_unchecked`; the terms are
+        :meth:`gate_terms`'s."""
+        raise NotImplementedError(f"{type(self).__name__}: a gated cell defines step_terms() (its step)")
+
     def gate_terms(
         self,
         x: Tensor | None,
@@ -117,18 +138,18 @@ class GatedCell(RecurrentCell):
         step: int,
         mask: Tensor | None,
         record: dict[str, Any] | None = None,
-        weight_hh: Tensor | None = None,
         input_normed: Tensor | None = None,
         input_term: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """The (normalized) input and recurrent terms ``N(W_ih x) + b_ih`` and ``N(W_hh h) + b_hh``.
 
-        With ``norm_placement="joint"``: ``(N(W_ih x + W_hh h) + b_ih + b_hh, None)``. ``weight_hh`` replaces
-        ``W_hh`` for this step (the layers pass a DropConnect-masked copy, or the weight-normed one computed once);
-        ``input_normed`` is ``N_ih(W_ih x)`` when the layer computed it for the whole sequence (sequence-wise input
-        statistics). ``input_term`` is the hoisted form's input term from :meth:`input_terms`, which carries
-        :meth:`folded_bias` (``x`` is then not read, and the recurrent term carries :meth:`recurrent_bias`): the norms
-        run through their ``forward_step`` and nothing is recorded (the layers hoist only while no observer is hooked).
+        With ``norm_placement="joint"``: ``(N(W_ih x + W_hh h) + b_ih + b_hh, None)``. ``h`` is what enters the
+        recurrent term (:meth:`recurrent_input`); ``W_hh`` is :meth:`recurrent_weight` (a layer's DropConnect copy,
+        or the weight-normed one it computed once); ``input_normed`` is ``N_ih(W_ih x)`` when the layer computed it
+        for the whole sequence (sequence-wise input statistics). ``input_term`` is the hoisted form's input term from
+        :meth:`input_terms`, which carries :meth:`folded_bias` (``x`` is then not read, and the recurrent term carries
+        :meth:`recurrent_bias`): the norms run through their ``forward_step`` and nothing is recorded (the layers hoist
+        only while no observer is hooked).
         """
         lean = input_term is not None
         recorded = record is not None and not lean
@@ -141,7 +162,7 @@ class GatedCell(RecurrentCell):
                 input_term = input_raw if norm_ih is None else self.step_norm(norm_ih, recorded)(input_raw, step, mask)
             if self.bias_ih is not None and self.norm_gates is None:  # (the joint norm's biases follow it, below)
                 input_term = input_term + self.bias_ih
-        recurrent_raw = torch.mm(h, (self.weight_hh if weight_hh is None else weight_hh).t())
+        recurrent_raw = torch.mm(h, self.recurrent_weight().t())
         recurrent_term: Tensor | None
         if self.norm_gates is not None:
             input_term = self.step_norm(self.norm_gates, recorded)(input_term + recurrent_raw, step, mask)
@@ -171,7 +192,7 @@ class GatedCell(RecurrentCell):
         """``N_ih(W_ih x)`` per step of ``x`` ``(T, B, input_size)`` when its statistics need the whole sequence.
 
         ``None`` unless ``input_stats="sequence"``: then the reference loop passes each step's term to
-        :meth:`step_unchecked`, since one step alone cannot form batch × time statistics.
+        :meth:`step_terms`, since one step alone cannot form batch × time statistics.
         """
         if self.norm_ih is None or not getattr(self.norm_ih, "whole_sequence", False):
             return None

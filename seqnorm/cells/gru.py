@@ -80,23 +80,21 @@ class GRUCell(GatedCell):
         """
         return super().forward(x, state, step=step, mask=mask)
 
-    def step_unchecked(
+    def step_terms(
         self,
         x: Tensor | None,
         state: Tensor,
         step: int,
         mask: Tensor | None,
-        recurrent_mask: Tensor | None = None,
-        weight_hh: Tensor | None = None,
-        input_normed: Tensor | None = None,
         *,
+        input_normed: Tensor | None = None,
         input_term: Tensor | None = None,
     ) -> Tensor:
         h_prev = state
-        h_in = h_prev if recurrent_mask is None else h_prev * recurrent_mask
+        h_in = self.recurrent_input(h_prev)  # the layer's recurrent dropout, where it runs a sequence with one
         record: dict[str, Any] | None = {} if self.observer.active else None
         # b_hh stays on the recurrent side (recurrent_bias): its candidate part is gated by r.
-        a, u = self.gate_terms(x, h_in, step, mask, record, weight_hh, input_normed, input_term)
+        a, u = self.gate_terms(x, h_in, step, mask, record, input_normed, input_term)
         assert u is not None  # a GRU has no joint placement
         blocks = [2 * self.hidden_size, self.hidden_size]
         # split, not slicing: one backward node that joins the parts, where each slice's pads a zero (B, 3H) block

@@ -131,22 +131,20 @@ class LSTMCell(GatedCell):
         """
         return super().forward(x, state, step=step, mask=mask)
 
-    def step_unchecked(
+    def step_terms(
         self,
         x: Tensor | None,
         state: tuple[Tensor, Tensor],
         step: int,
         mask: Tensor | None,
-        recurrent_mask: Tensor | None = None,
-        weight_hh: Tensor | None = None,
-        input_normed: Tensor | None = None,
         *,
+        input_normed: Tensor | None = None,
         input_term: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         h_prev, c_prev = state
-        h_in = h_prev if recurrent_mask is None else h_prev * recurrent_mask
+        h_in = self.recurrent_input(h_prev)  # the layer's recurrent dropout, where it runs a sequence with one
         record: dict[str, Any] | None = {} if self.observer.active else None
-        terms = self.gate_terms(x, h_in, step, mask, record, weight_hh, input_normed, input_term)
+        terms = self.gate_terms(x, h_in, step, mask, record, input_normed, input_term)
         pre = terms[0] if terms[1] is None else terms[0] + terms[1]  # None: the joint norm's sum
         i, f, g, o = pre.chunk(4, dim=1)
         i, f, g, o = torch.sigmoid(i), torch.sigmoid(f), torch.tanh(g), torch.sigmoid(o)

@@ -2,9 +2,10 @@
 
 The C++ sources are in ``seqnorm/csrc`` (``norms.h``: each norm's step and backward; ``cells.h``: the gates;
 ``recurrence.cpp``: the time loops; ``bindings.cpp``: their checked Python bindings). They are compiled once per
-machine with torch's ``cpp_extension`` (:mod:`seqnorm.kernels.builder`) by the first layer that needs them (or ahead of time by ``python -m seqnorm.kernels``, which ``make venv`` runs) into a cache
-directory (:func:`cache_dir`), keyed by the sources, the torch version and the CPU's vector instructions, and loaded
-from there. A build is published whole (a temporary folder renamed into place) with a manifest of the library's size
+machine with torch's ``cpp_extension`` (:mod:`seqnorm.kernels.builder`) by the first layer that needs them (or
+ahead of time by ``python -m seqnorm.kernels``, which ``make venv`` runs) into a cache directory (:func:`cache_dir`),
+keyed by the sources, the torch version and the CPU's vector instructions, and loaded from there.
+A build is published whole (a temporary folder renamed into place) with a manifest of the library's size
 and SHA-256 and the torch it was built for (:data:`MANIFEST`), which every load checks first: a truncated, empty,
 replaced or stale library is rebuilt once (or, where it cannot be, the plain path runs with a warning), never
 loaded. A first-use build prints one notice (what, where, how long, how to opt out) and holds a file lock, so that

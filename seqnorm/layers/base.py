@@ -27,12 +27,11 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 from seqnorm.cells.base import RecurrentCell
 from seqnorm.init import InitName, resolve_init
 from seqnorm.layers.arguments import check_first_step, prepare
-from seqnorm.layers.dropout import draw_sequence_masks
-from seqnorm.layers.fast import IMPLS, Impl, run_fast, run_fused, step_cell
+from seqnorm.layers.fast import IMPLS, Impl, run_direction, run_fast, run_fused, step_cell
 from seqnorm.layers.finite import watch_input_gradient
 from seqnorm.layers.keys import TORCH_KEY, from_torch_keys, to_torch_keys, torch_keys_in_errors
 from seqnorm.layers.plan import Plan, log, plan_for
-from seqnorm.layers.stack import PaddingLayout, padding_layout, run_stack
+from seqnorm.layers.stack import padding_layout, run_stack
 from seqnorm.layers.stepping import forget, lean_layer_step
 from seqnorm.norms import DEFAULT_MAX_STEPS, NormName, NormSpec, check_placement, refuse_removed_keywords, resolve_norm
 from seqnorm.norms.sync import synchronized_steps
@@ -316,32 +315,7 @@ class RecurrentLayer(nn.Module):
 
         Steps after the longest sequence are skipped unless ``run_every_step``."""
         layout = padding_layout(lengths, x.shape[0], x.shape[1], x.device, run_every_step)
-        run_direction = partial(self._run_direction, first_step=first_step) if first_step else self._run_direction
-        return run_stack(self, x, h0, c0, layout, run_direction)
-
-    def _run_direction(
-        self, cell: RecurrentCell, sequence: Tensor, state: Any, layout: PaddingLayout, first_step: int = 0
-    ) -> tuple[Tensor, Any]:
-        # Variational (input, recurrent) and DropConnect masks: one per sequence, the same at every step.
-        dropped = draw_sequence_masks(self, cell, sequence, state)
-        if dropped.input is not None:
-            sequence = sequence * dropped.input
-        outputs = []
-        # Sequence-wise input statistics (input_stats="sequence") need every step before the first one runs.
-        input_normed = cell.sequence_input_norm(sequence, layout.active, layout.counts) or [None] * layout.steps
-        # unbind, not x[t]: indexing makes every step's backward write a full-size gradient.
-        for t, x_t in enumerate(sequence.unbind(0), first_step):
-            state = cell.step_unchecked(
-                x_t,
-                state,
-                t,
-                layout.masks[t - first_step],
-                dropped.recurrent,
-                dropped.weight_hh,
-                input_normed[t - first_step],
-            )
-            outputs.append(state if isinstance(state, Tensor) else state[0])
-        return torch.stack(outputs), state
+        return run_stack(self, x, h0, c0, layout, partial(run_direction, self, None, first_step=first_step))
 
     # --- one step at a time ----------------------------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
-from seqnorm.cells.base import RecurrentCell
+from seqnorm.cells.base import RecurrentCell, SequenceRegularizers
 from seqnorm.kernels import KernelNorm
 from seqnorm.layers import compiled
 from seqnorm.layers.dropout import draw_sequence_masks
@@ -42,7 +42,7 @@ from seqnorm.torch_ops import CELL_KERNELS, SEQUENCE_KERNELS
 if TYPE_CHECKING:
     from seqnorm.layers.protocol import Layer
 
-__all__ = ["Impl", "choose_path", "run_fast", "run_fused", "step_cell"]
+__all__ = ["Impl", "choose_path", "run_direction", "run_fast", "run_fused", "step_cell"]
 
 Impl = Literal["auto", "reference", "loop", "kernel", "triton", "torch_kernel"]
 IMPLS: tuple[str, ...] = ("auto", "reference", "loop", "kernel", "triton", "torch_kernel")
@@ -100,34 +100,81 @@ def run_fast(
     inside the kernels)."""
     layout = padding_layout(lengths, x.shape[0], x.shape[1], x.device)
     routes = dict(zip(layer.cells, zip(plan.cells, plan.input_norms, plan.kernel_norms, strict=True), strict=True))
-    return run_stack(layer, x, h0, c0, layout, partial(_run_direction, layer, routes))
+    return run_stack(layer, x, h0, c0, layout, partial(run_direction, layer, routes))
 
 
-def _run_direction(
+Route = tuple[str, bool, "tuple[KernelNorm, ...] | None"]
+"""A direction's path as the plan set it: its name, whether the kernels run its input norm, its kernel norms."""
+_REFERENCE: Route = ("reference", False, None)
+
+
+def run_direction(
     layer: Layer,
-    routes: dict[RecurrentCell, tuple[str, bool, tuple[KernelNorm, ...] | None]],
+    routes: dict[RecurrentCell, Route] | None,
     cell: RecurrentCell,
     sequence: Tensor,
     state: Any,
     layout: PaddingLayout,
+    first_step: int = 0,
 ) -> tuple[Tensor, Any]:
-    # Drawn at the same point of the random stream as the reference loop draws them.
+    """One direction of one layer over ``sequence`` ``(T, B, I)`` from ``state``; returns ``(outputs (T, B, H),
+    final state)``. The one loop of the reference path (``routes`` ``None``: the cell's own step at every step, from
+    ``first_step``) and of the plan's ``"loop"`` (its hoisted input terms: :meth:`GatedCell.step_terms`), or the
+    device's kernels where the plan routes the direction there.
+
+    The layer's regularizers are applied here, drawn once per sequence at the same point of the random stream on
+    every path (:func:`~seqnorm.layers.dropout.draw_sequence_masks`): input dropout on the sequence, and recurrent
+    dropout and DropConnect through the cell's :meth:`~RecurrentCell.recurrent_input` and
+    :meth:`~RecurrentCell.recurrent_weight`; a cell whose step never asks for one that was drawn is refused, not
+    run without it."""
     dropped = draw_sequence_masks(layer, cell, sequence, state)
     if dropped.input is not None:
         sequence = sequence * dropped.input
-    route, input_norm_inside, norms = routes[cell]
+    route, input_norm_inside, norms = _REFERENCE if routes is None else routes[cell]
     if route in ("kernel", "triton"):  # the device's backend, as the plan found it
         assert norms is not None, "the plan carries the norms of every cell it routes to the kernels"
         return compiled.run_recurrence(cell, sequence, state, dropped.weight_hh, layout, input_norm_inside, norms)
-    terms = cell.input_terms(sequence, layout.active, layout.counts)  # (T, B, G*H)
-    # Weight norm (and DropConnect): computed once per sequence, not once per step.
-    weight_hh = cell.weight_hh if dropped.weight_hh is None else dropped.weight_hh
+    masks = layout.masks
+    if route == "loop":  # GatedCell: the input side of every step at once
+        terms: list[Tensor] | None = list(cell.input_terms(sequence, layout.active, layout.counts).unbind(0))
+        # Weight norm (and DropConnect): computed once per sequence, not once per step.
+        weight_hh = cell.weight_hh if dropped.weight_hh is None else dropped.weight_hh
+        normed = None
+    else:
+        terms, weight_hh = None, dropped.weight_hh
+        # Sequence-wise input statistics (input_stats="sequence") need every step before the first one runs.
+        normed = cell.sequence_input_norm(sequence, layout.active, layout.counts)
     outputs = []
-    for step, (term, mask) in enumerate(zip(terms.unbind(0), layout.masks, strict=True)):
-        # The reference's step with the hoisted input term: zoneout is drawn at the same point of the stream.
-        state = cell.step_unchecked(None, state, step, mask, dropped.recurrent, weight_hh, input_term=term)
-        outputs.append(state if isinstance(state, Tensor) else state[0])
+    with cell.running_sequence(SequenceRegularizers(dropped.recurrent, weight_hh)) as drawn:
+        # unbind, not x[t]: indexing makes every step's backward write a full-size gradient.
+        for index, x_t in enumerate(sequence.unbind(0)):
+            step = first_step + index
+            if terms is not None:  # the reference's step with the hoisted input term; zoneout drawn as there
+                state = cell.step_terms(None, state, step, masks[index], input_term=terms[index])  # type: ignore[attr-defined]
+            elif normed is not None:
+                state = cell.step_terms(x_t, state, step, masks[index], input_normed=normed[index])  # type: ignore[attr-defined]
+            else:
+                state = cell.step_unchecked(x_t, state, step, masks[index])
+            outputs.append(state if isinstance(state, Tensor) else state[0])
+    _check_regularizers_read(layer, cell, dropped.recurrent is not None, dropped.weight_hh is not None, drawn)
     return torch.stack(outputs), state
+
+
+def _check_regularizers_read(
+    layer: Layer, cell: RecurrentCell, recurrent: bool, weight: bool, drawn: SequenceRegularizers
+) -> None:
+    """Refuse a cell whose step never asked for what the layer drew: recurrent dropout or DropConnect would have
+    been lost without a word (a cell of the user's that reads its state or ``weight_hh`` directly)."""
+    missing = []
+    if recurrent and not drawn.inputs_read:
+        missing.append("recurrent_dropout (take h through self.recurrent_input(h) where it enters the recurrent term)")
+    if weight and not drawn.weights_read:
+        missing.append("weight_dropout (take the recurrent weight as self.recurrent_weight())")
+    if missing:
+        raise ValueError(
+            f"{type(layer).__name__}: {cell._owner}'s step_unchecked() never used the layer's "
+            f"{' or '.join(missing)}: it would have run without it"
+        )
 
 
 # --- one step (generation) ---
