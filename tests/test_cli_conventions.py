@@ -260,3 +260,15 @@ def test_a_run_shorter_than_its_first_validation_keeps_last_without_a_warning(
     checkpoints = run_path(0, tmp_path) / "checkpoints"
     assert [path.name for path in checkpoints.iterdir()] == ["last.ckpt"]
     assert torch.load(checkpoints / "last.ckpt", weights_only=True)["global_step"] == 3
+
+
+def test_the_private_lightningcli_methods_overridden_are_listed_and_still_lightnings() -> None:
+    """An override of a method Lightning renamed or removed would silently never run (the checked checkpoint read,
+    weights_only=True): the list is exact, and every name on it is still LightningCLI's."""
+    from lightning.pytorch.cli import LightningCLI
+
+    from seqnorm.cli.app import PRIVATE_OVERRIDES, SeqnormCLI
+
+    private = {name for name in vars(SeqnormCLI) if name.startswith("_") and not name.startswith("__")}
+    assert {name for name in private if hasattr(LightningCLI, name)} == set(PRIVATE_OVERRIDES)
+    assert all(callable(getattr(LightningCLI, name, None)) for name in PRIVATE_OVERRIDES)
