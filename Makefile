@@ -22,7 +22,7 @@ $(BIN)/.kernels: $(BIN)/.installed $(wildcard seqnorm/csrc/*) seqnorm/kernels/bu
 	touch $@
 
 # The highest Triton the [gpu] extra allows, beside the venv's lowest ([test]'s pin): 3.9's interpreter refused masks
-# that 3.6's took, so tests/test_triton_backend.py runs under both (tests/test_packaging.py checks that these two are
+# that 3.6's took, so tests/kernels/test_triton_backend.py runs under both (tests/test_packaging.py checks that these two are
 # the ends of the declared range). Its own folder, first on PYTHONPATH for that run only (about 1 GB, once).
 TRITON_HIGHEST := 3.9.0
 HIGHEST := $(VENV)/triton-$(TRITON_HIGHEST)
@@ -42,7 +42,7 @@ test: venv $(HIGHEST)/.installed
 	$(BIN)/python -m ruff check seqnorm tests scripts examples
 	$(BIN)/python -m pytest -n auto --maxprocesses 4 --durations 15
 	PYTHONPATH=$(HIGHEST) $(BIN)/python -c 'import triton; assert triton.__version__ == "$(TRITON_HIGHEST)", triton.__file__'
-	PYTHONPATH=$(HIGHEST) $(BIN)/python -m pytest -n auto --maxprocesses 4 tests/test_triton_backend.py
+	PYTHONPATH=$(HIGHEST) $(BIN)/python -m pytest -n auto --maxprocesses 4 tests/kernels/test_triton_backend.py
 
 # The inner loop: the suite without the tests marked slow (processes, CLI runs, end-to-end training, the Triton
 # interpreter; tests/conftest.py), under 2 minutes on 2 cores.

@@ -1,8 +1,9 @@
 """The private or undocumented torch calls seqnorm makes, in one place, each with why a public one does not do.
 
-If a torch release renames or changes one of them, this is the file to adapt (and ``tests/test_fast_path.py``,
-``tests/test_cell_loop.py`` and ``tests/test_stepping.py`` are the tests that say so). Names are bound once at import:
-the fast paths call them at every step, where one attribute lookup fewer is measurable at batch size 1.
+If a torch release renames or changes one of them, this is the file to adapt (and ``tests/layers/test_fast_path.py``,
+``tests/cells/test_cell_loop.py`` and ``tests/layers/test_stepping.py`` are the tests that say so). Names are bound
+once at import: the fast paths call them at every step, where one attribute lookup fewer is measurable at batch size
+1.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ TORCH_KINDS = [kind for kind, cell in CELLS.items() if declared(cell, "torch_ker
 
 # Triton reads TRITON_INTERPRET when it is first imported (its own language functions are decorated then), and other
 # parts of the suite may import it (torch's compiler, onnx export): set before anything does, so that the Triton
-# backend's tests can run its kernels on CPU tensors through the interpreter (tests/test_triton_backend.py).
+# backend's tests can run its kernels on CPU tensors through the interpreter (tests/kernels/test_triton_backend.py).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -61,7 +61,8 @@ def require_kernels() -> None:
 
 @pytest.fixture
 def built_library() -> Path:
-    """This machine's real build of the kernels, which a stubbed compile hands out (tests/test_kernel_build.py)."""
+    """This machine's real build of the kernels, which a stubbed compile hands out
+    (tests/kernels/test_kernel_build.py)."""
     require_kernels()
     return Path(seqnorm.kernels.native("cpu").__file__)  # type: ignore[union-attr]
 

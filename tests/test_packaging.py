@@ -19,7 +19,7 @@ import yaml
 
 from seqnorm.cli import main
 from seqnorm.shipped_configs import config_dir, config_path, resolve_config_names, shipped_configs
-from tests.test_kernel_build import COMPILE_STUB
+from tests.kernels.test_kernel_build import COMPILE_STUB
 
 ROOT = Path(__file__).resolve().parent.parent
 # The compiler replaced by one that records its call (argv[1]) and hands out this machine's build (argv[2]).
@@ -99,7 +99,10 @@ def test_make_test_tests_both_ends_of_the_declared_triton_range() -> None:
     below = Version(f"{lowest.major}.{lowest.minor - 1}.99") if lowest.minor else Version(f"{lowest.major - 1}.99")
     assert below not in declared, "the range admits a version below the tested lowest"
     assert Version(f"{highest.major}.{highest.minor + 1}.0") not in declared, "the range admits an untested minor"
-    assert "PYTHONPATH=$(HIGHEST) $(BIN)/python -m pytest" in makefile and "tests/test_triton_backend.py" in makefile
+    assert (
+        "PYTHONPATH=$(HIGHEST) $(BIN)/python -m pytest" in makefile
+        and "tests/kernels/test_triton_backend.py" in makefile
+    )
 
 
 def test_the_docs_name_the_tested_triton_versions() -> None:
@@ -161,7 +164,7 @@ def test_the_wheel_ships_every_config(tmp_path: Path) -> None:
 def test_a_fresh_install_builds_the_kernels_on_first_use(tmp_path: Path, built_library: Path) -> None:
     """Issue 31: after ``pip install .`` in a new environment the first layer warned "not built" and every step ran
     the plain path (1.0-1.2 s against 0.47-0.64 s). Now the first layer builds them, with one notice, into the
-    cache, and runs them. The compiler itself is stubbed as in ``tests/test_kernel_build.py`` (it hands out this
+    cache, and runs them. The compiler itself is stubbed as in ``tests/kernels/test_kernel_build.py`` (it hands out this
     machine's build: a real compile takes 1.5-3 minutes on 2 cores); the same ``build()`` compiles for real in every
     fresh set-up, where ``make venv`` runs ``python -m seqnorm.kernels``.
 

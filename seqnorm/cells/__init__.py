@@ -2,7 +2,7 @@
 
 Every cell is a :class:`RecurrentCell` (the step contract, state checks, zoneout, padding, observers); the LSTM and
 GRU are :class:`GatedCell` s, whose gates are dense ``W_ih x`` and ``W_hh h`` in torch's layout. A new cell subclasses
-:class:`RecurrentCell` and defines its own parameters and step (``tests/test_custom_cell.py`` has an IndRNN).
+:class:`RecurrentCell` and defines its own parameters and step (``tests/cells/test_custom_cell.py`` has an IndRNN).
 """
 
 from seqnorm.cells.base import RecurrentCell

@@ -89,8 +89,8 @@ class RecurrentCell(PicklableParametrizations):
 
     A cell declares no fast form unless it says so: :class:`~seqnorm.cells.gated.GatedCell`, the dense
     ``W_ih``/``W_hh`` gate blocks of the LSTM and GRU, declares those the layers' faster paths read
-    (:mod:`seqnorm.layers.plan`). ``tests/test_custom_cell.py`` builds an IndRNN cell (a diagonal recurrent weight)
-    this way.
+    (:mod:`seqnorm.layers.plan`). ``tests/cells/test_custom_cell.py`` builds an IndRNN cell (a diagonal recurrent
+    weight) this way.
     """
 
     has_cell_state: ClassVar[bool] = False  # the state is (h, c) rather than h

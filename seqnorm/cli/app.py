@@ -100,7 +100,7 @@ PRIVATE_OVERRIDES = ("_parse_ckpt_path", "_prepare_subcommand_kwargs", "_prepare
 """The private LightningCLI methods :class:`SeqnormCLI` still overrides, each where Lightning offers no public hook
 (the comment at each says why; the rest use ``before_instantiate_classes``, ``instantiate_trainer``,
 ``parse_arguments`` and ``add_arguments_to_parser``). A Lightning upgrade checks these first:
-``tests/test_cli_conventions.py`` fails when one is gone from LightningCLI."""
+``tests/cli/test_cli_conventions.py`` fails when one is gone from LightningCLI."""
 
 SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
 """Exit code of a run stopped by SIGTERM (after saving last.ckpt): the shell's code for "terminated by SIGTERM"."""

@@ -17,7 +17,7 @@ Without a gradient to compute, the forward keeps only the current step.
 
 :func:`seqnorm.layers.plan.plan_for` routes here (:func:`~seqnorm.layers.plan.kernel_blocker`) and says whether
 the input norm runs inside; this module runs what the plan decided. The plain-PyTorch paths (the loop, the reference)
-give the same outputs, states, gradients and running statistics, and ``tests/test_kernels.py`` compares them for
+give the same outputs, states, gradients and running statistics, and ``tests/kernels/test_kernels.py`` compares them for
 every cell and norm.
 """
 

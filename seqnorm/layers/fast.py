@@ -19,7 +19,7 @@ declare (its module docstring lists the conditions):
 prepared once from its parameters and cached); otherwise :func:`step_cell`, each cell on its planned path.
 
 All of them give the same outputs, states, gradients and running statistics up to floating-point rounding; the
-``tests/test_fast_path.py`` suite compares them for every cell and norm.
+``tests/layers/test_fast_path.py`` suite compares them for every cell and norm.
 """
 
 from __future__ import annotations

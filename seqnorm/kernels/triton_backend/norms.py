@@ -5,7 +5,7 @@ whole-block kernels that run a norm over every step at once (the input norm of a
 parameter gradients after it). The kinds are compile-time constants (:data:`KINDS`); the math matches the C++
 kernels' ``norms.h`` and the Python modules in :mod:`seqnorm.norms`, against which the tests compare it.
 
-Only what compiles on a GPU is used (``tests/test_triton_backend.py`` checks the source): no ``libdevice``, no
+Only what compiles on a GPU is used (``tests/kernels/test_triton_backend.py`` checks the source): no ``libdevice``, no
 inline assembly, no block pointers; ``tl.dot`` is not needed (the matmuls are ``torch.mm``).
 """
 

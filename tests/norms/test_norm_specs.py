@@ -21,8 +21,8 @@ from seqnorm.cli import SeqnormCLI, main
 from seqnorm.lightning import LanguageModel
 from seqnorm.norms import NORMS, REMOVED_KEYWORDS, NormSpec, spec_from_dict
 from seqnorm.norms.specs import field_names
+from tests.cli.test_cli import QUIET, WORDS
 from tests.conftest import CELLS, LAYERS, run_path
-from tests.test_cli import QUIET, WORDS
 
 F64 = {"dtype": torch.float64}
 # Two values besides the default for every spec field (`affine` apart: False forbids a gamma_init).
@@ -282,7 +282,7 @@ def test_yaml_config_and_print_config_with_a_spec(tmp_path: Path, capsys: pytest
     overlay = tmp_path / "spec.yaml"
     spec = {"class_path": "seqnorm.norms.BatchNormSpec", "init_args": {"momentum": 0.05, "max_steps": 50}}
     overlay.write_text(yaml.safe_dump({"model": {"init_args": {"norm": spec, "small_batch": "running"}}}))
-    task = Path(__file__).resolve().parent.parent / "configs" / "embedded_lm.yaml"
+    task = Path(__file__).resolve().parents[2] / "configs" / "embedded_lm.yaml"
     args = ["--config", str(task), "--config", str(overlay), "--trainer.logger", "false"]
     cli = SeqnormCLI(args=args, run=False)
     assert cli.model.model.rnn.norm_spec == norms.BatchNormSpec(momentum=0.05, max_steps=50, small_batch="running")

@@ -95,7 +95,11 @@ def _watch_publications(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, int]]
 def test_a_crash_in_training_writes_last_but_no_best(story: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen = _watch_publications(monkeypatch)
     with pytest.raises(RuntimeError, match="crash at step 7"):
-        main(_fit_args(story, 20, "--trainer.callbacks+=tests.test_crash_safety.RaiseAt", "--trainer.callbacks.step=7"))
+        main(
+            _fit_args(
+                story, 20, "--trainer.callbacks+=tests.cli.test_crash_safety.RaiseAt", "--trainer.callbacks.step=7"
+            )
+        )
     steps = _check_directory(run_path(0) / "checkpoints")
     assert steps == {"last.ckpt": 7, "best-epoch=0-step=5.ckpt": 5}
     # the validation at step 5 wrote last.ckpt first, then the best file from it

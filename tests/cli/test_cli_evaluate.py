@@ -26,7 +26,7 @@ from seqnorm.data import DataError, LabeledText, TextCorpus
 from seqnorm.data.base import SequenceDataModule
 from tests.conftest import QUIET, logged_scalars, write_story
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RUN = "lightning_logs/charlm-A-lstm-layer-h16"  # the run's folder, named after what it trains: a char LM on A.txt
 LAST = f"{RUN}/version_0/checkpoints/last.ckpt"
 # The user's command, with a model and batches small enough for a test (the config's sizes are a real run's).

@@ -17,7 +17,7 @@ from seqnorm.lightning.progress import run_label
 from seqnorm.shipped_configs import shipped_name_of
 from tests.conftest import QUIET, SMALL_LM, cli_usage_error, run_path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 

@@ -11,7 +11,7 @@ from torch.testing import assert_close
 import seqnorm
 from seqnorm.layers.fast import choose_path
 from tests.conftest import HOISTED, NORMS
-from tests.test_fast_path import _assert_same, _pair, _run
+from tests.layers.test_fast_path import _assert_same, _pair, _run
 
 TIGHT = {"rtol": 1e-12, "atol": 1e-12}
 

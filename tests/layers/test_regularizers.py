@@ -12,7 +12,7 @@ from torch.testing import assert_close
 import seqnorm
 from seqnorm.layers.fast import choose_path
 from tests.conftest import CELLS, HOISTED, KINDS, LAYERS, NORMS
-from tests.test_fast_path import _assert_same, _pair, _run
+from tests.layers.test_fast_path import _assert_same, _pair, _run
 
 TIGHT = {"rtol": 1e-12, "atol": 1e-12}
 REGULARIZERS = {"input_dropout": 0.3, "weight_dropout": 0.4, "zoneout_h": 0.3, "zoneout_c": 0.2}

@@ -12,8 +12,8 @@ from torch.testing import assert_close
 import seqnorm
 from seqnorm.norms import BatchNormSpec, TimestepBatchNorm, WeightNormSpec
 from tests.conftest import CELLS, KINDS, LAYERS, perturb_norm_parameters, with_spec
+from tests.layers.test_fast_path import _assert_same, _hx, _pair, _run
 from tests.test_contract import _gradcheck_cell
-from tests.test_fast_path import _assert_same, _hx, _pair, _run
 
 F64 = {"dtype": torch.float64}
 EXACT = {"rtol": 1e-12, "atol": 1e-12}
@@ -263,7 +263,7 @@ def test_switches_under_autocast_are_close_to_float32(kind: str, norm: str, name
     layer.load_state_dict(snapshot)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         output, _ = layer(x, lengths=lengths)
-    # The tolerance of tests/test_mixed_precision.py; bare BN (γ = 1, not 0.1) over steps of 2-3 real rows passes
+    # The tolerance of tests/layers/test_mixed_precision.py; bare BN (γ = 1, not 0.1) over steps of 2-3 real rows passes
     # ten times larger gate pre-activations, and their bfloat16 rounding, into the saturating gates.
     atol = 0.1 if name == "bare" and norm.startswith("batch") else 0.06
     assert_close(output, expected, rtol=0.0, atol=atol)

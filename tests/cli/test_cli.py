@@ -92,7 +92,7 @@ def test_interrupted_run_resumes_from_last_checkpoint(story: Path) -> None:
                     *base,
                     "--trainer.max_steps",
                     "50",
-                    "--trainer.callbacks+=tests.test_cli.InterruptAt",
+                    "--trainer.callbacks+=tests.cli.test_cli.InterruptAt",
                     "--trainer.callbacks.step",
                     "12",
                 ]
@@ -301,7 +301,7 @@ def test_the_console_help_has_no_lightning_warning() -> None:
 
 def test_the_command_without_the_training_extra_says_what_to_install() -> None:
     """A base install has the `seqnorm` command; without Lightning it was a traceback from seqnorm.cli's imports.
-    (``--version``, ``--help`` and ``configs`` work without it: tests/test_cli_usability.py.)"""
+    (``--version``, ``--help`` and ``configs`` work without it: tests/cli/test_cli_usability.py.)"""
     code = (
         "import sys; sys.modules['lightning'] = None; sys.argv = ['seqnorm', 'fit']\n"
         "from seqnorm.__main__ import main; main()"

@@ -82,7 +82,7 @@ LOSSES: list[float] = []
 _REFERENCE_LOSSES: list[float] = []
 HERE = __name__
 """This module's name for the CLI's class paths: pytest imports it as ``test_resume``, and a class path naming
-``tests.test_resume`` would import a second copy, whose callbacks fill another ``RECORDS``."""
+``tests.tasks.test_resume`` would import a second copy, whose callbacks fill another ``RECORDS``."""
 
 
 def _fit(run: Path, bucket: bool, *extra: str) -> tuple[list[tuple[Any, ...]], dict[str, torch.Tensor]]:

@@ -22,7 +22,7 @@ from seqnorm.lightning import LanguageModel, SequenceClassifier
 from seqnorm.norms import BatchNormSpec
 from tests.conftest import QUIET, cli_usage_error
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # The embedded classification task (no file), tiny: two steps and one validation batch
 CLASSIFIER = ["--model", "SequenceClassifier", "--data", "LabeledText", "--data.batch_size", "8"]
 TINY = [*CLASSIFIER, "--model.hidden_size", "8", "--model.embedding_dim", "4", *QUIET]

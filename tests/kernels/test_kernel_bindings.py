@@ -27,7 +27,7 @@ import torch
 import seqnorm
 from seqnorm import kernels
 
-ROOT = Path(__file__).resolve().parent.parent  # the subprocess imports this checkout's seqnorm (PYTHONPATH)
+ROOT = Path(__file__).resolve().parents[2]  # the subprocess imports this checkout's seqnorm (PYTHONPATH)
 
 # The bindings' parameters, in order (pybind11 names them arg0, arg1, ... without these).
 SIGNATURES = {

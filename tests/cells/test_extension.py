@@ -212,7 +212,7 @@ def test_the_library_cells_keep_their_paths(kind: str) -> None:
     assert LAYERS[kind](4, 6, norm="layer", impl="reference").plan(x).path == "reference"
     assert plain.plan(x[0]).path == "torch_kernel"
     assert normed.plan(x[0]).path == "reference"
-    with seqnorm.kernels.disabled():  # the plain-PyTorch paths (tests/test_kernels.py: the compiled ones)
+    with seqnorm.kernels.disabled():  # the plain-PyTorch paths (tests/kernels/test_kernels.py: the compiled ones)
         assert normed.plan(x).path == "loop"
         assert normed.plan(x).cells == ("loop",)
         with torch.no_grad():

@@ -1,9 +1,10 @@
 """The compiled kernels (seqnorm.kernels, seqnorm/csrc): routed where the norms declare them, equal to the plain
 reference paths, and a clean fallback when they are not built.
 
-``tests/test_fast_path.py`` runs every fast-path comparison with the kernels on and off (lengths, both directions,
-two layers, initial states, steps beyond ``max_steps``, dropout, packed input, batch size 1, the small-batch
-fallback); here: the plan, the generation step, gradcheck, float32, counters, and the build and fallback machinery.
+``tests/layers/test_fast_path.py`` runs every fast-path comparison with the kernels on and off (lengths, both
+directions, two layers, initial states, steps beyond ``max_steps``, dropout, packed input, batch size 1, the
+small-batch fallback); here: the plan, the generation step, gradcheck, float32, counters, and the build and fallback
+machinery.
 """
 
 from __future__ import annotations
@@ -198,7 +199,7 @@ def test_gradcheck_through_the_kernels(kind: str, norm: str, training: bool) -> 
         output, final = layer(x, tuple(states) if kind == "lstm" else states[0], lengths=lengths)
         return (output, *(final if isinstance(final, tuple) else (final,)))
 
-    # The parameters' gradients are compared with the reference's at 1e-9 in tests/test_fast_path.py.
+    # The parameters' gradients are compared with the reference's at 1e-9 in tests/layers/test_fast_path.py.
     assert gradcheck(run, (x, *(hx if isinstance(hx, tuple) else (hx,))), eps=1e-6, atol=1e-5)
 
 

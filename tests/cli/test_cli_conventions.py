@@ -22,7 +22,7 @@ from seqnorm.lightning import LanguageModel, SequenceClassifier
 from seqnorm.lightning.progress import SeqnormProgressBar
 from tests.conftest import QUIET, SMALL_LM, cli_usage_error, run_path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SHORT = ["--trainer.max_steps", "4", "--trainer.limit_val_batches", "1", "--trainer.val_check_interval", "2"]
 
 

@@ -9,7 +9,7 @@ import pytest
 from seqnorm.cli import SeqnormCLI
 from seqnorm.norms import NORMS
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TASKS = sorted(CONFIGS.glob("*.yaml"))
 OVERLAYS = {path.stem: path for path in sorted((CONFIGS / "norm").glob("*.yaml"))}
 

@@ -16,8 +16,8 @@ from seqnorm.data import TextCorpus
 from seqnorm.lightning import LanguageModel, SequenceClassifier
 from seqnorm.lightning.old_hparams import current_hparams
 from seqnorm.norms import BatchNormSpec, BatchRenormSpec, LayerNormSpec, WeightNormSpec
+from tests.cli.test_cli import QUIET
 from tests.conftest import SMALL_LM, run_path
-from tests.test_cli import QUIET
 
 # (the old hyperparameters that differ from today's, today's, the spec the model must get)
 OLD: list[tuple[dict[str, Any], dict[str, Any], Any]] = [
