@@ -63,15 +63,13 @@ DATA_HPARAMS_KEY = "datamodule_hyper_parameters"
 seqnorm's data modules, the arguments the run's data was made with, each a plain value."""
 
 INSTANTIATOR = "lightning.pytorch.cli.instantiate_module"
+"""The only ``_instantiator`` a checkpoint may name: the one LightningCLI writes (and Lightning allow-lists)."""
 
 
 def subclasses(cls: type) -> list[type]:
     """``cls`` and every subclass of it defined so far: the classes a checkpoint saved by ``cls``'s
     ``load_from_checkpoint`` may name (:func:`task_class`, :func:`data_class`)."""
     return [cls, *(found for subclass in cls.__subclasses__() for found in subclasses(subclass))]
-
-
-"""The only ``_instantiator`` a checkpoint may name: the one LightningCLI writes (and Lightning allow-lists)."""
 
 
 class CheckpointError(ValueError):

@@ -116,7 +116,8 @@ def test_no_package_of_seqnorm_is_in_an_import_circle() -> None:
 
 
 def test_kernels_import_nothing_of_seqnorm() -> None:
-    """docs/architecture.md: ``seqnorm/kernels/`` imports nothing of seqnorm, so the norms can name its types."""
+    """docs/architecture.md: ``seqnorm/kernels/`` imports nothing of seqnorm outside itself, so the norms can name its
+    types."""
     outside = {
         f"{name} -> {target} (line {line})"
         for name, targets in GRAPH.items()
