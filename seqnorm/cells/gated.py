@@ -34,7 +34,7 @@ class GatedCell(RecurrentCell):
     # unless it restates the claim (the restatement is its author's "same math" marker).
     gate_layout: ClassVar[tuple[str, ...]] = ()  # the gate blocks of W_ih/W_hh in order, e.g. ("i", "f", "g", "o")
     torch_kernel: ClassVar[Literal["lstm", "gru"] | None] = None  # the step is torch's LSTM/GRU step (norms aside)
-    hoisted_step: ClassVar[bool] = False  # step_unchecked with input_term from input_terms is its own function
+    hoisted_step: ClassVar[bool] = False  # step_terms with input_term from input_terms is its own function
 
     def build(self, device: torch.device | str | None, dtype: torch.dtype | None) -> None:
         """``W_ih``, ``W_hh``, the biases and ``W_hr`` in torch's order, the norms, and weight norm if chosen."""

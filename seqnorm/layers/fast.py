@@ -7,7 +7,7 @@ declare (its module docstring lists the conditions):
 - ``"loop"``: everything that does not depend on the recurrence is done for all time steps at once — the input
   projection ``W_ih x`` is one matmul, its norm one vectorized call (LayerNorm per position; per-timestep batch
   statistics over the ``(T, B)`` grid with the padding masked out; :meth:`forward_sequence` of the norms), the
-  biases are folded in — and the loop runs the cell's own :meth:`~seqnorm.cells.base.RecurrentCell.step_unchecked`
+  biases are folded in — and the loop runs the cell's own step, :meth:`~seqnorm.cells.gated.GatedCell.step_terms`,
   with each step's precomputed term (``unbind``, never ``x[t]``, whose backward writes a full-size gradient at every
   step). Every regularizer runs here exactly as in the reference: the per-sequence masks come from the same
   :func:`~seqnorm.layers.dropout.draw_sequence_masks` call at the same point, and zoneout is drawn by the same step.

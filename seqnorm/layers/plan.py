@@ -14,7 +14,7 @@
   kernels built and loaded for the input's device (:func:`seqnorm.kernels.native`); with or without a gradient.
   :attr:`Plan.cells` says which directions run them (the others run the loop) and :attr:`Plan.input_norms` whether
   each one's input norm runs inside them.
-- ``"loop"``: the input side at once, then the cell's ``step_unchecked`` given each step's input term: needs cells
+- ``"loop"``: the input side at once, then the cell's ``step_terms`` given each step's input term: needs cells
   that declare ``hoisted_step`` and norms that declare the ``"loop"`` form.
 - ``"reference"``: the cell's own ``step_unchecked`` at every step. Anything that declares nothing runs it, as do
   ``impl="reference"``, hooked observers (they need every step's record) and a batch norm about to raise its
