@@ -155,8 +155,8 @@ def test_an_undeclared_three_gate_cell_runs_its_own_step_not_torchs_gru() -> Non
 
 def test_a_subclass_inherits_no_claim_unless_it_restates_it() -> None:
     class Peephole(seqnorm.LSTMCell):  # changes the step: must not run torch's LSTM kernel
-        def step_unchecked(self, x: Tensor, state: Any, *args: Any, **kwargs: Any) -> Any:
-            h, c = super().step_unchecked(x, state, *args, **kwargs)
+        def step_unchecked(self, x: Tensor, state: Any, step: int, mask: Tensor | None) -> Any:
+            h, c = super().step_unchecked(x, state, step, mask)
             return h + 0.1 * c, c
 
     class Renamed(seqnorm.LSTMCell):  # same math, says so
