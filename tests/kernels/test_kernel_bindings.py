@@ -6,7 +6,7 @@ dtype, a shape, contiguity, a missing optional tensor, a norm's γ of the wrong 
 Python exception that names the entry point and the argument. The bad calls run in one subprocess (this file run as a
 script), which prints a line per call: a call that crashes the process fails the test instead of the test run.
 
-The aliasing contract (``seqnorm/kernels/__init__.py``, the bindings in ``csrc/recurrence.cpp``): every result is a
+The aliasing contract (``seqnorm/kernels/__init__.py``, the bindings in ``csrc/bindings.cpp``): every result is a
 fresh tensor; the only arguments written are a per-timestep BatchNorm's running statistics in training, which may
 share memory with no other argument.
 """
