@@ -96,11 +96,14 @@ from seqnorm.shipped_configs import resolve_config_names
 
 __all__ = ["PRIVATE_OVERRIDES", "SIGTERM_EXIT_CODE", "SeqnormCLI", "generate", "main"]
 
-PRIVATE_OVERRIDES = ("_parse_ckpt_path", "_prepare_subcommand_kwargs", "_prepare_subcommand_parser", "_run_subcommand")
-"""The private LightningCLI methods :class:`SeqnormCLI` still overrides, each where Lightning offers no public hook
-(the comment at each says why; the rest use ``before_instantiate_classes``, ``instantiate_trainer``,
-``parse_arguments`` and ``add_arguments_to_parser``). A Lightning upgrade checks these first:
-``tests/cli/test_cli_conventions.py`` fails when one is gone from LightningCLI."""
+PRIVATE_OVERRIDES = ("_parse_ckpt_path",)
+"""The private LightningCLI methods :class:`SeqnormCLI` still overrides, where Lightning offers no public hook (the
+comment at the definition says why); everything else goes through public ones: ``__init__`` (predict's
+``parser_kwargs``, the context the run happens in), ``add_arguments_to_parser``, ``parse_arguments``,
+``before_instantiate_classes``, ``instantiate_trainer``, ``after_instantiate_classes`` and ``before_fit``. A Lightning
+upgrade checks these first (``tests/cli/test_cli_conventions.py`` fails when one is no longer LightningCLI's), then
+the two private names seqnorm uses without overriding them: ``LightningCLI._get`` and ``_InstantiatorFn``
+(subclassed in :mod:`seqnorm.cli.runs`)."""
 
 SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
 """Exit code of a run stopped by SIGTERM (after saving last.ckpt): the shell's code for "terminated by SIGTERM"."""
@@ -135,6 +138,12 @@ PREDICT_CALLBACKS: list[dict[str, Any]] = [
 class _Parser(FlagSuggestingParser):
     nested_classes: ClassVar[dict[str, tuple[type, ...]]] = {"model": MODELS, "data": DATAMODULES}
 
+    def __init__(self, *args: Any, default_callbacks: list[dict[str, Any]] = DEFAULT_CALLBACKS, **kwargs: Any):
+        # the --trainer.callbacks default of this parser's subcommand, set in SeqnormCLI.add_arguments_to_parser:
+        # LightningCLI makes each subcommand's parser with that subcommand's parser_kwargs (predict's: SeqnormCLI)
+        super().__init__(*args, **kwargs)
+        self.default_callbacks = default_callbacks
+
 
 class SeqnormCLI(LightningCLI):
     """LightningCLI with the sizes that come from the data linked into the model (never typed twice).
@@ -152,15 +161,29 @@ class SeqnormCLI(LightningCLI):
     _checked: tuple[str, dict[str, Any]] | None = None  # --ckpt_path and the checkpoint read from it, checked
     _continues_run = False  # a resumed fit logging into its checkpoint's run directory (continued_run_logger)
 
-    def __init__(self, *args: Any, parser_class: type[LightningArgumentParser] = _Parser, **kwargs: Any):
-        # a mistyped flag gets a "did you mean", also among the arguments of the --model/--data class (cli.flags)
-        super().__init__(*args, parser_class=parser_class, **kwargs)
+    def __init__(
+        self,
+        *args: Any,
+        parser_class: type[LightningArgumentParser] = _Parser,
+        parser_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ):
+        parser_kwargs = dict(parser_kwargs or {})
+        # predict's own --trainer.callbacks default (_Parser), which --trainer.callbacks replaces and += adds to
+        parser_kwargs["predict"] = {"default_callbacks": PREDICT_CALLBACKS, **parser_kwargs.get("predict", {})}
+        # LightningCLI parses, builds and runs the subcommand within __init__, so the run happens inside these: the
+        # allow-list for a checkpoint Lightning would read itself (read_checkpoint uses the same one), and warnings
+        # filters that last the run only (before_fit's)
+        with torch.serialization.safe_globals(ALLOWED_GLOBALS), warnings.catch_warnings():
+            # a mistyped flag gets a "did you mean", also among the arguments of the --model/--data class (cli.flags)
+            super().__init__(*args, parser_class=parser_class, parser_kwargs=parser_kwargs, **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # set_defaults, not trainer_defaults: it parses class_path dicts (and `--trainer.callbacks+=X` appends)
         # seqnorm's batch samplers shard themselves across processes (seqnorm.data.sampler); Lightning's
         # DistributedSampler injection cannot wrap a batch sampler.
-        parser.set_defaults({"trainer.callbacks": DEFAULT_CALLBACKS, "trainer.use_distributed_sampler": False})
+        callbacks = parser.default_callbacks  # DEFAULT_CALLBACKS, predict's parser PREDICT_CALLBACKS (_Parser)
+        parser.set_defaults({"trainer.callbacks": callbacks, "trainer.use_distributed_sampler": False})
         # Each link applies where both ends exist: level -> LanguageModel, num_classes -> SequenceClassifier.
         for source, target in (
             ("data.vocab_size", "model.init_args.vocab_size"),
@@ -171,22 +194,14 @@ class SeqnormCLI(LightningCLI):
             parser.link_arguments(source, target, apply_on="instantiate")
         parser.add_argument("--threads", type=NonNegativeInt | None, default=None, help=THREADS_HELP)
 
-    # Private: the hook that knows the subcommand of the parser it makes (add_arguments_to_parser does not).
-    def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> LightningArgumentParser:
-        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
-        if subcommand == "predict":  # a default of this subcommand only: --trainer.callbacks replaces it, += adds
-            parser.set_defaults({"trainer.callbacks": PREDICT_CALLBACKS})
-        return parser
-
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
         self._args = args  # parsed again without defaults to tell the flags the user set (_parse_ckpt_path)
         super().parse_arguments(parser, args)
 
-    # Private: it replaces LightningCLI's own, which __init__ calls between parse_arguments and the instantiation,
-    # with no public hook in that place that could stop it.
+    # Private: it replaces LightningCLI's own, which parses the checkpoint's hyperparameters *over* the user's flags
+    # (so a contradicting flag is silently dropped) and imports whatever class its `_class_path` names. __init__
+    # calls it right after parse_arguments: work done in a public hook would still be followed by Lightning's.
     def _parse_ckpt_path(self) -> None:
-        # Replaces LightningCLI's, which parses the checkpoint's hyperparameters *over* the user's flags (so a
-        # contradicting flag is silently dropped) and imports whatever class its `_class_path` names.
         subcommand = self.config.get("subcommand")
         if not subcommand:
             return
@@ -297,6 +312,10 @@ class SeqnormCLI(LightningCLI):
             if self.subcommand == "fit":
                 check_resumed_batch_size(self._resumed["data_state"], self.datamodule, self._resumed["path"])
             self._resumed = None
+        if self.subcommand is not None:
+            # The Trainer method is given its arguments from config_init (config.yaml keeps the user's value, null):
+            # Lightning's default weights_only for a local file is False, an unpickling that can run code.
+            self.config_init[self.subcommand]["weights_only"] = True
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
@@ -339,19 +358,10 @@ class SeqnormCLI(LightningCLI):
             trainer.strategy.checkpoint_io = CheckedCheckpointIO(path, checkpoint, trainer.strategy.checkpoint_io)
         return trainer
 
-    # Private: the run wrapped in context managers; before_<subcommand>/after_<subcommand> cannot hold one open.
-    def _run_subcommand(self, subcommand: str) -> None:
-        with torch.serialization.safe_globals(ALLOWED_GLOBALS), warnings.catch_warnings():
-            if self._continues_run:  # ModelCheckpoint warns of a non-empty folder: the resumed run's own
-                warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
-            super()._run_subcommand(subcommand)
-
-    # Private: the subcommand's keyword arguments; --weights_only is a Trainer method's argument, which a parser
-    # default set in add_arguments_to_parser cannot reach (those arguments are added after it).
-    def _prepare_subcommand_kwargs(self, subcommand: str) -> dict[str, Any]:
-        kwargs = super()._prepare_subcommand_kwargs(subcommand)
-        kwargs["weights_only"] = True  # Lightning's default for a local file is False: unpickling that runs code
-        return kwargs
+    def before_fit(self) -> None:
+        # ModelCheckpoint warns of a non-empty folder: a resumed run's own. The filter ends with __init__'s context.
+        if self._continues_run:
+            warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
 
 
 def generate(

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from seqnorm.cli import SeqnormCLI, main
@@ -263,8 +264,8 @@ def test_a_run_shorter_than_its_first_validation_keeps_last_without_a_warning(
 
 
 def test_the_private_lightningcli_methods_overridden_are_listed_and_still_lightnings() -> None:
-    """An override of a method Lightning renamed or removed would silently never run (the checked checkpoint read,
-    weights_only=True): the list is exact, and every name on it is still LightningCLI's."""
+    """An override of a method Lightning renamed or removed would silently never run (the checked checkpoint read):
+    the list is exact, and every name on it is still LightningCLI's."""
     from lightning.pytorch.cli import LightningCLI
 
     from seqnorm.cli.app import PRIVATE_OVERRIDES, SeqnormCLI
@@ -272,3 +273,21 @@ def test_the_private_lightningcli_methods_overridden_are_listed_and_still_lightn
     private = {name for name in vars(SeqnormCLI) if name.startswith("_") and not name.startswith("__")}
     assert {name for name in private if hasattr(LightningCLI, name)} == set(PRIVATE_OVERRIDES)
     assert all(callable(getattr(LightningCLI, name, None)) for name in PRIVATE_OVERRIDES)
+
+
+def test_predict_alone_lists_the_prediction_writer_among_its_default_callbacks(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """predict's --trainer.callbacks default is its own (one JSON line per input), fit's and test's are not."""
+    listed = {}
+    for subcommand in ("fit", "test", "predict"):
+        capsys.readouterr()
+        with pytest.raises(SystemExit):
+            main([subcommand, *SMALL_LM, "--print_config"])
+        callbacks = yaml.safe_load(capsys.readouterr().out)["trainer"]["callbacks"]
+        listed[subcommand] = [callback["class_path"].rpartition(".")[2] for callback in callbacks]
+    assert listed == {
+        "fit": ["ResumableCheckpoint"],
+        "test": ["ResumableCheckpoint"],
+        "predict": ["ResumableCheckpoint", "PredictionWriter"],
+    }

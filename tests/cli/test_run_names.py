@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,20 @@ def test_a_run_of_the_unnamed_layout_resumes_in_place(tmp_path: Path, monkeypatc
     main(["fit", *TINY, "--trainer.max_steps", "3", "--ckpt_path", str(last)])
     assert torch.load(last, weights_only=True)["global_step"] == 3
     assert _runs(tmp_path) == ["version_0"]
+
+
+def test_a_resumed_run_is_not_warned_of_its_own_checkpoints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ModelCheckpoint warns of a non-empty checkpoint folder: a resumed fit's is its own. The filter lasts the run."""
+    monkeypatch.chdir(tmp_path)
+    main(["fit", *TINY])
+    last = Path(f"lightning_logs/{LN}/version_0/checkpoints/last.ckpt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        main(["fit", *TINY, "--trainer.max_steps", "3", "--ckpt_path", str(last)])
+        left = [entry for entry in warnings.filters if entry[1] is not None and "not empty" in entry[1].pattern]
+    assert torch.load(last, weights_only=True)["global_step"] == 3
+    assert not [str(w.message) for w in caught if "exists and is not empty" in str(w.message)]
+    assert not left
 
 
 def test_the_name_says_task_data_cell_norm_size_depth_and_direction() -> None:

@@ -446,6 +446,24 @@ def test_weights_only_false_is_refused(story: Path, trained: Path, capsys: pytes
     assert "--weights_only false: refused" in _fails(capsys, args)
 
 
+def test_the_trainer_restores_the_checkpoint_with_weights_only(
+    story: Path, trained: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lightning's default for a local file is weights_only=False: the CLI hands the Trainer method True, which
+    reaches the checkpoint plugin, while the run's config.yaml keeps the user's value (null)."""
+    given = []
+    load = checkpoint_io.CheckedCheckpointIO.load_checkpoint
+
+    def recording(self: checkpoint_io.CheckedCheckpointIO, path: str, map_location=None, weights_only=None) -> dict:
+        given.append(weights_only)
+        return load(self, path, map_location, weights_only)
+
+    monkeypatch.setattr(checkpoint_io.CheckedCheckpointIO, "load_checkpoint", recording)
+    main(["test", *LM, "--data.path", str(story), *QUIET, "--ckpt_path", str(trained)])
+    assert given and set(given) == {True}
+    assert yaml.safe_load((run_path(0) / "config.yaml").read_text(encoding="utf-8"))["weights_only"] is None
+
+
 def test_refused_rnn_option_shows_the_model_sentence_first(story: Path, capsys: pytest.CaptureFixture) -> None:
     args = ["fit", *LM, "--data.path", str(story), *TINY, "--model.rnn_options", '{"small_batch": "running"}']
     error = _fails(capsys, args)
