@@ -15,7 +15,7 @@ Without a gradient to compute, the forward keeps only the current step.
 
 :func:`compiled_step` is the generation step (:mod:`seqnorm.layers.stepping`) as one C++ call per cell.
 
-:func:`seqnorm.layers.plan.plan_for` routes here (:func:`~seqnorm.layers.plan.kernel_blocker`) and says whether
+:func:`seqnorm.layers.plan.plan_for` routes here (:func:`~seqnorm.layers.plan.kernel_route`) and says whether
 the input norm runs inside; this module runs what the plan decided. The plain-PyTorch paths (the loop, the reference)
 give the same outputs, states, gradients and running statistics, and ``tests/kernels/test_kernels.py`` compares them for
 every cell and norm.
@@ -94,7 +94,7 @@ def run_recurrence(
     """One direction of one layer on the kernels; returns ``(outputs (T, B, H), final state)``.
 
     Args:
-        cell: a cell the plan routes here (:func:`~seqnorm.layers.plan.kernel_blocker` finds nothing against it).
+        cell: a cell the plan routes here (:func:`~seqnorm.layers.plan.kernel_route` finds nothing against it).
         sequence: ``(T, B, input_size)``, input dropout applied.
         state: the initial state, ``(h, c)`` or ``h``, each ``(B, H)``.
         weight_hh: ``W_hh`` for every step if not the cell's own (DropConnect), else ``None``.

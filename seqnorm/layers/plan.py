@@ -58,9 +58,9 @@ __all__ = [
     "cell_kernel",
     "cell_kernel_norms",
     "declared",
-    "kernel_blocker",
     "kernel_input_norm",
     "kernel_path",
+    "kernel_route",
     "log",
     "norm_blocker",
     "plan_for",
@@ -140,19 +140,15 @@ def plan_for(
     return _step_plan(layer, x) if step else _forward_plan(layer, x, lengths, first_step)
 
 
-def kernel_blocker(layer: Layer | None, cell: RecurrentCell, dtype: torch.dtype, device: str) -> str | None:
-    """Why the device's kernels (:mod:`seqnorm.layers.compiled`) cannot run ``cell``'s recurrence exactly, or ``None``.
+def kernel_route(
+    layer: Layer | None, cell: RecurrentCell, dtype: torch.dtype, device: str
+) -> tuple[str | None, tuple[KernelNorm, ...] | None]:
+    """Why the device's kernels (:mod:`seqnorm.layers.compiled`) cannot run ``cell``'s recurrence exactly, and
+    ``None``; or, where nothing blocks, ``None`` and the cell's :func:`cell_kernel_norms`, which the last check
+    built (the plan carries them to the run).
 
     ``layer`` supplies the variational recurrent dropout (``None``: none drawn).
     """
-    return _kernel_route(layer, cell, dtype, device)[0]
-
-
-def _kernel_route(
-    layer: Layer | None, cell: RecurrentCell, dtype: torch.dtype, device: str
-) -> tuple[str | None, tuple[KernelNorm, ...] | None]:
-    """:func:`kernel_blocker`, and where nothing blocks, the cell's :func:`cell_kernel_norms` its last check built
-    (the plan carries them to the run)."""
     name = type_before_parametrizations(cell).__name__
     if cell_kernel(cell) is None:
         return f"{name} declares no torch_kernel, whose step the kernels restate", None
@@ -253,7 +249,7 @@ def _pinned_plan(layer: Layer, chosen: Plan, x: Tensor) -> Plan:
     elif pinned == "torch_kernel" and chosen.path != "reference":
         why = _torch_kernel_blocker(layer, cells, x) or why
     elif pinned in ("kernel", "triton") and chosen.path != "reference":
-        checked = [_kernel_route(layer, cell, x.dtype, x.device.type) for cell in cells]
+        checked = [kernel_route(layer, cell, x.dtype, x.device.type) for cell in cells]
         why = _hoisting_blocker(cells) or next((blocker for blocker, _ in checked if blocker is not None), "")
         if not why and kernel_path(x.device.type) != pinned:
             why = f"the kernels for {x.device.type!r} are the {kernel_path(x.device.type)!r} backend"
@@ -287,17 +283,16 @@ def _auto_forward_plan(layer: Layer, x: Tensor, lengths: Tensor | None, first_st
     undeclared = _hoisting_blocker(cells)
     if undeclared is not None:
         return Plan("reference", undeclared + kernel_note)
-    checked = [_kernel_route(layer, cell, x.dtype, x.device.type) for cell in cells]
-    blockers, norms = [blocker for blocker, _ in checked], [built for _, built in checked]
+    checked = [kernel_route(layer, cell, x.dtype, x.device.type) for cell in cells]
+    blockers, norms = [blocker for blocker, _ in checked], tuple(built for _, built in checked)
     if all(blocker is not None for blocker in blockers):
         reason = f"{name} declares hoisted_step; not the kernels: {blockers[0]}{kernel_note}"
         return Plan("loop", reason, ("loop",) * len(cells), (False,) * len(cells), (None,) * len(cells))
     backend = kernel_path(x.device.type)
     routes: tuple[Path, ...] = tuple(backend if blocker is None else "loop" for blocker in blockers)
     inside = tuple(blocker is None and kernel_input_norm(cell) for blocker, cell in zip(blockers, cells, strict=True))
-    carried = tuple(built if blocker is None else None for built, blocker in zip(norms, blockers, strict=True))
     reason = f"{name} declares torch_kernel={kernel!r} and its norms the 'kernel' form: the {backend} backend"
-    return Plan(backend, reason + kernel_note, routes, inside, carried)
+    return Plan(backend, reason + kernel_note, routes, inside, norms)  # None where blocked (kernel_route)
 
 
 def _torch_kernel_blocker(layer: Layer, cells: list[RecurrentCell], x: Tensor) -> str | None:
