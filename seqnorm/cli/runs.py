@@ -113,7 +113,8 @@ def _claim_next(parent: str, prefix: str = "version") -> int | None:
     local = local_path(parent)  # a plain path, also for a file:// URL
     if rank_zero_only.rank != 0 or os.environ.get("NODE_RANK", "0") != "0" or local is None:
         return None
-    made = [folder for folder in _folders_above(local) if not os.path.isdir(folder)]
+    nearest = Path(os.path.abspath(local))
+    made = [str(folder) for folder in (nearest, *nearest.parents) if not folder.is_dir()]  # nearest first
     os.makedirs(local, exist_ok=True)
     _MADE.extend(made)
     number = _next_version(local, prefix)  # by the time of the mkdir below, another process may have taken it
@@ -126,14 +127,6 @@ def _claim_next(parent: str, prefix: str = "version") -> int | None:
             continue
         _CLAIMED.append(folder)
         return number
-
-
-def _folders_above(path: str) -> list[str]:
-    """``path`` and the folders above it, nearest first."""
-    folders = [os.path.abspath(path)]
-    while os.path.dirname(folders[-1]) != folders[-1]:
-        folders.append(os.path.dirname(folders[-1]))
-    return folders
 
 
 def _next_version(parent: str, prefix: str = "version") -> int:
