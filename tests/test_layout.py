@@ -161,7 +161,7 @@ def test_the_layer_helpers_do_not_import_the_base_back() -> None:
 def test_the_layers_import_their_base_and_the_check_sees_it() -> None:
     """The two checks above read what they should: LSTM and GRU import the base, which imports its helpers."""
     assert {"seqnorm.layers.lstm", "seqnorm.layers.gru"} <= {name for name in GRAPH if BASE in GRAPH[name]}
-    assert {"seqnorm.layers.plan", "seqnorm.layers.stack", "seqnorm.layers.keys"} <= set(GRAPH[BASE])
+    assert {"seqnorm.layers.plan", "seqnorm.layers.sequence", "seqnorm.layers.keys"} <= set(GRAPH[BASE])
     assert _cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == [["a", "b", "c", "a"]]
 
 

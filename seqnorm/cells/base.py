@@ -41,7 +41,7 @@ __all__ = ["RecurrentCell", "SequenceRegularizers", "StepObserver"]
 
 
 class SequenceRegularizers:
-    """What a layer drew for one sequence of one cell (:func:`seqnorm.layers.dropout.draw_sequence_masks`), which
+    """What a layer drew for one sequence of one cell (:func:`seqnorm.layers.sequence.draw_sequence_masks`), which
     the cell's step reads through :meth:`RecurrentCell.recurrent_input` and :meth:`RecurrentCell.recurrent_weight`,
     and how often it did: a layer refuses a cell that never asked for what was drawn (it would be lost silently)."""
 

@@ -3,7 +3,7 @@
 from seqnorm.layers.base import RecurrentLayer, RecurrentState
 from seqnorm.layers.gru import GRU
 from seqnorm.layers.lstm import LSTM
-from seqnorm.layers.stack import reverse_padded
+from seqnorm.layers.sequence import reverse_padded
 
 __all__ = ["GRU", "LAYERS", "LSTM", "RecurrentLayer", "RecurrentState", "reverse_padded"]
 

@@ -5,7 +5,7 @@ Cells do one step; this module owns time. Variable lengths are explicit: at step
 sequence's state at its last real step) and output zeros. A reverse direction runs over each sequence's real part
 reversed (padding stays at the end), as ``torch.nn.LSTM`` does with packed sequences.
 
-The loop written here is the plain reference (layers and directions are stacked by :mod:`seqnorm.layers.stack`, which
+The loop written here is the plain reference (layers and directions are stacked by :mod:`seqnorm.layers.sequence`, which
 every path shares). By default (``impl="auto"``) layers run a faster path with the same
 results — torch's fused kernel when nothing is normalized, otherwise the input side of all steps at once and a lean
 loop — chosen in one place, :func:`seqnorm.layers.plan.plan_for`, from what the cells and norms declare (see
@@ -27,11 +27,19 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 from seqnorm.cells.base import RecurrentCell
 from seqnorm.init import InitName, resolve_init
 from seqnorm.layers.arguments import check_first_step, prepare
-from seqnorm.layers.fast import IMPLS, Impl, run_direction, run_fast, run_fused, step_cell
 from seqnorm.layers.finite import watch_input_gradient
 from seqnorm.layers.keys import TORCH_KEY, from_torch_keys, to_torch_keys, torch_keys_in_errors
 from seqnorm.layers.plan import Plan, log, plan_for
-from seqnorm.layers.stack import padding_layout, run_stack
+from seqnorm.layers.sequence import (
+    IMPLS,
+    Impl,
+    padding_layout,
+    run_direction,
+    run_fast,
+    run_fused,
+    run_stack,
+    step_cell,
+)
 from seqnorm.layers.stepping import forget, lean_layer_step
 from seqnorm.norms import DEFAULT_MAX_STEPS, NormName, NormSpec, check_placement, refuse_removed_keywords, resolve_norm
 from seqnorm.norms.sync import synchronized_steps
@@ -281,7 +289,9 @@ class RecurrentLayer(nn.Module):
         ``exporting``: torch.export is capturing the call (:mod:`seqnorm.torch_capture`), so torch's kernel or the
         reference loop, never the fast paths' hand-written autograd."""
         steps = x.shape[0]
-        longest = synchronized_steps(self, steps, x.device)
+        # Outside a distributed run no norm synchronizes: the common case asks nothing of seqnorm.norms.sync.
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        longest = synchronized_steps(self, steps, x.device) if distributed else None
         if longest is not None:
             # Norms synchronized across processes (they declare no fast form: the reference path): every process runs
             # as many steps as the longest input of any, the extra ones padding (no active row here; the collectives

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from seqnorm.cells.base import RecurrentCell
 from seqnorm.kernels import NO_NORM, KernelNorm, native
 from seqnorm.layers.plan import cell_kernel
-from seqnorm.layers.stack import PaddingLayout
+from seqnorm.layers.protocol import PaddingLayout
 
 __all__ = ["compiled_step", "kernel_norm", "run_recurrence"]
 
@@ -98,7 +98,7 @@ def run_recurrence(
         sequence: ``(T, B, input_size)``, input dropout applied.
         state: the initial state, ``(h, c)`` or ``h``, each ``(B, H)``.
         weight_hh: ``W_hh`` for every step if not the cell's own (DropConnect), else ``None``.
-        layout: where the real rows are (:func:`~seqnorm.layers.stack.padding_layout`).
+        layout: where the real rows are (:func:`~seqnorm.layers.sequence.padding_layout`).
         input_norm_inside: whether the kernels run the input norm (the plan's
             :func:`~seqnorm.layers.plan.kernel_input_norm`); else ``input_terms`` applies it first.
         norms: what the cell's norms hand the kernels, as the plan built them

@@ -34,7 +34,7 @@ class LSTM(RecurrentLayer):
             :class:`~seqnorm.LSTMCell`. Default: 0.
 
         All regularizers draw from torch's random generator (``torch.manual_seed`` reproduces them), act in
-        training only and leave evaluation exactly as with rates of 0; see :mod:`seqnorm.layers.dropout`. Rates
+        training only and leave evaluation exactly as with rates of 0; see :mod:`seqnorm.layers.sequence`. Rates
         outside ``[0, 1)`` are a ``ValueError``. ``dropout`` is torch's (between layers, a fresh mask per element).
         norm, max_steps, init, forget_bias, device, dtype: as :class:`~seqnorm.LSTMCell`, for every cell (a
             norm's options are fields of its spec: ``norm=BatchNormSpec(momentum=0.05)``).

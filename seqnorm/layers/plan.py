@@ -2,7 +2,7 @@
 
 :func:`plan_for` returns a :class:`Plan`: the path and why. Forward paths:
 
-- ``"torch_kernel"``: torch's fused LSTM/GRU over the whole sequence (:func:`seqnorm.layers.fast.run_fused`). Needs
+- ``"torch_kernel"``: torch's fused LSTM/GRU over the whole sequence (:func:`seqnorm.layers.sequence.run_fused`). Needs
   cells that declare ``torch_kernel``, nothing normalized (``"none"``, or plain ``"weight"``), no random draws (their
   masks would differ from the reference's) and no autocast (torch's CPU LSTM kernel fails in bfloat16).
 - ``"kernel"`` (``"triton"``): the input side of all steps at once, then the device's backend's recurrence, forward

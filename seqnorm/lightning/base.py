@@ -25,7 +25,7 @@ from seqnorm.checkpoint_io import (
     task_class,
 )
 from seqnorm.data.loader import ResumableDataLoader
-from seqnorm.layers.fast import Impl
+from seqnorm.layers.sequence import Impl
 from seqnorm.lightning.old_hparams import current_hparams
 from seqnorm.lightning.resume import (
     RANDOM_STATE_KEY,

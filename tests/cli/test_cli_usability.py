@@ -105,20 +105,18 @@ def test_flags_that_are_valid_or_cannot_be_judged_get_no_suggestion(words: list[
     ],
 )
 def test_a_value_that_is_none_of_the_choices_is_one_line_with_the_nearest(
-    tmp_path: Path, args: list[str], expected: str
+    capsys: pytest.CaptureFixture[str], args: list[str], expected: str
 ) -> None:
     """They ended 61-67 lines of jsonargparse in ``Given value: NestedArg(key='cell', val='lstmm')``."""
-    result = _seqnorm(args, tmp_path)
-    assert result.returncode == 2
-    assert result.stderr.splitlines() == [f"seqnorm {args[0]}: error: {expected}"]
+    assert cli_usage_error(capsys, args).splitlines() == [f"seqnorm {args[0]}: error: {expected}"]
 
 
-def test_an_abbreviated_flag_is_refused_with_the_flag_meant(tmp_path: Path) -> None:
+def test_an_abbreviated_flag_is_refused_with_the_flag_meant(capsys: pytest.CaptureFixture[str]) -> None:
     """argparse took a unique prefix: ``--trainer.max_step 3`` ran as ``--trainer.max_steps 3``, unsaid."""
-    result = _seqnorm(["fit", *SMALL_LM, "--trainer.max_step", "3"], tmp_path)
-    assert result.returncode == 2
-    assert result.stderr.splitlines()[0].startswith(
-        "seqnorm fit: error: --trainer.max_step: no such flag; did you mean --trainer.max_steps"
+    assert (
+        cli_usage_error(capsys, ["fit", *SMALL_LM, "--trainer.max_step", "3"])
+        .splitlines()[0]
+        .startswith("seqnorm fit: error: --trainer.max_step: no such flag; did you mean --trainer.max_steps")
     )
     from seqnorm.lightning import LanguageModel
 
@@ -233,10 +231,12 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path: Path, command: str, un
 # ---- a --config of the repository's configs/, outside a checkout ---------------------------------------------------
 
 
-def test_a_missing_config_file_names_the_shipped_config(tmp_path: Path) -> None:
-    result = _seqnorm(["fit", "--config", "configs/char_lm.yaml", "--data.path", "my.txt"], tmp_path)
-    assert result.returncode == 2
-    assert result.stderr.strip() == (
+def test_a_missing_config_file_names_the_shipped_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    error = cli_usage_error(capsys, ["fit", "--config", "configs/char_lm.yaml", "--data.path", "my.txt"])
+    assert error.strip() == (
         "seqnorm fit: error: --config configs/char_lm.yaml: no such file (the repository's configs/ is not in this "
         "directory); seqnorm ships a config of that name: pass --config seqnorm:char_lm (`seqnorm configs` lists them)"
     )

@@ -15,7 +15,7 @@ from torch.nn.utils.rnn import pack_padded_sequence
 from torch.testing import assert_close
 
 import seqnorm
-from seqnorm.layers.fast import choose_path
+from seqnorm.layers.sequence import choose_path
 from seqnorm.norms import TimestepBatchNorm, TimestepBatchRenorm
 from tests.conftest import (
     BATCH_NORMS,

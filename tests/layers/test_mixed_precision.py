@@ -17,7 +17,7 @@ import torch
 from torch.testing import assert_close
 
 import seqnorm
-from seqnorm.layers.fast import choose_path
+from seqnorm.layers.sequence import choose_path
 from seqnorm.norms import LayerNorm, RMSNorm, TimestepBatchNorm, TimestepBatchRenorm
 from tests.conftest import CELLS, HOISTED, LAYERS, NORMS, TORCH_KINDS
 

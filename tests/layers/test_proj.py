@@ -9,7 +9,7 @@ from torch.nn.utils.rnn import pack_padded_sequence
 from torch.testing import assert_close
 
 import seqnorm
-from seqnorm.layers.fast import choose_path
+from seqnorm.layers.sequence import choose_path
 from tests.conftest import HOISTED, NORMS
 from tests.layers.test_fast_path import _assert_same, _pair, _run
 

@@ -10,7 +10,7 @@ from torch import nn
 from torch.testing import assert_close
 
 import seqnorm
-from seqnorm.layers.fast import choose_path
+from seqnorm.layers.sequence import choose_path
 from tests.conftest import CELLS, HOISTED, KINDS, LAYERS, NORMS
 from tests.layers.test_fast_path import _assert_same, _pair, _run
 

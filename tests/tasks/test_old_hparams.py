@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -117,17 +115,21 @@ def test_the_cli_evaluates_a_checkpoint_with_old_keys(tmp_path: Path, monkeypatc
     ],
 )
 def test_the_command_refuses_an_old_config_naming_the_replacement(
-    tmp_path: Path, model: dict[str, Any], expected: str
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    model: dict[str, Any],
+    expected: str,
 ) -> None:
+    from tests.conftest import cli_usage_error
+
+    monkeypatch.chdir(tmp_path)
     config = tmp_path / "old.yaml"
     config.write_text(yaml.safe_dump({"model": {"class_path": "LanguageModel", "init_args": model}}))
     overlay = tmp_path / "overlay.yaml"  # an overlay without class_path, as configs/norm/*.yaml are written
     overlay.write_text(yaml.safe_dump({"model": {"init_args": model}}))
     for path, extra in ((config, []), (overlay, ["--model", "LanguageModel"])):
-        command = [sys.executable, "-m", "seqnorm.cli", "fit", *extra, "--config", str(path), "--data", "TextCorpus"]
-        result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-        assert result.returncode == 2, result.stderr
-        lines = result.stderr.strip().splitlines()
+        lines = cli_usage_error(capsys, ["fit", *extra, "--config", str(path), "--data", "TextCorpus"]).splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"seqnorm fit: error: --config {path}: {expected}"), lines
 
 
