@@ -5,11 +5,12 @@ Cells do one step; this module owns time. Variable lengths are explicit: at step
 sequence's state at its last real step) and output zeros. A reverse direction runs over each sequence's real part
 reversed (padding stays at the end), as ``torch.nn.LSTM`` does with packed sequences.
 
-The loop written here is the plain reference (layers and directions are stacked by :mod:`seqnorm.layers.sequence`, which
-every path shares). By default (``impl="auto"``) layers run a faster path with the same
-results — torch's fused kernel when nothing is normalized, otherwise the input side of all steps at once and a lean
-loop — chosen in one place, :func:`seqnorm.layers.plan.plan_for`, from what the cells and norms declare (see
-:meth:`RecurrentLayer.plan`); ``impl="reference"`` forces this loop, and the plan's other path names pin theirs.
+Every path runs a sequence through :mod:`seqnorm.layers.sequence` (the padding layout, the stack of layers and
+directions, one direction's loop); the plain reference is that loop with each cell's own step. By default
+(``impl="auto"``) layers run a faster path with the same results — torch's fused kernel when nothing is normalized,
+otherwise the input side of all steps at once and a lean loop or the device's kernels — chosen in one place,
+:func:`seqnorm.layers.plan.plan_for`, from what the cells and norms declare (see :meth:`RecurrentLayer.plan`);
+``impl="reference"`` forces the reference, and the plan's other path names pin theirs.
 """
 
 from __future__ import annotations
