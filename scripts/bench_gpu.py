@@ -6,8 +6,10 @@ of a training step (forward and backward of ``output.sum()``, the input requirin
 I x H, default 100x64x512x512) in three precisions — float32 with TF32 off, float32 with TF32, bf16 autocast (the
 input projection in bf16, the recurrence in float32) — with ratios to cuDNN, to the plain path (the loop over the
 cell's step with hoisted input terms) and to the reference loop (``impl="reference"``), and a batch-1
-generation step against ``nn.LSTMCell``/``nn.GRUCell``. Markdown tables, for BENCHMARKS.md. Without CUDA it says so
-and exits 0.
+generation step against ``nn.LSTMCell``/``nn.GRUCell``. The loops' CUDA graphs (the backend's ``graphs.py``) are
+checked against the same loops run eagerly, with the memory they hold, and each training step is timed with them
+("seqnorm ms") and without ("no graphs ms", ``SEQNORM_CUDA_GRAPHS=0``). Markdown tables, for BENCHMARKS.md. Without
+CUDA it says so and exits 0.
 
 It needs torch, triton and seqnorm's core only (no training extras): ``PYTHONPATH=. python scripts/bench_gpu.py``
 from the checkout (``make bench-gpu``). Each timing is a CUDA-event median over ``--repeats`` runs after warm-ups;
@@ -21,6 +23,7 @@ import contextlib
 import copy
 import cProfile
 import math
+import os
 import pstats
 import statistics
 import sys
@@ -152,6 +155,51 @@ def check(device: torch.device) -> tuple[list[str], float]:
     return lines, worst_of_all
 
 
+@contextlib.contextmanager
+def _graphs(on: bool) -> Iterator[None]:
+    """The Triton backend's CUDA graphs of its loops on or off (``SEQNORM_CUDA_GRAPHS``) inside."""
+    from seqnorm.kernels.triton_backend import graphs
+
+    before = os.environ.get(graphs.ENV)
+    os.environ[graphs.ENV] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[graphs.ENV]
+        else:
+            os.environ[graphs.ENV] = before
+
+
+def graphs_check(device: torch.device, size: str) -> list[str]:
+    """The loops as CUDA graphs against the same loops run eagerly: four training steps of LN (and RMS) LSTM/GRU at
+    ``size`` with new inputs each (the first eager, the second captured, then replays), float32 with TF32 off;
+    the largest difference, the graphs made and the device memory they hold."""
+    from seqnorm.kernels.triton_backend import graphs
+
+    steps, batch, inputs, hidden = (int(v) for v in size.split("x"))
+    lines = ["| cell | norm | graphs made | largest difference, graphed − eager | memory the graphs hold (MiB) |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for kind in ("lstm", "gru"):
+        for norm in ("layer", "rms"):
+            torch.manual_seed(0)
+            layer = seqnorm.LAYERS[kind](inputs, hidden, norm=norm).to(device)
+            xs = [torch.randn(steps, batch, inputs, device=device, requires_grad=True) for _ in range(4)]
+            lengths = torch.full((batch,), steps, dtype=torch.long)
+            results = []
+            for on in (False, True):
+                graphs.GRAPHS.clear()
+                with _precision("fp32"), _graphs(on):
+                    results.append([tensor for x in xs for tensor in _run(layer, x, lengths, plain=False)])
+            torch.cuda.synchronize(device)
+            made, with_graphs = len(graphs.GRAPHS), torch.cuda.memory_allocated(device)
+            graphs.GRAPHS.clear()  # the graphs and their static tensors go; what the runs returned stays
+            held = with_graphs - torch.cuda.memory_allocated(device)
+            difference = _difference(results[1], results[0])
+            lines.append(f"| {kind} | {norm} | {made} | {difference:.1e} | {held / 2**20:.0f} |")
+    return lines
+
+
 def device_kernels(events: Iterable[FunctionEvent]) -> tuple[int, float]:
     """The kernels a profile recorded on the GPU and the milliseconds the GPU was busy with them: ``(launches,
     busy)``. Only the device's own rows count (``device_type`` CUDA, memory copies and sets left out), their time
@@ -219,12 +267,14 @@ def main() -> None:
     print("Check against the plain path (TF32 off; training: outputs, states, gradients; evaluation; generation):")
     lines, worst = check(device)
     print("\n".join(lines) + f"\n\nLargest difference of all: {worst:.1e}\n")
+    print("The loops as CUDA graphs against the same loops eagerly (4 training steps each, TF32 off):\n")
+    print("\n".join(graphs_check(device, args.size)) + "\n")
     if args.check_only:
         return
     print(f"Training step, T={steps} B={batch} I={inputs} H={hidden} (median ms of {args.repeats}):\n")
-    print("| cell | norm | precision | path | seqnorm ms | torch (cuDNN) ms | × torch | plain ms | plain / seqnorm "
-          "| reference loop ms | reference / plain |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| cell | norm | precision | path | seqnorm ms | no graphs ms | torch (cuDNN) ms | × torch | plain ms "
+          "| plain / seqnorm | reference loop ms | reference / plain |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     x = torch.randn(steps, batch, inputs, device=device, requires_grad=True)
     for kind in ("lstm", "gru"):
         torch.manual_seed(0)
@@ -235,6 +285,8 @@ def main() -> None:
                 with _precision(precision):
                     path = layer.plan(x).path
                     ours = _median_ms(_training_step(layer, x), args.repeats)
+                    with _graphs(False):
+                        eager = _median_ms(_training_step(layer, x), args.repeats)
                     theirs = _median_ms(_training_step(reference, x), args.repeats)
                     with kernels.disabled():
                         plain_path = layer.plan(x).path
@@ -242,7 +294,8 @@ def main() -> None:
                     layer.impl = "reference"  # the autograd loop over the cell's step, input terms included
                     loop = _median_ms(_training_step(layer, x), max(3, args.repeats // 4), warmup=1)
                     layer.impl = "auto"
-                print(f"| {kind} | {norm} | {precision} | {path} | {ours:.2f} | {theirs:.2f} | {ours / theirs:.2f} "
+                print(f"| {kind} | {norm} | {precision} | {path} | {ours:.2f} | {eager:.2f} | {theirs:.2f} "
+                      f"| {ours / theirs:.2f} "
                       f"| {plain:.2f} ({plain_path}) | {plain / ours:.1f} "
                       f"| {loop:.2f} | {loop / plain:.2f} |")  # fmt: skip
     print("\nGeneration step, batch 1, no_grad, eval (median µs over 200 steps of each):\n")

@@ -16,6 +16,7 @@ import inspect
 import os
 import re
 import tokenize
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -549,3 +550,117 @@ def test_no_loop_of_the_triton_backend_reads_a_tensor_back_to_the_host() -> None
     # and the check finds what it looks for
     planted = "for t in range(steps):\n    n = int(lengths[t])\n    x = y.item() + z.cpu().sum() + int(len(a))\n"
     assert _host_reads_in_loops(planted) == ["line 2: int(...)", "line 3: .item()", "line 3: .cpu()"]
+
+
+# --- the loops as graphs (seqnorm.kernels.triton_backend.graphs), with a stand-in graph on CPU tensors ---
+
+
+@pytest.fixture
+def stand_in_graphs(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The backend's loops graphed on CPU tensors: :class:`graphs.Replayed` replays a captured loop from its static
+    inputs into its static outputs, as a CUDA graph does."""
+    from seqnorm.kernels.triton_backend import graphs
+
+    made: list[Any] = []
+
+    def capture(loop: Any, inputs: Any, settings: Any) -> Any:
+        made.append(graphs.Replayed(loop, inputs, settings))
+        return made[-1]
+
+    loops = graphs.LoopGraphs(capture=capture, devices=("cpu",))
+    monkeypatch.setattr(graphs, "GRAPHS", loops)
+    monkeypatch.delenv(graphs.ENV, raising=False)
+    loops.made = made
+    return loops
+
+
+def _calls(kind: str, norm: str, bidirectional: bool, graphed: bool, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Four calls of one float64 layer, each forward and backward, on new inputs and lengths of the same longest
+    length (one graph key): the warm-up, the capture, then, with the weights changed in place, two forwards before
+    their backwards. Every output, state and gradient, in order."""
+    from seqnorm.kernels.triton_backend import graphs
+
+    monkeypatch.setenv(graphs.ENV, "1" if graphed else "0")
+    torch.manual_seed(3)
+    layer = seqnorm.LAYERS[kind](3, 5, num_layers=2, bidirectional=bidirectional, norm=norm).double()
+    perturb_norm_parameters(layer)
+    inputs = [torch.randn(4, 3, 3, dtype=torch.float64, requires_grad=True) for _ in range(4)]
+    lengths = [torch.tensor(found) for found in ([4, 2, 3], [4, 4, 1], [3, 4, 2], [4, 1, 1])]
+    results: list[Any] = []
+
+    def backward(output: torch.Tensor, state: Any, x: torch.Tensor) -> None:
+        states = state if isinstance(state, tuple) else (state,)
+        (output.sum() + sum(s.square().sum() for s in states)).backward()
+        results.extend([output.detach(), *(s.detach() for s in states), x.grad])
+        results.extend(p.grad.clone() for p in layer.parameters())
+        layer.zero_grad()
+
+    backward(*layer(inputs[0], lengths=lengths[0]), inputs[0])  # the warm-up
+    backward(*layer(inputs[1], lengths=lengths[1]), inputs[1])  # the capture
+    with torch.no_grad():
+        for parameter in layer.parameters():  # changed in place: the graph reads them through its static copies
+            parameter.mul_(1.1)
+    second = layer(inputs[2], lengths=lengths[2])
+    third = layer(inputs[3], lengths=lengths[3])  # replayed while the second call's outputs wait for their backward
+    for (output, state), x in ((second, inputs[2]), (third, inputs[3])):
+        backward(output, state, x)
+    return results
+
+
+@pytest.mark.parametrize("bidirectional", [False, True], ids=["one-direction", "bidirectional"])
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_graphed_loops_equal_the_eager_ones(
+    stand_in_graphs: Any, monkeypatch: pytest.MonkeyPatch, kind: str, bidirectional: bool
+) -> None:
+    eager = _calls(kind, "layer", bidirectional, False, monkeypatch)
+    assert not stand_in_graphs.made
+    graphed = _calls(kind, "layer", bidirectional, True, monkeypatch)
+    # a graph per loop and key (forward and backward; layer 0 and 1 differ in input width, not in the loops' shapes)
+    assert len(stand_in_graphs) == len(stand_in_graphs.made) >= 2
+    assert all(graph.replays >= 3 for graph in stand_in_graphs.made)
+    assert len(graphed) == len(eager)
+    for index, (got, expected) in enumerate(zip(graphed, eager, strict=True)):
+        assert torch.equal(got, expected), index
+
+
+def test_a_graph_per_key_at_most_the_limit_and_eager_where_capture_fails(
+    stand_in_graphs: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from seqnorm.kernels.triton_backend import graphs
+
+    def loop(x: torch.Tensor, *, scale: float) -> tuple[torch.Tensor, ...]:
+        return (x * scale,)
+
+    stand_in_graphs.limit = 1
+    for _ in range(3):
+        for size in (2, 3):  # two keys, alternately: the limit of one evicts the other each time
+            x = torch.randn(size)
+            assert torch.equal(graphs.run("loop", loop, [x], scale=2.0)[0], x * 2)
+    assert len(stand_in_graphs) == 1
+
+    def failing(loop: Any, inputs: Any, settings: Any) -> Any:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    stand_in_graphs.capture = failing
+    x = torch.randn(4)
+    graphs.run("loop", loop, [x], scale=3.0)
+    with pytest.warns(RuntimeWarning, match=r"runs without a CUDA graph for this shape: capturing it failed"):
+        assert torch.equal(graphs.run("loop", loop, [x], scale=3.0)[0], x * 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once: the key stays eager
+        assert torch.equal(graphs.run("loop", loop, [x + 1], scale=3.0)[0], (x + 1) * 3)
+
+    class Wrong:
+        def __init__(self, loop: Any, inputs: Any, settings: Any) -> None:
+            self.outputs = (torch.zeros(5),)
+
+        def replay(self) -> None:
+            pass
+
+    stand_in_graphs.capture = Wrong
+    graphs.run("loop", loop, [torch.randn(5)], scale=1.0)
+    with pytest.warns(RuntimeWarning, match="its graph's replay differed from the eager loop"):
+        y = torch.randn(5)
+        assert torch.equal(graphs.run("loop", loop, [y], scale=1.0)[0], y)
+    monkeypatch.setenv(graphs.ENV, "0")
+    assert not stand_in_graphs.wanted([torch.randn(6)])

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from seqnorm.kernels.backend import KernelNorm
-from seqnorm.kernels.triton_backend import recurrence
+from seqnorm.kernels.triton_backend import graphs, recurrence
 from seqnorm.kernels.triton_backend.common import (
     block,
     code,
@@ -29,17 +29,36 @@ def lstm_forward(
     ih: KernelNorm, hh: KernelNorm, c_norm: KernelNorm, save: bool,
 ) -> tuple[list[Tensor], list[Tensor | None], list[list[Tensor]], list[int]]:  # fmt: skip
     """The C++ ``lstm_forward``'s contract: ``([hs, h_n, c_n], saved, stats, fallbacks)``."""
-    steps, rows, width = inputs.shape
-    hidden = width // 4
     terms, ih_stats = normalize_rows(inputs, ih)
+    tensors = (terms, h0, c0, weight_hh, mask, hh.weight, hh.shift, c_norm.weight, c_norm.shift)
+    settings = {"hh": code(hh), "c_norm": code(c_norm), "hh_eps": hh.eps, "c_eps": c_norm.eps, "save": save}
+    hs, cs, acts, tanh_cs, raw, *rest = graphs.run("lstm_forward", lstm_forward_loop, tensors, **settings)
+    hh_stats, c_stats = rest[: 2 if code(hh) else 0], rest[2 if code(hh) else 0 :]
+    steps = inputs.shape[0]
+    h_n, c_n = hs[-1].clone(), cs[-1 if save else (steps - 1) % 2].clone()
+    saved: list[Tensor | None] = [cs, acts, tanh_cs, raw if code(hh) else None] if save else []
+    stats = [ih_stats, hh_stats, c_stats] if save else []
+    return [hs, h_n, c_n], saved, stats, [0, 0, 0]
+
+
+def lstm_forward_loop(
+    terms: Tensor, h0: Tensor, c0: Tensor, weight_hh: Tensor, mask: Tensor | None, hh_weight: Tensor | None,
+    hh_shift: Tensor | None, c_weight: Tensor | None, c_shift: Tensor | None,
+    *, hh: int, c_norm: int, hh_eps: float, c_eps: float, save: bool,
+) -> tuple[Tensor, ...]:  # fmt: skip
+    """The forward time loop, a function of its tensors (:mod:`.graphs` may capture it): ``hs, cs, acts, tanh_cs,
+    raw``, then the recurrent norm's statistics and the cell-state norm's (each a mean and a 1/std, where it has
+    them). ``hh``/``c_norm``: the norms' kinds (:func:`code`)."""
+    steps, rows, width = terms.shape
+    hidden = width // 4
     kept = steps if save else 1
-    hs = inputs.new_empty(steps, rows, hidden)
-    cs = inputs.new_empty(steps if save else 2, rows, hidden)
-    acts = inputs.new_empty(kept, rows, width)
-    tanh_cs = inputs.new_empty(kept, rows, hidden)
-    raw = inputs.new_empty(kept, rows, width)
-    hh_stats = [inputs.new_empty(kept, rows), inputs.new_empty(kept, rows)] if code(hh) else []
-    c_stats = [inputs.new_empty(kept, rows), inputs.new_empty(kept, rows)] if code(c_norm) else []
+    hs = terms.new_empty(steps, rows, hidden)
+    cs = terms.new_empty(steps if save else 2, rows, hidden)
+    acts = terms.new_empty(kept, rows, width)
+    tanh_cs = terms.new_empty(kept, rows, hidden)
+    raw = terms.new_empty(kept, rows, width)
+    hh_stats = [terms.new_empty(kept, rows), terms.new_empty(kept, rows)] if hh else []
+    c_stats = [terms.new_empty(kept, rows), terms.new_empty(kept, rows)] if c_norm else []
     scratch = hs  # what a pointer the kernel does not read points at
     weight_t = weight_hh.t()
     for t in range(steps):
@@ -50,20 +69,17 @@ def lstm_forward(
         torch.mm(h_prev, weight_t, out=raw[slot])
         recurrence.lstm_step[(rows,)](
             terms[t], raw[slot], h_prev, c_prev, mask_arg(None if mask is None else mask[t], scratch),
-            scratch, scratch, param(hh.weight, scratch), param(hh.shift, scratch),
-            param(c_norm.weight, scratch), param(c_norm.shift, scratch),
+            scratch, scratch, param(hh_weight, scratch), param(hh_shift, scratch),
+            param(c_weight, scratch), param(c_shift, scratch),
             hs[t], cs[c_slot], acts[slot], tanh_cs[slot],
             *(stat[slot] for stat in hh_stats or (scratch, scratch)),
             *(stat[slot] for stat in c_stats or (scratch, scratch)),
-            hidden, 0.0, hh.eps, c_norm.eps,
-            IH=0, IH_SHIFT=False, HH=code(hh), HH_SHIFT=hh.shift is not None,
-            C=code(c_norm), C_SHIFT=c_norm.shift is not None, HAS_MASK=mask is not None, SAVE=save,
+            hidden, 0.0, hh_eps, c_eps,
+            IH=0, IH_SHIFT=False, HH=hh, HH_SHIFT=hh_shift is not None,
+            C=c_norm, C_SHIFT=c_shift is not None, HAS_MASK=mask is not None, SAVE=save,
             BLOCK=block(hidden),
         )  # fmt: skip
-    h_n, c_n = hs[-1].clone(), cs[-1 if save else (steps - 1) % 2].clone()
-    saved: list[Tensor | None] = [cs, acts, tanh_cs, raw if code(hh) else None] if save else []
-    stats = [ih_stats, hh_stats, c_stats] if save else []
-    return [hs, h_n, c_n], saved, stats, [0, 0, 0]
+    return (hs, cs, acts, tanh_cs, raw, *hh_stats, *c_stats)
 
 
 def lstm_backward(
@@ -76,30 +92,16 @@ def lstm_backward(
     of the input, recurrent and cell-state norms, then W_ih (with a projection)."""
     cs, acts, tanh_cs = saved
     ih_stats, hh_stats, c_stats = stats
-    steps, rows, width = acts.shape
-    hidden = width // 4
-    d_pre = acts.new_empty(steps, rows, width)
-    d_raw = acts.new_empty(steps, rows, width) if code(hh) else d_pre
+    hidden = acts.shape[2] // 4
     keep_c_out = not identity(c_norm)
-    d_c_out = acts.new_empty(steps, rows, hidden) if keep_c_out else d_pre
-    recurrent = torch.zeros_like(h0)
-    carry = grad_h_n.clone()
-    dc = grad_c_n.clone()
-    scratch = hs
-    for t in range(steps - 1, -1, -1):
-        c_prev = c0 if t == 0 else cs[t - 1]
-        recurrence.lstm_step_backward[(rows,)](
-            grad_hs[t], recurrent, carry, dc, mask_arg(None if mask is None else mask[t], scratch),
-            acts[t], tanh_cs[t], cs[t], c_prev, raw[t] if raw is not None else scratch,
-            param(hh.weight, scratch), param(c_norm.weight, scratch),
-            *(stat[t] for stat in hh_stats or (scratch, scratch)),
-            *(stat[t] for stat in c_stats or (scratch, scratch)),
-            d_pre[t], d_raw[t], d_c_out[t] if keep_c_out else scratch,
-            hidden,
-            HH=code(hh), C=code(c_norm), KEEP_C_OUT=keep_c_out, HAS_MASK=mask is not None, BLOCK=block(hidden),
-        )  # fmt: skip
-        torch.mm(d_raw[t], weight_hh, out=recurrent)
+    tensors = (grad_hs, grad_h_n, grad_c_n, c0, mask, cs, acts, tanh_cs, raw, hh.weight, c_norm.weight,
+               *(hh_stats or (None, None)), *(c_stats or (None, None)), weight_hh)  # fmt: skip
+    settings = {"hh": code(hh), "c_norm": code(c_norm), "keep_c_out": keep_c_out}
+    d_pre, recurrent, carry, dc, *rest = graphs.run("lstm_backward", lstm_backward_loop, tensors, **settings)
+    d_raw = rest.pop(0) if code(hh) else d_pre
+    d_c_out = rest.pop(0) if keep_c_out else d_pre
     grad_h0 = recurrent + carry
+    width = acts.shape[2]
     grad_weight_hh = d_raw.reshape(-1, width).t() @ previous_states(h0, hs).reshape(-1, hidden)
     _, hh_weight, hh_shift = rows_backward_all(d_pre, raw if raw is not None else d_pre, hh_stats, hh, False)
     _, c_weight, c_shift = rows_backward_all(d_c_out, cs, c_stats, c_norm, False) if keep_c_out else (None, None, None)
@@ -109,6 +111,40 @@ def lstm_backward(
             grad_weight_ih]  # fmt: skip
 
 
+def lstm_backward_loop(
+    grad_hs: Tensor, grad_h_n: Tensor, grad_c_n: Tensor, c0: Tensor, mask: Tensor | None, cs: Tensor, acts: Tensor,
+    tanh_cs: Tensor, raw: Tensor | None, hh_weight: Tensor | None, c_weight: Tensor | None,
+    hh_mean: Tensor | None, hh_rstd: Tensor | None, c_mean: Tensor | None, c_rstd: Tensor | None, weight_hh: Tensor,
+    *, hh: int, c_norm: int, keep_c_out: bool,
+) -> tuple[Tensor, ...]:  # fmt: skip
+    """The backward time loop, a function of its tensors (:mod:`.graphs` may capture it): ``d_pre``, the gradient
+    reaching ``h0`` through ``W_hh`` (``recurrent``) and the one carried past the loop (``carry``), ``c0``'s
+    gradient, then ``d_raw`` where the recurrent term is normalized and ``d_c_out`` where the cell state is."""
+    steps, rows, width = acts.shape
+    hidden = width // 4
+    d_pre = acts.new_empty(steps, rows, width)
+    d_raw = acts.new_empty(steps, rows, width) if hh else d_pre
+    d_c_out = acts.new_empty(steps, rows, hidden) if keep_c_out else d_pre
+    recurrent = torch.zeros_like(grad_h_n)
+    carry = grad_h_n.clone()
+    dc = grad_c_n.clone()
+    scratch = acts
+    for t in range(steps - 1, -1, -1):
+        c_prev = c0 if t == 0 else cs[t - 1]
+        recurrence.lstm_step_backward[(rows,)](
+            grad_hs[t], recurrent, carry, dc, mask_arg(None if mask is None else mask[t], scratch),
+            acts[t], tanh_cs[t], cs[t], c_prev, raw[t] if raw is not None else scratch,
+            param(hh_weight, scratch), param(c_weight, scratch),
+            *((hh_mean[t], hh_rstd[t]) if hh_mean is not None and hh_rstd is not None else (scratch, scratch)),
+            *((c_mean[t], c_rstd[t]) if c_mean is not None and c_rstd is not None else (scratch, scratch)),
+            d_pre[t], d_raw[t], d_c_out[t] if keep_c_out else scratch,
+            hidden,
+            HH=hh, C=c_norm, KEEP_C_OUT=keep_c_out, HAS_MASK=mask is not None, BLOCK=block(hidden),
+        )  # fmt: skip
+        torch.mm(d_raw[t], weight_hh, out=recurrent)
+    return (d_pre, recurrent, carry, dc, *((d_raw,) if hh else ()), *((d_c_out,) if keep_c_out else ()))
+
+
 # --- GRU ---
 
 
@@ -116,15 +152,29 @@ def gru_forward(
     inputs: Tensor, h0: Tensor, weight_hh: Tensor, mask: Tensor | None, ih: KernelNorm, hh: KernelNorm, save: bool
 ) -> tuple[list[Tensor], list[Tensor], list[list[Tensor]], list[int]]:
     """The C++ ``gru_forward``'s contract: ``([hs, h_n], saved, stats, fallbacks)``."""
-    steps, rows, width = inputs.shape
-    hidden = width // 3
     terms, ih_stats = normalize_rows(inputs, ih)
+    settings = {"hh": code(hh), "hh_eps": hh.eps, "save": save}
+    tensors = (terms, h0, weight_hh, mask, hh.weight, hh.shift)
+    hs, acts, us, raw, *hh_stats = graphs.run("gru_forward", gru_forward_loop, tensors, **settings)
+    saved = [acts, us, raw] if save else []
+    stats = [ih_stats, hh_stats] if save else []
+    return [hs, hs[-1].clone()], saved, stats, [0, 0]
+
+
+def gru_forward_loop(
+    terms: Tensor, h0: Tensor, weight_hh: Tensor, mask: Tensor | None, hh_weight: Tensor | None,
+    hh_shift: Tensor | None, *, hh: int, hh_eps: float, save: bool,
+) -> tuple[Tensor, ...]:  # fmt: skip
+    """The forward time loop, a function of its tensors (:mod:`.graphs` may capture it): ``hs, acts, us, raw``,
+    then the recurrent norm's statistics where it has them."""
+    steps, rows, width = terms.shape
+    hidden = width // 3
     kept = steps if save else 1
-    hs = inputs.new_empty(steps, rows, hidden)
-    acts = inputs.new_empty(kept, rows, width)
-    us = inputs.new_empty(kept, rows, width)
-    raw = inputs.new_empty(kept, rows, width)
-    hh_stats = [inputs.new_empty(kept, rows), inputs.new_empty(kept, rows)] if code(hh) else []
+    hs = terms.new_empty(steps, rows, hidden)
+    acts = terms.new_empty(kept, rows, width)
+    us = terms.new_empty(kept, rows, width)
+    raw = terms.new_empty(kept, rows, width)
+    hh_stats = [terms.new_empty(kept, rows), terms.new_empty(kept, rows)] if hh else []
     scratch = hs
     weight_t = weight_hh.t()
     for t in range(steps):
@@ -133,15 +183,13 @@ def gru_forward(
         torch.mm(h_prev, weight_t, out=raw[slot])
         recurrence.gru_step[(rows,)](
             terms[t], raw[slot], h_prev, mask_arg(None if mask is None else mask[t], scratch),
-            scratch, scratch, param(hh.weight, scratch), param(hh.shift, scratch),
+            scratch, scratch, param(hh_weight, scratch), param(hh_shift, scratch),
             hs[t], acts[slot], us[slot], *(stat[slot] for stat in hh_stats or (scratch, scratch)),
-            hidden, 0.0, hh.eps,
-            IH=0, IH_SHIFT=False, HH=code(hh), HH_SHIFT=hh.shift is not None, HAS_MASK=mask is not None, SAVE=save,
+            hidden, 0.0, hh_eps,
+            IH=0, IH_SHIFT=False, HH=hh, HH_SHIFT=hh_shift is not None, HAS_MASK=mask is not None, SAVE=save,
             BLOCK=block(hidden),
         )  # fmt: skip
-    saved = [acts, us, raw] if save else []
-    stats = [ih_stats, hh_stats] if save else []
-    return [hs, hs[-1].clone()], saved, stats, [0, 0]
+    return (hs, acts, us, raw, *hh_stats)
 
 
 def gru_backward(
@@ -153,30 +201,46 @@ def gru_backward(
     input and recurrent norms, then W_ih (with a projection)."""
     acts, us, raw = saved
     ih_stats, hh_stats = stats
-    steps, rows, width = acts.shape
+    width = acts.shape[2]
     hidden = width // 3
-    d_input = acts.new_empty(steps, rows, width)
-    d_u = acts.new_empty(steps, rows, width)
-    d_raw = acts.new_empty(steps, rows, width) if code(hh) else d_u
-    recurrent = torch.zeros_like(h0)
-    carry = grad_h_n.clone()
-    scratch = hs
-    for t in range(steps - 1, -1, -1):
-        h_prev = h0 if t == 0 else hs[t - 1]
-        recurrence.gru_step_backward[(rows,)](
-            grad_hs[t], recurrent, carry, mask_arg(None if mask is None else mask[t], scratch),
-            acts[t], us[t], h_prev, raw[t], param(hh.weight, scratch),
-            *(stat[t] for stat in hh_stats or (scratch, scratch)),
-            d_input[t], d_u[t], d_raw[t], hidden,
-            HH=code(hh), HAS_MASK=mask is not None, BLOCK=block(hidden),
-        )  # fmt: skip
-        torch.mm(d_raw[t], weight_hh, out=recurrent)
+    tensors = (grad_hs, grad_h_n, h0, hs, mask, acts, us, raw, hh.weight, *(hh_stats or (None, None)), weight_hh)
+    d_input, d_u, recurrent, carry, *rest = graphs.run("gru_backward", gru_backward_loop, tensors, hh=code(hh))
+    d_raw = rest[0] if code(hh) else d_u
     grad_h0 = recurrent + carry
     grad_weight_hh = d_raw.reshape(-1, width).t() @ previous_states(h0, hs).reshape(-1, hidden)
     _, hh_weight, hh_shift = rows_backward_all(d_u, raw, hh_stats, hh, False)
     grad_inputs, ih_weight, ih_shift = rows_backward_all(d_input, inputs, ih_stats, ih, True)
     grad_x, grad_weight_ih = projection_grads(grad_inputs, sequence, weight_ih, want_input, want_weight_ih)
     return [grad_x, grad_h0, grad_weight_hh, ih_weight, ih_shift, hh_weight, hh_shift, grad_weight_ih]
+
+
+def gru_backward_loop(
+    grad_hs: Tensor, grad_h_n: Tensor, h0: Tensor, hs: Tensor, mask: Tensor | None, acts: Tensor, us: Tensor,
+    raw: Tensor, hh_weight: Tensor | None, hh_mean: Tensor | None, hh_rstd: Tensor | None, weight_hh: Tensor,
+    *, hh: int,
+) -> tuple[Tensor, ...]:  # fmt: skip
+    """The backward time loop, a function of its tensors (:mod:`.graphs` may capture it): ``d_input``, ``d_u``, the
+    gradient reaching ``h0`` through ``W_hh`` and the one carried past the loop, then ``d_raw`` where the recurrent
+    term is normalized."""
+    steps, rows, width = acts.shape
+    hidden = width // 3
+    d_input = acts.new_empty(steps, rows, width)
+    d_u = acts.new_empty(steps, rows, width)
+    d_raw = acts.new_empty(steps, rows, width) if hh else d_u
+    recurrent = torch.zeros_like(grad_h_n)
+    carry = grad_h_n.clone()
+    scratch = hs
+    for t in range(steps - 1, -1, -1):
+        h_prev = h0 if t == 0 else hs[t - 1]
+        recurrence.gru_step_backward[(rows,)](
+            grad_hs[t], recurrent, carry, mask_arg(None if mask is None else mask[t], scratch),
+            acts[t], us[t], h_prev, raw[t], param(hh_weight, scratch),
+            *((hh_mean[t], hh_rstd[t]) if hh_mean is not None and hh_rstd is not None else (scratch, scratch)),
+            d_input[t], d_u[t], d_raw[t], hidden,
+            HH=hh, HAS_MASK=mask is not None, BLOCK=block(hidden),
+        )  # fmt: skip
+        torch.mm(d_raw[t], weight_hh, out=recurrent)
+    return (d_input, d_u, recurrent, carry, *((d_raw,) if hh else ()))
 
 
 # --- the generation step ---

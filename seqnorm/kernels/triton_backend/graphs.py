@@ -1,0 +1,220 @@
+"""The Triton backend's time loops as CUDA graphs: one capture per loop and shape, replayed afterwards.
+
+A loop here is a function of tensors only (:mod:`.rows`: ``lstm_forward_loop`` and the rest): it allocates its
+outputs, runs every time step's two launches, and returns its outputs; its other arguments are compile-time
+settings (flags, ``eps``), which are part of the key. :func:`run` calls it:
+
+- the first call of a key runs it eagerly (the warm-up: Triton compiles its kernels, cuBLAS makes its handles);
+- the second captures it into a graph over *static* inputs (copies of the call's tensors, made outside the capture)
+  and checks the graph once: its replay must give what the eager loop gives for the same inputs, else the key runs
+  eagerly from then on, with one warning;
+- every later call copies its tensors into the static inputs, replays the graph and returns *copies* of the static
+  outputs. The copies are what make two forwards before one backward, or two layers and directions of one shape,
+  correct: the next replay overwrites the static outputs, never what an earlier call returned.
+
+A capture that fails (an operation a graph cannot hold) warns once and leaves that key eager. Graphs are kept for at
+most :data:`MAX_GRAPHS` keys, least recently used first out (varying ``max(lengths)`` makes a key per length).
+``SEQNORM_CUDA_GRAPHS=0`` turns them off. Only CUDA tensors are graphed; the interpreter's CPU tensors run eagerly
+(the tests put a stand-in graph in their place: :class:`Replayed`).
+
+The autocast state, TF32 and deterministic settings join the key: cuBLAS picks its kernels under them at capture.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+__all__ = ["ENV", "MAX_GRAPHS", "LoopGraphs", "Replayed", "run"]
+
+ENV = "SEQNORM_CUDA_GRAPHS"
+"""``0`` turns the loops' CUDA graphs off (anything else, or unset: on)."""
+
+MAX_GRAPHS = 8
+"""Graphs kept at once; each holds its loop's outputs for one shape (its activations) in its own memory pool."""
+
+Loop = Callable[..., tuple[Tensor, ...]]
+Inputs = Sequence[Tensor | None]
+
+
+class Graph(Protocol):
+    """A captured loop: ``outputs`` (static), refreshed in place by :meth:`replay` from the static inputs."""
+
+    outputs: tuple[Tensor, ...]
+
+    def replay(self) -> None: ...
+
+
+def _cuda_graph(loop: Loop, inputs: Inputs, settings: dict[str, Any]) -> Graph:
+    """Capture ``loop`` on the static ``inputs`` into a CUDA graph (after a warm-up on the capture's stream)."""
+
+    class Captured:
+        def __init__(self) -> None:
+            self.graph = torch.cuda.CUDAGraph()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                loop(*inputs, **settings)  # lazy initialization on the capture's stream, outside the capture
+            torch.cuda.current_stream().wait_stream(stream)
+            with torch.cuda.graph(self.graph, stream=stream):
+                self.outputs = loop(*inputs, **settings)
+
+        def replay(self) -> None:
+            self.graph.replay()
+
+    return Captured()
+
+
+class Replayed:
+    """A stand-in graph for tests on CPU tensors: capturing runs the loop on the static inputs, and a replay runs it
+    again from them into the same output tensors, as a CUDA graph's replay writes its static outputs. A loop that
+    read anything but its arguments, or a caller that kept a static output, gives other numbers than eager here."""
+
+    def __init__(self, loop: Loop, inputs: Inputs, settings: dict[str, Any]) -> None:
+        self.loop, self.inputs, self.settings = loop, inputs, settings
+        self.outputs = loop(*inputs, **settings)
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        for static, fresh in zip(self.outputs, self.loop(*self.inputs, **self.settings), strict=True):
+            static.copy_(fresh)
+
+
+@dataclass
+class _Entry:
+    graph: Graph
+    inputs: list[Tensor | None]  # the static inputs the graph reads
+
+
+def _static(tensor: Tensor | None) -> Tensor | None:
+    """A static input buffer like ``tensor`` (its strides kept), holding its values."""
+    if tensor is None:
+        return None
+    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=tensor.device).copy_(tensor)
+
+
+def _describe(tensor: Tensor | None) -> tuple[Any, ...] | None:
+    return None if tensor is None else (tuple(tensor.shape), tensor.stride(), tensor.dtype, str(tensor.device))
+
+
+class LoopGraphs:
+    """The graphs of the loops, by key (:func:`run`'s module docstring).
+
+    Args:
+        capture: makes a graph of a loop on static inputs (:class:`Replayed` in the tests).
+        devices: the device types whose tensors are graphed.
+        limit: graphs kept at once (least recently used out first).
+    """
+
+    def __init__(
+        self,
+        capture: Callable[[Loop, Inputs, dict[str, Any]], Graph] = _cuda_graph,
+        devices: tuple[str, ...] = ("cuda",),
+        limit: int = MAX_GRAPHS,
+    ) -> None:
+        self.capture, self.devices, self.limit = capture, devices, limit
+        self._graphs: OrderedDict[tuple[Any, ...], _Entry] = OrderedDict()
+        self._seen: set[tuple[Any, ...]] = set()  # keys warmed up
+        self._eager: set[tuple[Any, ...]] = set()  # keys whose capture failed or whose graph disagreed: eager for good
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def clear(self) -> None:
+        self._graphs.clear()
+        self._seen.clear()
+        self._eager.clear()
+
+    def _key(self, name: str, inputs: Inputs, settings: dict[str, Any]) -> tuple[Any, ...]:
+        device = next(tensor.device for tensor in inputs if tensor is not None)
+        flags = (
+            torch.is_autocast_enabled(device.type),
+            torch.backends.cuda.matmul.allow_tf32,
+            torch.backends.cudnn.allow_tf32,
+            torch.are_deterministic_algorithms_enabled(),
+        )
+        return (name, tuple(_describe(tensor) for tensor in inputs), tuple(sorted(settings.items())), flags)
+
+    def wanted(self, inputs: Inputs) -> bool:
+        """Whether this call may be graphed: the switch is on and its tensors are on a graphed device type."""
+        if os.environ.get(ENV, "1") == "0":
+            return False
+        device = next((tensor.device for tensor in inputs if tensor is not None), None)
+        return device is not None and device.type in self.devices and not torch.compiler.is_compiling()
+
+    def run(self, name: str, loop: Loop, inputs: Inputs, **settings: Any) -> tuple[Tensor, ...]:
+        """``loop(*inputs, **settings)``, through its graph where there is one (module docstring)."""
+        if not self.wanted(inputs):
+            return loop(*inputs, **settings)
+        key = self._key(name, inputs, settings)
+        entry = self._graphs.get(key)
+        if entry is None:
+            if key in self._eager:
+                return loop(*inputs, **settings)
+            if key not in self._seen:  # the warm-up
+                self._seen.add(key)
+                return loop(*inputs, **settings)
+            return self._first_replay(key, name, loop, inputs, settings)
+        self._graphs.move_to_end(key)
+        for static, tensor in zip(entry.inputs, inputs, strict=True):
+            if static is not None:
+                static.copy_(tensor)
+        entry.graph.replay()
+        return tuple(output.clone() for output in entry.graph.outputs)
+
+    def _first_replay(
+        self, key: tuple[Any, ...], name: str, loop: Loop, inputs: Inputs, settings: dict[str, Any]
+    ) -> tuple[Tensor, ...]:
+        """Capture, replay once, and keep the graph only if it gives what the eager loop gives."""
+        static = [_static(tensor) for tensor in inputs]
+        eager = loop(*inputs, **settings)
+        try:
+            graph = self.capture(loop, static, settings)
+            for buffer, tensor in zip(static, inputs, strict=True):
+                if buffer is not None:
+                    buffer.copy_(tensor)
+            graph.replay()
+            replayed = tuple(output.clone() for output in graph.outputs)
+        except Exception as error:
+            self._eager.add(key)
+            warnings.warn(
+                f"seqnorm: the Triton backend's {name} loop runs without a CUDA graph for this shape: capturing it "
+                f"failed ({type(error).__name__}: {str(error)[:200]}); {ENV}=0 turns graphs off",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return eager
+        agree = len(replayed) == len(eager) and all(
+            a.shape == b.shape and torch.allclose(a, b, rtol=1e-3, atol=1e-4, equal_nan=True)
+            for a, b in zip(replayed, eager, strict=False)
+        )
+        if not agree:
+            self._eager.add(key)
+            warnings.warn(
+                f"seqnorm: the Triton backend's {name} loop runs without a CUDA graph for this shape: its graph's "
+                "replay differed from the eager loop",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return eager
+        self._graphs[key] = _Entry(graph, static)
+        while len(self._graphs) > self.limit:
+            self._graphs.popitem(last=False)  # the least recently used
+        return eager
+
+
+GRAPHS = LoopGraphs()
+"""The process's graphs (the backend's loops run through it)."""
+
+
+def run(name: str, loop: Loop, inputs: Inputs, **settings: Any) -> tuple[Tensor, ...]:
+    """:meth:`LoopGraphs.run` of :data:`GRAPHS`."""
+    return GRAPHS.run(name, loop, inputs, **settings)
