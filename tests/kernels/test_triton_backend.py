@@ -575,17 +575,18 @@ def stand_in_graphs(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def _calls(kind: str, norm: str, bidirectional: bool, graphed: bool, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """Four calls of one float64 layer, each forward and backward, on new inputs and lengths of the same longest
-    length (one graph key): the warm-up, the capture, then, with the weights changed in place, two forwards before
-    their backwards. Every output, state and gradient, in order."""
+    """Calls of one float64 layer, each forward and backward, on new inputs and lengths of the same longest length
+    (one graph key): the warm-ups, the capture, then, with the weights changed in place, two forwards before their
+    backwards. Every output, state and gradient, in order."""
     from seqnorm.kernels.triton_backend import graphs
 
     monkeypatch.setenv(graphs.ENV, "1" if graphed else "0")
     torch.manual_seed(3)
     layer = seqnorm.LAYERS[kind](3, 5, num_layers=2, bidirectional=bidirectional, norm=norm).double()
     perturb_norm_parameters(layer)
-    inputs = [torch.randn(4, 3, 3, dtype=torch.float64, requires_grad=True) for _ in range(4)]
-    lengths = [torch.tensor(found) for found in ([4, 2, 3], [4, 4, 1], [3, 4, 2], [4, 1, 1])]
+    calls = graphs.WARMUPS + 3
+    inputs = [torch.randn(4, 3, 3, dtype=torch.float64, requires_grad=True) for _ in range(calls)]
+    lengths = [torch.tensor([4, 1 + call % 4, 1 + (call * 2) % 4]) for call in range(calls)]
     results: list[Any] = []
 
     def backward(output: torch.Tensor, state: Any, x: torch.Tensor) -> None:
@@ -595,14 +596,14 @@ def _calls(kind: str, norm: str, bidirectional: bool, graphed: bool, monkeypatch
         results.extend(p.grad.clone() for p in layer.parameters())
         layer.zero_grad()
 
-    backward(*layer(inputs[0], lengths=lengths[0]), inputs[0])  # the warm-up
-    backward(*layer(inputs[1], lengths=lengths[1]), inputs[1])  # the capture
+    for call in range(graphs.WARMUPS + 1):  # the warm-ups, then the capture
+        backward(*layer(inputs[call], lengths=lengths[call]), inputs[call])
     with torch.no_grad():
         for parameter in layer.parameters():  # changed in place: the graph reads them through its static copies
             parameter.mul_(1.1)
-    second = layer(inputs[2], lengths=lengths[2])
-    third = layer(inputs[3], lengths=lengths[3])  # replayed while the second call's outputs wait for their backward
-    for (output, state), x in ((second, inputs[2]), (third, inputs[3])):
+    second = layer(inputs[-2], lengths=lengths[-2])
+    third = layer(inputs[-1], lengths=lengths[-1])  # replayed while the second call's outputs wait for their backward
+    for (output, state), x in ((second, inputs[-2]), (third, inputs[-1])):
         backward(output, state, x)
     return results
 
@@ -643,7 +644,8 @@ def test_a_graph_per_key_at_most_the_limit_and_eager_where_capture_fails(
 
     stand_in_graphs.capture = failing
     x = torch.randn(4)
-    graphs.run("loop", loop, [x], scale=3.0)
+    for _ in range(graphs.WARMUPS):
+        graphs.run("loop", loop, [x], scale=3.0)
     with pytest.warns(RuntimeWarning, match=r"runs without a CUDA graph for this shape: capturing it failed"):
         assert torch.equal(graphs.run("loop", loop, [x], scale=3.0)[0], x * 3)
     with warnings.catch_warnings():
@@ -658,7 +660,8 @@ def test_a_graph_per_key_at_most_the_limit_and_eager_where_capture_fails(
             pass
 
     stand_in_graphs.capture = Wrong
-    graphs.run("loop", loop, [torch.randn(5)], scale=1.0)
+    for _ in range(graphs.WARMUPS):
+        graphs.run("loop", loop, [torch.randn(5)], scale=1.0)
     with pytest.warns(RuntimeWarning, match="its graph's replay differed from the eager loop"):
         y = torch.randn(5)
         assert torch.equal(graphs.run("loop", loop, [y], scale=1.0)[0], y)

@@ -4,8 +4,9 @@ A loop here is a function of tensors only (:mod:`.rows`: ``lstm_forward_loop`` a
 outputs, runs every time step's two launches, and returns its outputs; its other arguments are compile-time
 settings (flags, ``eps``), which are part of the key. :func:`run` calls it:
 
-- the first call of a key runs it eagerly (the warm-up: Triton compiles its kernels, cuBLAS makes its handles);
-- the second captures it into a graph over *static* inputs (copies of the call's tensors, made outside the capture)
+- the first :data:`WARMUPS` calls of a key run it eagerly (the warm-up: Triton compiles its kernels, cuBLAS makes its
+  handles; and a shape seen once, a batch's rare longest length, is not worth a graph);
+- the next captures it into a graph over *static* inputs (copies of the call's tensors, made outside the capture)
   and checks the graph once: its replay must give what the eager loop gives for the same inputs, else the key runs
   eagerly from then on, with one warning;
 - every later call copies its tensors into the static inputs, replays the graph and returns *copies* of the static
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -32,13 +33,16 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-__all__ = ["ENV", "MAX_GRAPHS", "LoopGraphs", "Replayed", "run"]
+__all__ = ["ENV", "MAX_GRAPHS", "WARMUPS", "LoopGraphs", "Replayed", "run"]
 
 ENV = "SEQNORM_CUDA_GRAPHS"
 """``0`` turns the loops' CUDA graphs off (anything else, or unset: on)."""
 
 MAX_GRAPHS = 8
 """Graphs kept at once; each holds its loop's outputs for one shape (its activations) in its own memory pool."""
+
+WARMUPS = 2
+"""Eager calls of a key before its capture."""
 
 Loop = Callable[..., tuple[Tensor, ...]]
 Inputs = Sequence[Tensor | None]
@@ -122,7 +126,7 @@ class LoopGraphs:
     ) -> None:
         self.capture, self.devices, self.limit = capture, devices, limit
         self._graphs: OrderedDict[tuple[Any, ...], _Entry] = OrderedDict()
-        self._seen: set[tuple[Any, ...]] = set()  # keys warmed up
+        self._calls: Counter[tuple[Any, ...]] = Counter()  # eager calls of each key so far
         self._eager: set[tuple[Any, ...]] = set()  # keys whose capture failed or whose graph disagreed: eager for good
 
     def __len__(self) -> int:
@@ -130,7 +134,7 @@ class LoopGraphs:
 
     def clear(self) -> None:
         self._graphs.clear()
-        self._seen.clear()
+        self._calls.clear()
         self._eager.clear()
 
     def _key(self, name: str, inputs: Inputs, settings: dict[str, Any]) -> tuple[Any, ...]:
@@ -159,8 +163,8 @@ class LoopGraphs:
         if entry is None:
             if key in self._eager:
                 return loop(*inputs, **settings)
-            if key not in self._seen:  # the warm-up
-                self._seen.add(key)
+            if self._calls[key] < WARMUPS:
+                self._calls[key] += 1
                 return loop(*inputs, **settings)
             return self._first_replay(key, name, loop, inputs, settings)
         self._graphs.move_to_end(key)
