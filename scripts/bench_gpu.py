@@ -299,8 +299,8 @@ def main() -> None:
                       f"| {plain:.2f} ({plain_path}) | {plain / ours:.1f} "
                       f"| {loop:.2f} | {loop / plain:.2f} |")  # fmt: skip
     print("\nGeneration step, batch 1, no_grad, eval (median µs over 200 steps of each):\n")
-    print("| cell | norm | seqnorm µs | torch cell µs | × torch |")
-    print("|---|---|---|---|---|")
+    print("| cell | norm | seqnorm µs | no graphs µs | torch cell µs | × torch |")
+    print("|---|---|---|---|---|---|")
     for kind in ("lstm", "gru"):
         cell = (torch.nn.LSTMCell if kind == "lstm" else torch.nn.GRUCell)(inputs, hidden).to(device)
         x_t = torch.randn(1, inputs, device=device)
@@ -316,8 +316,10 @@ def main() -> None:
 
             with torch.no_grad():
                 ours = _median_ms(lambda: [ours_step() for _ in range(200)], 5) * 1000 / 200
+                with _graphs(False):
+                    eager = _median_ms(lambda: [ours_step() for _ in range(200)], 5) * 1000 / 200
                 theirs = _median_ms(lambda: [cell(x_t) for _ in range(200)], 5) * 1000 / 200  # noqa: B023
-            print(f"| {kind} | {norm} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f} |")
+            print(f"| {kind} | {norm} | {ours:.1f} | {eager:.1f} | {theirs:.1f} | {ours / theirs:.2f} |")
 
 
 if __name__ == "__main__":

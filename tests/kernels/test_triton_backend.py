@@ -667,3 +667,31 @@ def test_a_graph_per_key_at_most_the_limit_and_eager_where_capture_fails(
         assert torch.equal(graphs.run("loop", loop, [y], scale=1.0)[0], y)
     monkeypatch.setenv(graphs.ENV, "0")
     assert not stand_in_graphs.wanted([torch.randn(6)])
+
+
+@pytest.mark.parametrize("norm", ["layer", "batch"])  # BN in evaluation: its step's row of folded scale and offset
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_graphed_generation_steps_equal_the_eager_ones(
+    stand_in_graphs: Any, monkeypatch: pytest.MonkeyPatch, kind: str, norm: str
+) -> None:
+    from seqnorm.kernels.triton_backend import graphs
+
+    torch.manual_seed(5)
+    layer = seqnorm.LAYERS[kind](3, 5, num_layers=2, norm=norm).double()
+    perturb_norm_parameters(layer)
+    layer.train()(torch.randn(6, 4, 3, dtype=torch.float64))  # BN's running statistics, every step's its own
+    layer.eval()
+    xs = torch.randn(8, 4, 3, dtype=torch.float64)
+    runs = []
+    for on in ("0", "1"):
+        monkeypatch.setenv(graphs.ENV, on)
+        state, outputs = None, []
+        with torch.no_grad():
+            assert plan_for(layer, xs[0], step=True).cells == ("triton", "triton")
+            for x in xs:  # steps 0-7: BN reads its step's row of statistics (6-7: rows training never reached)
+                output, state = layer.step(x, state)
+                outputs.append(output)
+        runs.append(outputs)
+    assert stand_in_graphs.made and all(graph.replays >= 1 for graph in stand_in_graphs.made)
+    for got, expected in zip(runs[1], runs[0], strict=True):
+        assert torch.equal(got, expected)

@@ -1,7 +1,8 @@
 """The Triton backend's time loops as CUDA graphs: one capture per loop and shape, replayed afterwards.
 
-A loop here is a function of tensors only (:mod:`.rows`: ``lstm_forward_loop`` and the rest): it allocates its
-outputs, runs every time step's two launches, and returns its outputs; its other arguments are compile-time
+A loop here is a function of tensors only (:mod:`.rows`: ``lstm_forward_loop`` and the rest, and the generation
+step's ``lstm_generation_loop``/``gru_generation_loop``): it allocates its outputs, runs its launches (two a time
+step), and returns its outputs; its other arguments are compile-time
 settings (flags, ``eps``), which are part of the key. :func:`run` calls it:
 
 - the first :data:`WARMUPS` calls of a key run it eagerly (the warm-up: Triton compiles its kernels, cuBLAS makes its

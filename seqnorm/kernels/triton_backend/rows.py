@@ -246,14 +246,14 @@ def gru_backward_loop(
 # --- the generation step ---
 
 
-def _step_norm(norm: KernelNorm, step: int, like: Tensor) -> tuple[int, Tensor, Tensor, bool]:
-    """A norm for the generation step: (kind, γ, shift, whether it shifts); a per-timestep BatchNorm in evaluation
-    as its step's row of folded scale and offset (the offset holds the shift)."""
+def _step_norm(norm: KernelNorm, step: int) -> tuple[int, Tensor | None, Tensor | None]:
+    """A norm for the generation step: (kind, γ, shift); a per-timestep BatchNorm in evaluation as its step's row of
+    folded scale and offset (the offset holds the shift)."""
     if norm.kind == "batch":
         assert norm.folded_scale is not None and norm.folded_offset is not None, "unsupported() refuses the rest"
         row = min(step, norm.folded_scale.shape[0] - 1)
-        return 4, norm.folded_scale[row], norm.folded_offset[row], True
-    return code(norm), param(norm.weight, like), param(norm.shift, like), norm.shift is not None
+        return 4, norm.folded_scale[row], norm.folded_offset[row]
+    return code(norm), norm.weight, norm.shift
 
 
 def generation_step(
@@ -261,31 +261,62 @@ def generation_step(
     ih: KernelNorm, hh: KernelNorm, c_norm: KernelNorm, step: int,
 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """The C++ ``generation_step``'s contract: ``x`` ``(B, I)`` or ``(1, B, I)``, ``h``/``c`` ``(1, B, H)``;
-    returns ``(h', c')`` ``(1, B, H)`` (``c'`` ``None`` for a GRU). Three launches: two products and one step."""
+    returns ``(h', c')`` ``(1, B, H)`` (``c'`` ``None`` for a GRU). Three launches, two products and one step, run
+    through :mod:`.graphs` (one graph per shape replays them)."""
     x = x[0] if x.dim() == 3 else x
+    ih_kind, ih_weight, ih_shift = _step_norm(ih, step)
+    hh_kind, hh_weight, hh_shift = _step_norm(hh, step)
+    c_kind, c_weight, c_shift = _step_norm(c_norm, step) if cell == "lstm" else (0, None, None)
+    tensors = (x, h[0], None if c is None else c[0], weight_ih_t, weight_hh_t,
+               ih_weight, ih_shift, hh_weight, hh_shift, c_weight, c_shift)  # fmt: skip
+    settings = {"ih": ih_kind, "hh": hh_kind, "c_norm": c_kind, "ih_eps": ih.eps, "hh_eps": hh.eps}
+    if cell == "gru":
+        (h_new,) = graphs.run("gru_generation", gru_generation_loop, tensors, **settings)
+        return h_new.unsqueeze(0), None
+    assert c is not None
+    h_new, c_new = graphs.run("lstm_generation", lstm_generation_loop, tensors, c_eps=c_norm.eps, **settings)
+    return h_new.unsqueeze(0), c_new.unsqueeze(0)
+
+
+def gru_generation_loop(
+    x: Tensor, h: Tensor, c: None, weight_ih_t: Tensor, weight_hh_t: Tensor, ih_weight: Tensor | None,
+    ih_shift: Tensor | None, hh_weight: Tensor | None, hh_shift: Tensor | None, c_weight: None, c_shift: None,
+    *, ih: int, hh: int, c_norm: int, ih_eps: float, hh_eps: float,
+) -> tuple[Tensor, ...]:  # fmt: skip
+    """One GRU generation step, a function of its tensors (:mod:`.graphs` may capture it): ``(h',)`` ``(B, H)``."""
     rows, hidden = x.shape[0], weight_hh_t.shape[0]
     term = x @ weight_ih_t
-    raw = h[0] @ weight_hh_t
-    h_new = h.new_empty(1, rows, hidden)
+    raw = h @ weight_hh_t
+    h_new = h.new_empty(rows, hidden)
     scratch = h_new
-    ih_kind, ih_weight, ih_shift, ih_shifted = _step_norm(ih, step, scratch)
-    hh_kind, hh_weight, hh_shift, hh_shifted = _step_norm(hh, step, scratch)
-    if cell == "gru":
-        recurrence.gru_step[(rows,)](
-            term, raw, h[0], scratch, ih_weight, ih_shift, hh_weight, hh_shift,
-            h_new, scratch, scratch, scratch, scratch, hidden, ih.eps, hh.eps,
-            IH=ih_kind, IH_SHIFT=ih_shifted, HH=hh_kind, HH_SHIFT=hh_shifted, HAS_MASK=False, SAVE=False,
-            BLOCK=block(hidden),
-        )  # fmt: skip
-        return h_new, None
-    assert c is not None
-    c_new = h.new_empty(1, rows, hidden)
-    c_kind, c_weight, c_shift, c_shifted = _step_norm(c_norm, step, scratch)
-    recurrence.lstm_step[(rows,)](
-        term, raw, h[0], c[0], scratch, ih_weight, ih_shift, hh_weight, hh_shift, c_weight, c_shift,
-        h_new, c_new, scratch, scratch, scratch, scratch, scratch, scratch,
-        hidden, ih.eps, hh.eps, c_norm.eps,
-        IH=ih_kind, IH_SHIFT=ih_shifted, HH=hh_kind, HH_SHIFT=hh_shifted, C=c_kind, C_SHIFT=c_shifted,
-        HAS_MASK=False, SAVE=False, BLOCK=block(hidden),
+    recurrence.gru_step[(rows,)](
+        term, raw, h, scratch, param(ih_weight, scratch), param(ih_shift, scratch), param(hh_weight, scratch),
+        param(hh_shift, scratch), h_new, scratch, scratch, scratch, scratch, hidden, ih_eps, hh_eps,
+        IH=ih, IH_SHIFT=ih_shift is not None, HH=hh, HH_SHIFT=hh_shift is not None, HAS_MASK=False, SAVE=False,
+        BLOCK=block(hidden),
     )  # fmt: skip
-    return h_new, c_new
+    return (h_new,)
+
+
+def lstm_generation_loop(
+    x: Tensor, h: Tensor, c: Tensor, weight_ih_t: Tensor, weight_hh_t: Tensor, ih_weight: Tensor | None,
+    ih_shift: Tensor | None, hh_weight: Tensor | None, hh_shift: Tensor | None, c_weight: Tensor | None,
+    c_shift: Tensor | None, *, ih: int, hh: int, c_norm: int, ih_eps: float, hh_eps: float, c_eps: float,
+) -> tuple[Tensor, ...]:  # fmt: skip
+    """One LSTM generation step, a function of its tensors (:mod:`.graphs` may capture it): ``(h', c')``, each
+    ``(B, H)``."""
+    rows, hidden = x.shape[0], weight_hh_t.shape[0]
+    term = x @ weight_ih_t
+    raw = h @ weight_hh_t
+    h_new = h.new_empty(rows, hidden)
+    c_new = h.new_empty(rows, hidden)
+    scratch = h_new
+    recurrence.lstm_step[(rows,)](
+        term, raw, h, c, scratch, param(ih_weight, scratch), param(ih_shift, scratch), param(hh_weight, scratch),
+        param(hh_shift, scratch), param(c_weight, scratch), param(c_shift, scratch),
+        h_new, c_new, scratch, scratch, scratch, scratch, scratch, scratch,
+        hidden, ih_eps, hh_eps, c_eps,
+        IH=ih, IH_SHIFT=ih_shift is not None, HH=hh, HH_SHIFT=hh_shift is not None, C=c_norm,
+        C_SHIFT=c_shift is not None, HAS_MASK=False, SAVE=False, BLOCK=block(hidden),
+    )  # fmt: skip
+    return (h_new, c_new)
