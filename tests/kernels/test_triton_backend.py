@@ -661,6 +661,9 @@ def test_a_graph_per_key_at_most_the_limit_and_eager_where_capture_fails(
     with pytest.warns(RuntimeWarning, match="its graph's replay differed from the eager loop"):
         y = torch.randn(5)
         assert torch.equal(graphs.run("loop", loop, [y], scale=1.0)[0], y)
+    assert not stand_in_graphs.wanted([torch.randn(6, 1).expand(6, 2)])  # one element twice: never graphed
+    assert not stand_in_graphs.wanted([torch.randn(6, 4)[:, :2]])  # gaps
+    assert stand_in_graphs.wanted([torch.randn(6, 2).t(), torch.randn(6)])  # a transposed weight is dense
     monkeypatch.setenv(graphs.ENV, "0")
     assert not stand_in_graphs.wanted([torch.randn(6)])
 

@@ -106,6 +106,12 @@ def _static(tensor: Tensor | None) -> Tensor | None:
     return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=tensor.device).copy_(tensor)
 
 
+def _dense(tensor: Tensor) -> bool:
+    """Every element in memory once and no gaps: contiguous once its dimensions are ordered by stride."""
+    order = sorted(range(tensor.dim()), key=lambda dim: -tensor.stride(dim))
+    return tensor.permute(order).is_contiguous()
+
+
 def _describe(tensor: Tensor | None) -> tuple[Any, ...] | None:
     return None if tensor is None else (tuple(tensor.shape), tensor.stride(), tensor.dtype, str(tensor.device))
 
@@ -149,11 +155,18 @@ class LoopGraphs:
         return (name, tuple(_describe(tensor) for tensor in inputs), tuple(sorted(settings.items())), flags)
 
     def wanted(self, inputs: Inputs) -> bool:
-        """Whether this call may be graphed: the switch is on and its tensors are on a graphed device type."""
+        """Whether this call may be graphed: the switch is on, its tensors are on a graphed device type, and each is
+        dense without overlaps (contiguous up to a permutation, as a transposed weight is): a static copy with its
+        strides then stands for it, where an expanded tensor's could not be written."""
         if os.environ.get(ENV, "1") == "0":
             return False
-        device = next((tensor.device for tensor in inputs if tensor is not None), None)
-        return device is not None and device.type in self.devices and not torch.compiler.is_compiling()
+        tensors = [tensor for tensor in inputs if tensor is not None]
+        return (
+            bool(tensors)
+            and tensors[0].device.type in self.devices
+            and all(_dense(tensor) for tensor in tensors)
+            and not torch.compiler.is_compiling()
+        )
 
     def run(self, name: str, loop: Loop, inputs: Inputs, **settings: Any) -> tuple[Tensor, ...]:
         """``loop(*inputs, **settings)``, through its graph where there is one (module docstring)."""
