@@ -2,8 +2,8 @@
 
 A loop here is a function of tensors only (:mod:`.rows`: ``lstm_forward_loop`` and the rest, and the generation
 step's ``lstm_generation_loop``/``gru_generation_loop``): it allocates its outputs, runs its launches (two a time
-step), and returns its outputs; its other arguments are compile-time
-settings (flags, ``eps``), which are part of the key. :func:`run` calls it:
+step) and returns its outputs; its other arguments are compile-time settings (flags, ``eps``), which are part of the
+key. :func:`run` calls it:
 
 - the first :data:`WARMUPS` calls of a key run it eagerly (the warm-up: Triton compiles its kernels, cuBLAS makes its
   handles; and a shape seen once, a batch's rare longest length, is not worth a graph);
