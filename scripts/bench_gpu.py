@@ -172,9 +172,9 @@ def _graphs(on: bool) -> Iterator[None]:
 
 
 def graphs_check(device: torch.device, size: str) -> list[str]:
-    """The loops as CUDA graphs against the same loops run eagerly: four training steps of LN (and RMS) LSTM/GRU at
-    ``size`` with new inputs each (the first eager, the second captured, then replays), float32 with TF32 off;
-    the largest difference, the graphs made and the device memory they hold."""
+    """The loops as CUDA graphs against the same loops run eagerly: five training steps of LN (and RMS) LSTM/GRU at
+    ``size`` with new inputs each (``graphs.WARMUPS`` eager, then the capture, then replays), float32 with TF32
+    off; the largest difference, the graphs made and the device memory they hold."""
     from seqnorm.kernels.triton_backend import graphs
 
     steps, batch, inputs, hidden = (int(v) for v in size.split("x"))
@@ -184,7 +184,7 @@ def graphs_check(device: torch.device, size: str) -> list[str]:
         for norm in ("layer", "rms"):
             torch.manual_seed(0)
             layer = seqnorm.LAYERS[kind](inputs, hidden, norm=norm).to(device)
-            xs = [torch.randn(steps, batch, inputs, device=device, requires_grad=True) for _ in range(4)]
+            xs = [torch.randn(steps, batch, inputs, device=device, requires_grad=True) for _ in range(5)]
             lengths = torch.full((batch,), steps, dtype=torch.long)
             results = []
             for on in (False, True):
@@ -267,7 +267,7 @@ def main() -> None:
     print("Check against the plain path (TF32 off; training: outputs, states, gradients; evaluation; generation):")
     lines, worst = check(device)
     print("\n".join(lines) + f"\n\nLargest difference of all: {worst:.1e}\n")
-    print("The loops as CUDA graphs against the same loops eagerly (4 training steps each, TF32 off):\n")
+    print("The loops as CUDA graphs against the same loops eagerly (5 training steps each, TF32 off):\n")
     print("\n".join(graphs_check(device, args.size)) + "\n")
     if args.check_only:
         return
