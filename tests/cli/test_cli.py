@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
 
 import seqnorm
 from seqnorm.cli import main
@@ -69,17 +68,6 @@ def test_char_lm_on_own_file_trains_resumes_and_generates(story: Path, capsys: p
     assert tested["test/bpc"][0][1] < 1.3
 
 
-class InterruptAt(Callback):
-    """Raises KeyboardInterrupt (what Ctrl-C does) after training step ``step``."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer, *args: object) -> None:
-        if trainer.global_step == self.step:
-            raise KeyboardInterrupt
-
-
 def test_interrupted_run_resumes_from_last_checkpoint(story: Path) -> None:
     base = ["--model", "LanguageModel", "--data", "TextCorpus", "--data.path", str(story), "--data.unit", "line"]
     base += [*TINY_LM, *QUIET]
@@ -92,7 +80,7 @@ def test_interrupted_run_resumes_from_last_checkpoint(story: Path) -> None:
                     *base,
                     "--trainer.max_steps",
                     "50",
-                    "--trainer.callbacks+=tests.cli.test_cli.InterruptAt",
+                    "--trainer.callbacks+=tests.interrupt.InterruptAfter",
                     "--trainer.callbacks.step",
                     "12",
                 ]

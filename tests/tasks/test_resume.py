@@ -42,17 +42,6 @@ class Record(Callback):
             RECORDS.append(("validation", trainer.current_epoch, trainer.global_step))
 
 
-class InterruptAfter(Callback):
-    """Raises KeyboardInterrupt (what Ctrl-C does) after training step ``step``."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer, *args: object) -> None:
-        if trainer.global_step == self.step:
-            raise KeyboardInterrupt
-
-
 class InterruptInside(Callback):
     """Raises KeyboardInterrupt inside training step ``step`` (after its backward, before its optimizer step) or,
     with ``validation=True``, at the end of the first batch of the validation after step ``step`` (the validation
@@ -139,7 +128,7 @@ def test_resumed_run_equals_uninterrupted_run(
     if how == "max_steps":
         first, _ = _fit(tmp_path / "first", bucket, "--trainer.max_steps", str(stop))
     else:
-        interrupt = [f"--trainer.callbacks+={HERE}.InterruptAfter", "--trainer.callbacks.step", str(stop)]
+        interrupt = ["--trainer.callbacks+=tests.interrupt.InterruptAfter", "--trainer.callbacks.step", str(stop)]
         first, _ = _fit(tmp_path / "first", bucket, "--trainer.max_steps", str(TOTAL), *interrupt)
     last = tmp_path / "first" / "checkpoints" / "last.ckpt"
     assert torch.load(last, weights_only=True)["global_step"] == stop
@@ -166,7 +155,7 @@ def test_resume_with_worker_processes(
     if how == "max_steps":
         first, _ = _fit(tmp_path / "first", True, *workers, "--trainer.max_steps", str(stop))
     else:
-        interrupt = [f"--trainer.callbacks+={HERE}.InterruptAfter", "--trainer.callbacks.step", str(stop)]
+        interrupt = ["--trainer.callbacks+=tests.interrupt.InterruptAfter", "--trainer.callbacks.step", str(stop)]
         first, _ = _fit(tmp_path / "first", True, *workers, "--trainer.max_steps", str(TOTAL), *interrupt)
     last = str(tmp_path / "first" / "checkpoints" / "last.ckpt")
     resumed, parameters = _fit(
@@ -261,7 +250,7 @@ def test_the_train_loss_window_resumes_too(
     if where == "step":
         stop = _interrupt_inside(6, "step")
     else:
-        stop = [f"--trainer.callbacks+={HERE}.InterruptAfter", "--trainer.callbacks.step", "6"]
+        stop = ["--trainer.callbacks+=tests.interrupt.InterruptAfter", "--trainer.callbacks.step", "6"]
     _fit(tmp_path / "first", True, "--trainer.max_steps", str(TOTAL), *record, *stop)
     last = str(tmp_path / "first" / "checkpoints" / "last.ckpt")
     _fit(tmp_path / "resumed", True, "--trainer.max_steps", str(TOTAL), *record, "--ckpt_path", last)
@@ -313,7 +302,7 @@ def test_stateful_stream_resumes_exactly(
             tmp_path / "first", False, *STREAM, "--trainer.max_steps", str(TOTAL), *_interrupt_inside(stop, how)
         )
     else:
-        interrupt = [f"--trainer.callbacks+={HERE}.InterruptAfter", "--trainer.callbacks.step", str(stop)]
+        interrupt = ["--trainer.callbacks+=tests.interrupt.InterruptAfter", "--trainer.callbacks.step", str(stop)]
         first, _ = _fit(tmp_path / "first", False, *STREAM, "--trainer.max_steps", str(TOTAL), *interrupt)
     last = tmp_path / "first" / "checkpoints" / "last.ckpt"
     assert "seqnorm_stream_state" in torch.load(last, weights_only=True)
