@@ -617,7 +617,9 @@ def test_graphed_loops_equal_the_eager_ones(stand_in_graphs: Any, monkeypatch: p
     assert all(graph.replays >= 5 for graph in stand_in_graphs.made)  # 3 calls, 2 directions each
     assert len(graphed) == len(eager)
     for index, (got, expected) in enumerate(zip(graphed, eager, strict=True)):
-        assert torch.equal(got, expected), index
+        # float64, the same operations; the static copies sit at other addresses than the originals (h0's slice of
+        # the state, say), and a BLAS may take another code path for another alignment: within 1e-12, not bitwise
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12, msg=str(index))
 
 
 def test_a_graph_per_key_at_most_the_limit_and_eager_where_capture_fails(
@@ -692,5 +694,5 @@ def test_graphed_generation_steps_equal_the_eager_ones(
                 outputs.append(output)
         runs.append(outputs)
     assert stand_in_graphs.made and all(graph.replays >= 1 for graph in stand_in_graphs.made)
-    for got, expected in zip(runs[1], runs[0], strict=True):
-        assert torch.equal(got, expected)
+    for got, expected in zip(runs[1], runs[0], strict=True):  # float64; other addresses: see the test above
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
