@@ -555,16 +555,32 @@ def test_no_loop_of_the_triton_backend_reads_a_tensor_back_to_the_host() -> None
 # --- the loops as graphs (seqnorm.kernels.triton_backend.graphs), with a stand-in graph on CPU tensors ---
 
 
+class Replayed:
+    """A stand-in graph for tests on CPU tensors: capturing runs the loop on the static inputs, and a replay runs it
+    again from them into the same output tensors, as a CUDA graph's replay writes its static outputs. A loop that
+    read anything but its arguments, or a caller that kept a static output, gives other numbers than eager here."""
+
+    def __init__(self, loop: Any, inputs: Any, settings: dict[str, Any]) -> None:
+        self.loop, self.inputs, self.settings = loop, inputs, settings
+        self.outputs = loop(*inputs, **settings)
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        for static, fresh in zip(self.outputs, self.loop(*self.inputs, **self.settings), strict=True):
+            static.copy_(fresh)
+
+
 @pytest.fixture
 def stand_in_graphs(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """The backend's loops graphed on CPU tensors: :class:`graphs.Replayed` replays a captured loop from its static
+    """The backend's loops graphed on CPU tensors: :class:`Replayed` replays a captured loop from its static
     inputs into its static outputs, as a CUDA graph does."""
     from seqnorm.kernels.triton_backend import graphs
 
     made: list[Any] = []
 
     def capture(loop: Any, inputs: Any, settings: Any) -> Any:
-        made.append(graphs.Replayed(loop, inputs, settings))
+        made.append(Replayed(loop, inputs, settings))
         return made[-1]
 
     loops = graphs.LoopGraphs(capture=capture, devices=("cpu",))

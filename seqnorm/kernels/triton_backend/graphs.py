@@ -17,7 +17,7 @@ key. :func:`run` calls it:
 A capture that fails (an operation a graph cannot hold) warns once and leaves that key eager. Graphs are kept for at
 most :data:`MAX_GRAPHS` keys, least recently used first out (varying ``max(lengths)`` makes a key per length).
 ``SEQNORM_CUDA_GRAPHS=0`` turns them off. Only CUDA tensors are graphed; the interpreter's CPU tensors run eagerly
-(the tests put a stand-in graph in their place: :class:`Replayed`).
+(the tests put a stand-in graph in their place).
 
 The autocast state, TF32 and deterministic settings join the key: cuBLAS picks its kernels under them at capture.
 """
@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-__all__ = ["ENV", "MAX_GRAPHS", "WARMUPS", "LoopGraphs", "Replayed", "run"]
+__all__ = ["ENV", "MAX_GRAPHS", "WARMUPS", "LoopGraphs", "run"]
 
 ENV = "SEQNORM_CUDA_GRAPHS"
 """``0`` turns the loops' CUDA graphs off (anything else, or unset: on)."""
@@ -77,22 +77,6 @@ def _cuda_graph(loop: Loop, inputs: Inputs, settings: dict[str, Any]) -> Graph:
     return Captured()
 
 
-class Replayed:
-    """A stand-in graph for tests on CPU tensors: capturing runs the loop on the static inputs, and a replay runs it
-    again from them into the same output tensors, as a CUDA graph's replay writes its static outputs. A loop that
-    read anything but its arguments, or a caller that kept a static output, gives other numbers than eager here."""
-
-    def __init__(self, loop: Loop, inputs: Inputs, settings: dict[str, Any]) -> None:
-        self.loop, self.inputs, self.settings = loop, inputs, settings
-        self.outputs = loop(*inputs, **settings)
-        self.replays = 0
-
-    def replay(self) -> None:
-        self.replays += 1
-        for static, fresh in zip(self.outputs, self.loop(*self.inputs, **self.settings), strict=True):
-            static.copy_(fresh)
-
-
 @dataclass
 class _Entry:
     graph: Graph
@@ -120,7 +104,7 @@ class LoopGraphs:
     """The graphs of the loops, by key (:func:`run`'s module docstring).
 
     Args:
-        capture: makes a graph of a loop on static inputs (:class:`Replayed` in the tests).
+        capture: makes a graph of a loop on static inputs (a stand-in in the tests).
         devices: the device types whose tensors are graphed.
         limit: graphs kept at once (least recently used out first).
     """
