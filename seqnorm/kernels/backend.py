@@ -15,7 +15,9 @@ The entry points' arguments are the C++ kernels': ``inputs`` ``(T, B, G·H)`` (W
 normalizes, or the finished input terms), states ``(B, H)``, ``W_hh`` ``(G·H, H)``, ``mask`` ``(T, B)`` bool or
 ``None``, and one :attr:`Backend.NormArgs` per norm (input, recurrent, and an LSTM's cell state), built by
 :meth:`KernelNorm.native`. What ``saved`` and ``stats`` hold is the backend's own: its backward
-receives what its forward returned.
+receives what its forward returned. A backend that runs autocast (its :meth:`Backend.unsupported` accepts
+``autocast=True``) also takes a keyword ``half`` in its four sequence entry points: the dtype of the per-step
+products' operands (autocast's, for float32 parameters), which it sums in float32.
 """
 
 from __future__ import annotations

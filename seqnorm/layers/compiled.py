@@ -61,11 +61,14 @@ class _Call:
     """A call's non-tensor arguments: the kernels, the padding mask and the norms (for the backward, with their
     weight and shift replaced by the saved ones)."""
 
-    def __init__(self, kernels: Any, mask: Tensor | None, norms: tuple[KernelNorm, ...], lstm: bool) -> None:
+    def __init__(
+        self, kernels: Any, mask: Tensor | None, norms: tuple[KernelNorm, ...], lstm: bool, options: dict[str, Any]
+    ) -> None:
         self.kernels = kernels
         self.states = 2 if lstm else 1  # h0, c0 or h0
         self.mask = mask
         self.norms = norms
+        self.options = options  # the entry points' keywords: under autocast, ``half`` (:func:`_half_products`)
 
     def native(self, weights: tuple[Tensor | None, ...] | None = None) -> list[Any]:
         """The C++ arguments of the norms (``weights``: each norm's weight and shift, in order, from the saved)."""
@@ -107,10 +110,12 @@ def run_recurrence(
     """
     kernels = native(sequence.device.type)  # the backend the plan found for the device
     assert kernels is not None, "the plan routes here only where the kernels are loaded"
+    options: dict[str, Any] = {}
     if torch.is_autocast_enabled(sequence.device.type):  # a backend that runs autocast: in the parameters' dtype
         dtype = cell.weight_hh.dtype
         sequence = sequence.to(dtype)
         state = tuple(t.to(dtype) for t in state) if isinstance(state, tuple) else state.to(dtype)
+        options = _half_products(sequence.device.type, dtype)
     lstm = cell_kernel(cell) == "lstm"
     beta = {name: None if norm is None else norm.bias for name, norm in _norms(cell).items()}
     weight_ih: Tensor | None = None
@@ -126,7 +131,7 @@ def run_recurrence(
     # the input side).
     hh = _shifted(norms[1], _plus(beta["hh"], cell.recurrent_bias()))
     norms = (ih, hh, _shifted(norms[2], beta["c"])) if lstm else (ih, hh)
-    call = _Call(kernels, None if layout.active is None else layout.active.contiguous(), norms, lstm)
+    call = _Call(kernels, None if layout.active is None else layout.active.contiguous(), norms, lstm, options)
     weights = tuple(tensor for norm in norms for tensor in (norm.weight, norm.shift))
     weight = (cell.weight_hh if weight_hh is None else weight_hh).contiguous()
     inputs = inputs.contiguous()
@@ -137,9 +142,17 @@ def run_recurrence(
         if weight_ih is not None:
             inputs = _kept_projection(kernels, inputs, weight_ih)
         forward = kernels.lstm_forward if lstm else kernels.gru_forward
-        outputs, _, _, fallbacks = forward(inputs, *states, weight, call.mask, *call.native(), False)
+        outputs, _, _, fallbacks = forward(inputs, *states, weight, call.mask, *call.native(), False, **options)
         call.count_fallbacks(fallbacks)
     return outputs[0], ((outputs[1], outputs[2]) if lstm else outputs[1])
+
+
+def _half_products(device_type: str, dtype: torch.dtype) -> dict[str, Any]:
+    """The backend's keywords under autocast: the dtype of the per-step products' operands (``W_hh h`` and its
+    backward), autocast's own for float32 parameters (summed in float32 by the backend); nothing for float64, which
+    autocast does not lower either."""
+    half = torch.get_autocast_dtype(device_type)
+    return {"half": half} if dtype == torch.float32 and half in (torch.bfloat16, torch.float16) else {}
 
 
 def _kept_projection(kernels: Any, sequence: Tensor, weight_ih: Tensor) -> Tensor:
@@ -166,7 +179,9 @@ class _Recurrence(torch.autograd.Function):
         if weight_ih is not None:
             sequence, inputs = inputs, _kept_projection(call.kernels, inputs, weight_ih)
         forward = call.kernels.lstm_forward if call.states == 2 else call.kernels.gru_forward
-        outputs, saved, stats, fallbacks = forward(inputs, *states, weight_hh, call.mask, *call.native(), True)
+        outputs, saved, stats, fallbacks = forward(
+            inputs, *states, weight_hh, call.mask, *call.native(), True, **call.options
+        )
         call.count_fallbacks(fallbacks)
         ctx.call, ctx.sizes = call, (len(saved), *(len(named) for named in stats))
         # The inputs where the backward reads them: the input norm's (LSTM, GRU), and the GRU's recomputed gates.
@@ -210,6 +225,7 @@ class _Recurrence(torch.autograd.Function):
             weight_ih,
             ctx.needs_input_grad[1],
             ctx.needs_input_grad[-1],
+            **call.options,
         )
         return None, *result  # None for the parameters a norm does not have, and for weight_ih without a projection
 

@@ -210,9 +210,10 @@ class _Ops(TorchDispatchMode):
 
 
 def _launches(
-    backend: Any, norm: str, steps: int, monkeypatch: pytest.MonkeyPatch
+    backend: Any, norm: str, steps: int, monkeypatch: pytest.MonkeyPatch, autocast: bool
 ) -> tuple[dict[str, int], dict[str, int]]:
-    """(forward, backward) counts of Triton launches, other launching aten ops and host syncs of one LSTM."""
+    """(forward, backward) counts of Triton launches, other launching aten ops and host syncs of one LSTM (the
+    forward under bf16 autocast where ``autocast``)."""
     from seqnorm.kernels.triton_backend import columns, norms, recurrence
 
     triton_launches = [0]
@@ -235,7 +236,8 @@ def _launches(
         triton_launches[0] = 0
         with _Ops() as ops:
             if phase == "forward":
-                output, _ = layer(x, lengths=lengths)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    output, _ = layer(x, lengths=lengths)
             else:
                 output.sum().backward()
         aten = [name for name in ops.names if name not in _NOT_LAUNCHES]
@@ -245,21 +247,23 @@ def _launches(
     return counts[0], counts[1]
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "autocast"])
 @pytest.mark.parametrize("norm", ["layer", "batch"])  # the two layouts: a program per row, per block of features
 def test_at_most_two_launches_a_step_and_no_sync_or_allocation_in_the_loop(
-    triton_backend: Any, monkeypatch: pytest.MonkeyPatch, norm: str
+    triton_backend: Any, monkeypatch: pytest.MonkeyPatch, norm: str, autocast: bool
 ) -> None:
     """Per time step, forward and backward: at most two launches (the product and the step kernel), and no host
     sync or allocation (what a CUDA graph over the loop needs): the counts at 3 and 7 steps, whose difference is
-    the loop's."""
-    short = _launches(triton_backend, norm, 3, monkeypatch)
+    the loop's. Under autocast the half-precision product on CPU tensors is a copy that widens its left operand and
+    a product (:class:`StepProduct`'s exact emulation; on a GPU one cuBLAS call): three launches there."""
+    short = _launches(triton_backend, norm, 3, monkeypatch, autocast)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv(kernels.BACKEND_ENV, "triton")
     monkeypatch.setattr(kernels, "_LOADED", {"cpu": triton_backend})
-    long = _launches(triton_backend, norm, 7, monkeypatch)
+    long = _launches(triton_backend, norm, 7, monkeypatch, autocast)
     for phase, before, after in (("forward", short[0], long[0]), ("backward", short[1], long[1])):
         per_step = (after["launches"] - before["launches"]) / 4
-        assert per_step <= 2, f"{phase}: {per_step} launches a step"
+        assert per_step <= (3 if autocast else 2), f"{phase}: {per_step} launches a step"
         assert after["syncs"] == before["syncs"], f"{phase}: a host sync inside the loop"
         assert after["allocations"] == before["allocations"], f"{phase}: an allocation inside the loop"
 
@@ -433,6 +437,84 @@ def test_under_autocast_the_backend_is_as_accurate_as_the_plain_path(kind: str, 
 
     assert [t.dtype for t in fast] == [t.dtype for t in plain]
     assert error(fast) <= 2 * error(plain) + 1e-3, (error(fast), error(plain))
+
+
+def _rounded_products(monkeypatch: pytest.MonkeyPatch, half: torch.dtype) -> None:
+    """The plain path's cells with ``h`` and ``W_hh`` rounded to ``half`` where they enter the recurrent product."""
+    from seqnorm.cells.base import RecurrentCell
+
+    recurrent_input, recurrent_weight = RecurrentCell.recurrent_input, RecurrentCell.recurrent_weight
+    monkeypatch.setattr(RecurrentCell, "recurrent_input", lambda cell, h: recurrent_input(cell, h).to(half).to(h.dtype))
+    monkeypatch.setattr(
+        RecurrentCell, "recurrent_weight", lambda cell: (w := recurrent_weight(cell)).to(half).to(w.dtype)
+    )
+
+
+HALF_CASES = [
+    *((kind, norm, torch.bfloat16) for kind in ("lstm", "gru") for norm in KERNEL_NORMS),
+    ("lstm", "layer", torch.float16),
+    ("gru", "batch", torch.float16),
+]
+
+
+@pytest.mark.parametrize(("kind", "norm", "half"), HALF_CASES)
+def test_under_autocast_each_step_product_takes_half_precision_operands(
+    kind: str, norm: str, half: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under autocast each step's ``W_hh h`` (and its backward's product) takes its operands in autocast's dtype
+    and sums them in full precision. In float64, with that product forced (autocast lowers float32 only): the
+    outputs, states and BN's running statistics equal the plain path's with ``h`` and ``W_hh`` rounded where they
+    enter the product, within 1e-12 (padded rows, two layers, both directions), and differ from the unrounded ones
+    by the rounding; the gradients are within the rounding of the rounded path's (the backward's product rounds
+    its left operand too)."""
+    from seqnorm.layers import compiled
+
+    torch.manual_seed(4)
+    layer = seqnorm.LAYERS[kind](4, 6, num_layers=2, bidirectional=True, **_options(norm, 3)).double()
+    perturb_norm_parameters(layer)
+    x = torch.randn(5, 3, 4, dtype=torch.float64)
+    lengths = torch.tensor([5, 3, 4])
+    weights = [torch.randn(5, 3, 12, dtype=torch.float64)] + [torch.randn(4, 3, 6, dtype=torch.float64)] * (
+        2 if kind == "lstm" else 1
+    )
+    with kernels.disabled():
+        unrounded = _run(layer, x, lengths, weights)
+        with monkeypatch.context() as patch:
+            _rounded_products(patch, half)
+            rounded = _run(layer, x, lengths, weights)
+    monkeypatch.setattr(compiled, "_half_products", lambda device, dtype: {"half": half})
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer.plan(x).path == "triton"
+        fast = _run(layer, x, lengths, weights)
+    states = 3 if kind == "lstm" else 2
+    buffers = [*range(len(fast) - 1 - len(list(layer.buffers())), len(fast) - 1)]
+    for index in [*range(states), *buffers]:
+        torch.testing.assert_close(fast[index], rounded[index], rtol=1e-12, atol=1e-12)
+    assert (fast[0] - unrounded[0]).abs().max() > 1e-4  # the rounding is there
+    for index in range(states, len(fast) - 1 - len(buffers)):
+        scale = rounded[index].abs().max().clamp(min=1)
+        assert (fast[index] - rounded[index]).abs().max() <= 2e-2 * scale, index
+
+
+def test_autocast_hands_the_backend_its_dtype_for_float32_parameters_only(
+    triton_backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The backend's ``half``: autocast's dtype where the parameters are float32, nothing for float64 (which
+    autocast does not lower), nothing outside autocast."""
+    received: list[dict[str, Any]] = []
+    real = triton_backend.lstm_forward
+
+    def record(*args: Any, **options: Any) -> Any:
+        received.append(options)
+        return real(*args, **options)
+
+    monkeypatch.setattr(triton_backend, "lstm_forward", record)
+    for dtype, autocast in ((torch.float32, torch.bfloat16), (torch.float32, torch.float16), (torch.float64, None),
+                            (torch.float32, None), (torch.float64, torch.bfloat16)):  # fmt: skip
+        layer = seqnorm.LSTM(3, 4, norm="layer").to(dtype)
+        with torch.no_grad(), torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            layer(torch.randn(2, 2, 3, dtype=dtype))
+    assert received == [{"half": torch.bfloat16}, {"half": torch.float16}, {}, {}, {}]
 
 
 # --- bad calls: every entry point checks its arguments before a kernel reads them ---

@@ -61,7 +61,8 @@ def unsupported(
     """Why this backend cannot run a cell whose norms (input, recurrent, cell state) are of ``kinds`` in ``dtype``
     (``step``: the no-grad generation step; ``training``: the cell's mode), or ``None``. Under ``autocast`` the
     recurrence runs in the parameters' ``dtype`` (statistics, gates and states in float32: the plain path's
-    precision) and the input projection in autocast's."""
+    precision), the input projection in autocast's, and so do the operands of each step's product ``W_hh h`` and
+    its backward's (the entry points' ``half``; summed in float32: :class:`.common.StepProduct`)."""
     if dtype not in FLOATS:
         return f"dtype {dtype}"
     if autocast and step:
@@ -82,35 +83,39 @@ def _columns(*norms: KernelNorm) -> bool:
 
 def lstm_forward(
     inputs: Tensor, h0: Tensor, c0: Tensor, weight_hh: Tensor, mask: Tensor | None,
-    ih: KernelNorm, hh: KernelNorm, c_norm: KernelNorm, save: bool,
+    ih: KernelNorm, hh: KernelNorm, c_norm: KernelNorm, save: bool, *, half: torch.dtype | None = None,
 ) -> tuple[list[Tensor], list[Tensor | None], list[list[Tensor]], list[int]]:  # fmt: skip
-    """The C++ ``lstm_forward``'s contract: ``([hs, h_n, c_n], saved, stats, fallbacks)``."""
+    """The C++ ``lstm_forward``'s contract: ``([hs, h_n, c_n], saved, stats, fallbacks)``; ``half``: under
+    autocast, the dtype of the per-step products' operands (:func:`unsupported`)."""
     check_forward("lstm_forward", 4, inputs, h0, c0, weight_hh, mask, (ih, hh, c_norm))
     layout = column_layout if _columns(ih, hh, c_norm) else rows
-    return layout.lstm_forward(inputs, h0, c0, weight_hh, mask, ih, hh, c_norm, save)
+    return layout.lstm_forward(inputs, h0, c0, weight_hh, mask, ih, hh, c_norm, save, half=half)
 
 
-def lstm_backward(*args: Any) -> list[Tensor | None]:
-    """The C++ ``lstm_backward``'s contract (:class:`~seqnorm.kernels.backend.Backend`)."""
+def lstm_backward(*args: Any, half: torch.dtype | None = None) -> list[Tensor | None]:
+    """The C++ ``lstm_backward``'s contract (:class:`~seqnorm.kernels.backend.Backend`); ``half`` as for the
+    forward."""
     ih, hh, c_norm = args[12:15]
     check_backward("lstm_backward", 4, args[:3], *args[3:9], [*args[9], args[10]], (ih, hh, c_norm), *args[15:17])
-    return (column_layout if _columns(ih, hh, c_norm) else rows).lstm_backward(*args)
+    return (column_layout if _columns(ih, hh, c_norm) else rows).lstm_backward(*args, half=half)
 
 
 def gru_forward(
-    inputs: Tensor, h0: Tensor, weight_hh: Tensor, mask: Tensor | None, ih: KernelNorm, hh: KernelNorm, save: bool
-) -> tuple[list[Tensor], list[Tensor], list[list[Tensor]], list[int]]:
-    """The C++ ``gru_forward``'s contract: ``([hs, h_n], saved, stats, fallbacks)``."""
+    inputs: Tensor, h0: Tensor, weight_hh: Tensor, mask: Tensor | None, ih: KernelNorm, hh: KernelNorm, save: bool,
+    *, half: torch.dtype | None = None,
+) -> tuple[list[Tensor], list[Tensor], list[list[Tensor]], list[int]]:  # fmt: skip
+    """The C++ ``gru_forward``'s contract: ``([hs, h_n], saved, stats, fallbacks)``; ``half`` as for an LSTM."""
     check_forward("gru_forward", 3, inputs, h0, None, weight_hh, mask, (ih, hh))
     layout = column_layout if _columns(ih, hh) else rows
-    return layout.gru_forward(inputs, h0, weight_hh, mask, ih, hh, save)
+    return layout.gru_forward(inputs, h0, weight_hh, mask, ih, hh, save, half=half)
 
 
-def gru_backward(*args: Any) -> list[Tensor | None]:
-    """The C++ ``gru_backward``'s contract (:class:`~seqnorm.kernels.backend.Backend`)."""
+def gru_backward(*args: Any, half: torch.dtype | None = None) -> list[Tensor | None]:
+    """The C++ ``gru_backward``'s contract (:class:`~seqnorm.kernels.backend.Backend`); ``half`` as for the
+    forward."""
     ih, hh = args[9:11]
     check_backward("gru_backward", 3, args[:2], args[2], args[3], None, *args[4:7], args[7], (ih, hh), *args[11:13])
-    return (column_layout if _columns(ih, hh) else rows).gru_backward(*args)
+    return (column_layout if _columns(ih, hh) else rows).gru_backward(*args, half=half)
 
 
 def generation_step(

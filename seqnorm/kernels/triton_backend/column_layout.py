@@ -18,6 +18,7 @@ from torch import Tensor
 from seqnorm.kernels.backend import KernelNorm
 from seqnorm.kernels.triton_backend import columns
 from seqnorm.kernels.triton_backend.common import (
+    StepProduct,
     code,
     mask_arg,
     normalize_rows,
@@ -111,7 +112,7 @@ def _block_rows(rows: int) -> int:
 
 def lstm_forward(
     inputs: Tensor, h0: Tensor, c0: Tensor, weight_hh: Tensor, mask: Tensor | None,
-    ih: KernelNorm, hh: KernelNorm, c_norm: KernelNorm, save: bool,
+    ih: KernelNorm, hh: KernelNorm, c_norm: KernelNorm, save: bool, *, half: torch.dtype | None = None,
 ) -> tuple[list[Tensor], list[Tensor | None], list[list[Tensor]], list[int]]:  # fmt: skip
     steps, rows, width = inputs.shape
     hidden = width // 4
@@ -125,21 +126,21 @@ def lstm_forward(
     acts = inputs.new_empty(kept, rows, width)
     tanh_cs = inputs.new_empty(kept, rows, hidden)
     raw = inputs.new_empty(kept, rows, width)
-    weight_t = weight_hh.t()
+    product = StepProduct.forward(weight_hh, h0, half)
     flags = [flag for norm in norms for flag in norm.flags()]
     for t in range(steps):
         slot = t if save else 0
         h_prev = h0 if t == 0 else hs[t - 1]
         c_prev = c0 if t == 0 else cs[t - 1 if save else (t - 1) % 2]
-        torch.mm(h_prev, weight_t, out=raw[slot])
+        product(h_prev if half is None else product.operand(t - 1), raw[slot])
         columns.lstm_columns[_grid(hidden)](
             terms[t], raw[slot], h_prev, c_prev, mask_arg(None if mask is None else mask[t], hs),
-            hs[t], cs[t if save else t % 2], acts[slot], tanh_cs[slot],
+            hs[t], cs[t if save else t % 2], acts[slot], tanh_cs[slot], product.operand(t),
             *(arg for norm in norms for arg in norm.forward_args(t)),
             rows, hidden, slot, kept,
             IH=flags[0], IH_SHIFT=flags[1], IH_RENORM=flags[2], HH=flags[3], HH_SHIFT=flags[4], HH_RENORM=flags[5],
             C=flags[6], C_SHIFT=flags[7], C_RENORM=flags[8], TRAINING=any(n.norm.training for n in norms if n.batch),
-            HAS_MASK=mask is not None, SAVE=save, BLOCK_B=_block_rows(rows), BLOCK=_BLOCK,
+            HAS_MASK=mask is not None, SAVE=save, HALF=half is not None, BLOCK_B=_block_rows(rows), BLOCK=_BLOCK,
         )  # fmt: skip
     fallbacks = [norm.finish(rows if mask is None else None) for norm in norms]
     saved: list[Tensor | None] = [cs, acts, tanh_cs, raw] if save else []
@@ -159,6 +160,7 @@ def lstm_backward(
     weight_hh: Tensor, mask: Tensor | None, hs: Tensor, saved: list[Tensor], raw: Tensor | None,
     stats: list[list[Tensor]], ih: KernelNorm, hh: KernelNorm, c_norm: KernelNorm,
     sequence: Tensor | None, weight_ih: Tensor | None, want_input: bool, want_weight_ih: bool,
+    *, half: torch.dtype | None = None,
 ) -> list[Tensor | None]:  # fmt: skip
     cs, acts, tanh_cs = saved
     assert raw is not None
@@ -174,17 +176,18 @@ def lstm_backward(
     carry = grad_h_n.clone()
     dc = grad_c_n.clone()
     training = any(norm.training for norm in (ih, hh, c_norm) if norm.kind == "batch")
+    product = StepProduct(weight_hh, rows, acts, half)
     for t in range(steps - 1, -1, -1):
         columns.lstm_columns_backward[_grid(hidden)](
             grad_hs[t], recurrent, carry, dc, mask_arg(None if mask is None else mask[t], hs), acts[t], tanh_cs[t],
             cs[t], c0 if t == 0 else cs[t - 1], inputs[t] if step_ih.kind == "batch" else hs, raw[t], d_input[t],
-            d_raw[t], *ih_args, *hh_args, *c_args, rows, hidden, t, steps,
+            d_raw[t], product.operand(t), *ih_args, *hh_args, *c_args, rows, hidden, t, steps,
             IH=code(step_ih), IH_SHIFT=step_ih.shift is not None,
             HH=code(hh), HH_SHIFT=hh.shift is not None,
-            C=code(c_norm), C_SHIFT=c_norm.shift is not None,
-            TRAINING=training, HAS_MASK=mask is not None, BLOCK_B=_block_rows(rows), BLOCK=_BLOCK,
+            C=code(c_norm), C_SHIFT=c_norm.shift is not None, TRAINING=training, HAS_MASK=mask is not None,
+            HALF=half is not None, BLOCK_B=_block_rows(rows), BLOCK=_BLOCK,
         )  # fmt: skip
-        torch.mm(d_raw[t], weight_hh, out=recurrent)
+        product(d_raw[t] if half is None else product.operand(t), recurrent)
     grad_x, grad_h0, grad_weight_hh, ih_grads, grad_weight_ih = _after_the_loop(
         recurrent, carry, d_raw, d_input, h0, hs, inputs, stats[0], ih, (ih_dweight, ih_dshift), sequence, weight_ih,
         want_input, want_weight_ih,
@@ -219,8 +222,9 @@ def _results(norm: KernelNorm, dweight: Tensor, dshift: Tensor) -> tuple[Tensor 
 
 
 def gru_forward(
-    inputs: Tensor, h0: Tensor, weight_hh: Tensor, mask: Tensor | None, ih: KernelNorm, hh: KernelNorm, save: bool
-) -> tuple[list[Tensor], list[Tensor], list[list[Tensor]], list[int]]:
+    inputs: Tensor, h0: Tensor, weight_hh: Tensor, mask: Tensor | None, ih: KernelNorm, hh: KernelNorm, save: bool,
+    *, half: torch.dtype | None = None,
+) -> tuple[list[Tensor], list[Tensor], list[list[Tensor]], list[int]]:  # fmt: skip
     steps, rows, width = inputs.shape
     hidden = width // 3
     terms, ih_row_stats, step_ih = _input_terms(inputs, ih)
@@ -231,18 +235,19 @@ def gru_forward(
     acts = inputs.new_empty(kept, rows, width)
     us = inputs.new_empty(kept, rows, width)
     raw = inputs.new_empty(kept, rows, width)
-    weight_t = weight_hh.t()
+    product = StepProduct.forward(weight_hh, h0, half)
     flags = [flag for norm in norms for flag in norm.flags()]
     for t in range(steps):
         slot = t if save else 0
         h_prev = h0 if t == 0 else hs[t - 1]
-        torch.mm(h_prev, weight_t, out=raw[slot])
+        product(h_prev if half is None else product.operand(t - 1), raw[slot])
         columns.gru_columns[_grid(hidden)](
             terms[t], raw[slot], h_prev, mask_arg(None if mask is None else mask[t], hs), hs[t], acts[slot],
-            us[slot], *(arg for norm in norms for arg in norm.forward_args(t)), rows, hidden, slot, kept,
+            us[slot], product.operand(t), *(arg for norm in norms for arg in norm.forward_args(t)),
+            rows, hidden, slot, kept,
             IH=flags[0], IH_SHIFT=flags[1], IH_RENORM=flags[2], HH=flags[3], HH_SHIFT=flags[4], HH_RENORM=flags[5],
             TRAINING=any(n.norm.training for n in norms if n.batch), HAS_MASK=mask is not None, SAVE=save,
-            BLOCK_B=_block_rows(rows), BLOCK=_BLOCK,
+            HALF=half is not None, BLOCK_B=_block_rows(rows), BLOCK=_BLOCK,
         )  # fmt: skip
     fallbacks = [norm.finish(rows if mask is None else None) for norm in norms]
     saved = [acts, us, raw] if save else []
@@ -254,6 +259,7 @@ def gru_backward(
     grad_hs: Tensor, grad_h_n: Tensor, inputs: Tensor, h0: Tensor, weight_hh: Tensor, mask: Tensor | None,
     hs: Tensor, saved: list[Tensor], stats: list[list[Tensor]], ih: KernelNorm, hh: KernelNorm,
     sequence: Tensor | None, weight_ih: Tensor | None, want_input: bool, want_weight_ih: bool,
+    *, half: torch.dtype | None = None,
 ) -> list[Tensor | None]:  # fmt: skip
     acts, us, raw = saved
     steps, rows, width = acts.shape
@@ -266,16 +272,17 @@ def gru_backward(
     recurrent = torch.zeros_like(h0)
     carry = grad_h_n.clone()
     training = any(norm.training for norm in (ih, hh) if norm.kind == "batch")
+    product = StepProduct(weight_hh, rows, acts, half)
     for t in range(steps - 1, -1, -1):
         columns.gru_columns_backward[_grid(hidden)](
             grad_hs[t], recurrent, carry, mask_arg(None if mask is None else mask[t], hs), acts[t], us[t],
             h0 if t == 0 else hs[t - 1], inputs[t] if step_ih.kind == "batch" else hs, raw[t], d_input[t], d_raw[t],
-            *ih_args, *hh_args, rows, hidden, t, steps,
+            product.operand(t), *ih_args, *hh_args, rows, hidden, t, steps,
             IH=code(step_ih), IH_SHIFT=step_ih.shift is not None,
-            HH=code(hh), HH_SHIFT=hh.shift is not None,
-            TRAINING=training, HAS_MASK=mask is not None, BLOCK_B=_block_rows(rows), BLOCK=_BLOCK,
+            HH=code(hh), HH_SHIFT=hh.shift is not None, TRAINING=training, HAS_MASK=mask is not None,
+            HALF=half is not None, BLOCK_B=_block_rows(rows), BLOCK=_BLOCK,
         )  # fmt: skip
-        torch.mm(d_raw[t], weight_hh, out=recurrent)
+        product(d_raw[t] if half is None else product.operand(t), recurrent)
     grad_x, grad_h0, grad_weight_hh, ih_grads, grad_weight_ih = _after_the_loop(
         recurrent, carry, d_raw, d_input, h0, hs, inputs, stats[0], ih, (ih_dweight, ih_dshift), sequence, weight_ih,
         want_input, want_weight_ih,

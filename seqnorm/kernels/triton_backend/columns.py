@@ -22,6 +22,7 @@ from seqnorm.kernels.triton_backend.cells import (
     tanh,
 )
 from seqnorm.kernels.triton_backend.norms import batch_backward, batch_forward
+from seqnorm.kernels.triton_backend.recurrence import store_half
 
 __all__ = ["gru_columns", "gru_columns_backward", "lstm_columns", "lstm_columns_backward"]
 
@@ -98,17 +99,18 @@ def _seen(pointer, KIND: tl.constexpr):
 
 @triton.jit
 def lstm_columns(
-    input_ptr, raw_ptr, h_prev_ptr, c_prev_ptr, mask_ptr, h_ptr, c_ptr, acts_ptr, tanh_ptr,
+    input_ptr, raw_ptr, h_prev_ptr, c_prev_ptr, mask_ptr, h_ptr, c_ptr, acts_ptr, tanh_ptr, h_half_ptr,
     ih_weight, ih_shift, ih_mean, ih_var, ih_stats, ih_options, ih_row, ih_seen,
     hh_weight, hh_shift, hh_mean, hh_var, hh_stats, hh_options, hh_row, hh_seen,
     c_weight, c_shift, c_mean, c_var, c_stats, c_options, c_row, c_seen,
     rows, hidden, slot, steps,
     IH: tl.constexpr, IH_SHIFT: tl.constexpr, IH_RENORM: tl.constexpr,
     HH: tl.constexpr, HH_SHIFT: tl.constexpr, HH_RENORM: tl.constexpr,
-    C: tl.constexpr, C_SHIFT: tl.constexpr, C_RENORM: tl.constexpr,
-    TRAINING: tl.constexpr, HAS_MASK: tl.constexpr, SAVE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
+    C: tl.constexpr, C_SHIFT: tl.constexpr, C_RENORM: tl.constexpr, TRAINING: tl.constexpr, HAS_MASK: tl.constexpr,
+    SAVE: tl.constexpr, HALF: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """One LSTM step of the hidden units ``program_id(0) * BLOCK + [0, BLOCK)`` for every row."""
+    """One LSTM step of the hidden units ``program_id(0) * BLOCK + [0, BLOCK)`` for every row (``HALF``: h' also
+    in ``h_half``'s half precision, for the next step's product)."""
     units, valid, batch, real, count, tile = _tile(mask_ptr, rows, hidden, BLOCK_B, BLOCK, HAS_MASK)
     width = 4 * hidden
     ih_seen = _seen(ih_seen, IH)
@@ -141,6 +143,8 @@ def lstm_columns(
     c = tl.where(real, c, c_prev)
     tl.store(h_ptr + at, h, mask=tile)
     tl.store(c_ptr + at, c, mask=tile)
+    if HALF:
+        store_half(h_half_ptr, at, h, tile)
     if SAVE:
         gates = batch * width + units[None, :]
         tl.store(acts_ptr + gates, i, mask=tile)
@@ -170,13 +174,15 @@ def _norm_backward(
 
 @triton.jit
 def _gate_backward(
-    k: tl.constexpr, d_term, d_recurrent, input_ptr, raw_ptr, d_input_ptr, d_raw_ptr, batch, real, count, tile,
-    units, valid, hidden, width, slot, steps,
+    k: tl.constexpr, d_term, d_recurrent, input_ptr, raw_ptr, d_input_ptr, d_raw_ptr, d_half_ptr, batch, real,
+    count, tile, units, valid, hidden, width, slot, steps,
     ih_weight, ih_stats, ih_dweight, ih_dshift, hh_weight, hh_stats, hh_dweight, hh_dshift,
     IH: tl.constexpr, IH_SHIFT: tl.constexpr, HH: tl.constexpr, HH_SHIFT: tl.constexpr, TRAINING: tl.constexpr,
+    HALF: tl.constexpr,
 ):  # fmt: skip
-    """Gate ``k``'s terms' gradients through the recurrent norm (into ``d_raw``: W_hh h's) and the input norm (into
-    ``d_input``: W_ih x's, or the finished input term's)."""
+    """Gate ``k``'s terms' gradients through the recurrent norm (into ``d_raw``: W_hh h's; with ``HALF`` also into
+    ``d_half``, for the step's product) and the input norm (into ``d_input``: W_ih x's, or the finished input
+    term's)."""
     columns = k * hidden + units
     at = batch * width + columns[None, :]
     d_raw = _norm_backward(
@@ -184,6 +190,8 @@ def _gate_backward(
         hh_dweight, hh_dshift, HH, HH_SHIFT, TRAINING,
     )  # fmt: skip
     tl.store(d_raw_ptr + at, d_raw, mask=tile)
+    if HALF:
+        store_half(d_half_ptr, at, d_raw, tile)
     d_input = _norm_backward(
         d_term, input_ptr, at, tile, real, count, columns, valid, slot, steps, width, ih_weight, ih_stats,
         ih_dweight, ih_dshift, IH, IH_SHIFT, TRAINING,
@@ -194,17 +202,18 @@ def _gate_backward(
 @triton.jit
 def lstm_columns_backward(
     grad_h_ptr, recurrent_ptr, carry_ptr, dc_ptr, mask_ptr, acts_ptr, tanh_ptr, c_ptr, c_prev_ptr,
-    input_ptr, raw_ptr, d_input_ptr, d_raw_ptr,
+    input_ptr, raw_ptr, d_input_ptr, d_raw_ptr, d_half_ptr,
     ih_weight, ih_stats, ih_dweight, ih_dshift, hh_weight, hh_stats, hh_dweight, hh_dshift,
     c_weight, c_stats, c_dweight, c_dshift,
     rows, hidden, slot, steps,
     IH: tl.constexpr, IH_SHIFT: tl.constexpr, HH: tl.constexpr, HH_SHIFT: tl.constexpr, C: tl.constexpr,
-    C_SHIFT: tl.constexpr, TRAINING: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_B: tl.constexpr,
-    BLOCK: tl.constexpr,
+    C_SHIFT: tl.constexpr, TRAINING: tl.constexpr, HAS_MASK: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """One LSTM step's backward of the hidden units ``program_id(0) * BLOCK + [0, BLOCK)`` for every row: dh and
     dc as :func:`seqnorm.kernels.triton_backend.recurrence.lstm_step_backward` takes them; writes the gradients of
-    W_ih x (or the input term) and W_hh h, adds the norms' parameter gradients of the step."""
+    W_ih x (or the input term) and W_hh h (``HALF``: also in half precision), adds the norms' parameter gradients
+    of the step."""
     units, valid, batch, real, count, tile = _tile(mask_ptr, rows, hidden, BLOCK_B, BLOCK, HAS_MASK)
     width = 4 * hidden
     at = batch * hidden + units[None, :]
@@ -225,9 +234,10 @@ def lstm_columns_backward(
     )  # fmt: skip
     dc_total = dc + d_c
     c_prev = tl.load(c_prev_ptr + at, mask=tile, other=0.0)
-    place = (input_ptr, raw_ptr, d_input_ptr, d_raw_ptr, batch, real, count, tile, units, valid, hidden, width, slot,
-             steps, ih_weight, ih_stats, ih_dweight, ih_dshift, hh_weight, hh_stats, hh_dweight, hh_dshift)  # fmt: skip
-    flags = (IH, IH_SHIFT, HH, HH_SHIFT, TRAINING)
+    place = (input_ptr, raw_ptr, d_input_ptr, d_raw_ptr, d_half_ptr, batch, real, count, tile, units, valid, hidden,
+             width, slot, steps, ih_weight, ih_stats, ih_dweight, ih_dshift, hh_weight, hh_stats, hh_dweight,
+             hh_dshift)  # fmt: skip
+    flags = (IH, IH_SHIFT, HH, HH_SHIFT, TRAINING, HALF)
     d_i, d_f, d_g, dc_prev = lstm_backward(dc_total, i, f, g, c_prev)
     d_i = tl.where(real, d_i, 0.0)
     d_f = tl.where(real, d_f, 0.0)
@@ -243,16 +253,16 @@ def lstm_columns_backward(
 
 @triton.jit
 def gru_columns(
-    input_ptr, raw_ptr, h_prev_ptr, mask_ptr, h_ptr, acts_ptr, u_ptr,
+    input_ptr, raw_ptr, h_prev_ptr, mask_ptr, h_ptr, acts_ptr, u_ptr, h_half_ptr,
     ih_weight, ih_shift, ih_mean, ih_var, ih_stats, ih_options, ih_row, ih_seen,
     hh_weight, hh_shift, hh_mean, hh_var, hh_stats, hh_options, hh_row, hh_seen,
     rows, hidden, slot, steps,
     IH: tl.constexpr, IH_SHIFT: tl.constexpr, IH_RENORM: tl.constexpr,
-    HH: tl.constexpr, HH_SHIFT: tl.constexpr, HH_RENORM: tl.constexpr,
-    TRAINING: tl.constexpr, HAS_MASK: tl.constexpr, SAVE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
+    HH: tl.constexpr, HH_SHIFT: tl.constexpr, HH_RENORM: tl.constexpr, TRAINING: tl.constexpr,
+    HAS_MASK: tl.constexpr, SAVE: tl.constexpr, HALF: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """One GRU step of the hidden units ``program_id(0) * BLOCK + [0, BLOCK)`` for every row; saves the gates
-    (r, z, n) and the recurrent terms u for the backward."""
+    """One GRU step of the hidden units ``program_id(0) * BLOCK + [0, BLOCK)`` for every row (``HALF`` as for
+    :func:`lstm_columns`); saves the gates (r, z, n) and the recurrent terms u for the backward."""
     units, valid, batch, real, count, tile = _tile(mask_ptr, rows, hidden, BLOCK_B, BLOCK, HAS_MASK)
     width = 3 * hidden
     ih_seen = _seen(ih_seen, IH)
@@ -269,7 +279,10 @@ def gru_columns(
     at = batch * hidden + units[None, :]
     h_prev = tl.load(h_prev_ptr + at, mask=tile, other=0.0)
     r, z, n, h = gru_gates(a_r, a_z, a_n, u_r, u_z, u_n, h_prev)
-    tl.store(h_ptr + at, tl.where(real, h, h_prev), mask=tile)
+    h = tl.where(real, h, h_prev)
+    tl.store(h_ptr + at, h, mask=tile)
+    if HALF:
+        store_half(h_half_ptr, at, h, tile)
     if SAVE:
         gates = batch * width + units[None, :]
         tl.store(acts_ptr + gates, r, mask=tile)
@@ -283,11 +296,11 @@ def gru_columns(
 @triton.jit
 def gru_columns_backward(
     grad_h_ptr, recurrent_ptr, carry_ptr, mask_ptr, acts_ptr, u_ptr, h_prev_ptr,
-    input_ptr, raw_ptr, d_input_ptr, d_raw_ptr,
+    input_ptr, raw_ptr, d_input_ptr, d_raw_ptr, d_half_ptr,
     ih_weight, ih_stats, ih_dweight, ih_dshift, hh_weight, hh_stats, hh_dweight, hh_dshift,
     rows, hidden, slot, steps,
     IH: tl.constexpr, IH_SHIFT: tl.constexpr, HH: tl.constexpr, HH_SHIFT: tl.constexpr, TRAINING: tl.constexpr,
-    HAS_MASK: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_MASK: tl.constexpr, HALF: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """One GRU step's backward of the hidden units ``program_id(0) * BLOCK + [0, BLOCK)`` for every row (dh as for
     :func:`lstm_columns_backward`)."""
@@ -305,9 +318,10 @@ def gru_columns_backward(
     d_r, d_z, d_n, d_u_n, carry = gru_backward(dh, r, z, n, u_n, h_prev)
     d_r = tl.where(real, d_r, 0.0)
     d_z = tl.where(real, d_z, 0.0)
-    place = (input_ptr, raw_ptr, d_input_ptr, d_raw_ptr, batch, real, count, tile, units, valid, hidden, width, slot,
-             steps, ih_weight, ih_stats, ih_dweight, ih_dshift, hh_weight, hh_stats, hh_dweight, hh_dshift)  # fmt: skip
-    flags = (IH, IH_SHIFT, HH, HH_SHIFT, TRAINING)
+    place = (input_ptr, raw_ptr, d_input_ptr, d_raw_ptr, d_half_ptr, batch, real, count, tile, units, valid, hidden,
+             width, slot, steps, ih_weight, ih_stats, ih_dweight, ih_dshift, hh_weight, hh_stats, hh_dweight,
+             hh_dshift)  # fmt: skip
+    flags = (IH, IH_SHIFT, HH, HH_SHIFT, TRAINING, HALF)
     _gate_backward(0, d_r, d_r, *place, *flags)
     _gate_backward(1, d_z, d_z, *place, *flags)
     _gate_backward(2, tl.where(real, d_n, 0.0), tl.where(real, d_u_n, 0.0), *place, *flags)

@@ -1,5 +1,5 @@
 """What the Triton backend's two layouts share: the row norms of every step at once (the input norm before the loop,
-the parameter gradients after it), the projection's gradients, the launch arguments."""
+the parameter gradients after it), the per-step product, the projection's gradients, the launch arguments."""
 
 from __future__ import annotations
 
@@ -74,6 +74,68 @@ def rows_backward_all(
     grad_weight = dweight.sum(0) if norm.weight is not None and code(norm) else None
     grad_shift = dshift.sum(0) if norm.shift is not None else None
     return (dx.view(dy.shape) if want_dx else None), grad_weight, grad_shift
+
+
+HALVES = (torch.bfloat16, torch.float16)
+"""The dtypes the per-step product may take its operands in (under autocast)."""
+
+# cuBLAS's half-precision product with a float32 output (torch >= 2.8 on CUDA): the float32 accumulator kept as is
+_HALF_INTO_FLOAT32 = torch._C._dispatch_has_kernel_for_dispatch_key("aten::mm.dtype_out", "CUDA")
+
+
+class StepProduct:
+    """The per-step product ``a @ weight`` into ``out`` (``W_hh h`` forward, ``dL/d(W_hh h) W_hh`` backward).
+
+    Without ``half``, in the parameters' dtype. With ``half`` (autocast's dtype, :data:`HALVES`) the operands are in
+    half precision and the sum is not: ``weight`` is cast once per call, the step kernels write ``a`` in ``half``
+    beside the full-precision tensor (:meth:`operand`), and the product accumulates in ``out``'s dtype, as cuBLAS's
+    half-precision GEMM with a float32 output does. Where that GEMM is not available (the interpreter's CPU tensors,
+    an older torch) it is computed exactly so: a product of two half-precision numbers is exact in float32, so
+    ``a`` widened into a buffer times the widened half-precision weight sums the same products.
+
+    Args:
+        weight: the step's right operand, ``(K, N)`` (a view such as ``W_hh.t()`` is kept as it is).
+        rows: the left operand's rows.
+        like: a tensor of the loop's dtype and device.
+        half: the operands' dtype, or ``None``.
+    """
+
+    def __init__(self, weight: Tensor, rows: int, like: Tensor, half: torch.dtype | None) -> None:
+        if half is not None and half not in HALVES:
+            raise ValueError(f"StepProduct: expected half in {HALVES} or None, got {half}")
+        self.half = half
+        self.weight = weight if half is None else weight.to(half)
+        emulated = half is not None and not (_HALF_INTO_FLOAT32 and like.is_cuda and like.dtype == torch.float32)
+        # the emulation's buffers: ``a`` widened, and the half-precision weight widened (once)
+        self._widened = like.new_empty(rows, weight.shape[0]) if emulated else None
+        self._wide_weight = self.weight.to(like.dtype) if emulated else None
+        self._operands = None if half is None else like.new_empty(2, rows, weight.shape[0], dtype=half)
+        self._like = like
+
+    @classmethod
+    def forward(cls, weight_hh: Tensor, h0: Tensor, half: torch.dtype | None) -> StepProduct:
+        """``h W_hh^T`` of each forward step; with ``half``, ``h0`` is written into the operand step 0 reads."""
+        product = cls(weight_hh.t(), h0.shape[0], h0, half)
+        if half is not None:
+            product.operand(-1).copy_(h0)
+        return product
+
+    def operand(self, t: int) -> Tensor:
+        """The half-precision buffer the step kernel of step ``t`` writes the next product's left operand into (two
+        in turn: a step writes one while its product reads the other); without ``half``, a placeholder the kernels
+        do not write."""
+        return self._like if self._operands is None else self._operands[t % 2]
+
+    def __call__(self, a: Tensor, out: Tensor) -> None:
+        """``out = a @ weight``; ``a`` in ``half`` where that is set (an :meth:`operand`)."""
+        if self.half is None:
+            torch.mm(a, self.weight, out=out)
+        elif self._widened is None:
+            torch.mm(a, self.weight, out_dtype=out.dtype, out=out)
+        else:
+            assert self._wide_weight is not None
+            self._widened.copy_(a)
+            torch.mm(self._widened, self._wide_weight, out=out)
 
 
 def mask_arg(mask: Tensor | None, like: Tensor) -> Tensor:

@@ -24,7 +24,22 @@ from seqnorm.kernels.triton_backend.cells import (
 )
 from seqnorm.kernels.triton_backend.norms import row_apply, row_backward, row_stats
 
-__all__ = ["gru_step", "gru_step_backward", "lstm_step", "lstm_step_backward"]
+__all__ = ["gru_step", "gru_step_backward", "lstm_step", "lstm_step_backward", "store_half"]
+
+
+@triton.jit
+def store_half(pointer, offsets, x, mask):
+    """Store ``x`` at ``pointer + offsets`` in ``pointer``'s half-precision dtype, rounded to nearest even: the left
+    operand of the next per-step product under autocast (:class:`~seqnorm.kernels.triton_backend.common.StepProduct`).
+    Through float32, as torch's casts go; bfloat16's rounding is made exact in float32 first, since the
+    interpreter's cast truncates."""
+    half: tl.constexpr = pointer.dtype.element_ty
+    x = x.to(tl.float32)
+    if half == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+        x = bits.to(tl.float32, bitcast=True)
+    tl.store(pointer + offsets, x.to(half), mask=mask)
 
 
 @triton.jit
@@ -58,13 +73,15 @@ def _normalized(x, valid, count, eps, weight_ptr, shift_ptr, offsets, KIND: tl.c
 def lstm_step(
     input_ptr, raw_ptr, h_prev_ptr, c_prev_ptr, mask_ptr,
     ih_weight_ptr, ih_shift_ptr, hh_weight_ptr, hh_shift_ptr, c_weight_ptr, c_shift_ptr,
-    h_ptr, c_ptr, acts_ptr, tanh_ptr, hh_mean_ptr, hh_rstd_ptr, c_mean_ptr, c_rstd_ptr,
+    h_ptr, c_ptr, acts_ptr, tanh_ptr, hh_mean_ptr, hh_rstd_ptr, c_mean_ptr, c_rstd_ptr, h_half_ptr,
     hidden, ih_eps, hh_eps, c_eps,
     IH: tl.constexpr, IH_SHIFT: tl.constexpr, HH: tl.constexpr, HH_SHIFT: tl.constexpr,
-    C: tl.constexpr, C_SHIFT: tl.constexpr, HAS_MASK: tl.constexpr, SAVE: tl.constexpr, BLOCK: tl.constexpr,
+    C: tl.constexpr, C_SHIFT: tl.constexpr, HAS_MASK: tl.constexpr, SAVE: tl.constexpr, HALF: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
     """One LSTM step of row ``program_id(0)``: pre = [N_ih(input) +] N_hh(raw) (+ shifts), the gates, c', N_c(c'),
-    h'. ``input`` is the finished input term, or with ``IH`` (a generation step) W_ih x, normalized here."""
+    h'. ``input`` is the finished input term, or with ``IH`` (a generation step) W_ih x, normalized here. With
+    ``HALF`` h' is written in ``h_half``'s half-precision dtype too, for the next step's product."""
     row = tl.program_id(0)
     rows, columns, gate_offsets, gate_valid, valid = _tile(hidden, 4, BLOCK)
     width = 4 * hidden
@@ -89,6 +106,8 @@ def lstm_step(
         c = tl.where(real, c, c_prev)
     tl.store(h_ptr + row * hidden + columns, h, mask=valid)
     tl.store(c_ptr + row * hidden + columns, c, mask=valid)
+    if HALF:
+        store_half(h_half_ptr, row * hidden + columns, h, valid)
     if SAVE:
         tl.store(acts_ptr + row * width + gate_offsets, acts, mask=gate_valid)
         tl.store(tanh_ptr + row * hidden + columns, tanh_c, mask=valid)
@@ -105,13 +124,15 @@ def lstm_step_backward(
     grad_h_ptr, recurrent_ptr, carry_ptr, dc_ptr, mask_ptr,
     acts_ptr, tanh_ptr, c_ptr, c_prev_ptr, raw_ptr,
     hh_weight_ptr, c_weight_ptr, hh_mean_ptr, hh_rstd_ptr, c_mean_ptr, c_rstd_ptr,
-    d_pre_ptr, d_raw_ptr, d_c_out_ptr,
+    d_pre_ptr, d_raw_ptr, d_c_out_ptr, d_half_ptr,
     hidden,
-    HH: tl.constexpr, C: tl.constexpr, KEEP_C_OUT: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr,
+    HH: tl.constexpr, C: tl.constexpr, KEEP_C_OUT: tl.constexpr, HAS_MASK: tl.constexpr, HALF: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
     """One LSTM step's backward of row ``program_id(0)``: dh = grad_h + recurrent (dL/d(W_hh h) W_hh of the step
-    after) + carry (what a padded row passed on); writes the pre-activations' gradient, W_hh h's (through N_hh),
-    N_c's output gradient (``KEEP_C_OUT``, for its parameters), and updates dc and carry in place."""
+    after) + carry (what a padded row passed on); writes the pre-activations' gradient, W_hh h's (through N_hh;
+    with ``HALF`` also into ``d_half``, in half precision, for the step's product), N_c's output gradient
+    (``KEEP_C_OUT``, for its parameters), and updates dc and carry in place."""
     row = tl.program_id(0)
     rows, columns, gate_offsets, gate_valid, valid = _tile(hidden, 4, BLOCK)
     width = 4 * hidden
@@ -150,6 +171,10 @@ def lstm_step_backward(
         rstd = tl.load(hh_rstd_ptr + row)
         d_raw = row_backward(d_pre, raw, gate_valid, width, mean, rstd, weight, HH)
         tl.store(d_raw_ptr + row * width + gate_offsets, d_raw, mask=gate_valid)
+        if HALF:
+            store_half(d_half_ptr, row * width + gate_offsets, d_raw, gate_valid)
+    elif HALF:
+        store_half(d_half_ptr, row * width + gate_offsets, d_pre, gate_valid)
     tl.store(dc_ptr + at, dc_prev, mask=valid)
     tl.store(carry_ptr + at, tl.where(real, 0.0, dh), mask=valid)
 
@@ -158,12 +183,12 @@ def lstm_step_backward(
 def gru_step(
     input_ptr, raw_ptr, h_prev_ptr, mask_ptr,
     ih_weight_ptr, ih_shift_ptr, hh_weight_ptr, hh_shift_ptr,
-    h_ptr, acts_ptr, u_ptr, hh_mean_ptr, hh_rstd_ptr,
+    h_ptr, acts_ptr, u_ptr, hh_mean_ptr, hh_rstd_ptr, h_half_ptr,
     hidden, ih_eps, hh_eps,
     IH: tl.constexpr, IH_SHIFT: tl.constexpr, HH: tl.constexpr, HH_SHIFT: tl.constexpr,
-    HAS_MASK: tl.constexpr, SAVE: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_MASK: tl.constexpr, SAVE: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """One GRU step of row ``program_id(0)``: u = N_hh(raw) + shift, the gates, h'; ``input`` as for
+    """One GRU step of row ``program_id(0)``: u = N_hh(raw) + shift, the gates, h'; ``input`` and ``HALF`` as for
     :func:`lstm_step`. Saves the gates (r, z, n) and u for the backward."""
     row = tl.program_id(0)
     rows, columns, gate_offsets, gate_valid, valid = _tile(hidden, 3, BLOCK)
@@ -190,6 +215,8 @@ def gru_step(
     if HAS_MASK:
         h = tl.where(tl.load(mask_ptr + row) != 0, h, h_prev)
     tl.store(h_ptr + row * hidden + columns, h, mask=valid)
+    if HALF:
+        store_half(h_half_ptr, row * hidden + columns, h, valid)
     if SAVE:
         acts = tl.where(rows == 0, r[None, :], tl.where(rows == 1, z[None, :], n[None, :]))
         tl.store(acts_ptr + row * width + gate_offsets, acts, mask=gate_valid)
@@ -203,12 +230,13 @@ def gru_step(
 def gru_step_backward(
     grad_h_ptr, recurrent_ptr, carry_ptr, mask_ptr,
     acts_ptr, u_ptr, h_prev_ptr, raw_ptr, hh_weight_ptr, hh_mean_ptr, hh_rstd_ptr,
-    d_input_ptr, d_u_ptr, d_raw_ptr,
+    d_input_ptr, d_u_ptr, d_raw_ptr, d_half_ptr,
     hidden,
-    HH: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr,
+    HH: tl.constexpr, HAS_MASK: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """One GRU step's backward of row ``program_id(0)`` (dh as in :func:`lstm_step_backward`): the input terms'
-    gradient, u's (for N_hh's parameters) and W_hh h's through N_hh; the carry dh z (dh for a padded row)."""
+    """One GRU step's backward of row ``program_id(0)`` (dh and ``HALF`` as in :func:`lstm_step_backward`): the
+    input terms' gradient, u's (for N_hh's parameters) and W_hh h's through N_hh; the carry dh z (dh for a padded
+    row)."""
     row = tl.program_id(0)
     rows, columns, gate_offsets, gate_valid, valid = _tile(hidden, 3, BLOCK)
     width = 3 * hidden
@@ -237,4 +265,8 @@ def gru_step_backward(
             d_u, raw, gate_valid, width, tl.load(hh_mean_ptr + row), tl.load(hh_rstd_ptr + row), weight, HH
         )
         tl.store(d_raw_ptr + row * width + gate_offsets, d_raw, mask=gate_valid)
+        if HALF:
+            store_half(d_half_ptr, row * width + gate_offsets, d_raw, gate_valid)
+    elif HALF:
+        store_half(d_half_ptr, row * width + gate_offsets, d_u, gate_valid)
     tl.store(carry_ptr + at, carry, mask=valid)

@@ -10,6 +10,7 @@ from torch import Tensor
 from seqnorm.kernels.backend import KernelNorm
 from seqnorm.kernels.triton_backend import graphs, recurrence
 from seqnorm.kernels.triton_backend.common import (
+    StepProduct,
     block,
     code,
     identity,
@@ -26,12 +27,14 @@ from seqnorm.kernels.triton_backend.common import (
 
 def lstm_forward(
     inputs: Tensor, h0: Tensor, c0: Tensor, weight_hh: Tensor, mask: Tensor | None,
-    ih: KernelNorm, hh: KernelNorm, c_norm: KernelNorm, save: bool,
+    ih: KernelNorm, hh: KernelNorm, c_norm: KernelNorm, save: bool, *, half: torch.dtype | None = None,
 ) -> tuple[list[Tensor], list[Tensor | None], list[list[Tensor]], list[int]]:  # fmt: skip
-    """The C++ ``lstm_forward``'s contract: ``([hs, h_n, c_n], saved, stats, fallbacks)``."""
+    """The C++ ``lstm_forward``'s contract: ``([hs, h_n, c_n], saved, stats, fallbacks)``; ``half``: the per-step
+    product's operands' dtype (:class:`~seqnorm.kernels.triton_backend.common.StepProduct`)."""
     terms, ih_stats = normalize_rows(inputs, ih)
     tensors = (terms, h0, c0, weight_hh, mask, hh.weight, hh.shift, c_norm.weight, c_norm.shift)
-    settings = {"hh": code(hh), "c_norm": code(c_norm), "hh_eps": hh.eps, "c_eps": c_norm.eps, "save": save}
+    settings = {"hh": code(hh), "c_norm": code(c_norm), "hh_eps": hh.eps, "c_eps": c_norm.eps, "save": save,
+                "half": half}  # fmt: skip
     hs, cs, acts, tanh_cs, raw, *rest = graphs.run("lstm_forward", lstm_forward_loop, tensors, **settings)
     hh_stats, c_stats = rest[: 2 if code(hh) else 0], rest[2 if code(hh) else 0 :]
     steps = inputs.shape[0]
@@ -44,11 +47,11 @@ def lstm_forward(
 def lstm_forward_loop(
     terms: Tensor, h0: Tensor, c0: Tensor, weight_hh: Tensor, mask: Tensor | None, hh_weight: Tensor | None,
     hh_shift: Tensor | None, c_weight: Tensor | None, c_shift: Tensor | None,
-    *, hh: int, c_norm: int, hh_eps: float, c_eps: float, save: bool,
+    *, hh: int, c_norm: int, hh_eps: float, c_eps: float, save: bool, half: torch.dtype | None,
 ) -> tuple[Tensor, ...]:  # fmt: skip
     """The forward time loop, a function of its tensors (:mod:`.graphs` may capture it): ``hs, cs, acts, tanh_cs,
     raw``, then the recurrent norm's statistics and the cell-state norm's (each a mean and a 1/std, where it has
-    them). ``hh``/``c_norm``: the norms' kinds (:func:`code`)."""
+    them). ``hh``/``c_norm``: the norms' kinds (:func:`code`); ``half``: the product's operands' dtype."""
     steps, rows, width = terms.shape
     hidden = width // 4
     kept = steps if save else 1
@@ -60,23 +63,23 @@ def lstm_forward_loop(
     hh_stats = [terms.new_empty(kept, rows), terms.new_empty(kept, rows)] if hh else []
     c_stats = [terms.new_empty(kept, rows), terms.new_empty(kept, rows)] if c_norm else []
     scratch = hs  # what a pointer the kernel does not read points at
-    weight_t = weight_hh.t()
+    product = StepProduct.forward(weight_hh, h0, half)
     for t in range(steps):
         slot = t if save else 0
         c_slot = t if save else t % 2
         h_prev = h0 if t == 0 else hs[t - 1]
         c_prev = c0 if t == 0 else cs[t - 1 if save else (t - 1) % 2]
-        torch.mm(h_prev, weight_t, out=raw[slot])
+        product(h_prev if half is None else product.operand(t - 1), raw[slot])
         recurrence.lstm_step[(rows,)](
             terms[t], raw[slot], h_prev, c_prev, mask_arg(None if mask is None else mask[t], scratch),
             scratch, scratch, param(hh_weight, scratch), param(hh_shift, scratch),
             param(c_weight, scratch), param(c_shift, scratch),
             hs[t], cs[c_slot], acts[slot], tanh_cs[slot],
             *(stat[slot] for stat in hh_stats or (scratch, scratch)),
-            *(stat[slot] for stat in c_stats or (scratch, scratch)),
+            *(stat[slot] for stat in c_stats or (scratch, scratch)), product.operand(t),
             hidden, 0.0, hh_eps, c_eps,
             IH=0, IH_SHIFT=False, HH=hh, HH_SHIFT=hh_shift is not None,
-            C=c_norm, C_SHIFT=c_shift is not None, HAS_MASK=mask is not None, SAVE=save,
+            C=c_norm, C_SHIFT=c_shift is not None, HAS_MASK=mask is not None, SAVE=save, HALF=half is not None,
             BLOCK=block(hidden),
         )  # fmt: skip
     return (hs, cs, acts, tanh_cs, raw, *hh_stats, *c_stats)
@@ -87,16 +90,17 @@ def lstm_backward(
     weight_hh: Tensor, mask: Tensor | None, hs: Tensor, saved: list[Tensor], raw: Tensor | None,
     stats: list[list[Tensor]], ih: KernelNorm, hh: KernelNorm, c_norm: KernelNorm,
     sequence: Tensor | None, weight_ih: Tensor | None, want_input: bool, want_weight_ih: bool,
+    *, half: torch.dtype | None = None,
 ) -> list[Tensor | None]:  # fmt: skip
     """The C++ ``lstm_backward``'s contract: gradients of the input (x with a projection), h0, c0, W_hh, (γ, shift)
-    of the input, recurrent and cell-state norms, then W_ih (with a projection)."""
+    of the input, recurrent and cell-state norms, then W_ih (with a projection); ``half`` as for the forward."""
     cs, acts, tanh_cs = saved
     ih_stats, hh_stats, c_stats = stats
     hidden = acts.shape[2] // 4
     keep_c_out = not identity(c_norm)
     tensors = (grad_hs, grad_h_n, grad_c_n, c0, mask, cs, acts, tanh_cs, raw, hh.weight, c_norm.weight,
                *(hh_stats or (None, None)), *(c_stats or (None, None)), weight_hh)  # fmt: skip
-    settings = {"hh": code(hh), "c_norm": code(c_norm), "keep_c_out": keep_c_out}
+    settings = {"hh": code(hh), "c_norm": code(c_norm), "keep_c_out": keep_c_out, "half": half}
     d_pre, recurrent, carry, dc, *rest = graphs.run("lstm_backward", lstm_backward_loop, tensors, **settings)
     d_raw = rest.pop(0) if code(hh) else d_pre
     d_c_out = rest.pop(0) if keep_c_out else d_pre
@@ -115,7 +119,7 @@ def lstm_backward_loop(
     grad_hs: Tensor, grad_h_n: Tensor, grad_c_n: Tensor, c0: Tensor, mask: Tensor | None, cs: Tensor, acts: Tensor,
     tanh_cs: Tensor, raw: Tensor | None, hh_weight: Tensor | None, c_weight: Tensor | None,
     hh_mean: Tensor | None, hh_rstd: Tensor | None, c_mean: Tensor | None, c_rstd: Tensor | None, weight_hh: Tensor,
-    *, hh: int, c_norm: int, keep_c_out: bool,
+    *, hh: int, c_norm: int, keep_c_out: bool, half: torch.dtype | None,
 ) -> tuple[Tensor, ...]:  # fmt: skip
     """The backward time loop, a function of its tensors (:mod:`.graphs` may capture it): ``d_pre``, the gradient
     reaching ``h0`` through ``W_hh`` (``recurrent``) and the one carried past the loop (``carry``), ``c0``'s
@@ -129,6 +133,7 @@ def lstm_backward_loop(
     carry = grad_h_n.clone()
     dc = grad_c_n.clone()
     scratch = acts
+    product = StepProduct(weight_hh, rows, acts, half)
     for t in range(steps - 1, -1, -1):
         c_prev = c0 if t == 0 else cs[t - 1]
         recurrence.lstm_step_backward[(rows,)](
@@ -137,11 +142,12 @@ def lstm_backward_loop(
             param(hh_weight, scratch), param(c_weight, scratch),
             *((hh_mean[t], hh_rstd[t]) if hh_mean is not None and hh_rstd is not None else (scratch, scratch)),
             *((c_mean[t], c_rstd[t]) if c_mean is not None and c_rstd is not None else (scratch, scratch)),
-            d_pre[t], d_raw[t], d_c_out[t] if keep_c_out else scratch,
+            d_pre[t], d_raw[t], d_c_out[t] if keep_c_out else scratch, product.operand(t),
             hidden,
-            HH=hh, C=c_norm, KEEP_C_OUT=keep_c_out, HAS_MASK=mask is not None, BLOCK=block(hidden),
+            HH=hh, C=c_norm, KEEP_C_OUT=keep_c_out, HAS_MASK=mask is not None, HALF=half is not None,
+            BLOCK=block(hidden),
         )  # fmt: skip
-        torch.mm(d_raw[t], weight_hh, out=recurrent)
+        product(d_raw[t] if half is None else product.operand(t), recurrent)
     return (d_pre, recurrent, carry, dc, *((d_raw,) if hh else ()), *((d_c_out,) if keep_c_out else ()))
 
 
@@ -149,11 +155,12 @@ def lstm_backward_loop(
 
 
 def gru_forward(
-    inputs: Tensor, h0: Tensor, weight_hh: Tensor, mask: Tensor | None, ih: KernelNorm, hh: KernelNorm, save: bool
-) -> tuple[list[Tensor], list[Tensor], list[list[Tensor]], list[int]]:
-    """The C++ ``gru_forward``'s contract: ``([hs, h_n], saved, stats, fallbacks)``."""
+    inputs: Tensor, h0: Tensor, weight_hh: Tensor, mask: Tensor | None, ih: KernelNorm, hh: KernelNorm, save: bool,
+    *, half: torch.dtype | None = None,
+) -> tuple[list[Tensor], list[Tensor], list[list[Tensor]], list[int]]:  # fmt: skip
+    """The C++ ``gru_forward``'s contract: ``([hs, h_n], saved, stats, fallbacks)``; ``half`` as for an LSTM."""
     terms, ih_stats = normalize_rows(inputs, ih)
-    settings = {"hh": code(hh), "hh_eps": hh.eps, "save": save}
+    settings = {"hh": code(hh), "hh_eps": hh.eps, "save": save, "half": half}
     tensors = (terms, h0, weight_hh, mask, hh.weight, hh.shift)
     hs, acts, us, raw, *hh_stats = graphs.run("gru_forward", gru_forward_loop, tensors, **settings)
     saved = [acts, us, raw] if save else []
@@ -163,7 +170,7 @@ def gru_forward(
 
 def gru_forward_loop(
     terms: Tensor, h0: Tensor, weight_hh: Tensor, mask: Tensor | None, hh_weight: Tensor | None,
-    hh_shift: Tensor | None, *, hh: int, hh_eps: float, save: bool,
+    hh_shift: Tensor | None, *, hh: int, hh_eps: float, save: bool, half: torch.dtype | None,
 ) -> tuple[Tensor, ...]:  # fmt: skip
     """The forward time loop, a function of its tensors (:mod:`.graphs` may capture it): ``hs, acts, us, raw``,
     then the recurrent norm's statistics where it has them."""
@@ -176,18 +183,18 @@ def gru_forward_loop(
     raw = terms.new_empty(kept, rows, width)
     hh_stats = [terms.new_empty(kept, rows), terms.new_empty(kept, rows)] if hh else []
     scratch = hs
-    weight_t = weight_hh.t()
+    product = StepProduct.forward(weight_hh, h0, half)
     for t in range(steps):
         slot = t if save else 0
         h_prev = h0 if t == 0 else hs[t - 1]
-        torch.mm(h_prev, weight_t, out=raw[slot])
+        product(h_prev if half is None else product.operand(t - 1), raw[slot])
         recurrence.gru_step[(rows,)](
             terms[t], raw[slot], h_prev, mask_arg(None if mask is None else mask[t], scratch),
             scratch, scratch, param(hh_weight, scratch), param(hh_shift, scratch),
-            hs[t], acts[slot], us[slot], *(stat[slot] for stat in hh_stats or (scratch, scratch)),
+            hs[t], acts[slot], us[slot], *(stat[slot] for stat in hh_stats or (scratch, scratch)), product.operand(t),
             hidden, 0.0, hh_eps,
             IH=0, IH_SHIFT=False, HH=hh, HH_SHIFT=hh_shift is not None, HAS_MASK=mask is not None, SAVE=save,
-            BLOCK=block(hidden),
+            HALF=half is not None, BLOCK=block(hidden),
         )  # fmt: skip
     return (hs, acts, us, raw, *hh_stats)
 
@@ -196,15 +203,17 @@ def gru_backward(
     grad_hs: Tensor, grad_h_n: Tensor, inputs: Tensor, h0: Tensor, weight_hh: Tensor, mask: Tensor | None,
     hs: Tensor, saved: list[Tensor], stats: list[list[Tensor]], ih: KernelNorm, hh: KernelNorm,
     sequence: Tensor | None, weight_ih: Tensor | None, want_input: bool, want_weight_ih: bool,
+    *, half: torch.dtype | None = None,
 ) -> list[Tensor | None]:  # fmt: skip
     """The C++ ``gru_backward``'s contract: gradients of the input (x with a projection), h0, W_hh, (γ, shift) of the
-    input and recurrent norms, then W_ih (with a projection)."""
+    input and recurrent norms, then W_ih (with a projection); ``half`` as for the forward."""
     acts, us, raw = saved
     ih_stats, hh_stats = stats
     width = acts.shape[2]
     hidden = width // 3
     tensors = (grad_hs, grad_h_n, h0, hs, mask, acts, us, raw, hh.weight, *(hh_stats or (None, None)), weight_hh)
-    d_input, d_u, recurrent, carry, *rest = graphs.run("gru_backward", gru_backward_loop, tensors, hh=code(hh))
+    settings = {"hh": code(hh), "half": half}
+    d_input, d_u, recurrent, carry, *rest = graphs.run("gru_backward", gru_backward_loop, tensors, **settings)
     d_raw = rest[0] if code(hh) else d_u
     grad_h0 = recurrent + carry
     grad_weight_hh = d_raw.reshape(-1, width).t() @ previous_states(h0, hs).reshape(-1, hidden)
@@ -217,7 +226,7 @@ def gru_backward(
 def gru_backward_loop(
     grad_hs: Tensor, grad_h_n: Tensor, h0: Tensor, hs: Tensor, mask: Tensor | None, acts: Tensor, us: Tensor,
     raw: Tensor, hh_weight: Tensor | None, hh_mean: Tensor | None, hh_rstd: Tensor | None, weight_hh: Tensor,
-    *, hh: int,
+    *, hh: int, half: torch.dtype | None,
 ) -> tuple[Tensor, ...]:  # fmt: skip
     """The backward time loop, a function of its tensors (:mod:`.graphs` may capture it): ``d_input``, ``d_u``, the
     gradient reaching ``h0`` through ``W_hh`` and the one carried past the loop, then ``d_raw`` where the recurrent
@@ -230,16 +239,17 @@ def gru_backward_loop(
     recurrent = torch.zeros_like(grad_h_n)
     carry = grad_h_n.clone()
     scratch = hs
+    product = StepProduct(weight_hh, rows, acts, half)
     for t in range(steps - 1, -1, -1):
         h_prev = h0 if t == 0 else hs[t - 1]
         recurrence.gru_step_backward[(rows,)](
             grad_hs[t], recurrent, carry, mask_arg(None if mask is None else mask[t], scratch),
             acts[t], us[t], h_prev, raw[t], param(hh_weight, scratch),
             *((hh_mean[t], hh_rstd[t]) if hh_mean is not None and hh_rstd is not None else (scratch, scratch)),
-            d_input[t], d_u[t], d_raw[t], hidden,
-            HH=hh, HAS_MASK=mask is not None, BLOCK=block(hidden),
+            d_input[t], d_u[t], d_raw[t], product.operand(t), hidden,
+            HH=hh, HAS_MASK=mask is not None, HALF=half is not None, BLOCK=block(hidden),
         )  # fmt: skip
-        torch.mm(d_raw[t], weight_hh, out=recurrent)
+        product(d_raw[t] if half is None else product.operand(t), recurrent)
     return (d_input, d_u, recurrent, carry, *((d_raw,) if hh else ()))
 
 
@@ -291,9 +301,9 @@ def gru_generation_loop(
     scratch = h_new
     recurrence.gru_step[(rows,)](
         term, raw, h, scratch, param(ih_weight, scratch), param(ih_shift, scratch), param(hh_weight, scratch),
-        param(hh_shift, scratch), h_new, scratch, scratch, scratch, scratch, hidden, ih_eps, hh_eps,
+        param(hh_shift, scratch), h_new, scratch, scratch, scratch, scratch, scratch, hidden, ih_eps, hh_eps,
         IH=ih, IH_SHIFT=ih_shift is not None, HH=hh, HH_SHIFT=hh_shift is not None, HAS_MASK=False, SAVE=False,
-        BLOCK=block(hidden),
+        HALF=False, BLOCK=block(hidden),
     )  # fmt: skip
     return (h_new,)
 
@@ -314,9 +324,9 @@ def lstm_generation_loop(
     recurrence.lstm_step[(rows,)](
         term, raw, h, c, scratch, param(ih_weight, scratch), param(ih_shift, scratch), param(hh_weight, scratch),
         param(hh_shift, scratch), param(c_weight, scratch), param(c_shift, scratch),
-        h_new, c_new, scratch, scratch, scratch, scratch, scratch, scratch,
+        h_new, c_new, scratch, scratch, scratch, scratch, scratch, scratch, scratch,
         hidden, ih_eps, hh_eps, c_eps,
         IH=ih, IH_SHIFT=ih_shift is not None, HH=hh, HH_SHIFT=hh_shift is not None, C=c_norm,
-        C_SHIFT=c_shift is not None, HAS_MASK=False, SAVE=False, BLOCK=block(hidden),
+        C_SHIFT=c_shift is not None, HAS_MASK=False, SAVE=False, HALF=False, BLOCK=block(hidden),
     )  # fmt: skip
     return (h_new, c_new)
