@@ -4,8 +4,9 @@ Prints the versions and the GPU; checks the Triton backend against the plain-PyT
 norm, training and evaluation, float32 with TF32 off and float64, plus generation steps); then median milliseconds
 of a training step (forward and backward of ``output.sum()``, the input requiring a gradient) at ``--size`` (T x B x
 I x H, default 100x64x512x512) in three precisions — float32 with TF32 off, float32 with TF32, bf16 autocast (the
-input projection in bf16, the recurrence in float32) — with ratios to cuDNN, to the plain path (the loop over the
-cell's step with hoisted input terms) and to the reference loop (``impl="reference"``), and a batch-1
+input projection and each step's product ``W_hh h`` with bf16 operands, statistics, gates and states in float32;
+checked against float32 beside the plain path under autocast) — with ratios to cuDNN, to the plain path (the loop
+over the cell's step with hoisted input terms) and to the reference loop (``impl="reference"``), and a batch-1
 generation step against ``nn.LSTMCell``/``nn.GRUCell``. The loops' CUDA graphs (the backend's ``graphs.py``) are
 checked against the same loops run eagerly, with the memory they hold, and each training step is timed with them
 ("seqnorm ms") and without ("no graphs ms", ``SEQNORM_CUDA_GRAPHS=0``). Markdown tables, for BENCHMARKS.md. Without
@@ -200,6 +201,32 @@ def graphs_check(device: torch.device, size: str) -> list[str]:
     return lines
 
 
+def half_check(device: torch.device) -> list[str]:
+    """Under bf16 autocast each step's product takes bf16 operands, summed in float32: a training step (two
+    bidirectional layers, lengths) against float32 without autocast, beside the plain path under autocast (which
+    rounds ``W_hh h`` itself to bf16). Whether cuBLAS's bf16 product with a float32 output ran, or the emulation."""
+    from seqnorm.kernels.triton_backend import common
+
+    used = "yes" if common.HALF_INTO_FLOAT32 else "no (this torch lacks it: the exact emulation ran)"
+    lines = [f"cuBLAS's bf16 product into float32 used: {used}\n",
+             "| cell | norm | seqnorm under autocast − float32 | plain path under autocast − float32 |",
+             "|---|---|---|---|"]  # fmt: skip
+    lengths = torch.tensor([20, 15, 20, 3, 9, 20, 1, 12])
+    for kind in ("lstm", "gru"):
+        for norm in NORMS:
+            torch.manual_seed(0)
+            layer = seqnorm.LAYERS[kind](32, 64, num_layers=2, bidirectional=True, norm=norm).to(device)
+            x = torch.randn(20, 8, 32, device=device, requires_grad=True)
+            with _precision("fp32"):
+                reference = _run(copy.deepcopy(layer), x, lengths, plain=True)
+            with _precision("bf16"):
+                ours = _run(copy.deepcopy(layer), x, lengths, plain=False)
+                plain = _run(copy.deepcopy(layer), x, lengths, plain=True)
+            lines.append(f"| {kind} | {norm} | {_difference(ours, reference):.1e} | "
+                         f"{_difference(plain, reference):.1e} |")  # fmt: skip
+    return lines
+
+
 def device_kernels(events: Iterable[FunctionEvent]) -> tuple[int, float]:
     """The kernels a profile recorded on the GPU and the milliseconds the GPU was busy with them: ``(launches,
     busy)``. Only the device's own rows count (``device_type`` CUDA, memory copies and sets left out), their time
@@ -269,6 +296,8 @@ def main() -> None:
     print("\n".join(lines) + f"\n\nLargest difference of all: {worst:.1e}\n")
     print("The loops as CUDA graphs against the same loops eagerly (5 training steps each, TF32 off):\n")
     print("\n".join(graphs_check(device, args.size)) + "\n")
+    print("Half-precision step products under bf16 autocast (training step, largest relative difference):\n")
+    print("\n".join(half_check(device)) + "\n")
     if args.check_only:
         return
     print(f"Training step, T={steps} B={batch} I={inputs} H={hidden} (median ms of {args.repeats}):\n")

@@ -359,13 +359,16 @@ def test_every_kernel_launch_builds_for_a_gpu() -> None:
                     for lengths in (torch.tensor([2, 1]), None):
                         output, _ = layer(torch.randn(2, 2, 2, dtype=dtype, requires_grad=True), lengths=lengths)
                         output.sum().backward()
-                    with torch.autocast("cpu", dtype=torch.bfloat16):
-                        output, _ = layer(torch.randn(2, 2, 2, dtype=dtype, requires_grad=True))
-                    output.float().sum().backward()
+                    for half in (torch.bfloat16, torch.float16):  # float32's step products in half precision
+                        with torch.autocast("cpu", dtype=half):
+                            output, _ = layer(torch.randn(2, 2, 2, dtype=dtype, requires_grad=True))
+                        output.float().sum().backward()
                     with torch.no_grad():
                         layer.eval()(torch.randn(2, 2, 2, dtype=dtype))
                         layer.step(torch.randn(1, 2, dtype=dtype))
     assert {record[1] for record in launches.values()} >= {"lstm_columns", "gru_columns"}, "no BN kernel ran"
+    halves = {record[2].get(name) for record in launches.values() for name in ("h_half_ptr", "d_half_ptr")}
+    assert halves >= {"*bf16", "*fp16"}, halves
     environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run(
         [sys.executable, "-c", _BUILD], input=json.dumps(list(launches.values())), env=environment,
@@ -451,9 +454,12 @@ def _rounded_products(monkeypatch: pytest.MonkeyPatch, half: torch.dtype) -> Non
 
 
 HALF_CASES = [
-    *((kind, norm, torch.bfloat16) for kind in ("lstm", "gru") for norm in KERNEL_NORMS),
-    ("lstm", "layer", torch.float16),
-    ("gru", "batch", torch.float16),
+    pytest.param(kind, norm, half, id=f"{kind}-{norm}-{str(half)[6:]}")
+    for kind, norm, half in [
+        *((kind, norm, torch.bfloat16) for kind in ("lstm", "gru") for norm in KERNEL_NORMS),
+        ("lstm", "layer", torch.float16),
+        ("gru", "batch", torch.float16),
+    ]
 ]
 
 

@@ -79,8 +79,9 @@ def rows_backward_all(
 HALVES = (torch.bfloat16, torch.float16)
 """The dtypes the per-step product may take its operands in (under autocast)."""
 
-# cuBLAS's half-precision product with a float32 output (torch >= 2.8 on CUDA): the float32 accumulator kept as is
-_HALF_INTO_FLOAT32 = torch._C._dispatch_has_kernel_for_dispatch_key("aten::mm.dtype_out", "CUDA")
+HALF_INTO_FLOAT32 = torch._C._dispatch_has_kernel_for_dispatch_key("aten::mm.dtype_out", "CUDA")
+"""Whether this torch has cuBLAS's half-precision product with a float32 output on CUDA (``torch.mm(...,
+out_dtype=torch.float32)``): the float32 sum kept as is, not rounded to half precision."""
 
 
 class StepProduct:
@@ -105,7 +106,7 @@ class StepProduct:
             raise ValueError(f"StepProduct: expected half in {HALVES} or None, got {half}")
         self.half = half
         self.weight = weight if half is None else weight.to(half)
-        emulated = half is not None and not (_HALF_INTO_FLOAT32 and like.is_cuda and like.dtype == torch.float32)
+        emulated = half is not None and not (HALF_INTO_FLOAT32 and like.is_cuda and like.dtype == torch.float32)
         # the emulation's buffers: ``a`` widened, and the half-precision weight widened (once)
         self._widened = like.new_empty(rows, weight.shape[0]) if emulated else None
         self._wide_weight = self.weight.to(like.dtype) if emulated else None
