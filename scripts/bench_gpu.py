@@ -9,8 +9,9 @@ checked against float32 beside the plain path under autocast) — with ratios to
 over the cell's step with hoisted input terms) and to the reference loop (``impl="reference"``), and a batch-1
 generation step against ``nn.LSTMCell``/``nn.GRUCell``. The loops' CUDA graphs (the backend's ``graphs.py``) are
 checked against the same loops run eagerly, with the memory they hold, and each training step is timed with them
-("seqnorm ms") and without ("no graphs ms", ``SEQNORM_CUDA_GRAPHS=0``). Markdown tables, for BENCHMARKS.md. Without
-CUDA it says so and exits 0.
+("seqnorm ms"), without ("no graphs ms", ``SEQNORM_CUDA_GRAPHS=0``), and without them or the direct launches ("neither
+ms", also ``SEQNORM_DIRECT_LAUNCH=0``: every launch through Triton's ``kernel[grid](...)``). Markdown tables, for
+BENCHMARKS.md. Without CUDA it says so and exits 0.
 
 It needs torch, triton and seqnorm's core only (no training extras): ``PYTHONPATH=. python scripts/bench_gpu.py``
 from the checkout (``make bench-gpu``). Each timing is a CUDA-event median over ``--repeats`` runs after warm-ups;
@@ -157,19 +158,31 @@ def check(device: torch.device) -> tuple[list[str], float]:
 
 
 @contextlib.contextmanager
-def _graphs(on: bool) -> Iterator[None]:
-    """The Triton backend's CUDA graphs of its loops on or off (``SEQNORM_CUDA_GRAPHS``) inside."""
-    from seqnorm.kernels.triton_backend import graphs
-
-    before = os.environ.get(graphs.ENV)
-    os.environ[graphs.ENV] = "1" if on else "0"
+def _switch(name: str, on: bool) -> Iterator[None]:
+    """The environment switch ``name`` on or off inside."""
+    before = os.environ.get(name)
+    os.environ[name] = "1" if on else "0"
     try:
         yield
     finally:
         if before is None:
-            del os.environ[graphs.ENV]
+            del os.environ[name]
         else:
-            os.environ[graphs.ENV] = before
+            os.environ[name] = before
+
+
+def _graphs(on: bool) -> contextlib.AbstractContextManager[None]:
+    """The Triton backend's CUDA graphs of its loops on or off (``SEQNORM_CUDA_GRAPHS``) inside."""
+    from seqnorm.kernels.triton_backend import graphs
+
+    return _switch(graphs.ENV, on)
+
+
+def _direct(on: bool) -> contextlib.AbstractContextManager[None]:
+    """The Triton backend's direct launches on or off (``SEQNORM_DIRECT_LAUNCH``) inside."""
+    from seqnorm.kernels.triton_backend import launch
+
+    return _switch(launch.ENV, on)
 
 
 def graphs_check(device: torch.device, size: str) -> list[str]:
@@ -301,9 +314,9 @@ def main() -> None:
     if args.check_only:
         return
     print(f"Training step, T={steps} B={batch} I={inputs} H={hidden} (median ms of {args.repeats}):\n")
-    print("| cell | norm | precision | path | seqnorm ms | no graphs ms | torch (cuDNN) ms | × torch | plain ms "
-          "| plain / seqnorm | reference loop ms | reference / plain |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| cell | norm | precision | path | seqnorm ms | no graphs ms | neither ms | torch (cuDNN) ms | × torch "
+          "| plain ms | plain / seqnorm | reference loop ms | reference / plain |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     x = torch.randn(steps, batch, inputs, device=device, requires_grad=True)
     for kind in ("lstm", "gru"):
         torch.manual_seed(0)
@@ -316,6 +329,8 @@ def main() -> None:
                     ours = _median_ms(_training_step(layer, x), args.repeats)
                     with _graphs(False):
                         eager = _median_ms(_training_step(layer, x), args.repeats)
+                        with _direct(False):
+                            neither = _median_ms(_training_step(layer, x), args.repeats)
                     theirs = _median_ms(_training_step(reference, x), args.repeats)
                     with kernels.disabled():
                         plain_path = layer.plan(x).path
@@ -323,7 +338,8 @@ def main() -> None:
                     layer.impl = "reference"  # the autograd loop over the cell's step, input terms included
                     loop = _median_ms(_training_step(layer, x), max(3, args.repeats // 4), warmup=1)
                     layer.impl = "auto"
-                print(f"| {kind} | {norm} | {precision} | {path} | {ours:.2f} | {eager:.2f} | {theirs:.2f} "
+                print(f"| {kind} | {norm} | {precision} | {path} | {ours:.2f} | {eager:.2f} | {neither:.2f} "
+                      f"| {theirs:.2f} "
                       f"| {ours / theirs:.2f} "
                       f"| {plain:.2f} ({plain_path}) | {plain / ours:.1f} "
                       f"| {loop:.2f} | {loop / plain:.2f} |")  # fmt: skip

@@ -801,3 +801,127 @@ def test_graphed_generation_steps_equal_the_eager_ones(
     assert stand_in_graphs.made and all(graph.replays >= 1 for graph in stand_in_graphs.made)
     for got, expected in zip(runs[1], runs[0], strict=True):  # float64; other addresses: see the test above
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+# --- direct launches: what a GPU's launch gets, checked with Triton's own binder (no GPU needed) ---
+
+
+class _Compiled:
+    """A compiled kernel's stand-in: records what its launcher receives."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self, launches: list[tuple[Any, ...]]) -> None:
+        self.launches = launches
+
+    def run(self, *arguments: Any) -> None:
+        self.launches.append(arguments)
+
+
+class _Kernel:
+    """A JIT-compiled kernel's stand-in: ``kernel[grid](...)`` (Triton's own launch) is counted and returns a
+    :class:`_Compiled`; ``jit`` is the real ``JITFunction`` whose binder the direct launches consult."""
+
+    def __init__(self, jit: Any, launches: list[tuple[Any, ...]]) -> None:
+        self.jit, self.launches, self.through_triton = jit, launches, 0
+
+    def __getitem__(self, grid: Any) -> Any:
+        def run(*args: Any, **constexprs: Any) -> _Compiled:
+            self.through_triton += 1
+            return _Compiled(self.launches)
+
+        return run
+
+
+def _recorded_step_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, Any, tuple, dict]]:
+    """Every ``launch`` of a masked LSTM's forward and backward (LN; the interpreter runs them)."""
+    from seqnorm.kernels.triton_backend import launch as launching
+
+    recorded: list[tuple[Any, Any, tuple, dict]] = []
+    real = launching.LAUNCHES
+
+    def record(kernel: Any, grid: Any, *args: Any, **constexprs: Any) -> None:
+        recorded.append((kernel, grid, args, constexprs))
+        real(kernel, grid, *args, **constexprs)
+
+    monkeypatch.setattr(launching, "LAUNCHES", record)
+    layer = seqnorm.LSTM(3, 5, norm="layer")
+    output, _ = layer(torch.randn(6, 3, 3, requires_grad=True), lengths=torch.tensor([6, 4, 5]))
+    output.sum().backward()
+    monkeypatch.setattr(launching, "LAUNCHES", real)
+    return recorded
+
+
+def test_a_direct_launch_passes_what_tritons_launch_passes_for_the_same_specialization_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A loop's repeated launches skip Triton's ``kernel[grid](...)``: the first of a specialization goes through it
+    and gives the compiled kernel; the later ones call its launcher with the grid, the stream, no hooks and every
+    argument in the kernel's signature order (constexprs included, pointers as their addresses: what Triton's own
+    launch passes). Which launches share a specialization is what Triton's binder says (for an sm_90 target): a
+    pointer off 16-byte alignment, an integer argument turned a multiple of 16 goes through Triton again. Off with
+    ``SEQNORM_DIRECT_LAUNCH=0`` and while a launch hook is set."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    from seqnorm.kernels.triton_backend import launch as launching
+
+    recorded = [launched for launched in _recorded_step_launches(monkeypatch) if launched[0].fn.__name__ == "lstm_step"]
+    assert len(recorded) == 6  # one a time step
+
+    class StubDriver:  # what making the binder asks of the CUDA driver
+        def get_current_device(self) -> int:
+            return 0
+
+        def get_current_target(self) -> GPUTarget:
+            return GPUTarget("cuda", 90, 32)
+
+    monkeypatch.setattr(driver, "_active", StubDriver())
+    jit = JITFunction(recorded[0][0].fn)  # the kernel a GPU compiles (the interpreter's is another class)
+    device, binder = launching.binder_of(jit)
+    direct_launches: list[tuple[Any, ...]] = []
+    kernel = _Kernel(jit, direct_launches)
+    hooked = [False]
+    launches = launching.DirectLaunches(
+        binder=lambda kernel, first: launching.binder_of(kernel.jit), stream=lambda device: 7, hooked=lambda: hooked[0]
+    )
+
+    def expected(args: tuple, constexprs: dict) -> list[Any]:
+        bound = inspect.signature(jit.fn).bind(*args, **constexprs)
+        bound.apply_defaults()
+        return [value.data_ptr() if isinstance(value, torch.Tensor) else value for value in bound.arguments.values()]
+
+    specializations = {tuple(binder(*args, **constexprs)[1]) for _, _, args, constexprs in recorded}
+    for _, grid, args, constexprs in recorded:
+        before = len(direct_launches)
+        launches(kernel, grid, *args, **constexprs)
+        if len(direct_launches) > before:
+            assert direct_launches[-1][:9] == (grid[0], 1, 1, 7, "function", "metadata", None, None, None)
+            assert list(direct_launches[-1][9:]) == expected(args, constexprs)
+    assert kernel.through_triton == len(specializations)
+    assert len(direct_launches) == len(recorded) - len(specializations) > 0
+
+    _, grid, args, constexprs = recorded[-1]
+    tensor = next(index for index, arg in enumerate(args) if isinstance(arg, torch.Tensor))
+    shifted = list(args)
+    shifted[tensor] = torch.empty(args[tensor].numel() + 1, dtype=args[tensor].dtype)[1:].view_as(args[tensor])
+    hidden = list(args)
+    at = list(inspect.signature(jit.fn).parameters).index("hidden")
+    assert hidden[at] == 5
+    hidden[at] = 16  # a multiple of 16
+    for changed in (shifted, hidden):
+        assert tuple(binder(*changed, **constexprs)[1]) not in specializations
+        before = kernel.through_triton
+        launches(kernel, grid, *changed, **constexprs)
+        assert kernel.through_triton == before + 1, "a new specialization went past Triton"
+    for off in ("environment", "hook"):
+        before = (kernel.through_triton, len(direct_launches))
+        with monkeypatch.context() as patch:
+            if off == "environment":
+                patch.setenv(launching.ENV, "0")
+            hooked[0] = off == "hook"
+            launches(kernel, grid, *args, **constexprs)
+        hooked[0] = False
+        assert (kernel.through_triton, len(direct_launches)) == (before[0] + 1, before[1]), off
+    assert device == 0

@@ -10,7 +10,7 @@ entry points have the C++ kernels' signatures (:class:`seqnorm.kernels.backend.B
 :mod:`seqnorm.layers.compiled` and the plan run unchanged. Nothing here reads a value back to the host inside the loops.
 
 Kernels: :mod:`.norms` (each norm's statistics and backward), :mod:`.cells` (the gates), :mod:`.recurrence` and
-:mod:`.columns` (the fused steps of the two layouts).
+:mod:`.columns` (the fused steps of the two layouts); every launch goes through :func:`.launch.launch`.
 """
 
 from __future__ import annotations

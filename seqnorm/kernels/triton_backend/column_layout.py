@@ -27,6 +27,7 @@ from seqnorm.kernels.triton_backend.common import (
     projection_grads,
     rows_backward_all,
 )
+from seqnorm.kernels.triton_backend.launch import launch
 
 __all__ = ["gru_backward", "gru_forward", "lstm_backward", "lstm_forward"]
 
@@ -133,7 +134,8 @@ def lstm_forward(
         h_prev = h0 if t == 0 else hs[t - 1]
         c_prev = c0 if t == 0 else cs[t - 1 if save else (t - 1) % 2]
         product(h_prev if half is None else product.operand(t - 1), raw[slot])
-        columns.lstm_columns[_grid(hidden)](
+        launch(
+            columns.lstm_columns, _grid(hidden),
             terms[t], raw[slot], h_prev, c_prev, mask_arg(None if mask is None else mask[t], hs),
             hs[t], cs[t if save else t % 2], acts[slot], tanh_cs[slot], product.operand(t),
             *(arg for norm in norms for arg in norm.forward_args(t)),
@@ -178,7 +180,8 @@ def lstm_backward(
     training = any(norm.training for norm in (ih, hh, c_norm) if norm.kind == "batch")
     product = StepProduct(weight_hh, rows, acts, half)
     for t in range(steps - 1, -1, -1):
-        columns.lstm_columns_backward[_grid(hidden)](
+        launch(
+            columns.lstm_columns_backward, _grid(hidden),
             grad_hs[t], recurrent, carry, dc, mask_arg(None if mask is None else mask[t], hs), acts[t], tanh_cs[t],
             cs[t], c0 if t == 0 else cs[t - 1], inputs[t] if step_ih.kind == "batch" else hs, raw[t], d_input[t],
             d_raw[t], product.operand(t), *ih_args, *hh_args, *c_args, rows, hidden, t, steps,
@@ -241,7 +244,8 @@ def gru_forward(
         slot = t if save else 0
         h_prev = h0 if t == 0 else hs[t - 1]
         product(h_prev if half is None else product.operand(t - 1), raw[slot])
-        columns.gru_columns[_grid(hidden)](
+        launch(
+            columns.gru_columns, _grid(hidden),
             terms[t], raw[slot], h_prev, mask_arg(None if mask is None else mask[t], hs), hs[t], acts[slot],
             us[slot], product.operand(t), *(arg for norm in norms for arg in norm.forward_args(t)),
             rows, hidden, slot, kept,
@@ -274,7 +278,8 @@ def gru_backward(
     training = any(norm.training for norm in (ih, hh) if norm.kind == "batch")
     product = StepProduct(weight_hh, rows, acts, half)
     for t in range(steps - 1, -1, -1):
-        columns.gru_columns_backward[_grid(hidden)](
+        launch(
+            columns.gru_columns_backward, _grid(hidden),
             grad_hs[t], recurrent, carry, mask_arg(None if mask is None else mask[t], hs), acts[t], us[t],
             h0 if t == 0 else hs[t - 1], inputs[t] if step_ih.kind == "batch" else hs, raw[t], d_input[t], d_raw[t],
             product.operand(t), *ih_args, *hh_args, rows, hidden, t, steps,

@@ -5,6 +5,9 @@ columns. The norms' math is :mod:`.norms`' (``batch_forward``/``batch_backward``
 
 Each norm here is ``NONE`` (``x`` plus its shift, if any) or ``BATCH``; an input norm per row (LayerNorm, RMSNorm)
 is applied to all steps before the loop and arrives as the finished input term (``IH = NONE``).
+
+The arguments that change from step to step (``slot``, ``steps``, a norm's ``row``) are not specialized on: one
+compiled kernel serves every step, where Triton would compile another for a step index of 1 or a multiple of 16.
 """
 
 from __future__ import annotations
@@ -97,7 +100,7 @@ def _seen(pointer, KIND: tl.constexpr):
     return tl.full((), 0, tl.int64)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ih_row", "hh_row", "c_row", "slot", "steps"])
 def lstm_columns(
     input_ptr, raw_ptr, h_prev_ptr, c_prev_ptr, mask_ptr, h_ptr, c_ptr, acts_ptr, tanh_ptr, h_half_ptr,
     ih_weight, ih_shift, ih_mean, ih_var, ih_stats, ih_options, ih_row, ih_seen,
@@ -199,7 +202,7 @@ def _gate_backward(
     tl.store(d_input_ptr + at, d_input, mask=tile)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["slot", "steps"])
 def lstm_columns_backward(
     grad_h_ptr, recurrent_ptr, carry_ptr, dc_ptr, mask_ptr, acts_ptr, tanh_ptr, c_ptr, c_prev_ptr,
     input_ptr, raw_ptr, d_input_ptr, d_raw_ptr, d_half_ptr,
@@ -251,7 +254,7 @@ def lstm_columns_backward(
     tl.store(carry_ptr + at, tl.where(real, 0.0, dh), mask=tile)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ih_row", "hh_row", "slot", "steps"])
 def gru_columns(
     input_ptr, raw_ptr, h_prev_ptr, mask_ptr, h_ptr, acts_ptr, u_ptr, h_half_ptr,
     ih_weight, ih_shift, ih_mean, ih_var, ih_stats, ih_options, ih_row, ih_seen,
@@ -293,7 +296,7 @@ def gru_columns(
         tl.store(u_ptr + gates + 2 * hidden, u_n, mask=tile)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["slot", "steps"])
 def gru_columns_backward(
     grad_h_ptr, recurrent_ptr, carry_ptr, mask_ptr, acts_ptr, u_ptr, h_prev_ptr,
     input_ptr, raw_ptr, d_input_ptr, d_raw_ptr, d_half_ptr,

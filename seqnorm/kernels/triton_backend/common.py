@@ -8,6 +8,7 @@ import triton
 from torch import Tensor
 
 from seqnorm.kernels.backend import KernelNorm
+from seqnorm.kernels.triton_backend.launch import launch
 from seqnorm.kernels.triton_backend.norms import KINDS, rows_backward, rows_forward
 
 FLOATS = (torch.float32, torch.float64)
@@ -44,7 +45,8 @@ def normalize_rows(x: Tensor, norm: KernelNorm) -> tuple[Tensor, list[Tensor]]:
     out = torch.empty_like(flat)
     mean = flat.new_empty(flat.shape[0])
     rstd = flat.new_empty(flat.shape[0])
-    rows_forward[(flat.shape[0],)](
+    launch(
+        rows_forward, (flat.shape[0],),
         flat, out, param(norm.weight, flat), param(norm.shift, flat), mean, rstd, features, norm.eps,
         KIND=code(norm), SHIFT=norm.shift is not None, BLOCK=block(features),
     )  # fmt: skip
@@ -67,7 +69,8 @@ def rows_backward_all(
     write_dx = want_dx and code(norm) != 0
     dx = torch.empty_like(flat_dy) if write_dx else flat_dy
     mean, rstd = (stats[0].reshape(-1), stats[1].reshape(-1)) if code(norm) else (flat_dy, flat_dy)
-    rows_backward[(programs,)](
+    launch(
+        rows_backward, (programs,),
         flat_dy, flat_x, mean, rstd, param(norm.weight, flat_dy), dx, dweight, dshift, rows, features,
         KIND=code(norm), WRITE_DX=write_dx, ROWS_EACH=_ROWS_EACH, BLOCK=block(features),
     )  # fmt: skip

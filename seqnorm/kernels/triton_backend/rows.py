@@ -21,6 +21,7 @@ from seqnorm.kernels.triton_backend.common import (
     projection_grads,
     rows_backward_all,
 )
+from seqnorm.kernels.triton_backend.launch import launch
 
 # --- LSTM ---
 
@@ -70,7 +71,8 @@ def lstm_forward_loop(
         h_prev = h0 if t == 0 else hs[t - 1]
         c_prev = c0 if t == 0 else cs[t - 1 if save else (t - 1) % 2]
         product(h_prev if half is None else product.operand(t - 1), raw[slot])
-        recurrence.lstm_step[(rows,)](
+        launch(
+            recurrence.lstm_step, (rows,),
             terms[t], raw[slot], h_prev, c_prev, mask_arg(None if mask is None else mask[t], scratch),
             scratch, scratch, param(hh_weight, scratch), param(hh_shift, scratch),
             param(c_weight, scratch), param(c_shift, scratch),
@@ -136,7 +138,8 @@ def lstm_backward_loop(
     product = StepProduct(weight_hh, rows, acts, half)
     for t in range(steps - 1, -1, -1):
         c_prev = c0 if t == 0 else cs[t - 1]
-        recurrence.lstm_step_backward[(rows,)](
+        launch(
+            recurrence.lstm_step_backward, (rows,),
             grad_hs[t], recurrent, carry, dc, mask_arg(None if mask is None else mask[t], scratch),
             acts[t], tanh_cs[t], cs[t], c_prev, raw[t] if raw is not None else scratch,
             param(hh_weight, scratch), param(c_weight, scratch),
@@ -188,7 +191,8 @@ def gru_forward_loop(
         slot = t if save else 0
         h_prev = h0 if t == 0 else hs[t - 1]
         product(h_prev if half is None else product.operand(t - 1), raw[slot])
-        recurrence.gru_step[(rows,)](
+        launch(
+            recurrence.gru_step, (rows,),
             terms[t], raw[slot], h_prev, mask_arg(None if mask is None else mask[t], scratch),
             scratch, scratch, param(hh_weight, scratch), param(hh_shift, scratch),
             hs[t], acts[slot], us[slot], *(stat[slot] for stat in hh_stats or (scratch, scratch)), product.operand(t),
@@ -242,7 +246,8 @@ def gru_backward_loop(
     product = StepProduct(weight_hh, rows, acts, half)
     for t in range(steps - 1, -1, -1):
         h_prev = h0 if t == 0 else hs[t - 1]
-        recurrence.gru_step_backward[(rows,)](
+        launch(
+            recurrence.gru_step_backward, (rows,),
             grad_hs[t], recurrent, carry, mask_arg(None if mask is None else mask[t], scratch),
             acts[t], us[t], h_prev, raw[t], param(hh_weight, scratch),
             *((hh_mean[t], hh_rstd[t]) if hh_mean is not None and hh_rstd is not None else (scratch, scratch)),
@@ -299,7 +304,8 @@ def gru_generation_loop(
     raw = h @ weight_hh_t
     h_new = h.new_empty(rows, hidden)
     scratch = h_new
-    recurrence.gru_step[(rows,)](
+    launch(
+        recurrence.gru_step, (rows,),
         term, raw, h, scratch, param(ih_weight, scratch), param(ih_shift, scratch), param(hh_weight, scratch),
         param(hh_shift, scratch), h_new, scratch, scratch, scratch, scratch, scratch, hidden, ih_eps, hh_eps,
         IH=ih, IH_SHIFT=ih_shift is not None, HH=hh, HH_SHIFT=hh_shift is not None, HAS_MASK=False, SAVE=False,
@@ -321,7 +327,8 @@ def lstm_generation_loop(
     h_new = h.new_empty(rows, hidden)
     c_new = h.new_empty(rows, hidden)
     scratch = h_new
-    recurrence.lstm_step[(rows,)](
+    launch(
+        recurrence.lstm_step, (rows,),
         term, raw, h, c, scratch, param(ih_weight, scratch), param(ih_shift, scratch), param(hh_weight, scratch),
         param(hh_shift, scratch), param(c_weight, scratch), param(c_shift, scratch),
         h_new, c_new, scratch, scratch, scratch, scratch, scratch, scratch, scratch,
