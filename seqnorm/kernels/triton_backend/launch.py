@@ -94,7 +94,7 @@ class DirectLaunches:
             return
         device, binder = found
         bound, specialization, _ = binder(*args, **constexprs)
-        key = (kernel, device, tuple(specialization))
+        key = (id(kernel), device, tuple(specialization))  # (a kernel hashes its source under a lock: id is cheap)
         compiled = self.compiled.get(key)
         if compiled is None:  # Triton compiles it (or finds it) and launches it; it returns the compiled kernel
             self.compiled[key] = kernel[grid](*args, **constexprs)
