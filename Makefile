@@ -41,9 +41,11 @@ kernels: $(BIN)/.kernels
 # the Triton backend's tests again under the highest Triton, for what differs between Triton versions: that every
 # kernel runs in that interpreter (each against the plain path in float64, two bidirectional layers with lengths:
 # masked lanes and rows) and that every launched specialization builds for a GPU with that compiler. The other cases
-# (gradchecks, float32, batch 1, odd sizes) check the kernels' numbers case by case; they run under the lowest, in the
-# suite (all 85 passed under 3.9.0 too when this split was made). ~5 minutes on 2 idle cores; fails if either fails.
-HIGHEST_TESTS := tests/kernels/test_triton_backend.py -k "not gradcheck and not float32 and not batch-1 and not odd-sizes"
+# (gradchecks, float32, batch 1, odd sizes, and two of the four bf16 step-product cases) check the kernels' numbers case
+# by case; they run under the lowest, in the suite (all passed under 3.9.0 too, last on 2026-11-29). ~5 minutes on 2
+# idle cores; fails if either fails.
+HIGHEST_TESTS := tests/kernels/test_triton_backend.py \
+	-k "not gradcheck and not float32 and not batch-1 and not odd-sizes and not lstm-batch-bf and not gru-layer-bf"
 
 test: venv $(HIGHEST)/.installed
 	$(BIN)/python -m ruff check seqnorm tests scripts examples
