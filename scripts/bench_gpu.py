@@ -186,8 +186,8 @@ def _direct(on: bool) -> contextlib.AbstractContextManager[None]:
 
 
 def graphs_check(device: torch.device, size: str) -> list[str]:
-    """The loops as CUDA graphs against the same loops run eagerly: five training steps of LN (and RMS) LSTM/GRU at
-    ``size`` with new inputs each (``graphs.WARMUPS`` eager, then the capture, then replays), float32 with TF32
+    """The loops as CUDA graphs against the same loops run eagerly: five training steps of LN, RMS and BN LSTM/GRU
+    at ``size`` with new inputs each (``graphs.WARMUPS`` eager, then the capture, then replays), float32 with TF32
     off; the largest difference, the graphs made and the device memory they hold."""
     from seqnorm.kernels.triton_backend import graphs
 
@@ -195,7 +195,7 @@ def graphs_check(device: torch.device, size: str) -> list[str]:
     lines = ["| cell | norm | graphs made | largest difference, graphed − eager | memory the graphs hold (MiB) |",
              "|---|---|---|---|---|"]  # fmt: skip
     for kind in ("lstm", "gru"):
-        for norm in ("layer", "rms"):
+        for norm in NORMS:
             torch.manual_seed(0)
             layer = seqnorm.LAYERS[kind](inputs, hidden, norm=norm).to(device)
             xs = [torch.randn(steps, batch, inputs, device=device, requires_grad=True) for _ in range(5)]

@@ -685,7 +685,8 @@ def stand_in_graphs(monkeypatch: pytest.MonkeyPatch) -> Any:
 def _calls(kind: str, norm: str, graphed: bool, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Calls of one bidirectional float64 layer (its two directions share the loops' keys), each forward and
     backward, on new inputs and lengths of the same longest length: the capture, then, with the weights changed in
-    place, two forwards before their backwards. Every output, state and gradient, in order."""
+    place, two forwards before their backwards. Every output, state and gradient, in order, and the buffers (BN's
+    running statistics, updated in place by the forward loop) after each backward."""
     from seqnorm.kernels.triton_backend import graphs
 
     monkeypatch.setenv(graphs.ENV, "1" if graphed else "0")
@@ -703,6 +704,7 @@ def _calls(kind: str, norm: str, graphed: bool, monkeypatch: pytest.MonkeyPatch)
         (output.sum() + sum(s.square().sum() for s in states)).backward()
         results.extend([output.detach(), *(s.detach() for s in states), x.grad])
         results.extend(p.grad.clone() for p in layer.parameters())
+        results.extend(buffer.clone() for buffer in layer.buffers())
         layer.zero_grad()
 
     backward(*layer(inputs[0], lengths=lengths[0]), inputs[0])  # the capture
@@ -716,11 +718,14 @@ def _calls(kind: str, norm: str, graphed: bool, monkeypatch: pytest.MonkeyPatch)
     return results
 
 
+@pytest.mark.parametrize("norm", ["layer", "batch"])  # the two layouts
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
-def test_graphed_loops_equal_the_eager_ones(stand_in_graphs: Any, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
-    eager = _calls(kind, "layer", False, monkeypatch)
+def test_graphed_loops_equal_the_eager_ones(
+    stand_in_graphs: Any, monkeypatch: pytest.MonkeyPatch, kind: str, norm: str
+) -> None:
+    eager = _calls(kind, norm, False, monkeypatch)
     assert not stand_in_graphs.made
-    graphed = _calls(kind, "layer", True, monkeypatch)
+    graphed = _calls(kind, norm, True, monkeypatch)
     assert len(stand_in_graphs) == len(stand_in_graphs.made) == 2  # the forward loop's and the backward loop's
     assert all(graph.replays >= 5 for graph in stand_in_graphs.made)  # 3 calls, 2 directions each
     assert len(graphed) == len(eager)

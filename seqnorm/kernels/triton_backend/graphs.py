@@ -1,9 +1,11 @@
 """The Triton backend's time loops as CUDA graphs: one capture per loop and shape, replayed afterwards.
 
 A loop here is a function of tensors only (:mod:`.rows`: ``lstm_forward_loop`` and the rest, and the generation
-step's ``lstm_generation_loop``/``gru_generation_loop``): it allocates its outputs, runs its launches (two a time
-step) and returns its outputs; its other arguments are compile-time settings (flags, ``eps``), which are part of the
-key. :func:`run` calls it:
+step's ``lstm_generation_loop``/``gru_generation_loop``; :mod:`.column_layout`'s for per-timestep BatchNorm): it
+allocates its outputs, runs its launches (two a time step) and returns its outputs; its other arguments are
+compile-time settings (flags, ``eps``), which are part of the key. A loop may also update inputs in place
+(BatchNorm's running statistics): the caller names them, and after a replay they are copied back from the graph's
+static inputs. :func:`run` calls it:
 
 - the first :data:`WARMUPS` calls of a key run it eagerly (the warm-up: Triton compiles its kernels, cuBLAS makes its
   handles; and a shape seen once, a batch's rare longest length, is not worth a graph);
@@ -152,8 +154,12 @@ class LoopGraphs:
             and not torch.compiler.is_compiling()
         )
 
-    def run(self, name: str, loop: Loop, inputs: Inputs, **settings: Any) -> tuple[Tensor, ...]:
-        """``loop(*inputs, **settings)``, through its graph where there is one (module docstring)."""
+    def run(
+        self, name: str, loop: Loop, inputs: Inputs, *, updated: Sequence[int] = (), **settings: Any
+    ) -> tuple[Tensor, ...]:
+        """``loop(*inputs, **settings)``, through its graph where there is one (module docstring). ``updated``: the
+        indices of the inputs the loop updates in place (BatchNorm's running statistics), copied back from the
+        graph's static inputs after a replay."""
         if not self.wanted(inputs):
             return loop(*inputs, **settings)
         key = self._key(name, inputs, settings)
@@ -164,27 +170,34 @@ class LoopGraphs:
             if self._calls[key] < WARMUPS:
                 self._calls[key] += 1
                 return loop(*inputs, **settings)
-            return self._first_replay(key, name, loop, inputs, settings)
+            return self._first_replay(key, name, loop, inputs, settings, updated)
         self._graphs.move_to_end(key)
         for static, tensor in zip(entry.inputs, inputs, strict=True):
             if static is not None:
                 static.copy_(tensor)
         entry.graph.replay()
+        for index in updated:
+            inputs[index].copy_(entry.inputs[index])  # type: ignore[union-attr, arg-type]
         return tuple(output.clone() for output in entry.graph.outputs)
 
     def _first_replay(
-        self, key: tuple[Any, ...], name: str, loop: Loop, inputs: Inputs, settings: dict[str, Any]
-    ) -> tuple[Tensor, ...]:
-        """Capture, replay once, and keep the graph only if it gives what the eager loop gives."""
+        self, key: tuple[Any, ...], name: str, loop: Loop, inputs: Inputs, settings: dict[str, Any],
+        updated: Sequence[int],
+    ) -> tuple[Tensor, ...]:  # fmt: skip
+        """Capture, replay once, and keep the graph only if it gives what the eager loop gives (its outputs, and the
+        inputs it updates in place)."""
         static = [_static(tensor) for tensor in inputs]
+        before = {index: _static(inputs[index]) for index in updated}  # as the eager call will not leave them
         eager = loop(*inputs, **settings)
         try:
             graph = self.capture(loop, static, settings)
-            for buffer, tensor in zip(static, inputs, strict=True):
+            for index, (buffer, tensor) in enumerate(zip(static, inputs, strict=True)):
                 if buffer is not None:
-                    buffer.copy_(tensor)
+                    buffer.copy_(before.get(index, tensor))  # type: ignore[arg-type]
             graph.replay()
             replayed = tuple(output.clone() for output in graph.outputs)
+            replayed += tuple(static[index] for index in updated)  # type: ignore[misc]
+            eager_now = (*eager, *(inputs[index] for index in updated))
         except Exception as error:
             self._eager.add(key)
             warnings.warn(
@@ -194,9 +207,9 @@ class LoopGraphs:
                 stacklevel=3,
             )
             return eager
-        agree = len(replayed) == len(eager) and all(
+        agree = len(replayed) == len(eager_now) and all(
             a.shape == b.shape and torch.allclose(a, b, rtol=1e-3, atol=1e-4, equal_nan=True)
-            for a, b in zip(replayed, eager, strict=False)
+            for a, b in zip(replayed, eager_now, strict=False)  # type: ignore[arg-type]
         )
         if not agree:
             self._eager.add(key)
@@ -217,6 +230,6 @@ GRAPHS = LoopGraphs()
 """The process's graphs (the backend's loops run through it)."""
 
 
-def run(name: str, loop: Loop, inputs: Inputs, **settings: Any) -> tuple[Tensor, ...]:
+def run(name: str, loop: Loop, inputs: Inputs, *, updated: Sequence[int] = (), **settings: Any) -> tuple[Tensor, ...]:
     """:meth:`LoopGraphs.run` of :data:`GRAPHS`."""
-    return GRAPHS.run(name, loop, inputs, **settings)
+    return GRAPHS.run(name, loop, inputs, updated=updated, **settings)
