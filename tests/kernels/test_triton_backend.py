@@ -841,22 +841,23 @@ class _Kernel:
         return run
 
 
-def _recorded_step_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, Any, tuple, dict]]:
-    """Every ``launch`` of a masked LSTM's forward and backward (LN; the interpreter runs them)."""
-    from seqnorm.kernels.triton_backend import launch as launching
+def _recorded_step_launches() -> list[tuple[Any, Any, tuple, dict]]:
+    """Every kernel launch of a masked LSTM's forward and backward (LN; the interpreter runs them): the kernel's
+    function, the grid, the arguments and the compile-time constants."""
+    from triton.runtime import interpreter
 
     recorded: list[tuple[Any, Any, tuple, dict]] = []
-    real = launching.LAUNCHES
+    run = interpreter.InterpretedFunction.run
 
-    def record(kernel: Any, grid: Any, *args: Any, **constexprs: Any) -> None:
-        recorded.append((kernel, grid, args, constexprs))
-        real(kernel, grid, *args, **constexprs)
+    def record(self: Any, *args: Any, grid: Any, warmup: Any, **constexprs: Any) -> Any:
+        recorded.append((self.fn, grid, args, constexprs))
+        return run(self, *args, grid=grid, warmup=warmup, **constexprs)
 
-    monkeypatch.setattr(launching, "LAUNCHES", record)
-    layer = seqnorm.LSTM(3, 5, norm="layer")
-    output, _ = layer(torch.randn(6, 3, 3, requires_grad=True), lengths=torch.tensor([6, 4, 5]))
-    output.sum().backward()
-    monkeypatch.setattr(launching, "LAUNCHES", real)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(interpreter.InterpretedFunction, "run", record)
+        layer = seqnorm.LSTM(3, 5, norm="layer")
+        output, _ = layer(torch.randn(6, 3, 3, requires_grad=True), lengths=torch.tensor([6, 4, 5]))
+        output.sum().backward()
     return recorded
 
 
@@ -875,7 +876,7 @@ def test_a_direct_launch_passes_what_tritons_launch_passes_for_the_same_speciali
 
     from seqnorm.kernels.triton_backend import launch as launching
 
-    recorded = [launched for launched in _recorded_step_launches(monkeypatch) if launched[0].fn.__name__ == "lstm_step"]
+    recorded = [launched for launched in _recorded_step_launches() if launched[0].__name__ == "lstm_step"]
     assert len(recorded) == 6  # one a time step
 
     class StubDriver:  # what making the binder asks of the CUDA driver
@@ -886,7 +887,7 @@ def test_a_direct_launch_passes_what_tritons_launch_passes_for_the_same_speciali
             return GPUTarget("cuda", 90, 32)
 
     monkeypatch.setattr(driver, "_active", StubDriver())
-    jit = JITFunction(recorded[0][0].fn)  # the kernel a GPU compiles (the interpreter's is another class)
+    jit = JITFunction(recorded[0][0])  # the kernel a GPU compiles (the interpreter's is another class)
     device, binder = launching.binder_of(jit)
     direct_launches: list[tuple[Any, ...]] = []
     kernel = _Kernel(jit, direct_launches)

@@ -167,7 +167,7 @@ def lstm_forward(
     counts = _counts(mask, steps, rows, inputs)
     norms = [_Norm(step_ih, counts, inputs), _Norm(hh, counts, inputs), _Norm(c_norm, counts, inputs)]
     tensors, updated, settings = _prepared(norms, (terms, h0, c0, weight_hh, mask))
-    hs, cs, acts, tanh_cs, raw, *stats = graphs.run(
+    hs, cs, acts, tanh_cs, raw, *stats = graphs.GRAPHS.run(
         "lstm_columns", lstm_forward_loop, tensors, updated=updated, save=save, half=half, **settings
     )
     fallbacks = [norm.finish(rows if mask is None else None) for norm in norms]
@@ -200,9 +200,9 @@ def lstm_forward_loop(
         product(h_prev if half is None else product.operand(t - 1), raw[slot])
         launch(
             columns.lstm_columns, _grid(hidden),
-            terms[t], raw[slot], h_prev, c_prev, mask_arg(None if mask is None else mask[t], hs),
+            terms[t], raw[slot], h_prev, c_prev, mask_arg(None if mask is None else mask[t], h0),
             hs[t], cs[t if save else t % 2], acts[slot], tanh_cs[slot], product.operand(t),
-            *(arg for norm in zip(norms, stats, lasts, strict=True) for arg in _step_args(*norm, t, terms)),
+            *(arg for norm in zip(norms, stats, lasts, strict=True) for arg in _step_args(*norm, t, h0)),
             rows, hidden, slot, kept,
             IH=flags[0], IH_SHIFT=flags[1], IH_RENORM=flags[2], HH=flags[3], HH_SHIFT=flags[4], HH_RENORM=flags[5],
             C=flags[6], C_SHIFT=flags[7], C_RENORM=flags[8], TRAINING=training,
@@ -242,7 +242,7 @@ def lstm_backward(
         "training": any(norm.training for norm in (ih, hh, c_norm) if norm.kind == "batch"),
         "half": half,
     }
-    d_input, d_raw, recurrent, carry, dc, *totals = graphs.run(
+    d_input, d_raw, recurrent, carry, dc, *totals = graphs.GRAPHS.run(
         "lstm_columns_backward", lstm_backward_loop, tensors, **settings
     )
     grad_x, grad_h0, grad_weight_hh, ih_grads, grad_weight_ih = _after_the_loop(
@@ -264,7 +264,7 @@ def lstm_backward_loop(
     of the input, recurrent and cell-state norms. ``inputs``: W_ih x where the input norm is a BatchNorm."""
     steps, rows, width = acts.shape
     hidden = width // 4
-    like = acts
+    like = grad_h_n  # what a pointer the kernel does not read points at (small: the interpreter copies each)
     ih_args = _backward_args(ih_weight, ih_stats, width, like)
     hh_args = _backward_args(hh_weight, hh_stats, width, like)
     c_args = _backward_args(c_weight, c_stats, hidden, like)
@@ -322,7 +322,7 @@ def gru_forward(
     counts = _counts(mask, steps, rows, inputs)
     norms = [_Norm(step_ih, counts, inputs), _Norm(hh, counts, inputs)]
     tensors, updated, settings = _prepared(norms, (terms, h0, weight_hh, mask))
-    hs, acts, us, raw, *stats = graphs.run(
+    hs, acts, us, raw, *stats = graphs.GRAPHS.run(
         "gru_columns", gru_forward_loop, tensors, updated=updated, save=save, half=half, **settings
     )
     fallbacks = [norm.finish(rows if mask is None else None) for norm in norms]
@@ -353,9 +353,9 @@ def gru_forward_loop(
         product(h_prev if half is None else product.operand(t - 1), raw[slot])
         launch(
             columns.gru_columns, _grid(hidden),
-            terms[t], raw[slot], h_prev, mask_arg(None if mask is None else mask[t], hs), hs[t], acts[slot],
+            terms[t], raw[slot], h_prev, mask_arg(None if mask is None else mask[t], h0), hs[t], acts[slot],
             us[slot], product.operand(t),
-            *(arg for norm in zip(norms, stats, lasts, strict=True) for arg in _step_args(*norm, t, terms)),
+            *(arg for norm in zip(norms, stats, lasts, strict=True) for arg in _step_args(*norm, t, h0)),
             rows, hidden, slot, kept,
             IH=flags[0], IH_SHIFT=flags[1], IH_RENORM=flags[2], HH=flags[3], HH_SHIFT=flags[4], HH_RENORM=flags[5],
             TRAINING=training, HAS_MASK=mask is not None, SAVE=save, HALF=half is not None,
@@ -381,7 +381,7 @@ def gru_backward(
         "training": any(norm.training for norm in (ih, hh) if norm.kind == "batch"),
         "half": half,
     }
-    d_input, d_raw, recurrent, carry, *totals = graphs.run(
+    d_input, d_raw, recurrent, carry, *totals = graphs.GRAPHS.run(
         "gru_columns_backward", gru_backward_loop, tensors, **settings
     )
     grad_x, grad_h0, grad_weight_hh, ih_grads, grad_weight_ih = _after_the_loop(
@@ -402,7 +402,7 @@ def gru_backward_loop(
     and recurrent norms."""
     steps, rows, width = acts.shape
     hidden = width // 3
-    like = acts
+    like = grad_h_n  # what a pointer the kernel does not read points at (small: the interpreter copies each)
     ih_args = _backward_args(ih_weight, ih_stats, width, like)
     hh_args = _backward_args(hh_weight, hh_stats, width, like)
     d_input = acts.new_empty(steps, rows, width)

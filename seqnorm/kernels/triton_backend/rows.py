@@ -36,7 +36,7 @@ def lstm_forward(
     tensors = (terms, h0, c0, weight_hh, mask, hh.weight, hh.shift, c_norm.weight, c_norm.shift)
     settings = {"hh": code(hh), "c_norm": code(c_norm), "hh_eps": hh.eps, "c_eps": c_norm.eps, "save": save,
                 "half": half}  # fmt: skip
-    hs, cs, acts, tanh_cs, raw, *rest = graphs.run("lstm_forward", lstm_forward_loop, tensors, **settings)
+    hs, cs, acts, tanh_cs, raw, *rest = graphs.GRAPHS.run("lstm_forward", lstm_forward_loop, tensors, **settings)
     hh_stats, c_stats = rest[: 2 if code(hh) else 0], rest[2 if code(hh) else 0 :]
     steps = inputs.shape[0]
     h_n, c_n = hs[-1].clone(), cs[-1 if save else (steps - 1) % 2].clone()
@@ -63,7 +63,7 @@ def lstm_forward_loop(
     raw = terms.new_empty(kept, rows, width)
     hh_stats = [terms.new_empty(kept, rows), terms.new_empty(kept, rows)] if hh else []
     c_stats = [terms.new_empty(kept, rows), terms.new_empty(kept, rows)] if c_norm else []
-    scratch = hs  # what a pointer the kernel does not read points at
+    scratch = h0  # what a pointer the kernel does not read points at (small: the interpreter copies each argument)
     product = StepProduct.forward(weight_hh, h0, half)
     for t in range(steps):
         slot = t if save else 0
@@ -103,7 +103,7 @@ def lstm_backward(
     tensors = (grad_hs, grad_h_n, grad_c_n, c0, mask, cs, acts, tanh_cs, raw, hh.weight, c_norm.weight,
                *(hh_stats or (None, None)), *(c_stats or (None, None)), weight_hh)  # fmt: skip
     settings = {"hh": code(hh), "c_norm": code(c_norm), "keep_c_out": keep_c_out, "half": half}
-    d_pre, recurrent, carry, dc, *rest = graphs.run("lstm_backward", lstm_backward_loop, tensors, **settings)
+    d_pre, recurrent, carry, dc, *rest = graphs.GRAPHS.run("lstm_backward", lstm_backward_loop, tensors, **settings)
     d_raw = rest.pop(0) if code(hh) else d_pre
     d_c_out = rest.pop(0) if keep_c_out else d_pre
     grad_h0 = recurrent + carry
@@ -134,7 +134,7 @@ def lstm_backward_loop(
     recurrent = torch.zeros_like(grad_h_n)
     carry = grad_h_n.clone()
     dc = grad_c_n.clone()
-    scratch = acts
+    scratch = grad_h_n
     product = StepProduct(weight_hh, rows, acts, half)
     for t in range(steps - 1, -1, -1):
         c_prev = c0 if t == 0 else cs[t - 1]
@@ -165,7 +165,7 @@ def gru_forward(
     terms, ih_stats = normalize_rows(inputs, ih)
     settings = {"hh": code(hh), "hh_eps": hh.eps, "save": save, "half": half}
     tensors = (terms, h0, weight_hh, mask, hh.weight, hh.shift)
-    hs, acts, us, raw, *hh_stats = graphs.run("gru_forward", gru_forward_loop, tensors, **settings)
+    hs, acts, us, raw, *hh_stats = graphs.GRAPHS.run("gru_forward", gru_forward_loop, tensors, **settings)
     saved = [acts, us, raw] if save else []
     stats = [ih_stats, hh_stats] if save else []
     return [hs, hs[-1].clone()], saved, stats, [0, 0]
@@ -185,7 +185,7 @@ def gru_forward_loop(
     us = terms.new_empty(kept, rows, width)
     raw = terms.new_empty(kept, rows, width)
     hh_stats = [terms.new_empty(kept, rows), terms.new_empty(kept, rows)] if hh else []
-    scratch = hs
+    scratch = h0
     product = StepProduct.forward(weight_hh, h0, half)
     for t in range(steps):
         slot = t if save else 0
@@ -217,7 +217,7 @@ def gru_backward(
     hidden = width // 3
     tensors = (grad_hs, grad_h_n, h0, hs, mask, acts, us, raw, hh.weight, *(hh_stats or (None, None)), weight_hh)
     settings = {"hh": code(hh), "half": half}
-    d_input, d_u, recurrent, carry, *rest = graphs.run("gru_backward", gru_backward_loop, tensors, **settings)
+    d_input, d_u, recurrent, carry, *rest = graphs.GRAPHS.run("gru_backward", gru_backward_loop, tensors, **settings)
     d_raw = rest[0] if code(hh) else d_u
     grad_h0 = recurrent + carry
     grad_weight_hh = d_raw.reshape(-1, width).t() @ previous_states(h0, hs).reshape(-1, hidden)
@@ -242,7 +242,7 @@ def gru_backward_loop(
     d_raw = acts.new_empty(steps, rows, width) if hh else d_u
     recurrent = torch.zeros_like(grad_h_n)
     carry = grad_h_n.clone()
-    scratch = hs
+    scratch = grad_h_n
     product = StepProduct(weight_hh, rows, acts, half)
     for t in range(steps - 1, -1, -1):
         h_prev = h0 if t == 0 else hs[t - 1]
@@ -286,10 +286,10 @@ def generation_step(
                ih_weight, ih_shift, hh_weight, hh_shift, c_weight, c_shift)  # fmt: skip
     settings = {"ih": ih_kind, "hh": hh_kind, "c_norm": c_kind, "ih_eps": ih.eps, "hh_eps": hh.eps}
     if cell == "gru":
-        (h_new,) = graphs.run("gru_generation", gru_generation_loop, tensors, **settings)
+        (h_new,) = graphs.GRAPHS.run("gru_generation", gru_generation_loop, tensors, **settings)
         return h_new.unsqueeze(0), None
     assert c is not None
-    h_new, c_new = graphs.run("lstm_generation", lstm_generation_loop, tensors, c_eps=c_norm.eps, **settings)
+    h_new, c_new = graphs.GRAPHS.run("lstm_generation", lstm_generation_loop, tensors, c_eps=c_norm.eps, **settings)
     return h_new.unsqueeze(0), c_new.unsqueeze(0)
 
 
