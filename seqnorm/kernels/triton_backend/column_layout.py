@@ -7,6 +7,8 @@ A BatchNorm's running statistics are updated in place by the steps, as the modul
 row of statistics saw before each step (its ``num_batches_tracked``, which batch renormalization's limits and a
 cumulative average read) is counted on the device before the loop, and the counts are added after it. Steps with
 fewer than 2 real rows in training use the running statistics (the module's fallback), counted once after the loop.
+The loops themselves (``lstm_forward_loop`` and the rest) are functions of their tensors, which :mod:`.graphs` may
+capture; the running statistics they update in place are named to it, and copied back after a replay.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ class _Norm:
         return int((~self.updates).sum())
 
 
-_NORM_TENSORS = 6
+_NORM_TENSORS = 6  # a norm's tensors among a forward loop's arguments (:meth:`_Norm.tensors`)
 
 
 def _prepared(

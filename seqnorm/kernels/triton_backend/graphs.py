@@ -5,7 +5,7 @@ step's ``lstm_generation_loop``/``gru_generation_loop``; :mod:`.column_layout`'s
 allocates its outputs, runs its launches (two a time step) and returns its outputs; its other arguments are
 compile-time settings (flags, ``eps``), which are part of the key. A loop may also update inputs in place
 (BatchNorm's running statistics): the caller names them, and after a replay they are copied back from the graph's
-static inputs. :func:`run` calls it:
+static inputs. :meth:`LoopGraphs.run` of :data:`GRAPHS` calls it (:func:`run` is the same):
 
 - the first :data:`WARMUPS` calls of a key run it eagerly (the warm-up: Triton compiles its kernels, cuBLAS makes its
   handles; and a shape seen once, a batch's rare longest length, is not worth a graph);
