@@ -24,6 +24,8 @@ from seqnorm.kernels.triton_backend import columns, graphs
 from seqnorm.kernels.triton_backend.common import (
     StepProduct,
     code,
+    gru_outputs,
+    lstm_outputs,
     mask_arg,
     normalize_rows,
     param,
@@ -187,12 +189,7 @@ def lstm_forward_loop(
     running statistics in place): ``hs, cs, acts, tanh_cs, raw``, then each BatchNorm's saved statistics."""
     steps, rows, width = terms.shape
     hidden = width // 4
-    kept = steps if save else 1
-    hs = terms.new_empty(steps, rows, hidden)
-    cs = terms.new_empty(steps if save else 2, rows, hidden)
-    acts = terms.new_empty(kept, rows, width)
-    tanh_cs = terms.new_empty(kept, rows, hidden)
-    raw = terms.new_empty(kept, rows, width)
+    kept, hs, cs, acts, tanh_cs, raw = lstm_outputs(terms, save)
     norms, stats = _loop_norms(norm_tensors, lasts, kept, (width, width, hidden), terms)
     product = StepProduct.forward(weight_hh, h0, half)
     for t in range(steps):
@@ -342,11 +339,7 @@ def gru_forward_loop(
     then each BatchNorm's saved statistics."""
     steps, rows, width = terms.shape
     hidden = width // 3
-    kept = steps if save else 1
-    hs = terms.new_empty(steps, rows, hidden)
-    acts = terms.new_empty(kept, rows, width)
-    us = terms.new_empty(kept, rows, width)
-    raw = terms.new_empty(kept, rows, width)
+    kept, hs, acts, us, raw = gru_outputs(terms, save)
     norms, stats = _loop_norms(norm_tensors, lasts, kept, (width, width), terms)
     product = StepProduct.forward(weight_hh, h0, half)
     for t in range(steps):

@@ -142,6 +142,36 @@ class StepProduct:
             torch.mm(self._widened, self._wide_weight, out=out)
 
 
+def lstm_outputs(terms: Tensor, save: bool) -> tuple[int, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """A forward LSTM loop's outputs, allocated like ``terms`` ``(T, B, 4H)``: ``kept`` (the steps whose activations
+    are kept: all with ``save``, else one slot reused), ``hs`` ``(T, B, H)``, ``cs`` (``T``, else 2 in turn),
+    ``acts`` ``(kept, B, 4H)``, ``tanh_cs`` ``(kept, B, H)``, ``raw`` ``(kept, B, 4H)``."""
+    steps, rows, width = terms.shape
+    hidden = width // 4
+    kept = steps if save else 1
+    hs = terms.new_empty(steps, rows, hidden)
+    cs = terms.new_empty(steps if save else 2, rows, hidden)
+    acts = terms.new_empty(kept, rows, width)
+    tanh_cs = terms.new_empty(kept, rows, hidden)
+    raw = terms.new_empty(kept, rows, width)
+    return kept, hs, cs, acts, tanh_cs, raw
+
+
+def gru_outputs(terms: Tensor, save: bool) -> tuple[int, Tensor, Tensor, Tensor, Tensor]:
+    """A forward GRU loop's outputs, allocated like ``terms`` ``(T, B, 3H)``: ``kept`` (as for
+    :func:`lstm_outputs`), ``hs`` ``(T, B, H)``, ``acts``, ``us`` and ``raw``, each ``(kept, B, 3H)``."""
+    steps, rows, width = terms.shape
+    kept = steps if save else 1
+    hs = terms.new_empty(steps, rows, width // 3)
+    return (
+        kept,
+        hs,
+        terms.new_empty(kept, rows, width),
+        terms.new_empty(kept, rows, width),
+        terms.new_empty(kept, rows, width),
+    )
+
+
 def mask_arg(mask: Tensor | None, like: Tensor) -> Tensor:
     return like if mask is None else mask
 

@@ -13,7 +13,9 @@ from seqnorm.kernels.triton_backend.common import (
     StepProduct,
     block,
     code,
+    gru_outputs,
     identity,
+    lstm_outputs,
     mask_arg,
     normalize_rows,
     param,
@@ -55,12 +57,7 @@ def lstm_forward_loop(
     them). ``hh``/``c_norm``: the norms' kinds (:func:`code`); ``half``: the product's operands' dtype."""
     steps, rows, width = terms.shape
     hidden = width // 4
-    kept = steps if save else 1
-    hs = terms.new_empty(steps, rows, hidden)
-    cs = terms.new_empty(steps if save else 2, rows, hidden)
-    acts = terms.new_empty(kept, rows, width)
-    tanh_cs = terms.new_empty(kept, rows, hidden)
-    raw = terms.new_empty(kept, rows, width)
+    kept, hs, cs, acts, tanh_cs, raw = lstm_outputs(terms, save)
     hh_stats = [terms.new_empty(kept, rows), terms.new_empty(kept, rows)] if hh else []
     c_stats = [terms.new_empty(kept, rows), terms.new_empty(kept, rows)] if c_norm else []
     scratch = h0  # what a pointer the kernel does not read points at (small: the interpreter copies each argument)
@@ -179,11 +176,7 @@ def gru_forward_loop(
     then the recurrent norm's statistics where it has them."""
     steps, rows, width = terms.shape
     hidden = width // 3
-    kept = steps if save else 1
-    hs = terms.new_empty(steps, rows, hidden)
-    acts = terms.new_empty(kept, rows, width)
-    us = terms.new_empty(kept, rows, width)
-    raw = terms.new_empty(kept, rows, width)
+    kept, hs, acts, us, raw = gru_outputs(terms, save)
     hh_stats = [terms.new_empty(kept, rows), terms.new_empty(kept, rows)] if hh else []
     scratch = h0
     product = StepProduct.forward(weight_hh, h0, half)
