@@ -196,7 +196,7 @@ def lstm_forward_loop(
         slot = t if save else 0
         h_prev = h0 if t == 0 else hs[t - 1]
         c_prev = c0 if t == 0 else cs[t - 1 if save else (t - 1) % 2]
-        product(h_prev if half is None else product.operand(t - 1), raw[slot])
+        product(h_prev, t - 1, raw[slot])
         launch(
             columns.lstm_columns, _grid(hidden),
             terms[t], raw[slot], h_prev, c_prev, mask_arg(None if mask is None else mask[t], h0),
@@ -283,7 +283,7 @@ def lstm_backward_loop(
             TRAINING=training, HAS_MASK=mask is not None, HALF=half is not None, BLOCK_B=_block_rows(rows),
             BLOCK=_BLOCK,
         )  # fmt: skip
-        product(d_raw[t] if half is None else product.operand(t), recurrent)
+        product(d_raw[t], t, recurrent)
     return (d_input, d_raw, recurrent, carry, dc, *(total for args in (ih_args, hh_args, c_args) for total in args[2:]))
 
 
@@ -345,7 +345,7 @@ def gru_forward_loop(
     for t in range(steps):
         slot = t if save else 0
         h_prev = h0 if t == 0 else hs[t - 1]
-        product(h_prev if half is None else product.operand(t - 1), raw[slot])
+        product(h_prev, t - 1, raw[slot])
         launch(
             columns.gru_columns, _grid(hidden),
             terms[t], raw[slot], h_prev, mask_arg(None if mask is None else mask[t], h0), hs[t], acts[slot],
@@ -414,5 +414,5 @@ def gru_backward_loop(
             IH=flags[0], IH_SHIFT=flags[1], HH=flags[2], HH_SHIFT=flags[3], TRAINING=training,
             HAS_MASK=mask is not None, HALF=half is not None, BLOCK_B=_block_rows(rows), BLOCK=_BLOCK,
         )  # fmt: skip
-        product(d_raw[t] if half is None else product.operand(t), recurrent)
+        product(d_raw[t], t, recurrent)
     return (d_input, d_raw, recurrent, carry, *(total for args in (ih_args, hh_args) for total in args[2:]))

@@ -130,15 +130,18 @@ class StepProduct:
         do not write."""
         return self._like if self._operands is None else self._operands[t % 2]
 
-    def __call__(self, a: Tensor, out: Tensor) -> None:
-        """``out = a @ weight``; ``a`` in ``half`` where that is set (an :meth:`operand`)."""
+    def __call__(self, a: Tensor, t: int, out: Tensor) -> None:
+        """``out = a @ weight``. With ``half`` the left operand is ``a``'s half-precision copy, which step ``t``'s
+        kernel wrote into :meth:`operand` ``(t)``."""
         if self.half is None:
             torch.mm(a, self.weight, out=out)
-        elif self._widened is None:
-            torch.mm(a, self.weight, out_dtype=out.dtype, out=out)
+            return
+        left = self.operand(t)
+        if self._widened is None:
+            torch.mm(left, self.weight, out_dtype=out.dtype, out=out)
         else:
             assert self._wide_weight is not None
-            self._widened.copy_(a)
+            self._widened.copy_(left)
             torch.mm(self._widened, self._wide_weight, out=out)
 
 

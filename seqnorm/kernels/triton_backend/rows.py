@@ -67,7 +67,7 @@ def lstm_forward_loop(
         c_slot = t if save else t % 2
         h_prev = h0 if t == 0 else hs[t - 1]
         c_prev = c0 if t == 0 else cs[t - 1 if save else (t - 1) % 2]
-        product(h_prev if half is None else product.operand(t - 1), raw[slot])
+        product(h_prev, t - 1, raw[slot])
         launch(
             recurrence.lstm_step, (rows,),
             terms[t], raw[slot], h_prev, c_prev, mask_arg(None if mask is None else mask[t], scratch),
@@ -147,7 +147,7 @@ def lstm_backward_loop(
             HH=hh, C=c_norm, KEEP_C_OUT=keep_c_out, HAS_MASK=mask is not None, HALF=half is not None,
             BLOCK=block(hidden),
         )  # fmt: skip
-        product(d_raw[t] if half is None else product.operand(t), recurrent)
+        product(d_raw[t], t, recurrent)
     return (d_pre, recurrent, carry, dc, *((d_raw,) if hh else ()), *((d_c_out,) if keep_c_out else ()))
 
 
@@ -183,7 +183,7 @@ def gru_forward_loop(
     for t in range(steps):
         slot = t if save else 0
         h_prev = h0 if t == 0 else hs[t - 1]
-        product(h_prev if half is None else product.operand(t - 1), raw[slot])
+        product(h_prev, t - 1, raw[slot])
         launch(
             recurrence.gru_step, (rows,),
             terms[t], raw[slot], h_prev, mask_arg(None if mask is None else mask[t], scratch),
@@ -247,7 +247,7 @@ def gru_backward_loop(
             d_input[t], d_u[t], d_raw[t], product.operand(t), hidden,
             HH=hh, HAS_MASK=mask is not None, HALF=half is not None, BLOCK=block(hidden),
         )  # fmt: skip
-        product(d_raw[t] if half is None else product.operand(t), recurrent)
+        product(d_raw[t], t, recurrent)
     return (d_input, d_u, recurrent, carry, *((d_raw,) if hh else ()))
 
 
