@@ -33,7 +33,9 @@ CELL_KERNELS: dict[str, Callable[..., Any]] = {"lstm": torch._VF.lstm_cell, "gru
 
 # Training-mode BatchNorm that also returns the mean and 1/std it used (F.batch_norm returns only the output): the
 # one-node step of per-timestep BN (seqnorm.norms.protocol.step_node) keeps them for its backward instead of
-# recomputing them. native_batch_norm updates the running row in place with BN's rule, exactly as F.batch_norm does.
+# recomputing them, and plain BN's fused training step (TimestepBatchNorm._fused_forward_step, under autograd) reads
+# them for its padded rows. native_batch_norm updates the running row in place with BN's rule, exactly as
+# F.batch_norm does.
 batch_norm_with_stats: Callable[..., Any] = torch.native_batch_norm
 
 

@@ -49,14 +49,13 @@ scale and offset per step) are in :mod:`seqnorm.norms.batch_pieces`, which this 
 
 from __future__ import annotations
 
-import weakref
 from typing import ClassVar, Literal, get_args
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seqnorm.norms.batch_pieces import BatchNormPieces, PopulationMoments, masked_moments
+from seqnorm import torch_ops
+from seqnorm.norms.batch_pieces import BatchNormPieces, PopulationMoments, masked_moments, real_index, real_rows
 from seqnorm.norms.precision import float32_statistics
 from seqnorm.norms.protocol import step_node
 from seqnorm.validation import check_eps, check_finite, check_momentum
@@ -80,22 +79,6 @@ SMALL_BATCH_POLICIES: tuple[str, ...] = get_args(SmallBatchPolicy)
 DEFAULT_SMALL_BATCH: SmallBatchPolicy = "tail"
 """What a training step with fewer than 2 active rows does unless ``small_batch`` says otherwise (module docstring)."""
 BeyondMaxSteps = Literal["last", "pooled"]
-
-
-_counted: tuple[weakref.ref[Tensor], int, int] | None = None  # the last mask counted: it, its version, its count
-
-
-def real_rows(mask: Tensor) -> int:
-    """The number of rows ``mask`` marks real, read from the device once per mask: a cell's step hands one mask to
-    its two or three norms, and each read is a host sync (a ``sum`` and an ``item``). A mask written in place since
-    (its version moved) or a new tensor is counted again."""
-    global _counted
-    seen = _counted
-    if seen is not None and seen[0]() is mask and seen[1] == mask._version:
-        return seen[2]
-    count = int(mask.sum())
-    _counted = (weakref.ref(mask), mask._version, count)
-    return count
 
 
 class TimestepBatchNorm(BatchNormPieces, nn.Module):
@@ -328,24 +311,37 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
         return self.forward(x, step, mask)
 
     def _fused_forward_step(self, x: Tensor, row: int, mask: Tensor | None) -> Tensor:
-        """A training step by torch's fused kernels: the moments of the real rows update running row ``row`` in place
-        by BN's rule (``batch_norm_update_stats``, the kernel ``batch_norm`` runs) and normalize the real rows
-        (``batch_norm``, its backward torch's); the padded rows take the same moments (evaluation's kernel, no
-        gradient). No autograd node of ours, and no running tensor saved (a later step may update the same row)."""
-        real = x if mask is None else x[mask]
-        with torch.no_grad():
-            mean, var = torch.batch_norm_update_stats(
-                real, self.running_mean[row], self.running_var[row], self.momentum
-            )
-            self.num_batches_tracked[row].add_(1)  # in place through the row's view (`+=` also writes it back)
+        """A training step by torch's fused kernel: ``native_batch_norm`` normalizes the real rows with their moments
+        and updates running row ``row`` in place by BN's rule (momentum, unbiased variance), in one pass; its backward
+        is torch's. The padded rows take the same moments (no gradient). No autograd node of ours."""
+        index = None if mask is None else real_index(mask)
+        real = x if index is None else x.index_select(0, index)
         # A dense γ: aten's CPU BatchNorm backward reads a strided one (load_state_dict(assign=True)) as dense rows.
         weight = None if self.weight is None else self.weight.contiguous()
-        normalized = F.batch_norm(real, None, None, weight, self.bias, True, 0.0, self.eps)
-        if mask is None:
-            return normalized
+        # Autograd saves the running tensors it is handed (the training backward does not read them). Row views of
+        # the buffers share the buffers' version counter, which any later in-place write to them moves (forward()'s
+        # update of another step, reset_running_stats), and the backward would then refuse them as modified; `.data`
+        # is the same storage under a counter of its own.
+        normalized, mean, rstd = torch_ops.batch_norm_with_stats(
+            real,
+            weight,
+            self.bias,
+            self.running_mean.data[row],
+            self.running_var.data[row],
+            True,
+            self.momentum,
+            self.eps,
+        )
         with torch.no_grad():
-            padded = F.batch_norm(x, mean, var, self.weight, self.bias, False, 0.0, self.eps)
-        return padded.masked_scatter(mask.unsqueeze(1), normalized)
+            self.num_batches_tracked[row].add_(1)  # in place through the row's view (`+=` also writes it back)
+            if index is None:
+                return normalized
+            padded = (x - mean) * (rstd if weight is None else rstd * weight)
+            if self.bias is not None:
+                padded += self.bias
+        # Rows by index, gathered and put back (index_select, index_copy): the boolean-mask forms (x[mask],
+        # masked_scatter) cost a training step's masked norm about a fifth more, mostly in masked_scatter's backward.
+        return padded.index_copy(0, index, normalized)
 
     def _steps_by_pieces(self, batch: int, count: int) -> bool:
         """Whether a training step of ``count`` real rows of ``batch`` may run :func:`step_node`: this class itself

@@ -15,6 +15,7 @@ The statistics helpers beside it: :func:`masked_moments` (a batch's moments over
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -24,7 +25,27 @@ from torch import Tensor
 from seqnorm import torch_ops
 from seqnorm.kernels import KernelNorm
 
-__all__ = ["BatchNormPieces", "PopulationMoments", "StepRecord", "masked_moments"]
+__all__ = ["BatchNormPieces", "PopulationMoments", "StepRecord", "masked_moments", "real_index", "real_rows"]
+
+_read: tuple[weakref.ref[Tensor], int, Tensor] | None = None  # the last mask read: it, its version, its real rows
+
+
+def real_index(mask: Tensor) -> Tensor:
+    """The indices ``(B_real,)`` of the rows ``mask`` ``(B,)`` marks real, read from the device once per mask: a
+    cell's step hands one mask to its two or three norms, and each read is a host sync (``nonzero``). A mask written
+    in place since (its version moved) or a new tensor is read again."""
+    global _read
+    seen = _read
+    if seen is not None and seen[0]() is mask and seen[1] == mask._version:
+        return seen[2]
+    index = mask.nonzero().squeeze(1)
+    _read = (weakref.ref(mask), mask._version, index)
+    return index
+
+
+def real_rows(mask: Tensor) -> int:
+    """The number of rows ``mask`` marks real (:func:`real_index`'s length, read once per mask)."""
+    return real_index(mask).shape[0]
 
 
 def masked_moments(x: Tensor, mask: Tensor | None, active: int | Tensor, dim: int = 0) -> tuple[Tensor, Tensor]:
@@ -162,7 +183,8 @@ class BatchNormPieces:
         if mask is None:
             return torch_ops.batch_norm_with_stats(x, None, None, *running, True, self.momentum, self.eps)
         # The real rows gathered: one kernel for their moments and the update, instead of a dozen masked operations.
-        _, mean, rstd = torch_ops.batch_norm_with_stats(x[mask], None, None, *running, True, self.momentum, self.eps)
+        real = x.index_select(0, real_index(mask))
+        _, mean, rstd = torch_ops.batch_norm_with_stats(real, None, None, *running, True, self.momentum, self.eps)
         return (x - mean) * rstd, mean, rstd
 
     def step_backward(
@@ -192,7 +214,7 @@ class BatchNormPieces:
             return dy * weight * rstd, (dy * ((x - mean) * rstd)).sum(0), shift_grad
         # torch's BatchNorm backward kernel on the real rows: padded rows have dy = 0 (so every sum is over the real
         # rows) and get no gradient.
-        real = mask.nonzero().squeeze(1)  # type: ignore[union-attr]
+        real = real_index(mask)  # type: ignore[arg-type]
         dx, weight_grad, _ = torch_ops.batch_norm_backward(
             dy[real], x[real], weight, None, None, mean, rstd, True, 0.0, [True, True, False]
         )

@@ -237,6 +237,29 @@ def test_pooled_moments_keep_their_variance_in_float32_when_the_means_are_large(
 
 
 @pytest.mark.parametrize("masked", [False, True])
+def test_a_fused_steps_backward_survives_a_later_update_of_the_running_statistics(masked: bool) -> None:
+    """A training step's fused kernel (``forward_step``) updates its running row in place, and autograd saves the
+    running tensors handed to it: a later in-place write to the buffers (here ``forward()``'s update of the next
+    step) must leave the step's backward valid. Outputs, gradients and buffers are ``forward()``'s, padded rows
+    included (their gradient is zero, as a cell passes them)."""
+    torch.manual_seed(0)
+    fused, reference = (TimestepBatchNorm(3, max_steps=4, dtype=torch.float64).train() for _ in range(2))
+    x, later = torch.randn(5, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    mask = torch.tensor([True, True, False, True, False]) if masked else None
+    weights = torch.randn(5, 3, dtype=torch.float64) * (1.0 if mask is None else mask.unsqueeze(1))
+    outputs, grads = [], []
+    for norm, step in ((fused, fused.forward_step), (reference, reference.forward)):
+        leaf = x.clone().requires_grad_()
+        y = step(leaf, 1, mask)
+        norm(later, 2)  # forward(): the next step's row updated in place
+        grads.append(torch.autograd.grad((y * weights).sum(), [leaf, norm.weight]))
+        outputs.append(y.detach())
+    assert_close(outputs[0], outputs[1])
+    assert_close(grads[0], grads[1])
+    assert_close(fused.state_dict(), reference.state_dict())
+
+
+@pytest.mark.parametrize("masked", [False, True])
 def test_a_strided_gain_gets_the_gradient_of_a_dense_one_in_a_cells_step(masked: bool) -> None:
     """``load_state_dict(assign=True)`` can leave γ strided; a training step's fused BatchNorm (``forward_step``) then
     handed it to aten's CPU backward, which reads it as dense rows: gradients 1e7 off. Without the compiled kernels
@@ -266,8 +289,8 @@ def test_a_steps_mask_is_read_from_the_device_once_and_again_after_it_changes(mo
     from seqnorm.norms import batch
 
     reads = []
-    sum_ = torch.Tensor.sum
-    monkeypatch.setattr(torch.Tensor, "sum", lambda self, *a, **k: reads.append(self) or sum_(self, *a, **k))
+    nonzero = torch.Tensor.nonzero
+    monkeypatch.setattr(torch.Tensor, "nonzero", lambda self, *a, **k: reads.append(self) or nonzero(self, *a, **k))
     cell = seqnorm.LSTMCell(3, 4, norm="batch")
     x, mask = torch.randn(5, 3), torch.tensor([True, True, True, False, False])
     reference = [TimestepBatchNorm(16), TimestepBatchNorm(16)]  # alike: γ 0.1, β 0, zero running statistics
