@@ -15,6 +15,7 @@ import torch
 import seqnorm
 from seqnorm.layers.plan import declared
 from seqnorm.norms.specs import field_names
+from tests import frame_stack
 
 NORMS = list(seqnorm.NORMS)
 BATCH_NORMS = [name for name, scheme in seqnorm.NORMS.items() if scheme.batch_statistics]
@@ -31,6 +32,10 @@ TORCH_KINDS = [kind for kind, cell in CELLS.items() if declared(cell, "torch_ker
 # backend's tests can run its kernels on CPU tensors through the interpreter (tests/kernels/test_triton_backend.py).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The Triton interpreter's kernels are deep Python calls; on CPython before 3.15 their time depended on where the
+# frame stack's chunk boundaries fell under them (tests/frame_stack.py): a cache of those chunks makes it steady.
+frame_stack.install()
 
 # The suite's models are tiny: a second intra-op thread only adds synchronization, and on a busy 2-core machine a
 # descheduled OpenMP worker stalls every small op for milliseconds. One thread keeps `make test` fast and steady.

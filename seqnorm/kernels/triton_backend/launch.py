@@ -110,6 +110,7 @@ LAUNCHES = DirectLaunches()
 
 launch = LAUNCHES.__call__
 """``launch(kernel, grid, *args, **constexprs)``: ``kernel[grid](*args, **constexprs)``, directly where it can be
-(:class:`DirectLaunches`). The bound method itself, not a function that calls it: the interpreter's tests run every
-kernel under here, and on CPython 3.11 one Python frame more above the interpreted kernels made them a fifth slower
-(the time is a step function of the stack's depth, not a cost per frame)."""
+(:class:`DirectLaunches`). The bound method itself, not a function that calls it: one Python call less per launch.
+(In the interpreter's tests a frame more here once cost a fifth of their time: CPython before 3.15 maps and unmaps a
+chunk of its frame stack on every call that crosses a chunk's end, gh-142183. The test processes now keep those chunks,
+``tests/frame_stack.py``.)"""
