@@ -85,4 +85,11 @@ bench-targets: venv
 # The Triton backend on a CUDA GPU against cuDNN (scripts/bench_gpu.py; needs only torch and triton: on a machine
 # without the venv, `PYTHONPATH=. python3 scripts/bench_gpu.py`). Without CUDA it says so and exits 0.
 bench-gpu:
-	PYTHONPATH=. $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) scripts/bench_gpu.py $(ARGS)
+	PYTHONPATH=.$(if $(wildcard build/flashrnn),:build/flashrnn) \
+		$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) scripts/bench_gpu.py $(ARGS)
+
+# FlashRNN and einops (pure Python wheels) unpacked for bench-gpu's comparison rows, for a GPU machine without the
+# package index: carry build/flashrnn there.
+build/flashrnn: venv
+	$(BIN)/python -m pip download --no-deps --dest $@ flashrnn einops
+	cd $@ && for wheel in *.whl; do ../../$(BIN)/python -m zipfile -e $$wheel . ; done
