@@ -16,7 +16,8 @@ BENCHMARKS.md. Without CUDA it says so and exits 0.
 Then FlashRNN (``pip install flashrnn``; no norms) where it imports: its fused Triton kernel, its fused CUDA kernel and
 its alternating CUDA kernels, each backend in a child process against cuDNN in that process, the same training step
 (with the input projection), float32 and bf16, under ``--flashrnn-timeout`` per backend and within ``--deadline``
-seconds of the start (where its CUDA kernels take that long to compile, the rows say so). Last, issue 39's targets
+seconds of the start (where its CUDA kernels take that long to compile, the rows say so; ``--flashrnn only`` runs
+those rows alone, ``off`` none). Last, issue 39's targets
 read from the rows: the worst row each covers and whether it holds. Everything also goes to ``--json`` (rewritten
 after each part, so a run cut short keeps what it measured).
 
@@ -479,6 +480,16 @@ def targets_table(found: list[dict]) -> list[str]:
     return lines
 
 
+def _flashrnn_part(args: argparse.Namespace, started: float, report: dict, save: Callable[[], None]) -> None:
+    print(f"\nFlashRNN (no norm), the same training step against cuDNN in its own process (median ms of "
+          f"{args.repeats}; each backend at most {args.flashrnn_timeout:.0f} s, all ended by "
+          f"{args.deadline:.0f} s from the start):\n")  # fmt: skip
+    deadline = started + args.deadline
+    report["flashrnn"] = flashrnn_rows(args.size, args.repeats, deadline, args.flashrnn_timeout, args.device)
+    save()
+    print("\n".join(flashrnn_table(report["flashrnn"])))
+
+
 def main() -> None:
     started = time.monotonic()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -488,8 +499,8 @@ def main() -> None:
     parser.add_argument("--check-only", action="store_true", help="only the check against the plain path")
     parser.add_argument("--json", type=Path, default=Path("bench_gpu.json"), help="where the results go as JSON "
                         "(written after each part, so that a run cut short leaves what it measured)")  # fmt: skip
-    parser.add_argument("--flashrnn", choices=("on", "off"), default="on",
-                        help="FlashRNN's rows, where it imports (each backend a child process)")  # fmt: skip
+    parser.add_argument("--flashrnn", choices=("on", "off", "only"), default="on",
+                        help="FlashRNN's rows where it imports; only: those and nothing else")  # fmt: skip
     parser.add_argument("--deadline", type=float, default=230.0,
                         help="seconds from the start by which FlashRNN's children end (cut off there)")  # fmt: skip
     parser.add_argument("--flashrnn-timeout", type=float, default=90.0, help="seconds a FlashRNN backend may take")
@@ -518,6 +529,9 @@ def main() -> None:
           f"GPU {report['gpu']}; seqnorm kernels on cuda: {report['kernels']}\n")  # fmt: skip
     if args.profile:
         profile(device, args.size)
+        return
+    if args.flashrnn == "only":
+        _flashrnn_part(args, started, report, save)
         return
     print("Check against the plain path (TF32 off; training: outputs, states, gradients; evaluation; generation):")
     lines, worst = check(device)
@@ -595,13 +609,7 @@ def main() -> None:
             save()
             print(f"| {kind} | {norm} | {ours:.1f} | {eager:.1f} | {theirs:.1f} | {ours / theirs:.2f} |")
     if args.flashrnn == "on":
-        print(f"\nFlashRNN (no norm), the same training step against cuDNN in its own process (median ms of "
-              f"{args.repeats}; each backend at most {args.flashrnn_timeout:.0f} s, all ended by "
-              f"{args.deadline:.0f} s from the start):\n")  # fmt: skip
-        deadline = started + args.deadline
-        report["flashrnn"] = flashrnn_rows(args.size, args.repeats, deadline, args.flashrnn_timeout, args.device)
-        save()
-        print("\n".join(flashrnn_table(report["flashrnn"])))
+        _flashrnn_part(args, started, report, save)
     report["targets"] = targets(training, generation)
     save()
     print("\nIssue 39's targets in this run (the worst row each covers):\n")
