@@ -17,9 +17,8 @@ Then FlashRNN (``pip install flashrnn``; no norms) where it imports: its fused T
 its alternating CUDA kernels, each backend in a child process against cuDNN in that process, the same training step
 (with the input projection), float32 and bf16, under ``--flashrnn-timeout`` per backend and within ``--deadline``
 seconds of the start (where its CUDA kernels take that long to compile, the rows say so; ``--flashrnn only`` runs
-those rows alone, ``off`` none). Last, issue 39's targets
-read from the rows: the worst row each covers and whether it holds. Everything also goes to ``--json`` (rewritten
-after each part, so a run cut short keeps what it measured).
+those rows alone, ``off`` none). Last, issue 39's targets read from the rows: the worst row each covers and whether it
+holds. Everything also goes to ``--json`` (rewritten after each part, so a run cut short keeps what it measured).
 
 It needs torch, triton and seqnorm's core only (no training extras): ``PYTHONPATH=. python scripts/bench_gpu.py``
 from the checkout (``make bench-gpu``). For a GPU machine that cannot reach the package index, ``make
