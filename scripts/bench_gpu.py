@@ -37,6 +37,7 @@ import json
 import math
 import os
 import pstats
+import signal
 import statistics
 import subprocess
 import sys
@@ -330,6 +331,10 @@ def _flashrnn_heads(backend: str, hidden: int) -> tuple[int, int]:
     """``(heads, head size)`` FlashRNN runs ``hidden`` with: one head of all of it, except in the fused Triton kernel,
     which takes heads of at most 64 (a block-diagonal recurrence: less work than the dense one it is compared to)."""
     if backend == "triton_fused" and hidden > 64:
+        if hidden % 64:
+            raise ValueError(
+                f"FlashRNN's fused Triton kernel: expected a hidden size that heads of 64 divide, got {hidden}"
+            )
         return hidden // 64, 64
     return 1, hidden
 
@@ -412,13 +417,7 @@ def flashrnn_rows(
             continue
         command = [sys.executable, str(Path(__file__).resolve()), "--flashrnn-case", backend, "--size", size,
                    "--repeats", str(repeats), "--device", device]  # fmt: skip
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=left, check=False)
-            output, ended = done.stdout, None if done.returncode == 0 else f"exit status {done.returncode}"
-        except subprocess.TimeoutExpired as expired:
-            partial = expired.stdout or b""
-            output = partial.decode() if isinstance(partial, bytes) else partial
-            ended = f"timed out after {left:.0f} s"
+        output, ended = _run_cut_off(command, left)
         found = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
         if len(found) == 1 and "cell" not in found[0]:  # not installed: one line for the backend
             rows += [{"cell": kind, "backend": backend, "precision": precision, "error": found[0]["error"]}
@@ -429,6 +428,20 @@ def flashrnn_rows(
         rows += [{"cell": kind, "backend": backend, "precision": precision, "error": ended or "no result"}
                  for kind, precision in cases if (kind, precision) not in reported]  # fmt: skip
     return rows
+
+
+def _run_cut_off(command: list[str], timeout: float) -> tuple[str, str | None]:
+    """``command``'s standard output and how it ended (``None``: exit status 0). Past ``timeout`` seconds its whole
+    process group is killed, the compilers FlashRNN started included, and what it printed until then is kept."""
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                             start_new_session=True)  # fmt: skip
+    try:
+        output, _ = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        output, _ = child.communicate()
+        return output, f"timed out after {timeout:.0f} s"
+    return output, None if child.returncode == 0 else f"exit status {child.returncode}"
 
 
 def flashrnn_table(rows: list[dict]) -> list[str]:

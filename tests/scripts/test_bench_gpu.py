@@ -102,7 +102,6 @@ def test_flashrnn_rows_say_what_a_missing_install_or_a_timeout_left(monkeypatch:
     """Without FlashRNN every case of the backend says it does not import; a backend cut off by its timeout keeps
     the rows it printed before, and the rest say it timed out."""
     import json
-    import subprocess
     import time
 
     import bench_gpu
@@ -113,11 +112,8 @@ def test_flashrnn_rows_say_what_a_missing_install_or_a_timeout_left(monkeypatch:
     assert all(row["error"].startswith("flashrnn does not import: No module named 'flashrnn'") for row in missing)
 
     first = {"cell": "lstm", "backend": "cuda", "precision": "fp32", "ms": 1.0}
-
-    def cut_off(command: list[str], **options: object) -> None:
-        raise subprocess.TimeoutExpired(command, options["timeout"], output=(json.dumps(first) + "\n").encode())
-
-    monkeypatch.setattr(bench_gpu.subprocess, "run", cut_off)
+    cut_off = (json.dumps(first) + "\n", "timed out after 30 s")
+    monkeypatch.setattr(bench_gpu, "_run_cut_off", lambda command, timeout: cut_off)
     rows = bench_gpu.flashrnn_rows("4x3x5x6", 1, time.monotonic() + 600, 30, backends=("cuda",))
     assert rows[0] == first
     assert [(row["cell"], row["precision"], row["error"]) for row in rows[1:]] == [
@@ -125,6 +121,38 @@ def test_flashrnn_rows_say_what_a_missing_install_or_a_timeout_left(monkeypatch:
         ("gru", "fp32", "timed out after 30 s"),
         ("gru", "bf16", "timed out after 30 s"),
     ]
+
+
+def test_a_child_past_its_timeout_is_killed_with_what_it_started_and_its_output_kept() -> None:
+    """A FlashRNN child compiling its CUDA kernels runs compilers of its own: at the timeout the whole process group
+    goes, and the lines printed before stay."""
+    import os
+    import sys
+    import time
+
+    from bench_gpu import _run_cut_off
+
+    script = (
+        "import subprocess, sys, time; grandchild = subprocess.Popen([sys.executable, '-c', 'import time; "
+        "time.sleep(60)']); print(grandchild.pid, flush=True); time.sleep(60)"
+    )
+    started = time.monotonic()
+    output, ended = _run_cut_off([sys.executable, "-c", script], 3)
+    assert ended == "timed out after 3 s" and time.monotonic() - started < 30
+    grandchild = int(output.split()[0])
+    for _ in range(100):  # gone, or a zombie until init reaps it
+        try:
+            with open(f"/proc/{grandchild}/stat") as stat:
+                if stat.read().split(") ")[1].startswith("Z"):
+                    break
+        except FileNotFoundError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(grandchild, 9)
+        raise AssertionError("the grandchild outlived the timeout")
+    assert _run_cut_off([sys.executable, "-c", "print('done')"], 30) == ("done\n", None)
+    assert _run_cut_off([sys.executable, "-c", "raise SystemExit(3)"], 30) == ("", "exit status 3")
 
 
 def test_the_targets_are_read_from_the_worst_row_each_covers() -> None:
