@@ -20,10 +20,10 @@
 //
 // Aliasing: every result is a fresh tensor, never one of the arguments nor a view of one. The only arguments
 // written are a per-timestep BatchNorm's running_mean, running_var and num_batches_tracked in training (the
-// forwards and the generation step update them in place, as the module's forward does); they may share no memory
-// with one another or with any other argument (checked). Everything else is read only. Inside a call, a norm's
-// output may be written over its addend (the LSTM's N_hh(W_hh h) added to N_ih(W_ih x) where it lies), never over
-// its own input (StepNorm::forward_row).
+// forwards, the norm step and the generation step update them in place, as the module's forward does); they may
+// share no memory with one another or with any other argument (checked). Everything else is read only. Inside a
+// call, a norm's output may be written over its addend (the LSTM's N_hh(W_hh h) added to N_ih(W_ih x) where it
+// lies), never over its own input (StepNorm::forward_row).
 
 namespace {
 
@@ -216,6 +216,37 @@ std::tuple<at::Tensor, at::Tensor> generation_step(const std::string& cell, cons
   return seqnorm::run_generation_step(cell, x, h, c, weight_ih_t, weight_hh_t, ih, hh, c_norm, step);
 }
 
+// One norm's step (a cell's step in a user's own loop): x (B, F), mask (B,) bool or None, the norm's time index.
+class NormStep : public Checks {
+ public:
+  NormStep(const char* entry, const at::Tensor& x, const c10::optional<at::Tensor>& mask, const NormArgs& norm,
+           int64_t step)
+      : Checks(entry, x, Name{"x"}) {
+    SEQNORM_CHECK(*this, x.dim() == 2 && x.size(0) >= 1 && x.size(1) >= 1, "expected x of shape (B, F), got ",
+                  seqnorm::shape_text(x.sizes()));
+    tensor(x, Name{"x"}, Shape{"(B, F)", {x.size(0), x.size(1)}});
+    if (given(mask)) tensor(*mask, Name{"mask"}, Shape{"(B,)", {x.size(0)}}, false, at::kBool);
+    SEQNORM_CHECK(*this, step >= 0, "expected step (the time index) >= 0, got ", step);
+    SEQNORM_CHECK(*this, norm.kind != "none", "expected a norm (kind layer, rms or batch), got kind none");
+    norm.validate(*this, "norm", x.size(1), false);
+  }
+};
+
+std::tuple<at::Tensor, Tensors> norm_step_forward(const at::Tensor& x, const c10::optional<at::Tensor>& mask,
+                                                  const NormArgs& norm, int64_t step) {
+  NormStep checks("norm_step_forward", x, mask, norm, step);
+  checks.apart();
+  return seqnorm::run_norm_step_forward(x, mask, norm, step);
+}
+
+Tensors norm_step_backward(const at::Tensor& dy, const at::Tensor& x, const c10::optional<at::Tensor>& mask,
+                           const NormArgs& norm, const Tensors& saved, int64_t step) {
+  NormStep checks("norm_step_backward", x, mask, norm, step);
+  checks.tensor(dy, Name{"dy"}, Shape{"(B, F)", {x.size(0), x.size(1)}});
+  norm.validate_saved(checks, "norm", saved, 1, x.size(0), x.size(1), false);
+  return seqnorm::run_norm_step_backward(dy, x, mask, norm, saved, step);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -250,6 +281,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gru_forward", &gru_forward, ReleaseGil());
   m.def("gru_backward", &gru_backward, ReleaseGil());
   m.def("generation_step", &generation_step, ReleaseGil());
+  m.def("norm_step_forward", &norm_step_forward, ReleaseGil());
+  m.def("norm_step_backward", &norm_step_backward, ReleaseGil());
   m.def(
       "saved_empty",
       [](std::vector<int64_t> sizes, at::ScalarType dtype) {

@@ -679,6 +679,50 @@ std::tuple<at::Tensor, at::Tensor> generation_step(const std::string& cell, cons
   return {h_new, c_new};
 }
 
+// A step's (B,) mask as the (1, B) mask of a one-step sequence.
+c10::optional<at::Tensor> one_step(const c10::optional<at::Tensor>& mask, int64_t rows) {
+  if (!mask.has_value() || !mask->defined()) return c10::nullopt;
+  return mask->view({1, rows});
+}
+
+// One norm's step alone (a cell's step in a loop of the user's own: the norm's forward_step), from the norm's pieces:
+// y = γ N(x) + shift over x (B, F), its running statistics updated in place in training; the backward over the real
+// rows (padded rows get no gradient, as the cells keep their state).
+template <typename T>
+std::tuple<at::Tensor, Tensors> norm_step_forward(const at::Tensor& x, const c10::optional<at::Tensor>& mask,
+                                                  const NormArgs& norm, int64_t step) {
+  const int64_t rows = x.size(0), features = x.size(1);
+  const Padding padding(one_step(mask, rows), 1, rows);
+  auto built = make_norm<T>(norm, 1, rows, features, x.options(), {}, step);
+  at::Tensor y = at::empty_like(x);
+  built->forward(0, x.data_ptr<T>(), y.data_ptr<T>(), nullptr, padding.mask(0), padding.count(0));
+  return {y, built->saved(false)};
+}
+
+template <typename T>
+Tensors norm_step_backward(const at::Tensor& dy, const at::Tensor& x, const c10::optional<at::Tensor>& mask,
+                           const NormArgs& norm, const Tensors& saved, int64_t step) {
+  const int64_t rows = x.size(0), features = x.size(1);
+  const Padding padding(one_step(mask, rows), 1, rows);
+  auto built = make_norm<T>(norm, 1, rows, features, x.options(), saved, step);
+  const bool* m = padding.mask(0);
+  const int64_t count = padding.count(0);
+  const T* g = dy.data_ptr<T>();
+  const T* in = x.data_ptr<T>();
+  at::Tensor dx = at::zeros_like(x);
+  T* out = dx.data_ptr<T>();
+  built->recompute_stats(0, in, m, count);
+  for (int64_t b = 0; b < rows; ++b) {  // the sums in row order, on this thread: the same on every run
+    if (m == nullptr || m[b]) built->backward_sums(0, b, g + b * features, in + b * features);
+  }
+  built->finish_sums(0, count);
+  over_real_rows(rows, features, m, [&](int64_t b) {
+    built->backward_row(0, b, g + b * features, in + b * features, out + b * features);
+  });
+  auto [weight_grad, shift_grad] = built->parameter_grads();
+  return {dx, weight_grad, shift_grad};
+}
+
 }  // namespace
 
 // ---- the entry points: each dtype's time loop (the bindings, bindings.cpp, check the arguments first) ----------
@@ -729,6 +773,20 @@ std::tuple<at::Tensor, at::Tensor> run_generation_step(const std::string& cell, 
                                                        const NormArgs& c_norm, int64_t step) {
   return AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "seqnorm_generation_step", [&] {
     return generation_step<scalar_t>(cell, x, h, c, weight_ih_t, weight_hh_t, ih, hh, c_norm, step);
+  });
+}
+
+std::tuple<at::Tensor, Tensors> run_norm_step_forward(const at::Tensor& x, const c10::optional<at::Tensor>& mask,
+                                                      const NormArgs& norm, int64_t step) {
+  return AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "seqnorm_norm_step_forward", [&] {
+    return norm_step_forward<scalar_t>(x, mask, norm, step);
+  });
+}
+
+Tensors run_norm_step_backward(const at::Tensor& dy, const at::Tensor& x, const c10::optional<at::Tensor>& mask,
+                               const NormArgs& norm, const Tensors& saved, int64_t step) {
+  return AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "seqnorm_norm_step_backward", [&] {
+    return norm_step_backward<scalar_t>(dy, x, mask, norm, saved, step);
   });
 }
 

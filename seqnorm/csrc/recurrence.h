@@ -43,4 +43,11 @@ std::tuple<at::Tensor, at::Tensor> run_generation_step(const std::string& cell, 
                                                        const NormArgs& ih, const NormArgs& hh,
                                                        const NormArgs& c_norm, int64_t step);
 
+// One norm's step over x (B, F) (a cell's step in a user's own loop): y and the norm's saved statistics; and its
+// backward over the real rows of `mask` (B,) bool (padded rows get no gradient): dx, dγ, dshift.
+std::tuple<at::Tensor, Tensors> run_norm_step_forward(const at::Tensor& x, const c10::optional<at::Tensor>& mask,
+                                                      const NormArgs& norm, int64_t step);
+Tensors run_norm_step_backward(const at::Tensor& dy, const at::Tensor& x, const c10::optional<at::Tensor>& mask,
+                               const NormArgs& norm, const Tensors& saved, int64_t step);
+
 }  // namespace seqnorm

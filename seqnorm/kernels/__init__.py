@@ -1,7 +1,9 @@
 """seqnorm's kernels: fused loops for the normalized LSTM/GRU recurrence and generation step, per device.
 
 The C++ sources are in ``seqnorm/csrc`` (``norms.h``: each norm's step and backward; ``cells.h``: the gates;
-``recurrence.cpp``: the time loops; ``bindings.cpp``: their checked Python bindings). They are compiled once per
+``recurrence.cpp``: the time loops, and one norm's step alone for a cell's training step in a user's own loop,
+``norm_step_forward``/``norm_step_backward``, which per-timestep BN's ``forward_step`` calls; ``bindings.cpp``: their
+checked Python bindings). They are compiled once per
 machine with torch's ``cpp_extension`` (:mod:`seqnorm.kernels.builder`) by the first layer that needs them (or
 ahead of time by ``python -m seqnorm.kernels``, which ``make venv`` runs) into a cache directory (:func:`cache_dir`),
 keyed by the sources, the torch version and the CPU's vector instructions, and loaded from there.
@@ -30,10 +32,10 @@ against the others, and the optional tensors the cell and norms need. A call the
 expected c (the LSTM cell state) of shape (1, B, H) = (1, 4, 32), got None``.
 
 Aliasing: every result is a fresh tensor, never an argument or a view of one. The only arguments written are a
-per-timestep BatchNorm's ``running_mean``, ``running_var`` and ``num_batches_tracked`` in training (the forwards and
-the generation step update them in place, as the module's forward does); they may share memory with no other
-argument (checked). Everything else is read only. Inside a call a norm's output may be written over its addend,
-never over its own input (``StepNorm::forward_row``).
+per-timestep BatchNorm's ``running_mean``, ``running_var`` and ``num_batches_tracked`` in training (the forwards,
+the norm step and the generation step update them in place, as the module's forward does); they may share memory
+with no other argument (checked). Everything else is read only. Inside a call a norm's output may be written over
+its addend, never over its own input (``StepNorm::forward_row``).
 
 Devices: :func:`native` returns a device type's :class:`~seqnorm.kernels.backend.Backend` (:data:`BACKENDS`): the C++
 kernels above on the CPU (:class:`~seqnorm.kernels.cpu.CpuBackend`), the Triton kernels on CUDA

@@ -49,12 +49,12 @@ scale and offset per step) are in :mod:`seqnorm.norms.batch_pieces`, which this 
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
 import torch
 from torch import Tensor, nn
 
-from seqnorm import torch_ops
+from seqnorm import kernels, torch_ops
 from seqnorm.norms.batch_pieces import BatchNormPieces, PopulationMoments, masked_moments, real_index, real_rows
 from seqnorm.norms.precision import float32_statistics
 from seqnorm.norms.protocol import step_node
@@ -284,13 +284,15 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
         buffer updates, for a caller that, like every cell, keeps the state of the rows ``mask`` marks padding and so
         passes them no gradient (the gradient of their output is not ``forward``'s: none reaches the statistics).
 
-        In training, a step of plain BN with at least 2 real rows is torch's fused kernels
+        In training, where the compiled CPU kernels are loaded and the class declares the ``"kernel"`` form, a step
+        is the kernels' own norm as one autograd node (:meth:`_kernel_step`, running statistics and tail steps
+        included). Otherwise a step of plain BN with at least 2 real rows is torch's fused kernel
         (:meth:`_fused_forward_step`: the real rows' moments update the step's running row in place by the same rule,
         momentum and unbiased variance); any other step of a norm whose class declares the pieces (batch renorm's
         r/d correction, a cumulative average) is its own :class:`~seqnorm.norms.protocol.NodePieces` as one autograd
-        node (:func:`~seqnorm.norms.protocol.step_node`). No math is restated here; both are kept for speed
+        node (:func:`~seqnorm.norms.protocol.step_node`). No math is restated here; all are kept for speed
         (docs/performance.md, "A cell in your own loop"). Everything else (evaluation, a small-batch error to raise,
-        what the pieces do not cover) is :meth:`forward`.
+        what the forms do not cover) is :meth:`forward`.
         """
         if not self.training:
             return self.forward(x, step, mask)
@@ -298,6 +300,11 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
         count = batch if mask is None else real_rows(mask)
         if count == batch:
             mask = None  # every row real: the unmasked step's moments
+        native = self._step_kernels(x, batch, count)
+        if native is not None:
+            args = self._kernel_step_args(native)
+            if args is not None:
+                return self._kernel_step(x, step, mask, count, native, args)
         if (
             count >= 2
             and self.scale
@@ -342,6 +349,24 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
         # Rows by index, gathered and put back (index_select, index_copy): the boolean-mask forms (x[mask],
         # masked_scatter) cost a training step's masked norm about a fifth more, mostly in masked_scatter's backward.
         return padded.index_copy(0, index, normalized)
+
+    def _step_kernels(self, x: Tensor, batch: int, count: int) -> Any:
+        """The compiled CPU kernels where a training step of ``count`` real rows of ``batch`` may run them
+        (:meth:`_kernel_step`, where :meth:`_kernel_step_args` also finds the instance within the form): this class
+        itself declares the ``"kernel"`` form, ``x`` is a CPU tensor in γ's dtype, float32 or float64, no
+        small-batch error is to be raised, and the kernels are loaded (not switched off by
+        :func:`seqnorm.kernels.disabled`); else ``None``."""
+        weight = self.weight
+        if (
+            "kernel" not in type(self).__dict__.get("fast_forms", ())
+            or weight is None
+            or x.device.type != "cpu"
+            or x.dtype != weight.dtype
+            or x.dtype not in (torch.float32, torch.float64)
+            or self.raises_small_batch(batch, count)
+        ):
+            return None
+        return kernels.native("cpu")
 
     def _steps_by_pieces(self, batch: int, count: int) -> bool:
         """Whether a training step of ``count`` real rows of ``batch`` may run :func:`step_node`: this class itself

@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 import weakref
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -110,6 +110,64 @@ class StepRecord(NamedTuple):
     d: Tensor | None = None
 
 
+# Each module's kept _kernel_step_args(), beside the module rather than in it (a module is pickled and deep-copied with
+# its __dict__; the kernels' NormArgs are neither).
+_KERNEL_STEP_ARGS: weakref.WeakKeyDictionary[object, tuple[tuple[object, ...], tuple[object, ...], Any]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+class _KernelStep(torch.autograd.Function):
+    """A training step of per-timestep BatchNorm (or batch renormalization) by the compiled kernels' own norm, the
+    pieces their time loops run (``csrc/norms.h``), as one autograd node: :meth:`BatchNormPieces._kernel_step`.
+
+    Its backward is the kernels' too, except under ``create_graph`` (a second derivative): then it is the module's
+    :meth:`~BatchNormPieces.step_backward` on the statistics the kernel saved, in differentiable torch ops, so that a
+    cell's step keeps every derivative the fused torch path it replaces had."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: Tensor,
+        weight: Tensor,
+        shift: Tensor | None,
+        module: BatchNormPieces,
+        kernels: Any,
+        step: int,
+        mask: Tensor | None,
+        args: Any,
+    ) -> Tensor:
+        y, saved = kernels.norm_step_forward(x, mask, args, step)
+        ctx.save_for_backward(x, weight, shift, mask)  # a mask written in place before the backward is an error
+        ctx.module, ctx.kernels, ctx.args, ctx.saved, ctx.step = module, kernels, args, saved, step
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight, shift, mask = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: the differentiable backward
+            mean, rstd, r, d, batch = ctx.saved
+            batch_step = bool(batch[0])
+            renormed = batch_step and r.numel() != 0  # batch renormalization's r and d (a running step has none)
+            record = StepRecord(mean[0], rstd[0], batch_step, *((r[0], d[0]) if renormed else (None, None)))
+            dx, weight_grad, shift_grad = ctx.module.step_backward(dy, x, mask, weight, shift, record)
+        else:
+            dx, weight_grad, shift_grad = ctx.kernels.norm_step_backward(
+                dy.contiguous(), x, mask, ctx.args, ctx.saved, ctx.step
+            )
+        wanted = ctx.needs_input_grad
+        return (
+            dx if wanted[0] else None,
+            weight_grad if wanted[1] else None,
+            shift_grad if wanted[2] else None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
 class BatchNormPieces:
     """:class:`~seqnorm.norms.protocol.StepPieces` and :class:`~seqnorm.norms.protocol.NodePieces` of per-timestep
     BatchNorm."""
@@ -153,6 +211,50 @@ class BatchNormPieces:
             and self.num_batches_tracked.is_contiguous()
             and self.num_batches_tracked.dtype == torch.long
         )
+
+    def _kernel_step(self, x: Tensor, step: int, mask: Tensor | None, count: int, kernels: Any, args: Any) -> Tensor:
+        """A training step (a cell's, :meth:`TimestepBatchNorm.forward_step`) by the compiled CPU kernels' norm: what
+        :meth:`step_forward` computes, running statistics and fallback count included, as one node whose forward and
+        backward are one C++ call each (:class:`_KernelStep`). ``kernels``: :func:`seqnorm.kernels.native`'s;
+        ``args``: :meth:`_kernel_step_args`'."""
+        if count < 2:  # the "running" fallback, as step_forward counts it (the kernel normalizes with them)
+            self.fallback_steps += 1
+        return _KernelStep.apply(x.contiguous(), self.weight, self.bias, self, kernels, step, mask, args)
+
+    def _kernel_step_args(self, kernels: Any) -> Any:
+        """The kernels' ``NormArgs`` for :meth:`_kernel_step`, or ``None`` where this instance's ``"kernel"`` form is
+        blocked (:meth:`fast_form_blocker`) or its γ or β is not dense (the kernels would read a dense copy, which an
+        optimizer's update would not reach). Kept between steps while what they hold and say is the same: the same
+        tensors (γ and β at the same memory), mode and options. Built anew at every step, they cost a cell's BN
+        step more than the kernel saved (``kernel_norm`` and ``native`` read a dozen module attributes)."""
+        weight, bias, buffers = self.weight, self.bias, self._buffers  # type: ignore[attr-defined]
+        tensors = (weight, bias, buffers["running_mean"], buffers["running_var"], buffers["num_batches_tracked"])
+        key = (
+            kernels,
+            *map(id, tensors),
+            None if weight is None else weight.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            self.training,
+            self._population is None,  # type: ignore[attr-defined]
+            self.momentum,
+            self.eps,
+            self.scale,
+            self.beyond_max_steps,
+            *self._kernel_options(),
+        )
+        kept = _KERNEL_STEP_ARGS.get(self)
+        if kept is not None and kept[0] == key:
+            return kept[2]
+        dense = weight is not None and weight.is_contiguous() and (bias is None or bias.is_contiguous())
+        args = None
+        if dense and self.fast_form_blocker("kernel") is None:
+            args = self.kernel_norm(bias).native(kernels)
+        _KERNEL_STEP_ARGS[self] = (key, tensors, args)  # the tensors kept alive: their ids stay theirs
+        return args
+
+    def _kernel_options(self) -> tuple[object, ...]:
+        """The options :meth:`kernel_norm` passes beyond BatchNorm's own (batch renormalization's schedule)."""
+        return ()
 
     def step_forward(
         self, x: Tensor, step: int, mask: Tensor | None, count: int, weight: Tensor, shift: Tensor | None

@@ -163,12 +163,17 @@ class TimestepBatchRenorm(TimestepBatchNorm):
     def kernel_norm(self, shift: Tensor | None, *, frozen: bool = False) -> KernelNorm:
         """BatchNorm's, with the r/d correction and its schedule (:meth:`limits`, computed by the kernel from each
         step's batch count as it goes)."""
+        r_max, d_max, warmup, r_max_steps, d_max_steps = self._kernel_options()
         return dataclasses.replace(
             super().kernel_norm(shift, frozen=frozen),
             renorm=True,
-            r_max=self.r_max,
-            d_max=self.d_max,
-            warmup=self.warmup,
-            r_max_steps=self.r_max_steps,
-            d_max_steps=self.d_max_steps,
+            r_max=r_max,
+            d_max=d_max,
+            warmup=warmup,
+            r_max_steps=r_max_steps,
+            d_max_steps=d_max_steps,
         )
+
+    def _kernel_options(self) -> tuple[object, ...]:
+        """Renormalization's schedule: ``(r_max, d_max, warmup, r_max_steps, d_max_steps)``."""
+        return self.r_max, self.d_max, self.warmup, self.r_max_steps, self.d_max_steps

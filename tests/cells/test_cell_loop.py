@@ -1,8 +1,9 @@
 """A cell called step by step in the user's own loop (README: "A normalized cell in your own loop"; issue 31).
 
-The cell's step calls each norm's declared step form (``forward_step``), which for per-timestep batch norms is torch's
-fused kernel on an unmasked step and the norm's own pieces as one autograd node on a masked one. Hooking an observer
-makes the step call every norm as a module (its ``forward``): the reference the fast forms are compared with.
+The cell's step calls each norm's declared step form (``forward_step``), which for per-timestep batch norms in training
+is the compiled kernels' norm as one autograd node where they are loaded (else torch's fused kernel, or the norm's own
+pieces as one node). Hooking an observer makes the step call every norm as a module (its ``forward``): the reference
+the fast forms are compared with.
 """
 
 from __future__ import annotations

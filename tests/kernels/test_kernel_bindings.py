@@ -38,6 +38,8 @@ SIGNATURES = {
     "gru_backward": "grad_hs grad_h_n inputs h0 weight_hh mask hs saved stats ih hh sequence weight_ih want_x "
     "want_weight",
     "generation_step": "cell x h c weight_ih_t weight_hh_t ih hh c_norm step",
+    "norm_step_forward": "x mask norm step",
+    "norm_step_backward": "dy x mask norm saved step",
 }
 # The tensors each binding indexes as dense rows (the others may be strided views).
 DENSE = {
@@ -46,8 +48,10 @@ DENSE = {
     "gru_forward": {"inputs", "h0"},
     "gru_backward": {"grad_hs", "grad_h_n", "inputs", "h0", "hs"},
     "generation_step": set(),
+    "norm_step_forward": {"x"},
+    "norm_step_backward": {"dy", "x"},
 }
-NORMS = {"ih", "hh", "c", "c_norm"}
+NORMS = {"ih", "hh", "c", "c_norm", "norm"}
 
 
 class Spec:
@@ -95,7 +99,7 @@ def capture() -> dict[str, list[Any]]:
     """One real call of each entry point, as the layers make it: an LSTM with LayerNorm everywhere (the input norm in
     the kernel: the projection handed over) and a GRU with per-timestep BatchNorm in training, forward and backward,
     with padding; the generation step of an LSTM with BatchNorm in evaluation (folded statistics) and of a GRU with
-    LayerNorm."""
+    LayerNorm; a masked training step of an LSTM cell with BatchNorm in a loop of the user's own (one norm's step)."""
     native = kernels.native("cpu")
     recorder = Recorder(native)
     kernels._LOADED["cpu"] = recorder  # type: ignore[assignment]
@@ -111,6 +115,9 @@ def capture() -> dict[str, list[Any]]:
             layer = layer_type(3, 8, norm=norm, dtype=torch.float64).eval()
             with torch.no_grad():
                 layer.step(x[0])
+        cell = seqnorm.LSTMCell(3, 8, norm="batch", dtype=torch.float64).train()
+        h, c = cell(x[0], step=0, mask=lengths > 3)
+        (h.sum() + c.sum()).backward()
     finally:
         kernels._LOADED["cpu"] = native
     missing = [name for name, calls in recorder.calls.items() if not calls]
@@ -157,7 +164,8 @@ def bad_calls(baseline: dict[str, list[Any]]) -> Iterator[Case]:
                 dtype = torch.int32 if first else (torch.float32 if value.dtype == torch.bool else _other_dtype(value))
                 yield binding, f"{name} of dtype {dtype}", but(index, value.to(dtype)), name
                 dim = 0 if name == "weight_ih" else -1  # I is weight_ih's: a wider one names the sequence
-                named = "weight_ih_t" if name == "x" else name  # I is x's: the weight disagrees
+                # F is x's: the weight disagrees (W_ih^T of the generation step, a norm step's γ)
+                named = {"generation_step": "weight_ih_t"}.get(binding, "norm.weight") if name == "x" else name
                 yield binding, f"{name} one wider", but(index, _grown(value, dim)), named
                 if name in DENSE[binding]:
                     yield binding, f"{name} not contiguous", but(index, _strided(value)), "contiguous"
@@ -231,9 +239,13 @@ def _specific_cases(binding: str, names: list[str], args: list[Any], but: Callab
         yield binding, "a negative time index", but(at["step"], -1), "step"
         yield binding, "x of 4 dimensions", but(at["x"], args[at["x"]][None, None]), "x"
         yield binding, "h of 2 layers", but(at["h"], _grown(args[at["h"]], 0)), "h"
+    if binding == "norm_step_forward":
+        yield binding, "a negative time index", but(at["step"], -1), "step"
+        yield binding, "x of 3 dimensions", but(at["x"], args[at["x"]][None]), "x"
     if binding.endswith("backward"):
         saved = args[at["saved"]]
         yield binding, "saved[0] one wider", but(at["saved"], [_grown(saved[0]), *saved[1:]]), "saved"
+    if binding.endswith("backward") and "stats" in at:
         if binding == "lstm_backward":
             yield (
                 binding,

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch.testing import assert_close
 
 import seqnorm
 from seqnorm.norms import NORMS, TimestepBatchNorm, TimestepBatchRenorm
-from tests.conftest import BATCH_NORMS, CELLS, KINDS, LAYERS
+from tests.conftest import BATCH_NORMS, CELLS, KINDS, LAYERS, require_kernels
 
 
 def test_running_statistics_update_only_their_step() -> None:
@@ -306,11 +308,14 @@ def test_a_steps_mask_is_read_from_the_device_once_and_again_after_it_changes(mo
 
 
 def test_which_form_runs_a_training_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Who calls what in a cell's training step, so that no branch is kept that nothing reaches: plain BN's batch
-    steps are torch's fused kernels (forward_step's own), its tail steps the pieces' running-statistics step; batch
+    """Who calls what in a cell's training step, so that no branch is kept that nothing reaches. Where the compiled
+    kernels are loaded, every training step of plain BN and batch renorm (batch and tail steps) is the kernels' norm
+    (_kernel_step), unless the instance is outside the form (here a strided γ). Without them: plain BN's batch steps
+    are torch's fused kernels (forward_step's own), its tail steps the pieces' running-statistics step; batch
     renorm's batch steps are its own pieces' step, whose moments come from the fused kernel (_fused_step)."""
     from seqnorm.norms import batch_pieces
 
+    require_kernels()
     calls: list[str] = []
 
     def spy(owner: object, name: str) -> None:
@@ -318,6 +323,7 @@ def test_which_form_runs_a_training_step(monkeypatch: pytest.MonkeyPatch) -> Non
         monkeypatch.setattr(owner, name, lambda *args, **kw: calls.append(name) or real(*args, **kw))
 
     spy(TimestepBatchNorm, "_fused_forward_step")
+    spy(batch_pieces.BatchNormPieces, "_kernel_step")
     spy(batch_pieces.BatchNormPieces, "step_forward")
     spy(batch_pieces.BatchNormPieces, "_fused_step")
     spy(TimestepBatchRenorm, "step_forward")
@@ -325,10 +331,81 @@ def test_which_form_runs_a_training_step(monkeypatch: pytest.MonkeyPatch) -> Non
     tail = torch.tensor([True, False, False, False])
     norm = TimestepBatchNorm(6)
     norm.forward_step(x, 0)
+    norm.forward_step(x, 1, tail)
+    TimestepBatchRenorm(6, warmup=0).forward_step(x, 0)
+    assert calls == ["_kernel_step"] * 3 and norm.fallback_steps == 1
+    calls.clear()
+    strided = TimestepBatchNorm(6)
+    strided.load_state_dict({**strided.state_dict(), "weight": torch.ones(6, 2)[:, 0]}, assign=True)
+    strided.forward_step(x, 0)
     assert calls == ["_fused_forward_step"]
     calls.clear()
-    norm.forward_step(x, 1, tail)
-    assert calls == ["step_forward"] and norm.fallback_steps == 1  # the pieces, on running statistics
-    calls.clear()
-    TimestepBatchRenorm(6, warmup=0).forward_step(x, 0)
-    assert calls == ["step_forward", "_fused_step"]
+    with seqnorm.kernels.disabled():
+        norm.forward_step(x, 0)
+        assert calls == ["_fused_forward_step"]
+        calls.clear()
+        norm.forward_step(x, 1, tail)
+        assert calls == ["step_forward"] and norm.fallback_steps == 2  # the pieces, on running statistics
+        calls.clear()
+        TimestepBatchRenorm(6, warmup=0).forward_step(x, 0)
+        assert calls == ["step_forward", "_fused_step"]
+
+
+@pytest.mark.parametrize("cls", [TimestepBatchNorm, TimestepBatchRenorm])
+def test_the_kernels_step_equals_torchs_and_follows_changes_to_the_module(cls: type) -> None:
+    """A cell's training step by the compiled kernels' norm (_kernel_step) against the same step in torch's ops (the
+    kernels switched off): outputs, gradients, running statistics and fallback counts, over steps that own a row,
+    share the last one, are masked, and fall back to running statistics (one real row). The kernels' arguments are
+    kept between steps: a changed momentum, buffers loaded with assign=True and a dtype conversion must each reach
+    the next step (a stale copy would update the statistics by the old rule, or write into released buffers)."""
+    require_kernels()
+    torch.manual_seed(0)
+    options = {"warmup": 0, "r_max": 1.5, "d_max": 0.5} if cls is TimestepBatchRenorm else {}
+    kernel, plain = (cls(6, max_steps=3, dtype=torch.float64, **options).train() for _ in range(2))
+    with torch.no_grad():
+        for norm in (kernel, plain):
+            norm.weight.copy_(torch.linspace(0.5, 1.5, 6))
+    masks = [None, torch.tensor([True, False, True, True, False]), torch.tensor([False, False, True, False, False])]
+
+    def steps(dtype: torch.dtype, tolerance: float, by_kernel: bool = True) -> None:
+        for step in range(5):
+            for mask in masks:
+                x = torch.randn(5, 6, dtype=dtype)
+                weights = torch.randn(5, 6, dtype=dtype) * (1.0 if mask is None else mask.unsqueeze(1))
+                results = []
+                for norm, off in ((kernel, False), (plain, True)):
+                    leaf = x.clone().requires_grad_()
+                    with seqnorm.kernels.disabled() if off else contextlib.nullcontext():
+                        y = norm.forward_step(leaf, step, mask)
+                    results.append([y, *torch.autograd.grad((y * weights).sum(), [leaf, norm.weight])])
+                assert (type(results[0][0].grad_fn).__name__ == "_KernelStepBackward") == by_kernel
+                assert_close(results[0], results[1], rtol=tolerance, atol=tolerance)
+        assert_close(kernel.state_dict(), plain.state_dict(), rtol=tolerance, atol=tolerance)
+        assert kernel.fallback_steps == plain.fallback_steps > 0
+
+    steps(torch.float64, 1e-12)
+    for norm in (kernel, plain):
+        norm.momentum = 0.5
+    steps(torch.float64, 1e-12)
+    fresh = {**dict(plain.named_buffers()), "running_mean": torch.randn(3, 6, dtype=torch.float64)}
+    for norm in (kernel, plain):  # new buffers, the same parameters
+        norm.load_state_dict({name: tensor.clone() for name, tensor in fresh.items()}, strict=False, assign=True)
+    steps(torch.float64, 1e-12)
+    for norm in (kernel, plain):
+        norm.float()
+    steps(torch.float32, 1e-5)
+    for norm in (kernel, plain):  # γ's memory swapped for a strided view: the kernels would read a stale dense copy
+        norm.weight.data = torch.stack([norm.weight.detach(), torch.zeros(6)], 1)[:, 0]
+    steps(torch.float32, 1e-5, by_kernel=False)
+
+
+def test_a_steps_mask_written_in_place_before_its_backward_is_refused() -> None:
+    """The kernels' step reads the mask again in its backward (the real rows' sums): a loop that reuses one mask
+    tensor and writes the next step's rows into it before the backward would get the gradient of other rows."""
+    require_kernels()
+    cell = seqnorm.LSTMCell(3, 4, norm="batch")
+    mask = torch.tensor([True, True, False, True])
+    h, _ = cell(torch.randn(4, 3), step=0, mask=mask)
+    mask[2] = True
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        h.sum().backward()
