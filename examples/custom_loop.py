@@ -19,7 +19,8 @@ from torch import Tensor, nn
 import seqnorm
 
 HIDDEN = 32
-STEPS = 100
+STEPS = 200
+BATCH = 64
 
 
 def make_batch(batch_size: int, generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
@@ -59,7 +60,7 @@ def main() -> None:
         print(f"without step=: {error}")
 
     for update in range(STEPS + 1):
-        x, lengths, y = make_batch(32, generator)
+        x, lengths, y = make_batch(BATCH, generator)
         loss = nn.functional.cross_entropy(model(x, lengths), y)
         optimizer.zero_grad()
         loss.backward()

@@ -26,7 +26,9 @@ def _custom_loop(out: str) -> None:
     assert re.search(r"without step=: LSTMCell: expected step=<time index> .* got none", out)
     first, last = _number(r"update 0: train loss ([\d.]+)", out), _number(r"update \d+0: train loss ([\d.]+)", out)
     assert last < 0.7 * first
-    assert _number(r"test accuracy ([\d.]+)", out) > 0.9
+    # Chance is 0.5. Where training ends is chaotic in float32: another CPU's rounding, or the kernels' norm step
+    # against torch's (equal in float64 over the whole run), moved it between 0.88 and 1.0 over six seeds each.
+    assert _number(r"test accuracy ([\d.]+)", out) > 0.85
 
 
 def _drop_in_replacement(out: str) -> None:
