@@ -805,3 +805,28 @@ def test_strided_parameters_and_buffers_give_the_reference_numbers(kind: str, no
     x = torch.randn(4, 3, 3, dtype=torch.float64)
     assert expanded.plan(x).path == "kernel"
     assert_close(expanded(x)[0], plain(x)[0])
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_a_row_norms_step_through_the_norm_step_bindings_equals_torch(kind: str) -> None:
+    """norm_step_forward/norm_step_backward take any norm the kernels have (per-timestep BN's cell step is their
+    caller): LayerNorm and RMSNorm over a masked step equal torch's, the padded rows getting no gradient and adding
+    nothing to γ's and the shift's (float64)."""
+    require_kernels()
+    native = kernels.native("cpu")
+    torch.manual_seed(0)
+    x = torch.randn(5, 7, dtype=torch.float64)
+    weight, shift = torch.rand(7, dtype=torch.float64) + 0.5, torch.randn(7, dtype=torch.float64)
+    mask = torch.tensor([True, False, True, True, False])
+    dy = torch.randn(5, 7, dtype=torch.float64)
+    args = kernels.KernelNorm(kind, 1e-5, weight, shift).native(native)
+    y, saved = native.norm_step_forward(x, mask, args, 0)
+    dx, weight_grad, shift_grad = native.norm_step_backward(dy, x, mask, args, saved, 0)
+    leaves = [t.clone().requires_grad_() for t in (x, weight, shift)]
+    if kind == "layer":
+        expected = torch.nn.functional.layer_norm(leaves[0], (7,), leaves[1], leaves[2], 1e-5)
+    else:
+        expected = leaves[0] * torch.rsqrt(leaves[0].square().mean(1, keepdim=True) + 1e-5) * leaves[1] + leaves[2]
+    grads = torch.autograd.grad((expected * dy * mask.unsqueeze(1)).sum(), leaves)
+    assert_close(y, expected.detach())
+    assert_close([dx, weight_grad, shift_grad], list(grads))
