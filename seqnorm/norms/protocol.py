@@ -83,14 +83,14 @@ class _StepNode(torch.autograd.Function):
         count: int,
     ) -> Tensor:
         y, record = module.step_forward(x, step, mask, count, weight, shift)
-        ctx.save_for_backward(x, weight, shift)
-        ctx.module, ctx.record, ctx.mask = module, record, mask
+        ctx.save_for_backward(x, weight, shift, mask)  # a mask written in place before the backward is an error
+        ctx.module, ctx.record = module, record
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
-        x, weight, shift = ctx.saved_tensors
-        dx, weight_grad, shift_grad = ctx.module.step_backward(dy, x, ctx.mask, weight, shift, ctx.record)
+        x, weight, shift, mask = ctx.saved_tensors
+        dx, weight_grad, shift_grad = ctx.module.step_backward(dy, x, mask, weight, shift, ctx.record)
         wanted = ctx.needs_input_grad
         return (
             dx if wanted[0] else None,
