@@ -343,9 +343,7 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
             self.num_batches_tracked[row].add_(1)  # in place through the row's view (`+=` also writes it back)
             if index is None:
                 return normalized
-            padded = (x - mean) * (rstd if weight is None else rstd * weight)
-            if self.bias is not None:
-                padded += self.bias
+            padded = self._affine((x - mean) * rstd)
         # Rows by index, gathered and put back (index_select, index_copy): the boolean-mask forms (x[mask],
         # masked_scatter) cost a training step's masked norm about a fifth more, mostly in masked_scatter's backward.
         return padded.index_copy(0, index, normalized)
