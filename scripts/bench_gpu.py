@@ -397,9 +397,14 @@ def _flashrnn_child(args: argparse.Namespace) -> None:
         try:
             row = flashrnn_case(kind, args.flashrnn_case, precision, args.size, args.repeats, device)
         except Exception as error:  # one failing kernel leaves the others' rows
-            row = {"cell": kind, "backend": args.flashrnn_case, "precision": precision,
-                   "error": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"}  # fmt: skip
+            first = str(error).splitlines()[0] if str(error) else ""
+            row = _unmeasured(kind, args.flashrnn_case, precision, f"{type(error).__name__}: {first}")
         print(json.dumps(row), flush=True)
+
+
+def _unmeasured(kind: str, backend: str, precision: str, error: str) -> dict:
+    """The row of a FlashRNN case that has no measurement, with what stopped it."""
+    return {"cell": kind, "backend": backend, "precision": precision, "error": error}
 
 
 def flashrnn_rows(
@@ -413,20 +418,18 @@ def flashrnn_rows(
         cases = _flashrnn_cases(backend)
         left = min(timeout, deadline - time.monotonic())
         if left < 10:
-            rows += [{"cell": kind, "backend": backend, "precision": precision, "error": "skipped: the run's deadline"}
-                     for kind, precision in cases]  # fmt: skip
+            rows += [_unmeasured(kind, backend, precision, "skipped: the run's deadline") for kind, precision in cases]
             continue
         command = [sys.executable, str(Path(__file__).resolve()), "--flashrnn-case", backend, "--size", size,
                    "--repeats", str(repeats), "--device", device]  # fmt: skip
         output, ended = _run_cut_off(command, left)
         found = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
         if len(found) == 1 and "cell" not in found[0]:  # not installed: one line for the backend
-            rows += [{"cell": kind, "backend": backend, "precision": precision, "error": found[0]["error"]}
-                     for kind, precision in cases]  # fmt: skip
+            rows += [_unmeasured(kind, backend, precision, found[0]["error"]) for kind, precision in cases]
             continue
         rows += found
         reported = {(row["cell"], row["precision"]) for row in found}
-        rows += [{"cell": kind, "backend": backend, "precision": precision, "error": ended or "no result"}
+        rows += [_unmeasured(kind, backend, precision, ended or "no result")
                  for kind, precision in cases if (kind, precision) not in reported]  # fmt: skip
     return rows
 
