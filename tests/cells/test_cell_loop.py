@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.testing import assert_close
 
+import seqnorm
 from tests.conftest import BATCH_NORMS, CELLS, KINDS, NORMS, perturb_norm_parameters, with_spec
 
 # The lengths of a batch of 4: every row real at step 0, then 3, 2 and at the last step 1 (the "tail" fallback to
@@ -87,6 +88,15 @@ def test_user_loop_trains_as_the_reference(kind: str, norm: str) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_user_loop_trains_as_the_reference_with_options(kind: str, norm: str, options: dict[str, Any]) -> None:
     assert_same_training(kind, norm, **options)
+
+
+@pytest.mark.parametrize("norm", BATCH_NORMS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_user_loop_without_the_kernels_trains_as_the_reference(kind: str, norm: str) -> None:
+    """The same where the compiled kernels are not loaded: per-timestep BN's steps are then torch's fused kernel and
+    the norms' own pieces (the tests above run the kernels' norm step wherever the kernels are built)."""
+    with seqnorm.kernels.disabled():
+        assert_same_training(kind, norm)
 
 
 def graph_size(output: Tensor) -> int:

@@ -238,12 +238,16 @@ def test_pooled_moments_keep_their_variance_in_float32_when_the_means_are_large(
     assert_close(exact_var, expected)
 
 
+@pytest.mark.parametrize("kernels_on", [True, False])
 @pytest.mark.parametrize("masked", [False, True])
-def test_a_fused_steps_backward_survives_a_later_update_of_the_running_statistics(masked: bool) -> None:
-    """A training step's fused kernel (``forward_step``) updates its running row in place, and autograd saves the
-    running tensors handed to it: a later in-place write to the buffers (here ``forward()``'s update of the next
-    step) must leave the step's backward valid. Outputs, gradients and buffers are ``forward()``'s, padded rows
-    included (their gradient is zero, as a cell passes them)."""
+def test_a_fused_steps_backward_survives_a_later_update_of_the_running_statistics(
+    masked: bool, kernels_on: bool
+) -> None:
+    """A training step's fused kernel (``forward_step``: torch's ``native_batch_norm`` without the compiled kernels,
+    their norm with them) updates its running row in place, and autograd saves the running tensors handed to torch's:
+    a later in-place write to the buffers (here ``forward()``'s update of the next step) must leave the step's
+    backward valid. Outputs, gradients and buffers are ``forward()``'s, padded rows included (their gradient is zero,
+    as a cell passes them)."""
     torch.manual_seed(0)
     fused, reference = (TimestepBatchNorm(3, max_steps=4, dtype=torch.float64).train() for _ in range(2))
     x, later = torch.randn(5, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
@@ -252,7 +256,8 @@ def test_a_fused_steps_backward_survives_a_later_update_of_the_running_statistic
     outputs, grads = [], []
     for norm, step in ((fused, fused.forward_step), (reference, reference.forward)):
         leaf = x.clone().requires_grad_()
-        y = step(leaf, 1, mask)
+        with contextlib.nullcontext() if kernels_on else seqnorm.kernels.disabled():
+            y = step(leaf, 1, mask)
         norm(later, 2)  # forward(): the next step's row updated in place
         grads.append(torch.autograd.grad((y * weights).sum(), [leaf, norm.weight]))
         outputs.append(y.detach())
