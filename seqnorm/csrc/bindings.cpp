@@ -1,5 +1,8 @@
 // The kernels' Python bindings (pybind11): the checked entry points of the time loops (recurrence.cpp) and of the
 // memory, product-route and trial helpers (buffers.h, product.h), so that recurrence.cpp reads as the loops alone.
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/node.h>
+#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/extension.h>
 
 #include <string>
@@ -232,19 +235,130 @@ class NormStep : public Checks {
   }
 };
 
-std::tuple<at::Tensor, Tensors> norm_step_forward(const at::Tensor& x, const c10::optional<at::Tensor>& mask,
-                                                  const NormArgs& norm, int64_t step) {
-  NormStep checks("norm_step_forward", x, mask, norm, step);
-  checks.apart();
-  return seqnorm::run_norm_step_forward(x, mask, norm, step);
-}
-
+// The backward of a norm's step (NormStepBackward below, which the engine calls without the GIL).
 Tensors norm_step_backward(const at::Tensor& dy, const at::Tensor& x, const c10::optional<at::Tensor>& mask,
                            const NormArgs& norm, const Tensors& saved, int64_t step) {
   NormStep checks("norm_step_backward", x, mask, norm, step);
   checks.tensor(dy, Name{"dy"}, Shape{"(B, F)", {x.size(0), x.size(1)}});
   norm.validate_saved(checks, "norm", saved, 1, x.size(0), x.size(1), false);
   return seqnorm::run_norm_step_backward(dy, x, mask, norm, saved, step);
+}
+
+// ---- a norm's step as one autograd node -------------------------------------------------------------------------
+//
+// The kernels' norm over one step's real rows (run_norm_step_forward and run_norm_step_backward, recurrence.cpp) as
+// one node of the autograd graph, made here in C++: what a Python torch.autograd.Function would do, without the
+// ~10 us a Python node costs a step, forward and backward (a BN cell's step in a user's own loop runs two or three
+// norms: BatchNormPieces._kernel_step, seqnorm/norms/batch_pieces.py). The node saves x, γ, the shift and the mask as
+// torch's own nodes do (a tensor written in place before the backward is refused), and the statistics the forward
+// returned. Under create_graph (a second derivative) its backward is the module's own in differentiable torch ops,
+// `module._kernel_step_backward(dy, x, mask, weight, shift, saved)`, called with the GIL taken.
+
+class NormStepBackward : public torch::autograd::Node {
+ public:
+  // `module`: a weak reference to the norm module (None: no second derivative), made with the GIL held.
+  NormStepBackward(NormArgs norm, Tensors saved, int64_t step, pybind11::object module)
+      : norm_(std::move(norm)), saved_(std::move(saved)), step_(step), module_(module.release().ptr()) {}
+  ~NormStepBackward() override {
+    if (Py_IsInitialized()) {  // at the interpreter's exit it is left, as torch's Python nodes leave theirs
+      pybind11::gil_scoped_acquire gil;
+      Py_DECREF(module_);
+    }
+  }
+  std::string name() const override { return "NormStepBackward"; }
+
+  void save(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& shift, const at::Tensor& mask) {
+    x_ = torch::autograd::SavedVariable(x, false);
+    weight_ = torch::autograd::SavedVariable(weight, false);
+    shift_ = torch::autograd::SavedVariable(shift, false);
+    mask_ = torch::autograd::SavedVariable(mask, false);
+  }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    x_.reset_data();
+    weight_.reset_data();
+    shift_.reset_data();
+    mask_.reset_data();
+    saved_.clear();
+  }
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    // Unpacked first: a second backward through a freed graph, or a saved tensor written in place since, is
+    // refused here with torch's own message.
+    const at::Tensor x = x_.unpack(), weight = weight_.unpack(), shift = shift_.unpack(), mask = mask_.unpack();
+    torch::autograd::variable_list result(3);
+    const at::Tensor& dy = grads[0];
+    if (!dy.defined()) return result;
+    const auto optional = [](const at::Tensor& t) { return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt; };
+    Tensors computed;
+    if (torch::autograd::GradMode::is_enabled()) {
+      pybind11::gil_scoped_acquire gil;
+      const pybind11::object module = module_ == Py_None ? pybind11::none() : pybind11::handle(module_)();
+      TORCH_CHECK(!module.is_none(), "seqnorm kernels: NormStepBackward: expected the norm module of this step for ",
+                  "its second derivative (create_graph=True), got none: it was deleted, or none was given");
+      const pybind11::tuple returned = module.attr("_kernel_step_backward")(
+          dy, x, optional(mask), weight, optional(shift), saved_);
+      for (const pybind11::handle item : returned) {
+        computed.push_back(item.is_none() ? at::Tensor() : item.cast<at::Tensor>());
+      }
+      TORCH_CHECK(computed.size() == 3, "seqnorm kernels: NormStepBackward: expected _kernel_step_backward to ",
+                  "return (dx, weight_grad, shift_grad), got ", computed.size(), " items");
+    } else {
+      computed = norm_step_backward(dy.contiguous(), x, optional(mask), norm_, saved_, step_);
+    }
+    for (size_t i = 0; i < 3; ++i) {
+      if (task_should_compute_output(i)) result[i] = computed[i];
+    }
+    return result;
+  }
+
+ private:
+  NormArgs norm_;
+  Tensors saved_;
+  int64_t step_;
+  PyObject* module_;  // a weakref.ref, or None
+  torch::autograd::SavedVariable x_, weight_, shift_, mask_;
+};
+
+// A norm's training step as one node (above): y = norm(x) over the real rows, the running statistics updated in
+// place; y's grad_fn is a NormStepBackward where x, γ or the shift requires a gradient and grad mode is on.
+at::Tensor norm_step(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
+                     const c10::optional<at::Tensor>& shift, const c10::optional<at::Tensor>& mask,
+                     const NormArgs& norm, int64_t step, const pybind11::object& module) {
+  NormStep checks("norm_step", x, mask, norm, step);
+  // γ and the shift are the norm's own, which the kernel reads and whose gradients the node returns to them.
+  const auto same = [](const c10::optional<at::Tensor>& given, const c10::optional<at::Tensor>& read) {
+    return Checks::given(given) ? Checks::given(read) && given->is_same(*read) : !Checks::given(read);
+  };
+  SEQNORM_CHECK(checks, same(weight, norm.weight), "expected weight to be norm.weight (the γ the norm reads), got ",
+                Checks::given(weight) ? "another tensor" : "None");
+  SEQNORM_CHECK(checks, same(shift, norm.shift), "expected shift to be norm.shift (the shift the norm adds), got ",
+                Checks::given(shift) ? "another tensor" : "None");
+  checks.apart();
+  TORCH_CHECK_NOT_IMPLEMENTED(!torch::autograd::isFwGradDefined(x) && !torch::autograd::isFwGradDefined(weight) &&
+                                  !torch::autograd::isFwGradDefined(shift),
+                              "seqnorm kernels: norm_step: forward-mode AD is not supported here (under ",
+                              "seqnorm.kernels.disabled() a norm's step runs torch's ops, which support it)");
+  std::tuple<at::Tensor, Tensors> result;
+  {
+    pybind11::gil_scoped_release released;
+    at::NoGradGuard no_grad;
+    result = seqnorm::run_norm_step_forward(x, mask, norm, step);
+  }
+  at::Tensor& y = std::get<0>(result);
+  if (torch::autograd::compute_requires_grad(x, weight, shift)) {
+    const at::Tensor none;
+    // Held weakly: a module that keeps an output of its own step (a hook's record) would otherwise make a cycle
+    // through this C++ node, which Python's collector cannot see.
+    pybind11::object held = module.is_none() ? pybind11::none() : pybind11::object(pybind11::weakref(module));
+    auto node = c10::make_intrusive<NormStepBackward>(norm, std::move(std::get<1>(result)), step, std::move(held));
+    node->set_next_edges(torch::autograd::collect_next_edges(x, weight.value_or(none), shift.value_or(none)));
+    node->save(x, weight.value_or(none), shift.value_or(none), mask.value_or(none));
+    torch::autograd::set_history(y, node);
+  }
+  return y;
 }
 
 }  // namespace
@@ -281,8 +395,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gru_forward", &gru_forward, ReleaseGil());
   m.def("gru_backward", &gru_backward, ReleaseGil());
   m.def("generation_step", &generation_step, ReleaseGil());
-  m.def("norm_step_forward", &norm_step_forward, ReleaseGil());
-  m.def("norm_step_backward", &norm_step_backward, ReleaseGil());
+  m.def("norm_step", &norm_step, pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("shift"),
+        pybind11::arg("mask"), pybind11::arg("norm"), pybind11::arg("step"), pybind11::arg("module"),
+        "A norm's training step as one autograd node (NormStepBackward): its GIL is released around the work");
   m.def(
       "saved_empty",
       [](std::vector<int64_t> sizes, at::ScalarType dtype) {

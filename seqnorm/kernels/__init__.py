@@ -1,20 +1,19 @@
 """seqnorm's kernels: fused loops for the normalized LSTM/GRU recurrence and generation step, per device.
 
 The C++ sources are in ``seqnorm/csrc`` (``norms.h``: each norm's step and backward; ``cells.h``: the gates;
-``recurrence.cpp``: the time loops, and one norm's step alone for a cell's training step in a user's own loop,
-``norm_step_forward``/``norm_step_backward``, which per-timestep BN's ``forward_step`` calls; ``bindings.cpp``: their
-checked Python bindings). They are compiled once per
-machine with torch's ``cpp_extension`` (:mod:`seqnorm.kernels.builder`) by the first layer that needs them (or
-ahead of time by ``python -m seqnorm.kernels``, which ``make venv`` runs) into a cache directory (:func:`cache_dir`),
-keyed by the sources, the torch version and the CPU's vector instructions, and loaded from there.
-A build is published whole (a temporary folder renamed into place) with a manifest of the library's size
-and SHA-256 and the torch it was built for (:data:`MANIFEST`), which every load checks first: a truncated, empty,
-replaced or stale library is rebuilt once (or, where it cannot be, the plain path runs with a warning), never
-loaded. A first-use build prints one notice (what, where, how long, how to opt out) and holds a file lock, so that
-processes starting together (DDP ranks, pytest-xdist workers) build once and the others wait and then load it.
-Without a build — no compiler, a failed build (recorded beside the cache and not retried by later processes),
-``SEQNORM_KERNELS=0`` — every layer runs its plain-PyTorch path (the loop over the cell's step, or the reference
-loop), which is also what the tests compare the kernels with, and one warning says why.
+``recurrence.cpp``: the time loops, and one norm's step alone for a cell's training step in a user's own loop;
+``bindings.cpp``: their checked Python bindings, and ``norm_step``, that step as one autograd node made in C++, which
+per-timestep BN's ``forward_step`` calls). They are compiled once per machine with torch's ``cpp_extension``
+(:mod:`seqnorm.kernels.builder`) by the first layer that needs them (or ahead of time by ``python -m seqnorm.kernels``,
+which ``make venv`` runs) into a cache directory (:func:`cache_dir`), keyed by the sources, the torch version and the
+CPU's vector instructions, and loaded from there. A build is published whole (a temporary folder renamed into place)
+with a manifest of the library's size and SHA-256 and the torch it was built for (:data:`MANIFEST`), which every load
+checks first: a truncated, empty, replaced or stale library is rebuilt once (or, where it cannot be, the plain path runs
+with a warning), never loaded. A first-use build prints one notice (what, where, how long, how to opt out) and holds a
+file lock, so that processes starting together (DDP ranks, pytest-xdist workers) build once and the others wait and then
+load it. Without a build — no compiler, a failed build (recorded beside the cache and not retried by later processes),
+``SEQNORM_KERNELS=0`` — every layer runs its plain-PyTorch path (the loop over the cell's step, or the reference loop),
+which is also what the tests compare the kernels with, and one warning says why.
 
 Memory: the large tensors of the recurrences (a training step's saved activations, the input projection) come from
 blocks the kernels keep between calls, up to :data:`CACHE_ENV` MiB (``csrc/buffers.h``; :func:`empty_cache`,

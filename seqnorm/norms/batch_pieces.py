@@ -117,57 +117,6 @@ _KERNEL_STEP_ARGS: weakref.WeakKeyDictionary[object, tuple[tuple[object, ...], t
 )
 
 
-class _KernelStep(torch.autograd.Function):
-    """A training step of per-timestep BatchNorm (or batch renormalization) by the compiled kernels' own norm, the
-    pieces their time loops run (``csrc/norms.h``), as one autograd node: :meth:`BatchNormPieces._kernel_step`.
-
-    Its backward is the kernels' too, except under ``create_graph`` (a second derivative): then it is the module's
-    :meth:`~BatchNormPieces.step_backward` on the statistics the kernel saved, in differentiable torch ops, so that a
-    cell's step keeps every derivative the fused torch path it replaces had."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        x: Tensor,
-        weight: Tensor,
-        shift: Tensor | None,
-        module: BatchNormPieces,
-        kernels: Any,
-        step: int,
-        mask: Tensor | None,
-        args: Any,
-    ) -> Tensor:
-        y, saved = kernels.norm_step_forward(x, mask, args, step)
-        ctx.save_for_backward(x, weight, shift, mask)  # a mask written in place before the backward is an error
-        ctx.module, ctx.kernels, ctx.args, ctx.saved, ctx.step = module, kernels, args, saved, step
-        return y
-
-    @staticmethod
-    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
-        x, weight, shift, mask = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True: the differentiable backward
-            mean, rstd, r, d, batch = ctx.saved
-            batch_step = bool(batch[0])
-            renormed = batch_step and r.numel() != 0  # batch renormalization's r and d (a running step has none)
-            record = StepRecord(mean[0], rstd[0], batch_step, *((r[0], d[0]) if renormed else (None, None)))
-            dx, weight_grad, shift_grad = ctx.module.step_backward(dy, x, mask, weight, shift, record)
-        else:
-            dx, weight_grad, shift_grad = ctx.kernels.norm_step_backward(
-                dy.contiguous(), x, mask, ctx.args, ctx.saved, ctx.step
-            )
-        wanted = ctx.needs_input_grad
-        return (
-            dx if wanted[0] else None,
-            weight_grad if wanted[1] else None,
-            shift_grad if wanted[2] else None,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
-
-
 class BatchNormPieces:
     """:class:`~seqnorm.norms.protocol.StepPieces` and :class:`~seqnorm.norms.protocol.NodePieces` of per-timestep
     BatchNorm."""
@@ -214,12 +163,26 @@ class BatchNormPieces:
 
     def _kernel_step(self, x: Tensor, step: int, mask: Tensor | None, count: int, kernels: Any, args: Any) -> Tensor:
         """A training step (a cell's, :meth:`TimestepBatchNorm.forward_step`) by the compiled CPU kernels' norm: what
-        :meth:`step_forward` computes, running statistics and fallback count included, as one node whose forward and
-        backward are one C++ call each (:class:`_KernelStep`). ``kernels``: :func:`seqnorm.kernels.native`'s;
+        :meth:`step_forward` computes, running statistics and fallback count included, as one autograd node made in
+        C++ (``NormStepBackward``, by ``kernels.norm_step``) whose forward and backward are one kernel call each; under
+        ``create_graph`` its backward is :meth:`_kernel_step_backward`. ``kernels``: :func:`seqnorm.kernels.native`'s;
         ``args``: :meth:`_kernel_step_args`'."""
         if count < 2:  # the "running" fallback, as step_forward counts it (the kernel normalizes with them)
             self.fallback_steps += 1
-        return _KernelStep.apply(x.contiguous(), self.weight, self.bias, self, kernels, step, mask, args)
+        return kernels.norm_step(x.contiguous(), self.weight, self.bias, mask, args, step, self)
+
+    def _kernel_step_backward(
+        self, dy: Tensor, x: Tensor, mask: Tensor | None, weight: Tensor, shift: Tensor | None, saved: list[Tensor]
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """The backward of :meth:`_kernel_step`'s node under ``create_graph`` (a second derivative), which its C++
+        node calls: :meth:`step_backward` in differentiable torch ops, on the statistics the kernel's forward
+        saved (``saved``: mean, rstd, r, d (empty but for batch renormalization's batch steps), batch step or
+        not, each with a leading row)."""
+        mean, rstd, r, d, batch = saved
+        batch_step = bool(batch[0])
+        renormed = batch_step and r.numel() != 0  # batch renormalization's r and d (a running step has none)
+        record = StepRecord(mean[0], rstd[0], batch_step, *((r[0], d[0]) if renormed else (None, None)))
+        return self.step_backward(dy, x, mask, weight, shift, record)
 
     def _kernel_step_args(self, kernels: Any) -> Any:
         """The kernels' ``NormArgs`` for :meth:`_kernel_step`, or ``None`` where this instance's ``"kernel"`` form is

@@ -38,8 +38,7 @@ SIGNATURES = {
     "gru_backward": "grad_hs grad_h_n inputs h0 weight_hh mask hs saved stats ih hh sequence weight_ih want_x "
     "want_weight",
     "generation_step": "cell x h c weight_ih_t weight_hh_t ih hh c_norm step",
-    "norm_step_forward": "x mask norm step",
-    "norm_step_backward": "dy x mask norm saved step",
+    "norm_step": "x weight shift mask norm step module",
 }
 # The tensors each binding indexes as dense rows (the others may be strided views).
 DENSE = {
@@ -48,9 +47,10 @@ DENSE = {
     "gru_forward": {"inputs", "h0"},
     "gru_backward": {"grad_hs", "grad_h_n", "inputs", "h0", "hs"},
     "generation_step": set(),
-    "norm_step_forward": {"x"},
-    "norm_step_backward": {"dy", "x"},
+    "norm_step": {"x"},
 }
+# A norm step's γ and shift: the norm's own (the node returns their gradients), so any other tensor is refused.
+OWN = {"norm_step": {"weight": "norm.weight", "shift": "norm.shift"}}
 NORMS = {"ih", "hh", "c", "c_norm", "norm"}
 
 
@@ -158,6 +158,15 @@ def bad_calls(baseline: dict[str, list[Any]]) -> Iterator[Case]:
             return changed
 
         for index, (name, value) in enumerate(zip(names, args, strict=True)):
+            if name in OWN.get(binding, {}):
+                if value is not None:
+                    yield binding, f"{name} a copy of {OWN[binding][name]}", but(index, value.clone()), name
+                    yield binding, f"{name} missing", but(index, None), name
+                else:
+                    x = args[names.index("x")]
+                    other = x.new_zeros(x.shape[-1])
+                    yield binding, f"{name} given where {OWN[binding][name]} is None", but(index, other), name
+                continue
             if isinstance(value, torch.Tensor):
                 first = index == (1 if binding == "generation_step" else 0)
                 # The first tensor sets the call's dtype: another float would name the next tensor instead.
@@ -239,7 +248,7 @@ def _specific_cases(binding: str, names: list[str], args: list[Any], but: Callab
         yield binding, "a negative time index", but(at["step"], -1), "step"
         yield binding, "x of 4 dimensions", but(at["x"], args[at["x"]][None, None]), "x"
         yield binding, "h of 2 layers", but(at["h"], _grown(args[at["h"]], 0)), "h"
-    if binding == "norm_step_forward":
+    if binding == "norm_step":
         yield binding, "a negative time index", but(at["step"], -1), "step"
         yield binding, "x of 3 dimensions", but(at["x"], args[at["x"]][None]), "x"
     if binding.endswith("backward"):
@@ -262,7 +271,7 @@ def _specific_cases(binding: str, names: list[str], args: list[Any], but: Callab
         if args[at["sequence"]] is not None:
             yield binding, "sequence without weight_ih", but(at["weight_ih"], None), "weight_ih"
             yield binding, "weight_ih without sequence", but(at["sequence"], None), "sequence"
-    if binding.endswith("forward"):
+    if binding.endswith("forward") or binding == "norm_step":
         mask = args[at["mask"]]
         if mask is not None:
             yield binding, "mask of a step less", but(at["mask"], mask[1:]), "mask"
@@ -289,7 +298,7 @@ def run_table() -> None:
     for binding, what, thunk, named in calls:
         print(json.dumps({"start": [binding, what]}), flush=True)
         try:
-            with torch.no_grad():  # as the library calls them (inside an autograd Function, or generating)
+            with torch.no_grad():  # as the library calls most (inside an autograd Function, or generating)
                 thunk()
             outcome = {"raised": None, "message": ""}
         except Exception as error:  # every exception is reported to the test

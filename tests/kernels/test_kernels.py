@@ -808,25 +808,26 @@ def test_strided_parameters_and_buffers_give_the_reference_numbers(kind: str, no
 
 
 @pytest.mark.parametrize("kind", ["layer", "rms"])
-def test_a_row_norms_step_through_the_norm_step_bindings_equals_torch(kind: str) -> None:
-    """norm_step_forward/norm_step_backward take any norm the kernels have (per-timestep BN's cell step is their
-    caller): LayerNorm and RMSNorm over a masked step equal torch's, the padded rows getting no gradient and adding
-    nothing to γ's and the shift's (float64)."""
+def test_a_row_norms_step_through_the_norm_step_node_equals_torch(kind: str) -> None:
+    """The norm_step binding (one norm's step as an autograd node made in C++) takes any norm the kernels have
+    (per-timestep BN's cell step is its caller): LayerNorm and RMSNorm over a masked step equal torch's, the padded
+    rows getting no gradient and adding nothing to γ's and the shift's (float64)."""
     require_kernels()
     native = kernels.native("cpu")
     torch.manual_seed(0)
-    x = torch.randn(5, 7, dtype=torch.float64)
-    weight, shift = torch.rand(7, dtype=torch.float64) + 0.5, torch.randn(7, dtype=torch.float64)
+    x = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
+    weight = (torch.rand(7, dtype=torch.float64) + 0.5).requires_grad_()
+    shift = torch.randn(7, dtype=torch.float64, requires_grad=True)
     mask = torch.tensor([True, False, True, True, False])
     dy = torch.randn(5, 7, dtype=torch.float64)
     args = kernels.KernelNorm(kind, 1e-5, weight, shift).native(native)
-    y, saved = native.norm_step_forward(x, mask, args, 0)
-    dx, weight_grad, shift_grad = native.norm_step_backward(dy, x, mask, args, saved, 0)
-    leaves = [t.clone().requires_grad_() for t in (x, weight, shift)]
+    y = native.norm_step(x, weight, shift, mask, args, 0, None)
+    assert y.grad_fn.name() == "NormStepBackward"
+    got = torch.autograd.grad((y * dy).sum(), (x, weight, shift))
     if kind == "layer":
-        expected = torch.nn.functional.layer_norm(leaves[0], (7,), leaves[1], leaves[2], 1e-5)
+        expected = torch.nn.functional.layer_norm(x, (7,), weight, shift, 1e-5)
     else:
-        expected = leaves[0] * torch.rsqrt(leaves[0].square().mean(1, keepdim=True) + 1e-5) * leaves[1] + leaves[2]
-    grads = torch.autograd.grad((expected * dy * mask.unsqueeze(1)).sum(), leaves)
-    assert_close(y, expected.detach())
-    assert_close([dx, weight_grad, shift_grad], list(grads))
+        expected = x * torch.rsqrt(x.square().mean(1, keepdim=True) + 1e-5) * weight + shift
+    grads = torch.autograd.grad((expected * dy * mask.unsqueeze(1)).sum(), (x, weight, shift))
+    assert_close(y, expected)
+    assert_close(list(got), list(grads))

@@ -383,7 +383,7 @@ def test_the_kernels_step_equals_torchs_and_follows_changes_to_the_module(cls: t
                     with seqnorm.kernels.disabled() if off else contextlib.nullcontext():
                         y = norm.forward_step(leaf, step, mask)
                     results.append([y, *torch.autograd.grad((y * weights).sum(), [leaf, norm.weight])])
-                assert (type(results[0][0].grad_fn).__name__ == "_KernelStepBackward") == by_kernel
+                assert (results[0][0].grad_fn.name() == "NormStepBackward") == by_kernel
                 assert_close(results[0], results[1], rtol=tolerance, atol=tolerance)
         assert_close(kernel.state_dict(), plain.state_dict(), rtol=tolerance, atol=tolerance)
         assert kernel.fallback_steps == plain.fallback_steps > 0
@@ -402,6 +402,44 @@ def test_the_kernels_step_equals_torchs_and_follows_changes_to_the_module(cls: t
     for norm in (kernel, plain):  # γ's memory swapped for a strided view: the kernels would read a stale dense copy
         norm.weight.data = torch.stack([norm.weight.detach(), torch.zeros(6)], 1)[:, 0]
     steps(torch.float32, 1e-5, by_kernel=False)
+
+
+def test_the_kernels_step_node_holds_its_module_weakly_and_says_so_when_it_is_gone() -> None:
+    """The kernels' step is a node made in C++ (NormStepBackward), which Python's collector cannot see through: a
+    module keeping an output of its own step (a hook's record) would be a cycle never collected if the node held the
+    module, so it holds it weakly; the module is needed only for a second derivative, which then says it is gone.
+    Forward-mode AD, which the node has not, is refused naming the torch-op path that has it."""
+    import gc
+    import weakref
+
+    import torch.autograd.forward_ad as forward_ad
+
+    require_kernels()
+    x, mask = torch.randn(4, 6, requires_grad=True), torch.tensor([True, True, True, False])
+    norm = TimestepBatchNorm(6, max_steps=3)
+    y = norm.forward_step(x, 1, mask)
+    assert y.grad_fn.name() == "NormStepBackward"
+    norm.kept = y  # module -> output -> node (-> module, were it held)
+    held = weakref.ref(norm)
+    del norm, y
+    gc.collect()
+    assert held() is None
+    norm = TimestepBatchNorm(6, max_steps=3)
+    y = norm.forward_step(x, 1, mask)
+    (grad,) = torch.autograd.grad(y.square().sum(), x, create_graph=True, retain_graph=True)
+    assert grad.requires_grad  # the second derivative's graph, through the module's own backward
+    del norm
+    gc.collect()
+    with pytest.raises(RuntimeError, match="expected the norm module of this step for its second derivative"):
+        torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    norm = TimestepBatchNorm(6, max_steps=3)
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(x.detach(), torch.randn(4, 6))
+        with pytest.raises(NotImplementedError, match=r"forward-mode AD .*seqnorm.kernels.disabled\(\)"):
+            norm.forward_step(dual, 1, mask)
+        with seqnorm.kernels.disabled():
+            tangent = forward_ad.unpack_dual(norm.forward_step(dual, 1, mask)).tangent
+    assert tangent is not None and tangent[:3].abs().sum() > 0
 
 
 @pytest.mark.parametrize("kernels_on", [True, False])
