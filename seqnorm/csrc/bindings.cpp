@@ -323,10 +323,20 @@ class NormStepBackward : public torch::autograd::Node {
 };
 
 // A norm's training step as one node (above): y = norm(x) over the real rows, the running statistics updated in
-// place; y's grad_fn is a NormStepBackward where x, γ or the shift requires a gradient and grad mode is on.
-at::Tensor norm_step(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
+// place; y's grad_fn is a NormStepBackward where x, γ or the shift requires a gradient and grad mode is on. None,
+// having done nothing, where x, γ or the shift is a tensor of forward-mode AD or of a torch.func transform: the
+// caller then runs its torch-op form, which those support.
+c10::optional<at::Tensor> norm_step(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
                      const c10::optional<at::Tensor>& shift, const c10::optional<at::Tensor>& mask,
                      const NormArgs& norm, int64_t step, const pybind11::object& module) {
+  // Declined before anything is read: a dual tensor (forward-mode AD), which the node has no derivative for, and a
+  // torch.func transform's wrapper (grad, jvp, vmap), whose data these loops cannot index.
+  const c10::DispatchKeySet wrapped({c10::DispatchKey::FuncTorchGradWrapper, c10::DispatchKey::FuncTorchBatched});
+  for (const c10::optional<at::Tensor>& t : {c10::optional<at::Tensor>(x), weight, shift}) {
+    if (Checks::given(t) && (torch::autograd::isFwGradDefined(t) || t->key_set().has_any(wrapped))) {
+      return c10::nullopt;
+    }
+  }
   NormStep checks("norm_step", x, mask, norm, step);
   // γ and the shift are the norm's own, which the kernel reads and whose gradients the node returns to them.
   const auto same = [](const c10::optional<at::Tensor>& given, const c10::optional<at::Tensor>& read) {
@@ -337,10 +347,6 @@ at::Tensor norm_step(const at::Tensor& x, const c10::optional<at::Tensor>& weigh
   SEQNORM_CHECK(checks, same(shift, norm.shift), "expected shift to be norm.shift (the shift the norm adds), got ",
                 Checks::given(shift) ? "another tensor" : "None");
   checks.apart();
-  TORCH_CHECK_NOT_IMPLEMENTED(!torch::autograd::isFwGradDefined(x) && !torch::autograd::isFwGradDefined(weight) &&
-                                  !torch::autograd::isFwGradDefined(shift),
-                              "seqnorm kernels: norm_step: forward-mode AD is not supported here (under ",
-                              "seqnorm.kernels.disabled() a norm's step runs torch's ops, which support it)");
   std::tuple<at::Tensor, Tensors> result;
   {
     pybind11::gil_scoped_release released;

@@ -303,8 +303,9 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
         native = self._step_kernels(x, batch, count)
         if native is not None:
             args = self._kernel_step_args(native)
-            if args is not None:
-                return self._kernel_step(x, step, mask, count, native, args)
+            y = None if args is None else self._kernel_step(x, step, mask, count, native, args)
+            if y is not None:
+                return y
         if (
             count >= 2
             and self.scale

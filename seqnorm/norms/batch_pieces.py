@@ -161,15 +161,19 @@ class BatchNormPieces:
             and self.num_batches_tracked.dtype == torch.long
         )
 
-    def _kernel_step(self, x: Tensor, step: int, mask: Tensor | None, count: int, kernels: Any, args: Any) -> Tensor:
+    def _kernel_step(
+        self, x: Tensor, step: int, mask: Tensor | None, count: int, kernels: Any, args: Any
+    ) -> Tensor | None:
         """A training step (a cell's, :meth:`TimestepBatchNorm.forward_step`) by the compiled CPU kernels' norm: what
         :meth:`step_forward` computes, running statistics and fallback count included, as one autograd node made in
         C++ (``NormStepBackward``, by ``kernels.norm_step``) whose forward and backward are one kernel call each; under
-        ``create_graph`` its backward is :meth:`_kernel_step_backward`. ``kernels``: :func:`seqnorm.kernels.native`'s;
-        ``args``: :meth:`_kernel_step_args`'."""
-        if count < 2:  # the "running" fallback, as step_forward counts it (the kernel normalizes with them)
-            self.fallback_steps += 1
-        return kernels.norm_step(x.contiguous(), self.weight, self.bias, mask, args, step, self)
+        ``create_graph`` its backward is :meth:`_kernel_step_backward`. ``None``, having done nothing, for a tensor of
+        forward-mode AD or of a ``torch.func`` transform (the caller then runs its torch-op form, which supports them).
+        ``kernels``: :func:`seqnorm.kernels.native`'s; ``args``: :meth:`_kernel_step_args`'."""
+        y = kernels.norm_step(x.contiguous(), self.weight, self.bias, mask, args, step, self)
+        if y is not None and count < 2:  # the "running" fallback, as step_forward counts it (the kernel normalizes
+            self.fallback_steps += 1  # with them)
+        return y
 
     def _kernel_step_backward(
         self, dy: Tensor, x: Tensor, mask: Tensor | None, weight: Tensor, shift: Tensor | None, saved: list[Tensor]

@@ -404,11 +404,12 @@ def test_the_kernels_step_equals_torchs_and_follows_changes_to_the_module(cls: t
     steps(torch.float32, 1e-5, by_kernel=False)
 
 
-def test_the_kernels_step_node_holds_its_module_weakly_and_says_so_when_it_is_gone() -> None:
+def test_the_kernels_step_node_holds_its_module_weakly_and_leaves_dual_tensors_to_torchs_ops() -> None:
     """The kernels' step is a node made in C++ (NormStepBackward), which Python's collector cannot see through: a
     module keeping an output of its own step (a hook's record) would be a cycle never collected if the node held the
     module, so it holds it weakly; the module is needed only for a second derivative, which then says it is gone.
-    Forward-mode AD, which the node has not, is refused naming the torch-op path that has it."""
+    A dual tensor (forward-mode AD), which the node has no derivative for, is left to the torch-op form: its tangent
+    is the kernels-off one."""
     import gc
     import weakref
 
@@ -432,14 +433,14 @@ def test_the_kernels_step_node_holds_its_module_weakly_and_says_so_when_it_is_go
     gc.collect()
     with pytest.raises(RuntimeError, match="expected the norm module of this step for its second derivative"):
         torch.autograd.grad(y.square().sum(), x, create_graph=True)
-    norm = TimestepBatchNorm(6, max_steps=3)
-    with forward_ad.dual_level():
-        dual = forward_ad.make_dual(x.detach(), torch.randn(4, 6))
-        with pytest.raises(NotImplementedError, match=r"forward-mode AD .*seqnorm.kernels.disabled\(\)"):
-            norm.forward_step(dual, 1, mask)
-        with seqnorm.kernels.disabled():
-            tangent = forward_ad.unpack_dual(norm.forward_step(dual, 1, mask)).tangent
-    assert tangent is not None and tangent[:3].abs().sum() > 0
+    norm = TimestepBatchNorm(6, max_steps=3, dtype=torch.float64)
+    tangents = []
+    for off in (False, True):
+        with forward_ad.dual_level(), seqnorm.kernels.disabled() if off else contextlib.nullcontext():
+            dual = forward_ad.make_dual(x.detach().double(), torch.linspace(-1, 1, 24).view(4, 6).double())
+            tangents.append(forward_ad.unpack_dual(norm.forward_step(dual, 1, mask)).tangent)
+    assert tangents[0] is not None and tangents[0][:3].abs().sum() > 0
+    assert_close(tangents[0], tangents[1])
 
 
 @pytest.mark.parametrize("kernels_on", [True, False])
