@@ -291,7 +291,9 @@ class NormStepBackward : public torch::autograd::Node {
     torch::autograd::variable_list result(3);
     const at::Tensor& dy = grads[0];
     if (!dy.defined()) return result;
-    const auto optional = [](const at::Tensor& t) { return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt; };
+    const auto optional = [](const at::Tensor& t) {
+      return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt;
+    };
     Tensors computed;
     if (torch::autograd::GradMode::is_enabled()) {
       pybind11::gil_scoped_acquire gil;
@@ -327,8 +329,8 @@ class NormStepBackward : public torch::autograd::Node {
 // having done nothing, where x, γ or the shift is a tensor of forward-mode AD or of a torch.func transform: the
 // caller then runs its torch-op form, which those support.
 c10::optional<at::Tensor> norm_step(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
-                     const c10::optional<at::Tensor>& shift, const c10::optional<at::Tensor>& mask,
-                     const NormArgs& norm, int64_t step, const pybind11::object& module) {
+                                    const c10::optional<at::Tensor>& shift, const c10::optional<at::Tensor>& mask,
+                                    const NormArgs& norm, int64_t step, const pybind11::object& module) {
   // Declined before anything is read: a dual tensor (forward-mode AD), which the node has no derivative for, and a
   // torch.func transform's wrapper (grad, jvp, vmap), whose data these loops cannot index.
   const c10::DispatchKeySet wrapped({c10::DispatchKey::FuncTorchGradWrapper, c10::DispatchKey::FuncTorchBatched});
@@ -403,7 +405,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("generation_step", &generation_step, ReleaseGil());
   m.def("norm_step", &norm_step, pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("shift"),
         pybind11::arg("mask"), pybind11::arg("norm"), pybind11::arg("step"), pybind11::arg("module"),
-        "A norm's training step as one autograd node (NormStepBackward): its GIL is released around the work");
+        "A norm's training step as one autograd node (NormStepBackward); the GIL is released around the kernel");
   m.def(
       "saved_empty",
       [](std::vector<int64_t> sizes, at::ScalarType dtype) {

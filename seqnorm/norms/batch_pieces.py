@@ -171,8 +171,9 @@ class BatchNormPieces:
         forward-mode AD or of a ``torch.func`` transform (the caller then runs its torch-op form, which supports them).
         ``kernels``: :func:`seqnorm.kernels.native`'s; ``args``: :meth:`_kernel_step_args`'."""
         y = kernels.norm_step(x.contiguous(), self.weight, self.bias, mask, args, step, self)
-        if y is not None and count < 2:  # the "running" fallback, as step_forward counts it (the kernel normalizes
-            self.fallback_steps += 1  # with them)
+        # the "running" fallback, as step_forward counts it (the kernel normalizes with the running statistics)
+        if y is not None and count < 2:
+            self.fallback_steps += 1
         return y
 
     def _kernel_step_backward(
