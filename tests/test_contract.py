@@ -156,6 +156,30 @@ def test_an_empty_batch_gives_empty_outputs_like_torch(kind: str, norm: str, dty
             layer.train()(x)
 
 
+@pytest.mark.parametrize("norm", NORMS)
+def test_forward_mode_derivatives_through_the_reference_loop(norm: str) -> None:
+    """The user guide's promise that impl="reference" has every derivative, forward-mode AD included: the tangent of
+    the output equals central differences, for every cell and norm, in training, with lengths (masked steps, and for
+    per-timestep BN a tail step of one real row). The norms' step forms with nodes of their own (the kernels' BN
+    step, the pieces' node) have no forward derivative and must leave a dual tensor to torch's ops."""
+    import copy
+
+    import torch.autograd.forward_ad as forward_ad
+
+    torch.manual_seed(0)
+    x, direction = torch.randn(5, 3, 3, dtype=torch.float64), torch.randn(5, 3, 3, dtype=torch.float64)
+    lengths = torch.tensor([5, 3, 1])
+    for kind in KINDS:
+        layer = LAYERS[kind](3, 4, norm=norm, impl="reference", dtype=torch.float64)
+        perturb_norm_parameters(layer)
+        with forward_ad.dual_level():
+            dual = forward_ad.make_dual(x, direction)
+            tangent = forward_ad.unpack_dual(copy.deepcopy(layer)(dual, lengths=lengths)[0]).tangent
+        with torch.no_grad():
+            ahead, behind = (copy.deepcopy(layer)(x + h * direction, lengths=lengths)[0] for h in (1e-6, -1e-6))
+        assert_close(tangent, (ahead - behind) / 2e-6, rtol=1e-6, atol=1e-7, msg=kind)
+
+
 @pytest.mark.parametrize("norm", ["layer", "batch"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_second_derivatives_through_the_reference_loop(kind: str, norm: str) -> None:

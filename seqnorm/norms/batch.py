@@ -52,6 +52,7 @@ from __future__ import annotations
 from typing import Any, ClassVar, Literal, get_args
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 from torch import Tensor, nn
 
 from seqnorm import kernels, torch_ops
@@ -314,7 +315,7 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
             and type(self)._normalize_batch_steps is TimestepBatchNorm._normalize_batch_steps
         ):
             return self._fused_forward_step(x, min(step, self.max_steps - 1), mask)
-        if self._steps_by_pieces(batch, count):
+        if self._steps_by_pieces(x, batch, count):
             return step_node(self, x, step, mask, count, self.bias)
         return self.forward(x, step, mask)
 
@@ -367,15 +368,18 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
             return None
         return kernels.native("cpu")
 
-    def _steps_by_pieces(self, batch: int, count: int) -> bool:
+    def _steps_by_pieces(self, x: Tensor, batch: int, count: int) -> bool:
         """Whether a training step of ``count`` real rows of ``batch`` may run :func:`step_node`: this class itself
         declares the ``"step"`` form (a subclass that changes the math does not), the instance is within it (with a
-        γ), and no small-batch error is to be raised (:meth:`forward` raises it)."""
+        γ), no small-batch error is to be raised (:meth:`forward` raises it), and neither ``x`` nor γ is a dual
+        tensor: the node has no forward-mode derivative, :meth:`forward`'s torch ops have."""
         return (
             "step" in type(self).__dict__.get("fast_forms", ())
             and self.weight is not None
             and self.fast_form_blocker("step") is None
             and not self.raises_small_batch(batch, count)
+            and forward_ad.unpack_dual(x).tangent is None
+            and forward_ad.unpack_dual(self.weight).tangent is None
         )
 
     @float32_statistics

@@ -404,16 +404,12 @@ def test_the_kernels_step_equals_torchs_and_follows_changes_to_the_module(cls: t
     steps(torch.float32, 1e-5, by_kernel=False)
 
 
-def test_the_kernels_step_node_holds_its_module_weakly_and_leaves_dual_tensors_to_torchs_ops() -> None:
+def test_the_kernels_step_node_holds_its_module_weakly() -> None:
     """The kernels' step is a node made in C++ (NormStepBackward), which Python's collector cannot see through: a
     module keeping an output of its own step (a hook's record) would be a cycle never collected if the node held the
-    module, so it holds it weakly; the module is needed only for a second derivative, which then says it is gone.
-    A dual tensor (forward-mode AD), which the node has no derivative for, is left to the torch-op form: its tangent
-    is the kernels-off one."""
+    module, so it holds it weakly; the module is needed only for a second derivative, which then says it is gone."""
     import gc
     import weakref
-
-    import torch.autograd.forward_ad as forward_ad
 
     require_kernels()
     x, mask = torch.randn(4, 6, requires_grad=True), torch.tensor([True, True, True, False])
@@ -433,14 +429,35 @@ def test_the_kernels_step_node_holds_its_module_weakly_and_leaves_dual_tensors_t
     gc.collect()
     with pytest.raises(RuntimeError, match="expected the norm module of this step for its second derivative"):
         torch.autograd.grad(y.square().sum(), x, create_graph=True)
-    norm = TimestepBatchNorm(6, max_steps=3, dtype=torch.float64)
-    tangents = []
-    for off in (False, True):
-        with forward_ad.dual_level(), seqnorm.kernels.disabled() if off else contextlib.nullcontext():
-            dual = forward_ad.make_dual(x.detach().double(), torch.linspace(-1, 1, 24).view(4, 6).double())
-            tangents.append(forward_ad.unpack_dual(norm.forward_step(dual, 1, mask)).tangent)
-    assert tangents[0] is not None and tangents[0][:3].abs().sum() > 0
-    assert_close(tangents[0], tangents[1])
+
+
+@pytest.mark.parametrize("kernels_on", [True, False])
+@pytest.mark.parametrize("cls", [TimestepBatchNorm, TimestepBatchRenorm])
+def test_a_steps_forward_mode_derivative_equals_finite_differences(cls: type, kernels_on: bool) -> None:
+    """Forward-mode AD through a cell's training step (a dual input): the kernels' node and the pieces' node have no
+    forward derivative and leave a dual tensor to torch's ops (the fused kernel, or forward()), whose tangent of the
+    real rows equals central differences, over batch steps, masked steps and a one-row tail step (float64)."""
+    import copy
+
+    import torch.autograd.forward_ad as forward_ad
+
+    if kernels_on:
+        require_kernels()
+    torch.manual_seed(0)
+    options = {"warmup": 0, "r_max": 1.5, "d_max": 0.5} if cls is TimestepBatchRenorm else {}
+    norm = cls(6, max_steps=3, dtype=torch.float64, **options)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, 6))
+    x, direction = torch.randn(5, 6, dtype=torch.float64), torch.randn(5, 6, dtype=torch.float64)
+    masks = [None, torch.tensor([True, False, True, True, False]), torch.tensor([False, True, False, False, False])]
+    with contextlib.nullcontext() if kernels_on else seqnorm.kernels.disabled():
+        for mask in masks:
+            with forward_ad.dual_level():
+                dual = forward_ad.make_dual(x, direction)
+                tangent = forward_ad.unpack_dual(copy.deepcopy(norm).forward_step(dual, 1, mask)).tangent
+            ahead, behind = (copy.deepcopy(norm).forward_step(x + h * direction, 1, mask) for h in (1e-6, -1e-6))
+            real = slice(None) if mask is None else mask
+            assert_close(tangent[real], ((ahead - behind) / 2e-6)[real], rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("kernels_on", [True, False])
