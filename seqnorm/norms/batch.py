@@ -371,15 +371,15 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
     def _steps_by_pieces(self, x: Tensor, batch: int, count: int) -> bool:
         """Whether a training step of ``count`` real rows of ``batch`` may run :func:`step_node`: this class itself
         declares the ``"step"`` form (a subclass that changes the math does not), the instance is within it (with a
-        γ), no small-batch error is to be raised (:meth:`forward` raises it), and neither ``x`` nor γ is a dual
-        tensor: the node has no forward-mode derivative, :meth:`forward`'s torch ops have."""
+        γ), no small-batch error is to be raised (:meth:`forward` raises it), and none of ``x``, γ and β is a dual
+        tensor: the node has no forward-mode derivative, :meth:`forward`'s torch ops have (the kernels' node declines
+        the same three, ``norm_step``)."""
         return (
             "step" in type(self).__dict__.get("fast_forms", ())
             and self.weight is not None
             and self.fast_form_blocker("step") is None
             and not self.raises_small_batch(batch, count)
-            and forward_ad.unpack_dual(x).tangent is None
-            and forward_ad.unpack_dual(self.weight).tangent is None
+            and all(forward_ad.unpack_dual(t).tangent is None for t in (x, self.weight, self.bias) if t is not None)
         )
 
     @float32_statistics

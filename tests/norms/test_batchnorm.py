@@ -431,12 +431,13 @@ def test_the_kernels_step_node_holds_its_module_weakly() -> None:
         torch.autograd.grad(y.square().sum(), x, create_graph=True)
 
 
+@pytest.mark.parametrize("dual_of", ["x", "weight", "bias"])
 @pytest.mark.parametrize("kernels_on", [True, False])
 @pytest.mark.parametrize("cls", [TimestepBatchNorm, TimestepBatchRenorm])
-def test_a_steps_forward_mode_derivative_equals_finite_differences(cls: type, kernels_on: bool) -> None:
-    """Forward-mode AD through a cell's training step (a dual input): the kernels' node and the pieces' node have no
-    forward derivative and leave a dual tensor to torch's ops (the fused kernel, or forward()), whose tangent of the
-    real rows equals central differences, over batch steps, masked steps and a one-row tail step (float64)."""
+def test_a_steps_forward_mode_derivative_equals_finite_differences(cls: type, kernels_on: bool, dual_of: str) -> None:
+    """Forward-mode AD through a cell's training step (a dual input, γ or β): the kernels' node and the pieces' node
+    have no forward derivative and leave a dual tensor to torch's ops (the fused kernel, or forward()), whose tangent
+    of the real rows equals central differences, over batch steps, masked steps and a one-row tail step (float64)."""
     import copy
 
     import torch.autograd.forward_ad as forward_ad
@@ -448,14 +449,22 @@ def test_a_steps_forward_mode_derivative_equals_finite_differences(cls: type, ke
     norm = cls(6, max_steps=3, dtype=torch.float64, **options)
     with torch.no_grad():
         norm.weight.copy_(torch.linspace(0.5, 1.5, 6))
-    x, direction = torch.randn(5, 6, dtype=torch.float64), torch.randn(5, 6, dtype=torch.float64)
+        norm.bias.copy_(torch.linspace(-0.5, 0.5, 6))
+    values = {"x": torch.randn(5, 6, dtype=torch.float64), "weight": norm.weight.detach(), "bias": norm.bias.detach()}
+    direction = torch.randn_like(values[dual_of])
+
+    def step(changed: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """The step on a fresh copy of ``norm`` (the same running statistics each time), ``dual_of`` ``changed``."""
+        module, given = copy.deepcopy(norm), {**values, dual_of: changed}
+        module._parameters.update(weight=given["weight"], bias=given["bias"])  # plain or dual tensors in their place
+        return module.forward_step(given["x"], 1, mask)
+
     masks = [None, torch.tensor([True, False, True, True, False]), torch.tensor([False, True, False, False, False])]
     with contextlib.nullcontext() if kernels_on else seqnorm.kernels.disabled():
         for mask in masks:
             with forward_ad.dual_level():
-                dual = forward_ad.make_dual(x, direction)
-                tangent = forward_ad.unpack_dual(copy.deepcopy(norm).forward_step(dual, 1, mask)).tangent
-            ahead, behind = (copy.deepcopy(norm).forward_step(x + h * direction, 1, mask) for h in (1e-6, -1e-6))
+                tangent = forward_ad.unpack_dual(step(forward_ad.make_dual(values[dual_of], direction), mask)).tangent
+            ahead, behind = (step(values[dual_of] + h * direction, mask) for h in (1e-6, -1e-6))
             real = slice(None) if mask is None else mask
             assert_close(tangent[real], ((ahead - behind) / 2e-6)[real], rtol=1e-6, atol=1e-7)
 
