@@ -157,7 +157,9 @@ class LSTMCell(GatedCell):
             c = c_out
         h = o * torch.tanh(c_out)
         if self.weight_hr is not None:
-            h = F.linear(h, self.weight_hr)
+            # in h's own dtype: under autocast the product is bfloat16, and the state stays in float32 as without a
+            # projection (carried out of autocast, a bfloat16 h_n was refused as another dtype than the input's)
+            h = F.linear(h, self.weight_hr).to(h.dtype)
         h, c = self.settle(h, h_prev, mask, self.zoneout_h), self.settle(c, c_prev, mask, self.zoneout_c)
         if record is not None:
             record.update(gates=torch.cat([i, f, g, o], dim=1), h=h, c=c, c_out=c_out)

@@ -77,6 +77,23 @@ def test_layer_under_autocast_is_close_to_float32(kind: str, norm: str, training
         assert all(grad is None or torch.isfinite(grad).all() for grad in grads)
 
 
+@pytest.mark.parametrize("norm", ["none", "layer", "batch"])
+def test_a_projected_state_stays_float32_under_autocast(norm: str) -> None:
+    # as without a projection: h_n (bfloat16 from W_hr's product, before) carries on outside autocast
+    layer = seqnorm.LSTM(8, 16, proj_size=4, num_layers=2, norm=norm)
+    x = torch.randn(6, 5, 8)
+    expected_output, expected_state = copy.deepcopy(layer)(x)
+    with _bf16():
+        output, state = layer(x)
+        step_output, _ = copy.deepcopy(layer).eval().step(x[0])
+    assert [t.dtype for t in (output, *state, step_output)] == [torch.float32] * 4
+    assert_close(output, expected_output, **BF16_TOLERANCE)
+    assert_close(state[0], expected_state[0], **BF16_TOLERANCE)
+    assert_close(state[1], expected_state[1], rtol=0.06, atol=0.06)  # c is not bounded by 1
+    carried, _ = layer(x, state)  # outside autocast
+    assert carried.dtype == torch.float32
+
+
 @pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("kind", TORCH_KINDS)
 def test_float64_layer_is_untouched_by_autocast(kind: str, norm: str) -> None:
