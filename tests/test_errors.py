@@ -90,6 +90,9 @@ def test_layer_bad_input(kind: str) -> None:
         layer(x, lengths=[6, 2])
     with pytest.raises(ValueError, match=rf"^{name}: expected integer lengths, got dtype torch.float32$"):
         layer(x, lengths=torch.tensor([5.0, 2.0]))
+    for lengths in ("ab", [5, [2]]):  # torch.as_tensor's TypeError / ValueError before
+        with pytest.raises(ValueError, match=rf"^{name}: expected lengths to be a tensor or list of ints, got "):
+            layer(x, lengths=lengths)
     bad_h = torch.zeros(1, 2, 4)
     hx = (bad_h, torch.zeros(2, 2, 4)) if kind == "lstm" else bad_h
     with pytest.raises(ValueError, match=rf"^{name}: expected h_0 of shape \(2, 2, 4\), got \(1, 2, 4\)$"):

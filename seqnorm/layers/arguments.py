@@ -68,7 +68,13 @@ def check_first_step(layer: Layer, first_step: object) -> int:
 def _check_lengths(owner: str, lengths: Tensor | list[int] | None, steps: int, batch: int) -> Tensor | None:
     if lengths is None:
         return None
-    values = torch.as_tensor(lengths).detach().cpu() if not isinstance(lengths, Tensor) else lengths.detach().cpu()
+    if isinstance(lengths, Tensor):
+        values = lengths.detach().cpu()
+    else:
+        try:
+            values = torch.as_tensor(lengths)
+        except (TypeError, ValueError, RuntimeError):  # a string, a ragged list, None inside
+            raise ValueError(f"{owner}: expected lengths to be a tensor or list of ints, got {lengths!r}") from None
     if values.dim() != 1 or values.numel() != batch:
         raise ValueError(f"{owner}: expected lengths of shape ({batch},), got {tuple(values.shape)}")
     if values.dtype.is_floating_point or values.dtype == torch.bool or values.is_complex():
