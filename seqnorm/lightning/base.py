@@ -302,8 +302,10 @@ class TaskModule(pl.LightningModule):
             return False
         epoch_loop = trainer.fit_loop.epoch_loop
         combined = trainer.fit_loop._combined_loader
-        # the loader states in the checkpoint are those of Lightning's stateful train loaders, in this order
-        stateful = [loader for loader in combined.flattened if isinstance(loader, _Stateful)] if combined else []
+        # the loader states in the checkpoint are those of Lightning's stateful train loaders, in this order (`is not
+        # None`: `if combined` asks the length, which a spent CombinedLoader refuses: a save after fit)
+        loaders = combined.flattened if combined is not None else []
+        stateful = [loader for loader in loaders if isinstance(loader, _Stateful)]
         rewound = rewind_unfinished_batch(
             checkpoint["loops"],
             lightning_adds_step=not epoch_loop._should_accumulate(),

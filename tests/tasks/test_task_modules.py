@@ -11,17 +11,18 @@ import pytest
 from seqnorm.data import TextCorpus
 from seqnorm.lightning import LanguageModel
 
+_TRAINER = {
+    "max_steps": 3,
+    "limit_val_batches": 2,
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+}
+
 
 def _trainer(root: Path) -> pl.Trainer:
-    return pl.Trainer(
-        max_steps=3,
-        limit_val_batches=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
-    )
+    return pl.Trainer(**_TRAINER, default_root_dir=root)
 
 
 def test_validate_before_fit_then_test_on_one_model(tmp_path: Path) -> None:
@@ -36,6 +37,18 @@ def test_validate_before_fit_then_test_on_one_model(tmp_path: Path) -> None:
     tested = _trainer(tmp_path / "c").test(model, data)[0]["test/loss"]
     assert math.isfinite(before) and math.isfinite(after) and math.isfinite(tested)
     assert fit.global_step == 3 and after < before
+
+
+def test_a_checkpoint_saved_after_fit_resumes(tmp_path: Path) -> None:
+    # trainer.save_checkpoint after fit asked the spent train loader its length, which Lightning refuses
+    data = TextCorpus(batch_size=8)
+    model = LanguageModel(vocab_size=data.vocab_size, pad_index=data.pad_index, hidden_size=16, embedding_dim=8)
+    fit = _trainer(tmp_path)
+    fit.fit(model, data)
+    fit.save_checkpoint(tmp_path / "after.ckpt")
+    resumed = pl.Trainer(**{**_TRAINER, "max_steps": 5, "default_root_dir": tmp_path})
+    resumed.fit(model, data, ckpt_path=tmp_path / "after.ckpt")
+    assert resumed.global_step == 5
 
 
 class _BatchLosses(pl.Callback):
