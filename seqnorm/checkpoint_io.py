@@ -110,7 +110,8 @@ def read_checkpoint(path: str | os.PathLike[str], flag: str = "--ckpt_path") -> 
     Raises:
         CheckpointError: the file is missing, a directory, empty, truncated or corrupt, not a torch file, a pickle
             that asks for anything outside the allow-list (refused before anything in it runs), not a dict with
-            :data:`CHECKPOINT_KEYS`, or its hyperparameters fail :func:`check_hyper_parameters`.
+            :data:`CHECKPOINT_KEYS`, its hyperparameters fail :func:`check_hyper_parameters`, or its weights hold
+            NaN or inf.
     """
     where = f"{flag} {path}"
     file = Path(path)
@@ -160,7 +161,21 @@ def read_checkpoint(path: str | os.PathLike[str], flag: str = "--ckpt_path") -> 
         )
     check_hyper_parameters(checkpoint["hyper_parameters"], where)
     check_data_hyper_parameters(checkpoint.get(DATA_HPARAMS_KEY), where)
+    _check_finite_weights(checkpoint["state_dict"], where)
     return checkpoint
+
+
+def _check_finite_weights(state_dict: object, where: str) -> None:
+    """Refuse weights holding NaN or inf (a run that diverged saves them): evaluated, they give NaN metrics and
+    predictions, generation fails on its probabilities, and a resumed run trains on NaN."""
+    if not isinstance(state_dict, dict):
+        return  # the model's own load_state_dict says what it expected
+    for name, value in state_dict.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise CheckpointError(
+                f"{where}: its weights hold NaN or inf (state_dict.{name}), as a run that diverged saves them: use "
+                "an earlier checkpoint (a best-*.ckpt of the run), or train again with a lower --model.lr"
+            )
 
 
 def check_hyper_parameters(hparams: object, where: str) -> None:

@@ -288,6 +288,11 @@ BROKEN: dict[str, tuple[Callable[[Path, Path], object] | None, str]] = {
         lambda trained, path: _edited(trained, path, resize="model.rnn.weight_hh_l0"),
         r"weight_hh_l0 of shape \[3, 3\] where the model has \[64, 16\]|weight_hh_l0: copying a param with shape",
     ),
+    # A diverged run's weights: NaN metrics from test, a traceback from generate, NaN training from fit, before.
+    "weight_nan": (
+        lambda trained, path: _edited(trained, path, nan="model.rnn.weight_hh_l0"),
+        r"its weights hold NaN or inf \(state_dict\.model\.rnn\.weight_hh_l0\)",
+    ),
     # A hyperparameter its model class does not accept (jsonargparse's refusal, attributed to the file).
     "hparam_corrupt": (
         lambda trained, path: _edited(trained, path, hparams={"cell": "transformer"}),
@@ -303,6 +308,7 @@ def _edited(
     resize: str | None = None,
     hparams: dict | None = None,
     entries: dict | None = None,
+    nan: str | None = None,
 ) -> None:
     checkpoint = torch.load(trained, weights_only=True)
     checkpoint["hyper_parameters"].update(hparams or {})
@@ -311,6 +317,8 @@ def _edited(
         del checkpoint["state_dict"][drop]
     if resize is not None:
         checkpoint["state_dict"][resize] = torch.zeros(3, 3)
+    if nan is not None:
+        checkpoint["state_dict"][nan][0, 0] = float("nan")
     torch.save(checkpoint, path)
 
 
