@@ -13,13 +13,14 @@ checkout) with the shipped config of that name: ``--config seqnorm:char_lm``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 __all__ = [
     "CONFIG_PREFIX",
     "config_dir",
     "config_path",
+    "config_values",
     "describe_configs",
     "resolve_config_names",
     "shipped_configs",
@@ -77,18 +78,22 @@ def shipped_name_of(path: str) -> str | None:
     return same_stem[0] if len(same_stem) == 1 else None
 
 
+def config_values(argv: Sequence[str]) -> Iterator[tuple[int, str, str, str]]:
+    """``(index, flag, value, written)`` for every ``--config``/``-c`` value of a command line: ``argv[index]`` is
+    ``written + value`` (``written``: ``"--config="`` for the one-word form, else empty)."""
+    for index, argument in enumerate(argv):
+        flag, equals, value = argument.partition("=")
+        if equals and flag in _CONFIG_FLAGS:
+            yield index, flag, value, f"{flag}="
+        elif index and argv[index - 1] in _CONFIG_FLAGS:
+            yield index, argv[index - 1], argument, ""
+
+
 def resolve_config_names(argv: Sequence[str]) -> list[str]:
     """``argv`` with every ``seqnorm:NAME`` value of ``--config``/``-c`` replaced by that config's path; a
     ``ValueError`` suggesting ``--config seqnorm:NAME`` for a config file that does not exist but is shipped."""
     resolved = list(argv)
-    for index, argument in enumerate(resolved):
-        flag, equals, value = argument.partition("=")
-        if equals and flag in _CONFIG_FLAGS:
-            written = f"{flag}="
-        elif index and resolved[index - 1] in _CONFIG_FLAGS:
-            flag, value, written = resolved[index - 1], argument, ""
-        else:
-            continue
+    for index, flag, value, written in config_values(argv):
         if value.startswith(CONFIG_PREFIX):
             resolved[index] = f"{written}{config_path(value)}"
         elif (name := shipped_name_of(value)) is not None:  # else jsonargparse's "File does not exist" names it

@@ -57,6 +57,7 @@ from seqnorm.cli.checks import (
     apply_checkpoint_data,
     apply_checkpoint_hparams,
     apply_checkpoint_text_format,
+    check_config_files,
     check_config_not_taken,
     check_data_matches,
     check_resumed_batch_size,
@@ -280,6 +281,14 @@ class SeqnormCLI(LightningCLI):
             raise ValueError(f"--ckpt_path {self._resumed['path']}: {error}") from None
 
     def before_instantiate_classes(self) -> None:
+        if self.subcommand is not None and self._get(self.config, "data") is None:
+            # the model would be built without the vocabulary size the data links to it: jsonargparse's report of
+            # that (`empty(): argument 'size' ... NoneType`, then every model argument) named no flag
+            names = " or ".join(f"--data {cls.__name__}" for cls in DATAMODULES)
+            raise ValueError(
+                f"--data: no data given: name its class, {names}, then its files (`seqnorm {self.subcommand} "
+                f"--data.help {DATAMODULES[0].__name__}` lists its flags)"
+            )
         # Lightning added its instantiators just before this hook; these replace them (same keys): see
         # ModelInstantiator for the hyperparameter Lightning's recorded, and DataInstantiator for the vocabulary a
         # checkpoint's data takes.
@@ -464,6 +473,7 @@ def main(args: list[str] | None = None) -> None:
     failed = True  # until the command returns: a run that failed before its first step leaves no folder behind
     try:
         argv = resolve_config_names(argv)  # `--config seqnorm:NAME`: a config shipped with the package
+        check_config_files(argv)
         argv = with_checkpoint_model(argv, MODELS, DATAMODULES)  # `test --ckpt_path X` without --model, --data
         if args is None:
             sys.argv[1:] = argv  # LightningCLI reads sys.argv itself (and warns when given args beside it)

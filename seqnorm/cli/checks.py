@@ -14,6 +14,7 @@ from types import TracebackType
 from typing import Any
 
 import torch
+import yaml
 from jsonargparse import Namespace
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Trainer
@@ -27,6 +28,7 @@ from seqnorm.data.formats import TEXT_FORMATS, checked_format
 from seqnorm.lightning.base import DATA_STATE_KEY
 from seqnorm.lightning.old_hparams import current_hparams
 from seqnorm.norms import NORMS, NormSpec, spec_from_dict
+from seqnorm.shipped_configs import config_values
 
 __all__ = [
     "DATA_SOURCES",
@@ -35,6 +37,7 @@ __all__ = [
     "apply_checkpoint_data",
     "apply_checkpoint_hparams",
     "apply_checkpoint_text_format",
+    "check_config_files",
     "check_config_not_taken",
     "check_data_matches",
     "check_resumed_batch_size",
@@ -305,6 +308,30 @@ def check_resumed_batch_size(data_state: dict[str, Any] | None, datamodule: Any,
             f"and a resumed fit continues that run's data order in batches of {saved}: pass --data.batch_size "
             f"{saved}, or start a new run without --ckpt_path"
         )
+
+
+def check_config_files(argv: list[str]) -> None:
+    """Each ``--config``/``-c`` file of ``argv`` reads as a YAML mapping; else a ``ValueError`` naming the flag and the
+    file (jsonargparse's report of an undecodable, malformed or empty file named neither). A value that is no file is
+    left to jsonargparse, which also reads YAML text given in place of a path and names a file that does not exist."""
+    for _, flag, value, _ in config_values(argv):
+        where = f"{flag} {value}"
+        if not os.path.isfile(value):
+            continue
+        try:
+            config = yaml.safe_load(Path(value).read_text(encoding="utf-8"))
+        except UnicodeDecodeError as error:
+            byte = error.object[error.start]
+            raise ValueError(f"{where}: not UTF-8 text (byte {byte:#04x} at offset {error.start})") from None
+        except OSError as error:
+            raise ValueError(f"{where}: cannot be read ({error.strerror or error})") from None
+        except yaml.YAMLError as error:
+            mark = getattr(error, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            raise ValueError(f"{where}: not YAML: {getattr(error, 'problem', None) or error}{at}") from None
+        if not isinstance(config, dict):
+            got = "an empty file" if config is None else f"a {type(config).__name__}"
+            raise ValueError(f"{where}: expected a YAML mapping of sections (model:, data:, trainer:, ...), got {got}")
 
 
 def check_writable_dir(value: str | None, flag: str = "--trainer.default_root_dir") -> None:

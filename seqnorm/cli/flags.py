@@ -8,8 +8,9 @@ chosen for ``--model``/``--data``/``--optimizer``/``--lr_scheduler`` (``--model.
 (``max_steps``, a norm option inside ``rnn_options``), as a flag or in a ``--config`` file, is one line naming its
 replacement (:func:`~seqnorm.lightning.old_hparams.old_key_error`). A value that is none of a model or data
 argument's choices (``--model.cell lstmm``) is one sentence with the choices and the nearest one
-(:func:`bad_choice`). Any other error (another bad value, a typo inside a ``--config`` file) keeps jsonargparse's
-full report.
+(:func:`bad_choice`). A ``--model.<arg>``/``--data.<arg>`` flag without its class is one line asking for the class
+(:func:`class_not_named`). Any other error (another bad value, a typo inside a ``--config`` file) keeps
+jsonargparse's full report.
 """
 
 from __future__ import annotations
@@ -29,8 +30,16 @@ from jsonargparse import ArgumentParser
 from lightning.pytorch.cli import LightningArgumentParser
 
 from seqnorm.lightning.old_hparams import old_key_error
+from seqnorm.shipped_configs import config_values
 
-__all__ = ["FlagSuggestingParser", "FunctionFlagParser", "bad_choice", "class_flags", "unknown_flag"]
+__all__ = [
+    "FlagSuggestingParser",
+    "FunctionFlagParser",
+    "bad_choice",
+    "class_flags",
+    "class_not_named",
+    "unknown_flag",
+]
 
 _NESTED_BASES = {"optimizer": torch.optim.Optimizer, "lr_scheduler": torch.optim.lr_scheduler.LRScheduler}
 _NESTED_MODULES = {"optimizer": torch.optim, "lr_scheduler": torch.optim.lr_scheduler}
@@ -200,6 +209,26 @@ def bad_choice(words: Sequence[str], nested: dict[str, Sequence[type]]) -> str |
     return None
 
 
+def class_not_named(words: Sequence[str], nested: dict[str, Sequence[type]]) -> str | None:
+    """The error for a ``--model.<arg>``/``--data.<arg>`` flag given without its class (``--data TextCorpus``), on
+    the command line or in a ``--config`` file: jsonargparse's report of it was the whole usage and
+    ``NestedArg(key='path', ...)``. ``None`` where each such flag's class is named, or a config cannot be read here."""
+    named = {word.partition("=")[0][2:] for word in words if word.partition("=")[0][2:] in nested}
+    for _, _, value, _ in config_values(words):
+        try:
+            with open(value, encoding="utf-8") as file:
+                named |= set(_mapping(yaml.safe_load(file))) & set(nested)
+        except (OSError, ValueError, yaml.YAMLError):  # YAML text in place of a path, say: no judgement here
+            return None
+    for word in words:
+        flag = _flag(word)
+        root = None if flag is None else flag[2:].partition(".")[0]
+        if root in nested and root not in named and "." in flag:
+            names = _either([f"--{root} {cls.__name__}" for cls in nested[root]])
+            return f"{flag}: no --{root} class given: name it before its flags, {names}"
+    return None
+
+
 def _either(flags: list[str]) -> str:
     return flags[0] if len(flags) == 1 else f"{', '.join(flags[:-1])} or {flags[-1]}"
 
@@ -236,6 +265,14 @@ class _SuggestsFlags(ArgumentParser):
                 found = self._unknown_flag(words)
             except Exception:  # a hint must never hide the error it explains: jsonargparse's report then
                 found = None
+            if found is None:
+                try:
+                    unnamed = class_not_named(words, self.nested_classes)
+                except Exception:
+                    unnamed = None
+                if unnamed is not None:
+                    print(f"{self._command(words)}: error: {unnamed}", file=sys.stderr)
+                    raise SystemExit(2)
             if found is not None:
                 command, (flag, close, owners) = found
                 where = f"not a flag of {_either(owners)}" if owners else "no such flag"

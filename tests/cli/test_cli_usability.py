@@ -127,6 +127,81 @@ def test_an_abbreviated_flag_is_refused_with_the_flag_meant(capsys: pytest.Captu
     )
 
 
+NO_DATA = (
+    "--data: no data given: name its class, --data TextCorpus or --data LabeledText, then its files (`seqnorm {} "
+    "--data.help TextCorpus` lists its flags)"
+)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["fit", "--model", "LanguageModel", "--model.hidden_size", "8"],
+        ["validate", "--model", "SequenceClassifier"],
+        ["fit", "--config", "model.yaml"],  # a config that names no data either
+    ],
+)
+def test_no_data_is_one_line_naming_the_flag(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], args: list[str]
+) -> None:
+    """It was jsonargparse's ``empty(): argument 'size' ... NoneType`` and every model argument, naming no flag."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model.yaml").write_text("model:\n  class_path: LanguageModel\n")
+    assert cli_usage_error(capsys, args).splitlines()[-1] == f"seqnorm {args[0]}: error: {NO_DATA.format(args[0])}"
+    assert not (tmp_path / "lightning_logs").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (
+            ["fit", "--model", "LanguageModel", "--data.path", "x.txt"],
+            "--data.path: no --data class given: name it before its flags, --data TextCorpus or --data LabeledText",
+        ),
+        (
+            ["test", "--data=TextCorpus", "--model.hidden_size", "8"],
+            "--model.hidden_size: no --model class given: name it before its flags, --model LanguageModel or "
+            "--model SequenceClassifier",
+        ),
+    ],
+)
+def test_a_class_flag_without_its_class_is_one_line(
+    capsys: pytest.CaptureFixture[str], args: list[str], expected: str
+) -> None:
+    """It was the whole usage and jsonargparse's ``NestedArg(key='path', val='x.txt')``, 60 lines."""
+    assert cli_usage_error(capsys, args).splitlines() == [f"seqnorm {args[0]}: error: {expected}"]
+
+
+def test_a_class_named_in_a_config_takes_its_flags(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data.yaml").write_text("data:\n  class_path: TextCorpus\n")
+    args = ["fit", "-c", "data.yaml", "--model", "LanguageModel", "--data.path", "missing.txt"]
+    assert "missing.txt: no such file (given as --data.path)" in cli_usage_error(capsys, args)
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (b"\xff\xfe\x00bin", "not UTF-8 text (byte 0xff at offset 0)"),
+        (b"model: [\n", "not YAML: expected the node content, but found '<stream end>' at line 2, column 1"),
+        (b"", "expected a YAML mapping of sections (model:, data:, trainer:, ...), got an empty file"),
+        (b"- fit\n", "expected a YAML mapping of sections (model:, data:, trainer:, ...), got a list"),
+    ],
+    ids=["binary", "malformed", "empty", "list"],
+)
+def test_an_unusable_config_file_is_one_line_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], content: bytes, expected: str
+) -> None:
+    """The binary file's error named neither the file nor the flag; the malformed one's said ``<unicode string>``;
+    the empty one's was ``Unexpected config:`` with nothing after it."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run config.yaml").write_bytes(content)
+    args = ["fit", *SMALL_LM, "--config=run config.yaml"]
+    assert cli_usage_error(capsys, args).splitlines() == [f"seqnorm fit: error: --config run config.yaml: {expected}"]
+
+
 def test_a_bad_value_keeps_jsonargparses_report(capsys: pytest.CaptureFixture[str]) -> None:
     error = cli_usage_error(capsys, ["fit", *SMALL_LM, "--model.num_layers", "many"])
     assert "no such flag" not in error and "not a flag" not in error and "num_layers" in error
