@@ -7,8 +7,9 @@ chosen for ``--model``/``--data``/``--optimizer``/``--lr_scheduler`` (``--model.
 :func:`difflib.get_close_matches` over the valid ones, in two lines. A model argument of before norm specs
 (``max_steps``, a norm option inside ``rnn_options``), as a flag or in a ``--config`` file, is one line naming its
 replacement (:func:`~seqnorm.lightning.old_hparams.old_key_error`). A value that is none of a model or data
-argument's choices (``--model.cell lstmm``) is one sentence with the choices and the nearest one
-(:func:`bad_choice`). A ``--model.<arg>``/``--data.<arg>`` flag without its class is one line asking for the class
+argument's choices (``--model.cell lstmm``) is one sentence with the choices and the nearest one, and a value that is
+not the integer or finite number such an argument takes (``--model.hidden_size 8.5``) one sentence saying so
+(:func:`bad_value`). A ``--model.<arg>``/``--data.<arg>`` flag without its class is one line asking for the class
 (:func:`class_not_named`). Any other error (another bad value, a typo inside a ``--config`` file) keeps
 jsonargparse's full report.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import json
+import math
 import sys
 import types
 import typing
@@ -35,7 +37,7 @@ from seqnorm.shipped_configs import config_values
 __all__ = [
     "FlagSuggestingParser",
     "FunctionFlagParser",
-    "bad_choice",
+    "bad_value",
     "class_flags",
     "class_not_named",
     "unknown_flag",
@@ -158,30 +160,52 @@ def unknown_flag(
     return None
 
 
+def _members(cls: type, name: str) -> tuple[Any, ...] | None:
+    """The types ``cls``'s argument ``name`` may take, ``None`` dropped (an optional one), or ``None`` where its
+    annotation does not resolve (no judgement here, jsonargparse's then)."""
+    try:
+        hint = typing.get_type_hints(cls.__init__).get(name)
+    except Exception:
+        return None
+    if hint is None:
+        return None
+    members = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    return tuple(member for member in members if member is not type(None))
+
+
 def _choices(cls: type, name: str) -> tuple[str, ...] | None:
     """The values ``cls``'s argument ``name`` takes when its type is a choice of strings (``Literal``, optional or
     not); ``None`` for any other type (a free string, a number, a spec)."""
-    try:
-        hint = typing.get_type_hints(cls.__init__).get(name)
-    except Exception:  # an annotation that does not resolve: no judgement here, jsonargparse's then
-        return None
-    members = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    members = _members(cls, name)
     choices: list[str] = []
-    for member in members:
-        if member is type(None):
-            continue
+    for member in members or ():
         if typing.get_origin(member) is not typing.Literal or not all(isinstance(a, str) for a in member.__args__):
             return None
         choices += member.__args__
     return tuple(choices) or None
 
 
-def bad_choice(words: Sequence[str], nested: dict[str, Sequence[type]]) -> str | None:
+def _number_error(cls: type, name: str, value: str) -> str | None:
+    """What is wrong with ``value`` for ``cls``'s argument ``name`` when its type is a number (``int`` or ``float``,
+    optional or not), read as YAML as jsonargparse reads it: not an int, or not a finite number. ``None`` when the
+    value fits, or the type is another."""
+    members = _members(cls, name)
+    if members not in ((int,), (float,)):
+        return None
+    read = yaml.safe_load(value)
+    if members == (int,):
+        return None if isinstance(read, int) and not isinstance(read, bool) else "expected an integer"
+    fits = isinstance(read, int | float) and not isinstance(read, bool) and math.isfinite(read)
+    return None if fits else "expected a finite number"
+
+
+def bad_value(words: Sequence[str], nested: dict[str, Sequence[type]]) -> str | None:
     """The error for the first ``--model.<arg>``/``--data.<arg>`` value that is none of the argument's choices
-    (``--model.cell lstmm``, ``--data.unit lines``): the flag, the value, the choices and the nearest one, in one
-    sentence (jsonargparse's report of the same ran to 60 lines and ended in ``NestedArg(key='cell', ...)``).
-    Judged against the class the words choose (``--model LanguageModel``), else every class that takes the
-    argument; ``None`` when no value is judged wrong here."""
+    (``--model.cell lstmm``, ``--data.unit lines``: the flag, the value, the choices and the nearest one, in one
+    sentence; jsonargparse's report of the same ran to 60 lines and ended in ``NestedArg(key='cell', ...)``), or not
+    the integer or finite number the argument takes (``--model.hidden_size 8.5``, ``--model.lr nan``: jsonargparse's
+    report said of ``nan`` "Expected a <class 'float'>"). Judged against the class the words choose (``--model
+    LanguageModel``), else every class that takes the argument; ``None`` when no value is judged wrong here."""
     chosen: dict[str, str] = {}
     for index, word in enumerate(words):
         flag = _flag(word)
@@ -199,6 +223,9 @@ def bad_choice(words: Sequence[str], nested: dict[str, Sequence[type]]) -> str |
         if chosen.get(root):
             named = _named_class(chosen[root], classes)
             classes = [named] if named is not None else []
+        numbers = [error for cls in classes if (error := _number_error(cls, name, value)) is not None]
+        if numbers and len(numbers) == sum(_members(cls, name) is not None for cls in classes):
+            return f"{flag} {value}: {numbers[0]}, got {value!r}"
         found = [choices for cls in classes if (choices := _choices(cls, name)) is not None]
         if not found or any(value in choices for choices in found):
             continue
@@ -255,7 +282,7 @@ class _SuggestsFlags(ArgumentParser):
                 print(f"{command}: error: {old}", file=sys.stderr)
                 raise SystemExit(2)
             try:
-                choice = bad_choice(words, self.nested_classes)
+                choice = bad_value(words, self.nested_classes)
             except Exception:  # a hint must never hide the error it explains
                 choice = None
             if choice is not None:

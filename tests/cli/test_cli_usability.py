@@ -102,13 +102,19 @@ def test_flags_that_are_valid_or_cannot_be_judged_get_no_suggestion(words: list[
             ["fit", "--model", "SequenceClassifier", "--data", "LabeledText", "--data.format", "tssv"],
             "--data.format tssv: expected one of tsv, first_token, got 'tssv'; did you mean tsv?",
         ),
+        (["fit", *SMALL_LM, "--model.hidden_size", "8.5"], "--model.hidden_size 8.5: expected an integer, got '8.5'"),
+        (["fit", *SMALL_LM, "--model.num_layers=many"], "--model.num_layers many: expected an integer, got 'many'"),
+        (["fit", *SMALL_LM, "--model.lr", "nan"], "--model.lr nan: expected a finite number, got 'nan'"),
+        (["test", *SMALL_LM, "--data.val_fraction", "-inf"], "--data.val_fraction -inf: expected a finite number, got"),
     ],
 )
 def test_a_value_that_is_none_of_the_choices_is_one_line_with_the_nearest(
     capsys: pytest.CaptureFixture[str], args: list[str], expected: str
 ) -> None:
-    """They ended 61-67 lines of jsonargparse in ``Given value: NestedArg(key='cell', val='lstmm')``."""
-    assert cli_usage_error(capsys, args).splitlines() == [f"seqnorm {args[0]}: error: {expected}"]
+    """They ended 61-67 lines of jsonargparse in ``Given value: NestedArg(key='cell', val='lstmm')``; a number that
+    is not one, or not finite, too (and of ``nan`` it said "Expected a <class 'float'>")."""
+    lines = cli_usage_error(capsys, args).splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"seqnorm {args[0]}: error: {expected}")
 
 
 def test_an_abbreviated_flag_is_refused_with_the_flag_meant(capsys: pytest.CaptureFixture[str]) -> None:
@@ -202,9 +208,9 @@ def test_an_unusable_config_file_is_one_line_naming_it(
     assert cli_usage_error(capsys, args).splitlines() == [f"seqnorm fit: error: --config run config.yaml: {expected}"]
 
 
-def test_a_bad_value_keeps_jsonargparses_report(capsys: pytest.CaptureFixture[str]) -> None:
-    error = cli_usage_error(capsys, ["fit", *SMALL_LM, "--model.num_layers", "many"])
-    assert "no such flag" not in error and "not a flag" not in error and "num_layers" in error
+def test_a_bad_value_not_judged_here_keeps_jsonargparses_report(capsys: pytest.CaptureFixture[str]) -> None:
+    error = cli_usage_error(capsys, ["fit", *SMALL_LM, "--trainer.max_steps", "many"])
+    assert "no such flag" not in error and "not a flag" not in error and "max_steps" in error
 
 
 # ---- generate shows its prompt --------------------------------------------------------------------------------------
