@@ -134,8 +134,12 @@ class SequenceDataModule(pl.LightningDataModule):
         """The data in a few filesystem-safe characters, as a run's name says it: the first file given (training
         first) without its folder and its ``.txt``/``.tsv`` suffix (``ptb.char.valid`` for
         ``data/ptb.char.valid.txt``), ``embedded`` for the embedded task."""
-        given = next((path for path in self.paths.values() if path is not None), None)
+        given = next((path for path in self._source_paths() if path is not None), None)
         return short_name(os.path.basename(os.path.normpath(given))) if given is not None else "embedded"
+
+    def _source_paths(self) -> list[str | None]:
+        """The files :attr:`source_name` may name, in its order of preference: the splits' (training first)."""
+        return list(self.paths.values())
 
     @classmethod
     def load_from_checkpoint(  # type: ignore[override]

@@ -163,6 +163,10 @@ class LabeledText(SequenceDataModule):
         """Number of classes (the classifier's output size)."""
         return len(self.labels)
 
+    def _source_paths(self) -> list[str | None]:
+        # the texts to label last: `predict --ckpt_path X --data.predict_path new.txt` is a run on new.txt
+        return [*super()._source_paths(), self.predict_path]
+
     @property
     def _evaluation_only(self) -> bool:
         """Files to evaluate or label without a training file: read with a checkpoint's vocabulary and labels."""

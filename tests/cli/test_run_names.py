@@ -120,6 +120,8 @@ def test_the_name_says_task_data_cell_norm_size_depth_and_direction() -> None:
     assert run_name(LanguageModel(20, level="word"), words) == "wordlm-wiki_103_train-lstm-layer-h256"
     classifier = SequenceClassifier(20, 3, cell="gru", norm=BatchNormSpec(momentum=0.2), hidden_size=64)
     assert run_name(classifier, LabeledText()) == "classifier-embedded-gru-batch-h64"
+    labelled = LabeledText(predict_path="texts/new.txt")  # was "embedded": the texts to label were not looked at
+    assert run_name(classifier, labelled) == "classifier-new-gru-batch-h64"
     stacked = SequenceClassifier(20, 3, norm="rms", hidden_size=32, num_layers=2, bidirectional=True)
     evaluated = LabeledText(test_path="/x/" + "q" * 60 + ".tsv")  # a long name: cut short
     assert run_name(stacked, evaluated) == f"classifier-{'q' * 32}-lstm-rms-h32-2layers-bi"
