@@ -45,6 +45,7 @@ __all__ = [
     "names_class",
     "read_checkpoint",
     "read_hparams_file",
+    "refuse_unsafe_load",
     "subclasses",
     "task_class",
 ]
@@ -90,6 +91,16 @@ def _refused_globals(data: bytes, error: Exception) -> str:
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
         names = [found.group(1)] if found else []
     return ", ".join(names) if names else "something outside torch's weights-only allow-list"
+
+
+def refuse_unsafe_load(weights_only: object, flag: str) -> None:
+    """A ``load_from_checkpoint(..., weights_only=False)`` is one error, as ``--weights_only false`` is: seqnorm
+    reads checkpoints with ``weights_only=True`` only (Lightning's keyword, passed on, was a bare ``TypeError``)."""
+    if weights_only is not None and weights_only is not True:
+        raise CheckpointError(
+            f"{flag}: weights_only={weights_only!r}: refused: seqnorm loads checkpoints with weights_only=True only, "
+            "since unpickling anything else can run code; checkpoints written by `seqnorm fit` need nothing more"
+        )
 
 
 def read_checkpoint(path: str | os.PathLike[str], flag: str = "--ckpt_path") -> dict[str, Any]:

@@ -16,7 +16,14 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 
-from seqnorm.checkpoint_io import DATA_HPARAMS_KEY, corrupt_checkpoint, data_class, read_checkpoint, subclasses
+from seqnorm.checkpoint_io import (
+    DATA_HPARAMS_KEY,
+    corrupt_checkpoint,
+    data_class,
+    read_checkpoint,
+    refuse_unsafe_load,
+    subclasses,
+)
 from seqnorm.data.errors import DataError
 from seqnorm.data.files import check_encoding
 from seqnorm.data.formats import checked_format
@@ -156,6 +163,7 @@ class SequenceDataModule(pl.LightningDataModule):
         names must be a regular file and is said once (:func:`from_checkpoint`).
         """
         flag = f"{cls.__name__}.load_from_checkpoint"
+        refuse_unsafe_load(kwargs.pop("weights_only", None), flag)
         checkpoint = read_checkpoint(checkpoint_path, flag)
         target = data_class(checkpoint, subclasses(cls), checkpoint_path, flag) or cls
         taken = inspect.signature(target.__init__).parameters  # names no longer taken are ignored, as Lightning does

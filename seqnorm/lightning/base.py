@@ -21,6 +21,7 @@ from seqnorm.checkpoint_io import (
     corrupt_checkpoint,
     read_checkpoint,
     read_hparams_file,
+    refuse_unsafe_load,
     subclasses,
     task_class,
 )
@@ -108,6 +109,7 @@ class TaskModule(pl.LightningModule):
         map_location: Any = None,
         hparams_file: str | os.PathLike[str] | None = None,
         strict: bool | None = None,
+        weights_only: bool | None = None,
         **kwargs: Any,
     ) -> Self:
         """Lightning's ``load_from_checkpoint``, for a file that passes :func:`read_checkpoint`.
@@ -117,8 +119,10 @@ class TaskModule(pl.LightningModule):
         :class:`~seqnorm.checkpoint_io.CheckpointError` and nothing in it runs. The model is built from
         the checked contents, never from a second read of the path. ``hparams_file`` (a YAML file) replaces the saved
         hyperparameters and passes the same checks; ``kwargs`` replace single hyperparameters, as in Lightning.
+        ``weights_only`` may only be ``True`` (or left out): anything else is refused.
         """
         flag = f"{cls.__name__}.load_from_checkpoint"
+        refuse_unsafe_load(weights_only, flag)
         checkpoint = read_checkpoint(checkpoint_path, flag)
         if hparams_file is not None:
             checkpoint["hyper_parameters"] = read_hparams_file(hparams_file, f"{flag}: hparams_file")

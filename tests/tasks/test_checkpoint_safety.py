@@ -22,6 +22,7 @@ import seqnorm.lightning.base
 from seqnorm import checkpoint_io
 from seqnorm.checkpoint_io import CheckpointError
 from seqnorm.cli import main
+from seqnorm.data import TextCorpus
 from seqnorm.lightning import LanguageModel
 from seqnorm.lightning.base import TaskModule
 from seqnorm.lightning.checkpoint import ResumableCheckpoint
@@ -436,8 +437,6 @@ def test_evaluation_reads_new_text_with_the_checkpoints_vocabulary(story: Path, 
     """``test --data.test_path`` on held-out text: nothing is carved off ``--data.path`` for testing then, so the
     data's own vocabulary would come out in another order (it was refused). The checkpoint's mapping applies: the
     carved test text, passed as a file, scores exactly what the carved split does; other text is read too."""
-    from seqnorm.data import TextCorpus
-
     held_out = story.parent / "held_out.txt"
     held_out.write_text(TextCorpus(path=str(story))._load_items()["test"], encoding="utf-8")
     other = write_story(story.parent / "other.txt", lines=50, words=["zebra", "quiz", "the"], seed=1)
@@ -487,6 +486,14 @@ def test_load_from_checkpoint_reads_a_real_checkpoint(trained: Path) -> None:
     assert model.hparams.hidden_size == 16
     saved = torch.load(trained, weights_only=True)["state_dict"]
     torch.testing.assert_close(model.state_dict(), saved)
+
+
+@pytest.mark.parametrize("cls", [LanguageModel, TextCorpus])
+def test_load_from_checkpoint_refuses_weights_only_false(trained: Path, cls: type) -> None:
+    # Lightning's keyword passed on beside ours: a bare TypeError (the model), an unexpected argument (the data)
+    with pytest.raises(CheckpointError, match=rf"^{cls.__name__}.load_from_checkpoint: weights_only=False: refused"):
+        cls.load_from_checkpoint(trained, weights_only=False)
+    assert cls.load_from_checkpoint(trained, weights_only=True) is not None
 
 
 def test_load_from_checkpoint_names_the_file_when_the_model_refuses_a_saved_value(
