@@ -420,7 +420,13 @@ def with_checkpoint_model(argv: Sequence[str], models: Sequence[type], datamodul
     checkpoint = read_checkpoint(ckpt_path)
     added = []
     saved_class = task_class(checkpoint, models, ckpt_path)
-    if saved_class is not None and "--model" not in flags:  # None: not written by seqnorm's CLI, --model is asked for
+    if "--model" not in flags:
+        if saved_class is None:  # not written by seqnorm's CLI (trainer.save_checkpoint from Python, say)
+            names = " or ".join(f"--model {model.__name__}" for model in models)
+            raise ValueError(
+                f"--ckpt_path {ckpt_path}: the checkpoint names no model class (it was not written by `seqnorm fit`):"
+                f" pass {names}"
+            )
         added += ["--model", saved_class.__name__]
     saved_data = data_class(checkpoint, datamodules, ckpt_path) if "--data" in wanted - flags else None
     if saved_data is not None:

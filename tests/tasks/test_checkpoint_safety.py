@@ -403,6 +403,21 @@ def test_flag_contradicting_the_checkpoint_names_both_values(
     assert not Path("lightning_logs").exists()
 
 
+@pytest.mark.parametrize("command", ["test", "fit"])
+def test_a_checkpoint_naming_no_class_asks_for_the_model(
+    story: Path, trained: Path, capsys: pytest.CaptureFixture, command: str
+) -> None:
+    # as trainer.save_checkpoint writes it from Python: it was jsonargparse's usage and `required: test.model`
+    checkpoint = torch.load(trained, weights_only=True)
+    del checkpoint["hyper_parameters"]["_class_path"]
+    path = story.parent / "from_python.ckpt"
+    torch.save(checkpoint, path)
+    assert _fails(capsys, [command, "--ckpt_path", str(path)]) == (
+        f"seqnorm {command}: error: --ckpt_path {path}: the checkpoint names no model class (it was not written by "
+        "`seqnorm fit`): pass --model LanguageModel or --model SequenceClassifier"
+    )
+
+
 def test_model_class_contradicting_the_checkpoint(story: Path, trained: Path, capsys: pytest.CaptureFixture) -> None:
     args = ["fit", "--model", "SequenceClassifier", "--data", "LabeledText", "--data.train_path", str(story)]
     error = _fails(capsys, [*args, "--ckpt_path", str(trained)])
