@@ -16,6 +16,7 @@ jsonargparse's full report.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
 import json
@@ -185,18 +186,32 @@ def _choices(cls: type, name: str) -> tuple[str, ...] | None:
     return tuple(choices) or None
 
 
+def _numbers(value: str) -> list[int | float]:
+    """The numbers ``value`` reads as: by Python's ``int`` and ``float`` (``1e-3``, which YAML 1.1 reads as a string)
+    and as YAML (``0x10``), as jsonargparse may read it."""
+    read: list[int | float] = []
+    for convert in (int, float):
+        with contextlib.suppress(ValueError):
+            read.append(convert(value))
+    try:
+        loaded = yaml.safe_load(value)
+    except yaml.YAMLError:
+        loaded = None
+    if isinstance(loaded, int | float) and not isinstance(loaded, bool):
+        read.append(loaded)
+    return read
+
+
 def _number_error(cls: type, name: str, value: str) -> str | None:
     """What is wrong with ``value`` for ``cls``'s argument ``name`` when its type is a number (``int`` or ``float``,
-    optional or not), read as YAML as jsonargparse reads it: not an int, or not a finite number. ``None`` when the
-    value fits, or the type is another."""
+    optional or not): it reads as no integer, or as no finite number. ``None`` when the value fits, or the type is
+    another."""
     members = _members(cls, name)
-    if members not in ((int,), (float,)):
-        return None
-    read = yaml.safe_load(value)
     if members == (int,):
-        return None if isinstance(read, int) and not isinstance(read, bool) else "expected an integer"
-    fits = isinstance(read, int | float) and not isinstance(read, bool) and math.isfinite(read)
-    return None if fits else "expected a finite number"
+        return None if any(isinstance(number, int) for number in _numbers(value)) else "expected an integer"
+    if members == (float,):
+        return None if any(math.isfinite(number) for number in _numbers(value)) else "expected a finite number"
+    return None
 
 
 def bad_value(words: Sequence[str], nested: dict[str, Sequence[type]]) -> str | None:

@@ -51,6 +51,10 @@ def test_a_mistyped_model_flag_is_one_short_error_with_the_flag_meant(tmp_path: 
         ),
         (["fit", *SMALL_LM, "--data.pth", "x.txt"], "--data.pth: not a flag of TextCorpus; did you mean --data.path?"),
         (["fit", *SMALL_LM, "--hidden_size", "8"], "--hidden_size: no such flag; did you mean --model.hidden_size?"),
+        (  # a valid number YAML 1.1 reads as a string is no bad value (it was said to be no finite number)
+            ["fit", *SMALL_LM, "--model.lr", "1e-3", "--trainer.max_stepz", "3"],
+            "--trainer.max_stepz: no such flag; did you mean --trainer.max_steps or --trainer.max_time?",
+        ),
         (  # no --model on the command line (a --config may name it): the flags of every model
             ["fit", "--model.hiden_size", "8"],
             "--model.hiden_size: not a flag of LanguageModel or SequenceClassifier; did you mean --model.hidden_size?",
