@@ -192,7 +192,10 @@ class HiddenStateStats(Callback):
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._observation is not None and self._phase == "train":
             scaler = getattr(trainer.precision_plugin, "scaler", None)  # AMP: gradients are still scaled here
-            self._grad_scale = float(scaler.get_scale()) if scaler is not None else 1.0
+            scale = float(scaler.get_scale()) if scaler is not None else 1.0
+            if pl_module.automatic_optimization:  # Lightning divided the loss by it: ∂L/∂h of the batch's own loss
+                scale /= trainer.accumulate_grad_batches
+            self._grad_scale = scale
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int

@@ -63,6 +63,19 @@ def test_layer_norm_run_logs_unit_moments_at_init_and_gradients_through_time(tmp
     assert "images" not in run.Tags() or not run.Tags()["images"]
 
 
+def test_gradient_norms_do_not_depend_on_gradient_accumulation(tmp_path: Path) -> None:
+    # Lightning divides the loss by accumulate_grad_batches before backward: the norms came out divided by it
+    logged = []
+    for accumulate in (1, 3):
+        torch.manual_seed(0)
+        callback = HiddenStateStats(every_n_steps=1, media_every_n_steps=None, validation_batch=False)
+        trainer = make_trainer(tmp_path / str(accumulate), callback, max_steps=1, accumulate_grad_batches=accumulate)
+        trainer.fit(TinySequenceModel(), loader(), loader())
+        run = events(tmp_path / str(accumulate) / "version_0")
+        logged.append([scalar(run, f"grad/l0/{name}", 0) for name in ("h_norm", "h_norm_first", "h_norm_last")])
+    assert logged[1] == pytest.approx(logged[0], rel=1e-5)
+
+
 def test_batch_norm_run_logs_active_rows_gradients_and_the_train_eval_gap(tmp_path: Path) -> None:
     model = TinySequenceModel(cell="gru", norm="batch", bidirectional=True, decoder=True)
     callback = HiddenStateStats(every_n_steps=1, media_every_n_steps=2)
