@@ -439,18 +439,23 @@ def generate(
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     window_length = data_state.get("window_length")  # None in checkpoints of before 2026-11-25: the index counts on
     restarts = data_state["unit"] == "stream" and model.hparams.stream_steps == "restart"
-    continuation = generate_text(
-        model.model,
-        vocab,
-        level=data_state["level"],
-        unit=data_state["unit"],
-        prompt=prompt,
-        length=length,
-        temperature=temperature,
-        top_k=top_k,
-        generator=generator,
-        window_steps=window_length - 1 if restarts and isinstance(window_length, int) and window_length > 1 else None,
-    )
+    window_steps = window_length - 1 if restarts and isinstance(window_length, int) and window_length > 1 else None
+    with warnings.catch_warnings(record=True) as said:  # one line each, not Python's file:line and source line
+        warnings.simplefilter("always")
+        continuation = generate_text(
+            model.model,
+            vocab,
+            level=data_state["level"],
+            unit=data_state["unit"],
+            prompt=prompt,
+            length=length,
+            temperature=temperature,
+            top_k=top_k,
+            generator=generator,
+            window_steps=window_steps,
+        )
+    for warning in said:
+        print(f"seqnorm generate: warning: {warning.message}", file=sys.stderr)
     words_apart = data_state["level"] == "word" and prompt and not prompt[-1].isspace()
     return prompt + (" " if words_apart and continuation[:1] not in ("", "\n") else "") + continuation
 

@@ -96,7 +96,7 @@ def generate_text(
         shown = ", ".join(repr(token) for token in unknown[:10]) + (", ..." if len(unknown) > 10 else "")
         warnings.warn(
             f"generate_text: the prompt's {what} {shown} are not in the model's vocabulary and are fed as <unk>",
-            stacklevel=2,
+            stacklevel=3,  # the caller's line, past torch.no_grad's wrapper
         )
     if not natural_units and not prompt_ids:
         line_break = vocab.eos_index if level == "word" else vocab.encode(["\n"])[0]

@@ -112,3 +112,10 @@ def test_a_stream_window_restarts_its_time_index_as_training_did() -> None:
     model = Counting(len(vocab), vocab.encode(["a"])[0])
     generate_text(model, vocab, level="char", unit="stream", prompt="a", length=6, temperature=0)  # type: ignore[arg-type]
     assert model.steps == [None, 1, 2, 3, 4, 5, 6]  # without window_steps: it counts on
+
+
+def test_an_unknown_prompt_token_is_said_at_the_callers_line() -> None:
+    # it was said at torch.no_grad's wrapper (torch/utils/_contextlib.py), a line of torch's own
+    with pytest.warns(UserWarning, match=r"the prompt's characters 'z' are not in the model's vocabulary") as said:
+        _run(Vocabulary(["a", "\n"]), "a", level="char", unit="line", prompt="az")
+    assert said[0].filename == __file__
