@@ -61,7 +61,7 @@ def contiguous_streams(ids: Tensor, num_streams: int, *, flag: str = "--data.bat
     if length < 2:
         raise DataError(
             f"{len(ids)} tokens cannot fill {num_streams} streams of at least 2 tokens ({flag} {num_streams}): "
-            f"lower {flag} or add text"
+            + (f"lower {flag} or add text" if num_streams > 1 else "add text")
         )
     return ids[: num_streams * length].view(num_streams, length)
 

@@ -308,6 +308,11 @@ class TextCorpus(SequenceDataModule):
             else:
                 sequences = encode_units(items, self._vocab, self.level, self.window_length)
             datasets[split] = LanguageModelingDataset(sequences)
+            if split != "train" and items and not sequences:  # carved and announced, then no window: it ran empty
+                raise DataError(
+                    f"{self.source}: the {split} split has fewer than 2 tokens, nothing to predict: raise "
+                    f"--data.{split}_fraction, pass --data.{split}_path or add text"
+                )
         if len(datasets["train"]) < self.batch_size and not self._evaluation_only:
             raise DataError(
                 f"{self.source}: the training split has {len(datasets['train'])} sequences ({self.unit} units of "

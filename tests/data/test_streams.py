@@ -45,8 +45,10 @@ def test_windows_continue_each_stream_and_predict_every_id_once(length: int, str
 
 
 def test_stream_errors() -> None:
-    with pytest.raises(DataError, match=r"--data\.batch_size 4"):
+    with pytest.raises(DataError, match=r"--data\.batch_size 4\): lower --data\.batch_size or add text$"):
         contiguous_streams(torch.arange(7), 4)
+    with pytest.raises(DataError, match=r"--data\.batch_size 1\): add text$"):  # not "lower" what is already 1
+        contiguous_streams(torch.arange(1), 1)
     with pytest.raises(IndexError, match=r"\[0, 3\)"):
         stream_window(torch.zeros(2, 10, dtype=torch.long), 3, 4)
     with pytest.raises(DataError, match="one stream window, got 2"):

@@ -82,6 +82,17 @@ def test_word_windows_mark_line_ends(write: Callable[..., str]) -> None:
     assert stream == ["b", "c", "<eos>", "d", "e", "<eos>"]
 
 
+@pytest.mark.parametrize("level", ["char", "word"])
+def test_a_carved_split_of_one_token_is_refused(write: Callable[..., str], level: str) -> None:
+    # carved, announced ("1 for val"), then empty: a run without validation, said only by Lightning's zero-length
+    # loader warning
+    text = "hello world\r\nsecond line here\r\nthird\r\n" if level == "word" else "abcdefghijklmnopqrst"
+    corpus = TextCorpus(path=write("t.txt", text), level=level, unit="window", window_length=3, batch_size=1,
+                        val_fraction=0.05, test_fraction=0.0)  # fmt: skip
+    with pytest.raises(DataError, match=r"the val split has fewer than 2 tokens, .*raise --data\.val_fraction"):
+        corpus.setup()
+
+
 def test_paragraph_and_sentence_units(write: Callable[..., str]) -> None:
     text = "One. Two!\nStill two?\n\n\nThree\nlines here.\n"
     paragraphs = TextCorpus(path=write("p.txt", text), unit="paragraph", val_fraction=0.0, test_fraction=0.0,
