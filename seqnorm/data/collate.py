@@ -42,11 +42,17 @@ class LanguageModelingDataset(Dataset):
 
     Args:
         sequences: 1-D int64 tensors of at least two ids each.
+        units: for each sequence, the index of the text unit (line, sentence, paragraph) it was cut from, which
+            ``predict`` writes beside each row (:class:`~seqnorm.lightning.prediction_writer.PredictionWriter`);
+            ``None`` for windows of one stream.
     """
 
-    def __init__(self, sequences: Sequence[torch.Tensor]) -> None:
+    def __init__(self, sequences: Sequence[torch.Tensor], units: Sequence[int] | None = None) -> None:
         self.sequences = list(sequences)
         self.lengths = [len(sequence) - 1 for sequence in self.sequences]
+        if units is not None and len(units) != len(self.sequences):
+            raise ValueError(f"LanguageModelingDataset: {len(self.sequences)} sequences but {len(units)} units")
+        self.units = None if units is None else list(units)
 
     def __len__(self) -> int:
         return len(self.sequences)

@@ -303,11 +303,12 @@ class TextCorpus(SequenceDataModule):
             return self._stream_datasets()
         datasets = {}
         for split, items in self._items.items():
+            units: list[int] | None = None
             if self.unit == "window":
                 sequences = encode_stream(items, self._vocab, self.window_length)
             else:
-                sequences = encode_units(items, self._vocab, self.level, self.window_length)
-            datasets[split] = LanguageModelingDataset(sequences)
+                sequences, units = encode_units(items, self._vocab, self.level, self.window_length)
+            datasets[split] = LanguageModelingDataset(sequences, units)
             if split != "train" and items and not sequences:  # carved and announced, then no window: it ran empty
                 raise DataError(
                     f"{self.source}: the {split} split has fewer than 2 tokens, nothing to predict: raise "

@@ -123,14 +123,20 @@ def vocab_counts(items: str | Sequence[str], level: Level, unit: Unit) -> Counte
     return counts
 
 
-def encode_units(units: Sequence[str], vocab: Vocabulary, level: Level, window_length: int) -> list[torch.Tensor]:
-    """``[<bos>] + ids + [<eos>]`` of each unit, cut into windows of at most ``window_length`` ids."""
+def encode_units(
+    units: Sequence[str], vocab: Vocabulary, level: Level, window_length: int
+) -> tuple[list[torch.Tensor], list[int]]:
+    """``[<bos>] + ids + [<eos>]`` of each unit, cut into windows of at most ``window_length`` ids; and for each
+    window the index of the unit it was cut from (a unit longer than ``window_length`` gives several)."""
     sequences: list[torch.Tensor] = []
+    sources: list[int] = []
     bos, eos = vocab.bos_index, vocab.eos_index
-    for unit in units:
+    for index, unit in enumerate(units):
         ids = torch.tensor([bos, *vocab.encode(tokenize(unit, level)), eos], dtype=torch.int64)
-        sequences.extend(chunk_sequence(ids, window_length))
-    return sequences
+        windows = chunk_sequence(ids, window_length)
+        sequences.extend(windows)
+        sources.extend([index] * len(windows))
+    return sequences, sources
 
 
 def stream_ids(stream: str | Sequence[str], vocab: Vocabulary) -> torch.Tensor:

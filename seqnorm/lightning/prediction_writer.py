@@ -27,8 +27,10 @@ class PredictionWriter(BasePredictionWriter):
     holds: :meth:`SequenceClassifier.prediction_records <seqnorm.lightning.SequenceClassifier.prediction_records>`,
     :meth:`LanguageModel.prediction_records <seqnorm.lightning.LanguageModel.prediction_records>`); this callback
     adds ``index``, the sequence's position in the predict dataset (seqnorm's DataModules predict on the test split
-    in file order, so for a labelled file the index is the line's number among its non-blank lines, from 0), and
-    writes the rows as the batches arrive, so memory does not grow with the data, into a temporary file beside the
+    in file order, so for a labelled file the index is the line's number among its non-blank lines, from 0) and,
+    where the dataset says which text unit each sequence was cut from, ``unit`` (a language model's line longer than
+    its window is several sequences: :class:`~seqnorm.data.LanguageModelingDataset`'s ``units``). It writes the rows
+    as the batches arrive, so memory does not grow with the data, into a temporary file beside the
     target that becomes it when the predict ends (a link at the path is replaced, never written through; a predict
     that fails leaves the previous file). ``seqnorm predict`` installs it.
 
@@ -84,9 +86,12 @@ class PredictionWriter(BasePredictionWriter):
         # Lightning gives the dataset indices of the batch's rows (it wraps the predict batch sampler); a loader it
         # cannot wrap gets running numbers, which are the same indices for a loader in dataset order.
         indices = list(batch_indices) if batch_indices and len(batch_indices) == len(records) else None
+        # a dataset whose sequences were cut from longer units says which (LanguageModelingDataset.units)
+        units = getattr(getattr(_loader(trainer, dataloader_idx), "dataset", None), "units", None)
         for offset, record in enumerate(records):
             index = indices[offset] if indices is not None else self._rows + offset
-            self._file.write(json.dumps({"index": int(index), **record}) + "\n")
+            unit = {"unit": int(units[index])} if units is not None else {}
+            self._file.write(json.dumps({"index": int(index), **unit, **record}) + "\n")
         self._rows += len(records)
 
     def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -99,3 +104,8 @@ class PredictionWriter(BasePredictionWriter):
         file, self._file = self._file, None
         if file is not None:
             file.discard()
+
+
+def _loader(trainer: pl.Trainer, dataloader_idx: int) -> Any:
+    loaders = trainer.predict_dataloaders
+    return loaders[dataloader_idx] if isinstance(loaders, list | tuple) else loaders

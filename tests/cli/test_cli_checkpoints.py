@@ -192,6 +192,20 @@ def test_language_model_predictions_are_per_sequence_losses(
     assert f"{len(rows)} predictions written to {written.resolve()}" in caplog.text
 
 
+@pytest.mark.parametrize("run", ["LanguageModel"], indirect=True)
+def test_language_model_predictions_name_the_line_each_row_was_cut_from(run: tuple[str, list[str]]) -> None:
+    # a line longer than --data.window_length (the run's 128) is several rows, which nothing tied to their line
+    lines = ["the cat sat", "", " ".join(["the dog"] * 40), "a mat"]
+    Path("new.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    main(["predict", "--ckpt_path", str(last_checkpoint()), "--data.test_path", "new.txt", *QUIET])
+    written = (evaluation_path("predict") / "predictions.jsonl").read_text(encoding="utf-8")
+    rows = [json.loads(line) for line in written.splitlines()]
+    units = [row["unit"] for row in rows]
+    assert units == sorted(units) and units[0] == 0 and units[-1] == 2 and units.count(1) == 3  # blank line skipped
+    for unit, line in enumerate(line for line in lines if line):  # every character and <eos>, predicted once
+        assert sum(row["tokens"] for row in rows if row["unit"] == unit) == len(line) + 1
+
+
 def test_generate_from_a_language_model_and_not_from_a_classifier(
     trained: dict[str, Path], capsys: pytest.CaptureFixture
 ) -> None:
