@@ -64,9 +64,9 @@ def _parameters(classes: Iterable[type]) -> set[str]:
 def in_command_line_words(message: str, models: Iterable[type]) -> str:
     """``message`` with its Python-style suggestions of model arguments as the flags that set them.
 
-    The library's errors suggest keyword arguments (``small_batch="running"``, ``norm="layer"``); under the CLI
-    the same setting is ``--model.small_batch running``. Only double-quoted values of arguments the models take are
-    rewritten: single-quoted ones are reprs of given values (``got 'x'``), not suggestions.
+    The library's errors suggest keyword arguments (``norm=BatchNormSpec(small_batch="running")``, ``norm="layer"``);
+    under the CLI the same setting is ``--model.small_batch running``. Only double-quoted values of arguments the
+    models take are rewritten: single-quoted ones are reprs of given values (``got 'x'``), not suggestions.
     """
     names = _parameters(models)
 
@@ -74,6 +74,8 @@ def in_command_line_words(message: str, models: Iterable[type]) -> str:
         name, value = match.group(1), match.group(2)
         return f"--model.{name} {value}" if name in names else match.group(0)
 
+    # a spec's option the models take as their own argument: norm=BatchNormSpec(small_batch="running")
+    message = re.sub(r'\bnorm=[A-Z]\w*Spec\(([a-z_][a-z0-9_]*)="([^"\s]*)"\)', flag, message)
     return re.sub(r'\b([a-z_][a-z0-9_]*)="([^"\s]*)"', flag, message)
 
 

@@ -122,6 +122,7 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
 
     fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "step", "generation", "kernel"})
     indexed_by_step: ClassVar[bool] = True
+    spec_name: ClassVar[str] = "BatchNormSpec"  # the spec the errors' advice names (norm=BatchNormSpec(...))
     """The step index selects the statistics (a layer started at ``first_step > 0`` must pass it on)."""
 
     def __init__(
@@ -494,13 +495,15 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
                 f"{self.owner}: expected a batch of at least 2 rows to form per-timestep batch statistics in "
                 f"training, got batch size {batch}. The batch variance of fewer than 2 samples is undefined: "
                 'per-timestep BN cannot train at batch size 1; use norm="layer" (or "rms"/"weight"), which works '
-                'at batch size 1, or pass small_batch="running" to normalize every step with running statistics.'
+                f'at batch size 1, or pass norm={self.spec_name}(small_batch="running") to normalize every step '
+                "with running statistics."
             )
         return ValueError(
             f"{self.owner}: expected at least 2 active (non-padding) rows at step {step} to form per-timestep "
             f"batch statistics in training, got {active} (batch size {batch}). The batch variance of a "
             'single sample is undefined; use norm="layer" (or "rms"/"weight"), which works at batch size 1, '
-            'or pass small_batch="tail" (the default) to normalize such steps with their running statistics.'
+            f'or pass norm={self.spec_name}(small_batch="tail") (the default) to normalize such steps with their '
+            "running statistics."
         )
 
     def _affine(self, x_hat: Tensor) -> Tensor:

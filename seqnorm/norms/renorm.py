@@ -58,6 +58,7 @@ class TimestepBatchRenorm(TimestepBatchNorm):
     """
 
     fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "step", "generation", "kernel"})  # as BatchNorm's
+    spec_name: ClassVar[str] = "BatchRenormSpec"
 
     def __init__(
         self,

@@ -178,6 +178,8 @@ def test_only_suggested_model_arguments_become_flags() -> None:
     assert in_command_line_words(message, [LanguageModel]) == (
         "use --model.norm layer, or pass --model.small_batch running; got momentum=\"x\" and norm='weight'"
     )
+    spec = 'or pass norm=BatchRenormSpec(small_batch="running") to normalize'  # a spec's option the model takes
+    assert in_command_line_words(spec, [LanguageModel]) == "or pass --model.small_batch running to normalize"
 
 
 # ---- norm_max_steps, formerly max_steps ----------------------------------------------------------------------------

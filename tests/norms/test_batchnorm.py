@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 
 import pytest
 import torch
@@ -52,8 +53,13 @@ def test_batch_size_one_in_training_is_a_clear_error(kind: str, norm: str) -> No
     batch_one = (
         r"expected a batch of at least 2 rows .* got batch size 1\. .*cannot train at batch size 1.*norm=\"layer\""
     )
-    with pytest.raises(ValueError, match=batch_one):
+    with pytest.raises(ValueError, match=batch_one) as refused:
         layer(torch.randn(5, 1, 3))
+    # the advice works as written (it said small_batch="running", a keyword the layers refuse)
+    advice = re.search(r"pass norm=(\w+)\(small_batch=\"running\"\)", str(refused.value))
+    assert advice is not None, refused.value
+    advised = LAYERS[kind](3, 4, norm=getattr(seqnorm.norms, advice.group(1))(small_batch="running"))
+    assert torch.isfinite(advised(torch.randn(5, 1, 3))[0]).all()
     cell = CELLS[kind](3, 4, norm=norm)
     with pytest.raises(ValueError, match=rf"^{type(cell).__name__}: expected a batch of at least 2 rows"):
         cell(torch.randn(1, 3), step=0)
