@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
@@ -142,6 +142,14 @@ class NormScheme:
     weight_norm: bool = False
     batch_statistics: bool = False
 
+    def __post_init__(self) -> None:
+        # a spec names the scheme that builds it (resolve_norm, the cells): another name would build another norm
+        if getattr(self.spec, "name", None) != self.name:
+            raise ValueError(
+                f"NormScheme: expected name to be its spec's name, {self.spec.__name__}.name = "
+                f"{getattr(self.spec, 'name', None)!r}, got {self.name!r}"
+            )
+
     def __reduce_ex__(self, protocol: Any) -> str | tuple[Any, ...]:
         # A registered scheme pickles by its name, as a class pickles by its qualified name: its factory may be a
         # closure (pickle cannot store those), and cells keep their scheme, so models with any norm pickle
@@ -242,7 +250,13 @@ def get_norm(name: str, owner: str) -> NormScheme:
     """The scheme registered as ``name``; a ``ValueError`` naming ``owner`` for unknown names."""
     if not isinstance(name, str) or name not in NORMS:
         raise ValueError(f"{owner}: expected norm to be one of {', '.join(map(repr, NORMS))}, got {name!r}")
-    return NORMS[name]
+    scheme = NORMS[name]
+    if scheme.name != name:
+        raise ValueError(
+            f"{owner}: expected seqnorm.NORMS[{name!r}] to be registered under its own name, got the scheme "
+            f"{scheme.name!r}"
+        )
+    return scheme
 
 
 def resolve_norm(owner: str, norm: str | NormSpec, max_steps: int = DEFAULT_MAX_STEPS) -> NormSpec:
@@ -296,6 +310,11 @@ def check_placement(owner: str, spec: NormSpec, *, has_cell_state: bool) -> Plac
         getattr(spec, "norm_placement", "separate"),
         getattr(spec, "state_norm", "output"),
     )
+    # a spec of one's own may declare the switches without the built-in specs' check of their values
+    for name, choices in (("norm_placement", get_args(NormPlacement)), ("state_norm", get_args(StateNorm))):
+        value = getattr(placement, name)
+        if not isinstance(value, str) or value not in choices:
+            raise ValueError(f"{owner}: expected {name} to be one of {', '.join(map(repr, choices))}, got {value!r}")
     if placement.norm_placement == "joint" and not has_cell_state:
         raise ValueError(
             f"{owner}: expected norm_placement='separate' (the GRU candidate gates its recurrent term by r, so the "

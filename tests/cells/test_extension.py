@@ -221,3 +221,31 @@ def test_the_library_cells_keep_their_paths(kind: str) -> None:
             assert normed.plan(x[0]).cells == ("lean_step",)
     assert CELLS[kind].torch_kernel == kind
     assert str(plain.plan(x)).startswith(f"torch_kernel: {CELLS[kind].__name__} declares torch_kernel={kind!r}")
+
+
+def test_a_scheme_is_registered_under_its_specs_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    # another name built the norm its spec's name registered, silently (or refused the spec as unregistered)
+    with pytest.raises(ValueError, match=r"^NormScheme: expected name to be its spec's name, ScaleNormSpec.name = "):
+        NormScheme("scale2", ScaleNormSpec, lambda features, role, ctx: ScaleNorm(features))
+    monkeypatch.setitem(NORMS, "scale2", NormScheme("scale", ScaleNormSpec, lambda f, r, c: ScaleNorm(f)))
+    with pytest.raises(ValueError, match=r"^LSTM: expected seqnorm.NORMS\['scale2'\] to be registered under its own"):
+        seqnorm.LSTM(3, 4, norm="scale2")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlacedScaleNormSpec(NormSpec):
+    """A spec of one's own with the placement switches as fields, without the built-in specs' check of them."""
+
+    name: ClassVar[str] = "scale_placed"
+    norm_placement: str = "separate"
+    state_norm: str = "output"
+
+
+@pytest.mark.parametrize(("switch", "value"), [("norm_placement", "bogus"), ("state_norm", "kept"), ("state_norm", 1)])
+def test_a_placement_switch_of_a_custom_spec_is_checked(monkeypatch: pytest.MonkeyPatch, switch: str, value) -> None:
+    # any value ran as the default ("separate", "output"), and the cell reported the value given
+    build = lambda features, role, ctx: ScaleNorm(features)  # noqa: E731
+    monkeypatch.setitem(NORMS, "scale_placed", NormScheme("scale_placed", PlacedScaleNormSpec, build))
+    with pytest.raises(ValueError, match=rf"^LSTM: expected {switch} to be one of .*, got {value!r}$"):
+        seqnorm.LSTM(3, 4, norm=PlacedScaleNormSpec(**{switch: value}))
+    assert seqnorm.LSTM(3, 4, norm=PlacedScaleNormSpec(norm_placement="joint")).cells[0].norm_placement == "joint"
