@@ -27,14 +27,27 @@ import _protocol
 
 Key = tuple[str, int]
 
+RESULTS_COLUMNS = ("norm", "batch_size", "status", "lr")
+"""The columns of an arm's ``results.csv`` that are read (``lr_chosen_on`` too, where there)."""
+TRIALS_COLUMNS = ("norm", "batch_size", "lr", "seed", "status", "val_bpc")
+"""The columns of an arm's ``trials.csv`` that are read (``val_bpc_exact`` and ``fallback_per_update`` too, where
+there)."""
+
 
 def read_arm(folder: Path) -> tuple[dict[Key, dict[int, float]], dict[Key, float]]:
     """One arm's headline value per (norm, batch size) and seed at the chosen rate, and BN's tail steps per update
     (mean over those seeds)."""
-    for name in ("results.csv", "trials.csv"):
+    for name, columns in (("results.csv", RESULTS_COLUMNS), ("trials.csv", TRIALS_COLUMNS)):
         if not (folder / name).is_file():
             raise SystemExit(
                 f"compare_arms.py: expected {folder / name} (a batch_size_sweep.py --out folder), got none"
+            )
+        with open(folder / name, newline="") as file:
+            missing = sorted(set(columns) - set(csv.DictReader(file).fieldnames or ()))
+        if missing:  # another script's folder: a KeyError deep in the reading, before
+            raise SystemExit(
+                f"compare_arms.py: expected {folder / name} of a batch_size_sweep.py --out folder, with the columns "
+                f"{', '.join(columns)}; got one without {', '.join(missing)}"
             )
     chosen: dict[Key, tuple[str, str]] = {}
     with open(folder / "results.csv", newline="") as file:

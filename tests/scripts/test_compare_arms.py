@@ -73,3 +73,14 @@ def test_the_table_and_files(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 def test_a_folder_without_a_sweep_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match=r"expected .*results\.csv \(a batch_size_sweep\.py --out folder\)"):
         compare_arms.compare(tmp_path, tmp_path, ("a", "b"))
+
+
+def test_another_scripts_folder_is_one_line(tmp_path: Path) -> None:
+    # length_generalization.py writes results.csv and trials.csv too, without batch sizes: a KeyError, before
+    arm = _arm(tmp_path / "sweep", {"none": [1.0], "layer": [1.0], "batch": [1.0]}, [0.0])
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "results.csv").write_text("norm,status,lr,trained_length\nlayer,ok,0.01,50\n")
+    (other / "trials.csv").write_text("norm,seed,status\nlayer,0,ok\n")
+    with pytest.raises(SystemExit, match=r"results\.csv of a batch_size_sweep\.py --out folder, .*without batch_size$"):
+        compare_arms.compare(arm, other, ("a", "b"))
