@@ -122,8 +122,9 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
 
     fast_forms: ClassVar[frozenset[str]] = frozenset({"loop", "step", "generation", "kernel"})
     indexed_by_step: ClassVar[bool] = True
-    spec_name: ClassVar[str] = "BatchNormSpec"  # the spec the errors' advice names (norm=BatchNormSpec(...))
     """The step index selects the statistics (a layer started at ``first_step > 0`` must pass it on)."""
+    spec_name: ClassVar[str] = "BatchNormSpec"
+    """The spec whose options the errors' advice names (``norm=BatchNormSpec(small_batch="running")``)."""
 
     def __init__(
         self,
