@@ -258,8 +258,7 @@ def class_not_named(words: Sequence[str], nested: dict[str, Sequence[type]]) -> 
     named = {word.partition("=")[0][2:] for word in words if word.partition("=")[0][2:] in nested}
     for _, _, value, _ in config_values(words):
         try:
-            with open(value, encoding="utf-8") as file:
-                named |= set(_mapping(yaml.safe_load(file))) & set(nested)
+            named |= set(_config_file(value)) & set(nested)
         except (OSError, ValueError, yaml.YAMLError):  # YAML text in place of a path, say: no judgement here
             return None
     for word in words:
@@ -362,9 +361,7 @@ def old_model_key(words: list[str]) -> str | None:
                 if error is not None:
                     return str(error)
         elif flag == "--config" and value:
-            with open(value, encoding="utf-8") as file:
-                config = _mapping(yaml.safe_load(file))
-            model = _mapping(config.get("model"))
+            model = _mapping(_config_file(value).get("model"))
             nested = "init_args" in model  # `model: {class_path: ..., init_args: {...}}`, or the arguments themselves
             args = _mapping(model.get("init_args")) if nested else model
             keys = [*args, *(f"rnn_options.{name}" for name in _mapping(args.get("rnn_options")))]
@@ -377,6 +374,12 @@ def old_model_key(words: list[str]) -> str | None:
 
 def _mapping(value: object) -> Mapping[str, Any]:
     return value if isinstance(value, Mapping) else {}
+
+
+def _config_file(path: str) -> Mapping[str, Any]:
+    """A ``--config`` file's top-level mapping, as ``yaml.safe_load`` reads it (empty for anything else)."""
+    with open(path, encoding="utf-8") as file:
+        return _mapping(yaml.safe_load(file))
 
 
 class FlagSuggestingParser(_SuggestsFlags, LightningArgumentParser):
