@@ -360,7 +360,10 @@ class SeqnormCLI(LightningCLI):
             # a writer, predict would compute every prediction and write none.
             callbacks.append(PredictionWriter())
         config["callbacks"] = [*callbacks, RunProgress()]  # a run failing before its first step leaves no folder
-        trainer = super().instantiate_trainer(**config)
+        try:
+            trainer = super().instantiate_trainer(**config)
+        except TypeError as error:  # Lightning's word for a setting of the wrong kind (`--trainer.devices -3`)
+            raise MisconfigurationException(f"--trainer: {error}") from error
         check_config_not_taken(trainer)  # a folder given, not claimed: another run's? Before its logger writes there
         if self._checked is not None:  # the Trainer restores the checkpoint that was checked, not a new read
             path, checkpoint = self._checked

@@ -10,8 +10,10 @@ replacement (:func:`~seqnorm.lightning.old_hparams.old_key_error`). A value that
 argument's choices (``--model.cell lstmm``) is one sentence with the choices and the nearest one, and a value that is
 not the integer or finite number such an argument takes (``--model.hidden_size 8.5``) one sentence saying so
 (:func:`bad_value`). A ``--model.<arg>``/``--data.<arg>`` flag without its class is one line asking for the class
-(:func:`class_not_named`). Any other error (another bad value, a typo inside a ``--config`` file) keeps
-jsonargparse's full report.
+(:func:`class_not_named`). A value not of its flag's type anywhere else (``--trainer.max_steps 2.5``, ``--threads
+-2``, ``generate --length 3.5``, or the same in a ``--config`` file) is one sentence saying what the flag takes
+(:func:`typed_value_error`). Any other error (a value for a class or a path, a typo inside a ``--config`` file)
+keeps jsonargparse's full report.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import difflib
 import importlib
 import json
 import math
+import operator
+import re
 import sys
 import types
 import typing
@@ -41,6 +45,7 @@ __all__ = [
     "bad_value",
     "class_flags",
     "class_not_named",
+    "typed_value_error",
     "unknown_flag",
 ]
 
@@ -251,6 +256,68 @@ def bad_value(words: Sequence[str], nested: dict[str, Sequence[type]]) -> str | 
     return None
 
 
+_COMPARISONS = {operator.ge: ">=", operator.gt: ">", operator.le: "<=", operator.lt: "<"}
+_KINDS = {bool: "true, false", int: "an integer", float: "a finite number", type(None): "null"}
+
+
+def _expected(hint: Any) -> tuple[str, list[str]] | None:
+    """What a flag of type ``hint`` takes, in words (``"an integer >= 0 or null"``), and its choices where it has
+    some (a ``Literal``); ``None`` for a type described no simpler than jsonargparse does (a class, a path, a list)."""
+    members = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    kinds: list[str] = []
+    choices: list[str] = []
+    for member in members:
+        if typing.get_origin(member) is typing.Literal:
+            choices += [str(choice).lower() if isinstance(choice, bool) else str(choice) for choice in member.__args__]
+        elif member in _KINDS:
+            kinds += _KINDS[member].split(", ")
+        elif isinstance(member, type) and issubclass(member, int | float) and hasattr(member, "_restrictions"):
+            base = _KINDS[int if issubclass(member, int) else float]  # jsonargparse's NonNegativeInt and such
+            bounds = [f"{_COMPARISONS[test]} {bound}" for test, bound in member._restrictions if test in _COMPARISONS]
+            if len(bounds) != len(member._restrictions):
+                return None
+            kinds.append(f"{base} {' and '.join(bounds)}")
+        else:
+            return None
+    choices = list(dict.fromkeys(choices))
+    if "an integer" in kinds and "a finite number" in kinds:  # Lightning's int | float
+        kinds.remove("an integer")
+    if choices:
+        kinds.insert(0, f"one of {', '.join(choices)}")
+    if not kinds:
+        return None
+    return (kinds[0] if len(kinds) == 1 else f"{', '.join(kinds[:-1])} or {kinds[-1]}"), choices
+
+
+def typed_value_error(message: str, words: Sequence[str], actions: Iterable[Mapping[str, Any]]) -> str | None:
+    """The error for a value that is not of its flag's type (``--trainer.max_steps 2.5``, ``--threads -2``,
+    ``generate --length 3.5``): the flag, what it takes and the value, in one sentence, where jsonargparse's report
+    (``message``, beginning ``Parser key "trainer.max_steps":``) ran to ten lines after the whole usage. ``actions``:
+    the parsers' flags, each its option strings to actions. ``None`` for another error, or a flag whose type is no
+    simpler to say than jsonargparse says it (a class, a path)."""
+    found = re.match(r'Parser key "([^"]+)":', message)
+    if found is None:
+        return None
+    flag = f"--{found.group(1)}"
+    action = next((options[flag] for options in actions if flag in options), None)
+    expected = _expected(getattr(action, "_typehint", None)) if action is not None else None
+    if expected is None:
+        return None
+    takes, choices = expected
+    value: str | None = None
+    for index, word in enumerate(words):
+        if _flag(word) == flag:
+            value = word.partition("=")[2] if "=" in word else (words[index + 1] if index + 1 < len(words) else None)
+    if value is None:  # set in a --config file: jsonargparse's report quotes it
+        given = re.findall(r"(?:Given|Got) value: (.*)", message)
+        value = given[-1].strip() if given else None
+    if value is None:
+        return f"{flag}: expected {takes}"
+    nearest = difflib.get_close_matches(value, choices, n=1, cutoff=0.5)
+    guess = f"; did you mean {nearest[0]}?" if nearest else ""
+    return f"{flag} {value}: expected {takes}, got {value!r}{guess}"
+
+
 def class_not_named(words: Sequence[str], nested: dict[str, Sequence[type]]) -> str | None:
     """The error for a ``--model.<arg>``/``--data.<arg>`` flag given without its class (``--data TextCorpus``), on
     the command line or in a ``--config`` file: jsonargparse's report of it was the whole usage and
@@ -314,6 +381,14 @@ class _SuggestsFlags(ArgumentParser):
                 if unnamed is not None:
                     print(f"{self._command(words)}: error: {unnamed}", file=sys.stderr)
                     raise SystemExit(2)
+            if found is None:
+                try:
+                    typed = typed_value_error(message, words, self._flag_actions(words))
+                except Exception:
+                    typed = None
+                if typed is not None:
+                    print(f"{self._command(words)}: error: {typed}", file=sys.stderr)
+                    raise SystemExit(2)
             if found is not None:
                 command, (flag, close, owners) = found
                 where = f"not a flag of {_either(owners)}" if owners else "no such flag"
@@ -330,6 +405,12 @@ class _SuggestsFlags(ArgumentParser):
         subcommands = self._subcommands_action
         subcommand = next((word for word in words if subcommands is not None and word in subcommands.choices), None)
         return f"{command} {subcommand}" if subcommand is not None else command
+
+    def _flag_actions(self, words: list[str]) -> list[Mapping[str, Any]]:
+        """This parser's flags, and those of the subcommand the words choose (``fit``'s ``--trainer.max_steps``)."""
+        choices = self._subcommands_action.choices if self._subcommands_action is not None else {}
+        chosen = [choices[word] for word in words if word in choices]
+        return [self._option_string_actions, *(parser._option_string_actions for parser in chosen[:1])]
 
     def _unknown_flag(self, words: list[str]) -> tuple[str, tuple[str, list[str], list[str]]] | None:
         subcommands = self._subcommands_action

@@ -121,6 +121,57 @@ def test_a_value_that_is_none_of_the_choices_is_one_line_with_the_nearest(
     assert len(lines) == 1 and lines[0].startswith(f"seqnorm {args[0]}: error: {expected}")
 
 
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["fit", *SMALL_LM, "--threads", "-2"], "--threads -2: expected an integer >= 0 or null, got '-2'"),
+        (["fit", *SMALL_LM, "--trainer.max_steps", "2.5"], "--trainer.max_steps 2.5: expected an integer, got '2.5'"),
+        (
+            ["fit", *SMALL_LM, "--trainer.precision=bf16-mixd"],
+            "--trainer.precision bf16-mixd: expected one of 64, 32, 16, transformer-engine, "
+            "transformer-engine-float16, 16-true, 16-mixed, bf16-true, bf16-mixed, 32-true, 64-true, bf16 or null, "
+            "got 'bf16-mixd'; did you mean bf16-mixed?",
+        ),
+        (
+            ["fit", *SMALL_LM, "--trainer.enable_checkpointing", "maybe"],
+            "--trainer.enable_checkpointing maybe: expected true, false or null, got 'maybe'",
+        ),
+        (
+            ["fit", *SMALL_LM, "--trainer.gradient_clip_val", "nan"],
+            "--trainer.gradient_clip_val nan: expected a finite number or null, got 'nan'",
+        ),
+        (["generate", "--ckpt_path", "x.ckpt", "--length", "3.5"], "--length 3.5: expected an integer, got '3.5'"),
+        (["generate", "--ckpt_path", "x.ckpt", "--top_k=1.5"], "--top_k 1.5: expected an integer or null, got '1.5'"),
+    ],
+)
+def test_a_value_not_of_a_flags_type_is_one_line_saying_what_it_takes(
+    capsys: pytest.CaptureFixture[str], args: list[str], expected: str
+) -> None:
+    """Flags outside --model/--data (the Trainer's, --threads, generate's) ended jsonargparse's whole usage and a
+    ten-line report (``Does not validate against any of the Union subtypes ... Given value: -2``)."""
+    lines = cli_usage_error(capsys, args).splitlines()
+    assert lines == [f"seqnorm {args[0]}: error: {expected}"]
+
+
+def test_a_value_of_the_wrong_type_in_a_config_file_is_one_line_with_the_value(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    config = tmp_path / "steps.yaml"
+    config.write_text("trainer:\n  max_steps: 2.5\n")
+    lines = cli_usage_error(capsys, ["fit", *SMALL_LM, "--config", str(config)]).splitlines()
+    assert lines == ["seqnorm fit: error: --trainer.max_steps 2.5: expected an integer, got '2.5'"]
+
+
+def test_a_trainer_setting_lightning_refuses_with_a_type_error_is_one_line(tmp_path: Path) -> None:
+    """Lightning's TypeError for ``--trainer.devices -3`` on the CPU was a 40-line traceback."""
+    result = _seqnorm(["fit", *SMALL_LM, "--trainer.devices", "-3", *QUIET], tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "seqnorm fit: error: --trainer: `devices` selected with `CPUAccelerator` should be an int > 0."
+    )
+    assert "Traceback" not in result.stderr
+
+
 def test_an_abbreviated_flag_is_refused_with_the_flag_meant(capsys: pytest.CaptureFixture[str]) -> None:
     """argparse took a unique prefix: ``--trainer.max_step 3`` ran as ``--trainer.max_steps 3``, unsaid."""
     assert (
