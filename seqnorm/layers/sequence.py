@@ -216,6 +216,10 @@ def run_fused(
         if cell.weight_hr is not None:
             weights.append(cell.weight_hr)  # torch tells projections from h_0 and c_0 of different sizes
     kernel = SEQUENCE_KERNELS[cell_kernel(layer.cells[0])]  # type: ignore[index]
+    if torch.compiler.is_compiling():
+        # run as it is, a graph break, as torch.nn.LSTM/GRU are (Dynamo does not trace RNN modules): the fake-tensor
+        # trace of the CPU's fused LSTM with gradients fails (`expected Tensor() for op: aten.mkldnn_rnn_layer`)
+        kernel = torch.compiler.disable(kernel)
     hx: Any = (h0, c0) if c0 is not None else h0
     flags = (layer.bias, layer.num_layers, 0.0, layer.training, layer.bidirectional)
     if lengths is None or int(lengths.min()) == x.shape[0]:

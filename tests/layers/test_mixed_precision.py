@@ -160,3 +160,18 @@ def test_torch_compile_eager_backend() -> None:
     output, _ = compiled(x, lengths=lengths)
     output.sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in layer.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("norm", ["none", "weight"])
+def test_torch_compile_of_torchs_fused_kernel_with_gradients(kind: str, norm: str) -> None:
+    """Without a norm the layer runs torch's fused kernel: traced with gradients, the CPU's LSTM failed (``expected
+    Tensor() for op: aten.mkldnn_rnn_layer``); like torch.nn.LSTM, it runs untraced inside the compiled graph."""
+    torch._dynamo.reset()
+    layer = LAYERS[kind](3, 4, norm=norm)
+    x = torch.randn(5, 2, 3)
+    output, _ = torch.compile(layer, backend="aot_eager")(x)  # the eager backend traces no autograd graph
+    gradients = torch.autograd.grad(output.square().sum(), list(layer.parameters()))
+    expected, _ = layer(x)
+    assert_close(output, expected)
+    assert_close(gradients, torch.autograd.grad(expected.square().sum(), list(layer.parameters())))
