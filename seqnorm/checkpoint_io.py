@@ -121,8 +121,9 @@ def read_checkpoint(path: str | os.PathLike[str], flag: str = "--ckpt_path") -> 
     Raises:
         CheckpointError: the file is missing, a directory, empty, truncated or corrupt, not a torch file, a pickle
             that asks for anything outside the allow-list (refused before anything in it runs), not a dict with
-            :data:`CHECKPOINT_KEYS`, its hyperparameters fail :func:`check_hyper_parameters`, or its weights hold
-            NaN or inf.
+            :data:`CHECKPOINT_KEYS`, it holds Lightning's keys of before 1.0 (:data:`PAST_HPARAMS_KEYS`) or an
+            argument name other than ``"kwargs"`` (:data:`HPARAMS_NAME_KEYS`), its hyperparameters fail
+            :func:`check_hyper_parameters`, or its weights hold NaN or inf.
     """
     where = f"{flag} {path}"
     file = Path(path)
@@ -170,10 +171,38 @@ def read_checkpoint(path: str | os.PathLike[str], flag: str = "--ckpt_path") -> 
             f"{where}: a torch file, but not a checkpoint written by `seqnorm fit`: expected a dict with "
             f"{' and '.join(CHECKPOINT_KEYS)}, got {held or type(checkpoint).__name__}"
         )
+    _check_lightning_keys(checkpoint, where)
     check_hyper_parameters(checkpoint["hyper_parameters"], where)
     check_data_hyper_parameters(checkpoint.get(DATA_HPARAMS_KEY), where)
     _check_finite_weights(checkpoint["state_dict"], where)
     return checkpoint
+
+
+PAST_HPARAMS_KEYS = ("hparams", "module_arguments")
+"""Lightning's hyperparameter keys of before 1.0, which its loader still merges into the model's arguments, beside
+and under ``hyper_parameters``: seqnorm never writes them, and what they hold would be built unchecked."""
+
+HPARAMS_NAME_KEYS = ("hparams_name", "datamodule_hparams_name")
+"""Where Lightning records the name of the ``__init__`` argument the hyperparameters were collected from:
+``"kwargs"`` for seqnorm's modules (``save_hyperparameters()``); another name wraps them all into that one
+argument when the model is built."""
+
+
+def _check_lightning_keys(checkpoint: dict[str, Any], where: str) -> None:
+    """Refuse the keys through which Lightning's loader would build the model from anything but the checked
+    ``hyper_parameters``: a crafted ``hparams`` key of before 1.0 had jsonargparse build a class it named (a shell
+    command, through ``subprocess.Popen``) in ``load_from_checkpoint`` and ``seqnorm generate``."""
+    for key in PAST_HPARAMS_KEYS:
+        if key in checkpoint:
+            raise CheckpointError(
+                f"{where}: refused: it holds {key!r}, Lightning's hyperparameter key of before 1.0, which seqnorm "
+                "never writes and Lightning would build the model from unchecked; nothing in it was built"
+            )
+    for key in HPARAMS_NAME_KEYS:
+        name = checkpoint.get(key, "kwargs")
+        if name not in ("kwargs", None):
+            shown = repr(name) if len(repr(name)) <= 80 else f"a {type(name).__name__}"
+            raise corrupt_checkpoint(where, f"expected its {key} to be 'kwargs', got {shown}")
 
 
 def _check_finite_weights(state_dict: object, where: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections import deque
 from collections.abc import Mapping
@@ -382,6 +383,12 @@ class TaskModule(pl.LightningModule):
             raise self._corrupt(RECENT_LOSSES_KEY, "a list of (loss, token count) pairs", recent)
         self.fallback_total = fallback_total
         self._recent_losses = deque(recent)  # _log_train_loss sets its length
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        key = type(datamodule).__qualname__  # where Lightning saves the DataModule's state, restored after this hook
+        saved = checkpoint.get(key) if datamodule is not None and DATA_STATE_KEY in checkpoint else None
+        if saved is not None and not _same_state(saved, checkpoint[DATA_STATE_KEY]):
+            # the CLI checked and adopted the vocabulary of DATA_STATE_KEY; Lightning would swap in this one
+            raise self._corrupt(key, f"the data state saved beside it as {DATA_STATE_KEY}", saved)
 
     def on_train_start(self) -> None:
         states, self._random_states_to_restore = getattr(self, "_random_states_to_restore", None), None
@@ -402,6 +409,14 @@ class TaskModule(pl.LightningModule):
         return corrupt_checkpoint(where, f"expected its {key} to be {expected}, got {shown}")
 
 
+def _same_state(first: object, second: object) -> bool:
+    """Whether two saved data states are equal (plain values; a tensor inside either is compared as a tensor)."""
+    try:
+        return bool(first == second)
+    except (RuntimeError, TypeError, ValueError):  # tensors of other shapes, or `==` of tensors left ambiguous
+        return False
+
+
 def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
@@ -411,7 +426,8 @@ def _is_loss_entry(entry: object) -> bool:
     if not isinstance(entry, list | tuple) or len(entry) != 2:
         return False
     loss, weight = entry
-    return isinstance(loss, float | int) and not isinstance(loss, bool) and _is_count(weight)
+    number = isinstance(loss, float | int) and not isinstance(loss, bool)
+    return number and math.isfinite(loss) and _is_count(weight)  # a NaN there was logged as train/loss
 
 
 def _as_floats(losses: Any) -> list[tuple[float, int]]:

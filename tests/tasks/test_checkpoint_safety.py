@@ -157,6 +157,63 @@ def test_foreign_class_path_is_refused_without_importing_it(
     assert not marker.exists() and "foreign_model_module" not in sys.modules
 
 
+def _past_hparams_checkpoint(
+    story: Path, trained: Path, monkeypatch: pytest.MonkeyPatch, key: str
+) -> tuple[Path, Path]:
+    """``(checkpoint, marker)``: the class spec under Lightning's hyperparameter key of before 1.0 (``hparams``,
+    ``module_arguments``), which its loader merges into the model's arguments; ``rnn_options`` (an Any that
+    jsonargparse resolves a class_path in) left out of the checked ``hyper_parameters`` so that it comes from there."""
+    marker = _marker_module(story.parent, "past_hparams_module", "Init", monkeypatch)
+    checkpoint = torch.load(trained, weights_only=True)
+    del checkpoint["hyper_parameters"]["rnn_options"]
+    checkpoint[key] = {"rnn_options": {"init": {"class_path": "past_hparams_module.Init"}}}
+    path = story.parent / f"past_{key}.ckpt"
+    torch.save(checkpoint, path)
+    return path, marker
+
+
+@pytest.mark.parametrize("key", ["hparams", "module_arguments"])
+def test_a_class_under_lightnings_past_hparams_key_was_imported_without_the_check(
+    story: Path, trained: Path, monkeypatch: pytest.MonkeyPatch, key: str
+) -> None:
+    path, marker = _past_hparams_checkpoint(story, trained, monkeypatch, key)
+    monkeypatch.setattr("seqnorm.checkpoint_io._check_lightning_keys", lambda checkpoint, where: None)
+    with pytest.raises(Exception):  # noqa: B017 -- whatever the built object then breaks: it was built
+        LanguageModel.load_from_checkpoint(path)
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("command", ["generate", "fit", "test"])
+@pytest.mark.parametrize("key", ["hparams", "module_arguments"])
+def test_lightnings_past_hparams_keys_are_refused_without_importing(
+    story: Path,
+    trained: Path,
+    capsys: pytest.CaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    command: str,
+    key: str,
+) -> None:
+    """A crafted ``hparams`` key had ``generate`` and ``load_from_checkpoint`` build ``subprocess.Popen(shell=True)``
+    from it: Lightning merges it into the model's arguments, and seqnorm checked ``hyper_parameters`` only."""
+    path, marker = _past_hparams_checkpoint(story, trained, monkeypatch, key)
+    error = _fails(capsys, _commands(path, story)[command])
+    assert f"--ckpt_path {path}: refused: it holds '{key}'" in error and "nothing in it was built" in error
+    with pytest.raises(CheckpointError, match=f"refused: it holds '{key}'"):
+        LanguageModel.load_from_checkpoint(path)
+    assert not marker.exists() and "past_hparams_module" not in sys.modules
+
+
+def test_an_hparams_name_other_than_kwargs_is_refused(story: Path, trained: Path) -> None:
+    """Lightning wraps every saved hyperparameter into the ``__init__`` argument it names: a TypeError traceback."""
+    checkpoint = torch.load(trained, weights_only=True)
+    assert checkpoint["hparams_name"] == "kwargs"  # what save_hyperparameters() writes
+    checkpoint["hparams_name"] = "rnn_options"
+    path = story.parent / "hparams_name.ckpt"
+    torch.save(checkpoint, path)
+    with pytest.raises(CheckpointError, match="expected its hparams_name to be 'kwargs', got 'rnn_options'"):
+        LanguageModel.load_from_checkpoint(path)
+
+
 def _string_spec_checkpoint(
     story: Path, trained: Path, monkeypatch: pytest.MonkeyPatch, form: str
 ) -> tuple[Path, Path]:
@@ -341,6 +398,8 @@ def test_unusable_ckpt_path_is_one_message(
     [
         ({"seqnorm_random_states": {"torch": torch.zeros(3)}}, "expected its seqnorm_random_states to be states"),
         ({"seqnorm_recent_losses": [("x", 1)]}, "expected its seqnorm_recent_losses to be a list of (loss, token"),
+        # a NaN there was logged as train/loss, the run exiting 0
+        ({"seqnorm_recent_losses": [(float("nan"), 10)]}, "expected its seqnorm_recent_losses to be a list of"),
         ({"seqnorm_fallback_total": -3}, "expected its seqnorm_fallback_total to be a count, got -3"),
     ],
 )
@@ -353,6 +412,25 @@ def test_corrupt_resume_state_is_one_message(
     args[args.index("--trainer.max_steps") + 1] = "8"  # past the checkpoint's 4 steps: training resumes
     error = _fails(capsys, args)
     assert f"--ckpt_path {path}: a corrupt checkpoint: {expected}" in error
+
+
+@pytest.mark.parametrize("command", ["fit", "test"])
+def test_a_second_data_state_unlike_the_checked_one_is_refused(
+    story: Path, trained: Path, capsys: pytest.CaptureFixture, command: str
+) -> None:
+    """Lightning also saves the DataModule's state under its class name and restores it after the CLI checked and
+    adopted ``seqnorm_data``: a reordered vocabulary there was tested (and trained on) silently, a longer one ended
+    in an IndexError traceback from the embedding."""
+    path = story.parent / "second_vocab.ckpt"
+    checkpoint = torch.load(trained, weights_only=True)
+    assert checkpoint["TextCorpus"] == checkpoint["seqnorm_data"]  # as Lightning and seqnorm write them
+    checkpoint["TextCorpus"]["vocab"]["tokens"].reverse()
+    torch.save(checkpoint, path)
+    args = _commands(path, story)[command]
+    if command == "fit":
+        args[args.index("--trainer.max_steps") + 1] = "8"
+    error = _fails(capsys, args)
+    assert f"--ckpt_path {path}: a corrupt checkpoint: expected its TextCorpus to be the data state saved" in error
 
 
 def test_generate_refuses_a_vocabulary_that_does_not_fit_the_model(
