@@ -400,7 +400,8 @@ def fetch_dataset(name: str, cache_dir: str | Path | None = None, known_hash: st
         name: a key of :data:`DATASETS`.
         cache_dir: where to keep files; ``None`` means :func:`default_cache_dir`. A file that fails its check is
             deleted and fetched again only in a cache the user named (``cache_dir`` or ``$SEQNORM_CACHE``); in the
-            built-in ``~/.cache/seqnorm`` it is refused and left as it is.
+            built-in ``~/.cache/seqnorm`` it is refused and left as it is. The dataset's folder there must not be
+            a link (refused: what it points to is never written or deleted).
         known_hash: replaces the registered checksum (needed where none is registered); only for datasets made of
             a single download.
 
@@ -410,6 +411,12 @@ def fetch_dataset(name: str, cache_dir: str | Path | None = None, known_hash: st
     spec = get_spec(name)
     folder = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()) / spec.name
     named = cache_dir is not None or bool(os.environ.get("SEQNORM_CACHE"))
+    if folder.is_symlink():  # a copied cache's link: its files would be deleted or replaced wherever it points
+        raise DataError(
+            f"--data.dataset {spec.name}: expected {folder} to be a folder of the cache, got a link to "
+            f"{os.readlink(folder)}; seqnorm writes and deletes dataset files only inside the cache: remove the link "
+            "(or pass --data.cache_dir FOLDER)"
+        )
     if known_hash is not None and len(spec.downloads) != 1:
         raise DataError(
             f"--data.dataset_hash applies to datasets made of one download; {spec.name} has {len(spec.downloads)}"

@@ -192,6 +192,29 @@ def test_a_cached_copy_failing_its_checksum_offline_is_named_and_deleted(
     assert not tampered.exists()
 
 
+def test_a_dataset_folder_that_links_out_of_the_cache_is_refused_and_nothing_behind_it_touched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copied cache whose ``<dataset>`` folder links elsewhere: the copy there failing its check was deleted
+    through the link (offline; online, pooch would have written the download there)."""
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    _register(
+        monkeypatch, DatasetSpec("dead", "test", {"train": SplitFile(Download("http://127.0.0.1:9/x.txt", "0" * 64))})
+    )
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "x.txt").write_text("precious\n")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "dead").symlink_to(victim)
+    with pytest.raises(DataError) as caught:
+        fetch_dataset("dead", cache)
+    assert str(caught.value).startswith(
+        f"--data.dataset dead: expected {cache / 'dead'} to be a folder of the cache, got a link to {victim};"
+    )
+    assert [path.name for path in victim.iterdir()] == ["x.txt"] and (victim / "x.txt").read_text() == "precious\n"
+
+
 def test_a_cached_copy_failing_its_checksum_in_the_built_in_cache_is_refused_and_kept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
