@@ -207,15 +207,24 @@ def _check_lightning_keys(checkpoint: dict[str, Any], where: str) -> None:
 
 def _check_finite_weights(state_dict: object, where: str) -> None:
     """Refuse weights holding NaN or inf (a run that diverged saves them): evaluated, they give NaN metrics and
-    predictions, generation fails on its probabilities, and a resumed run trains on NaN."""
+    predictions, generation fails on its probabilities, and a resumed run trains on NaN. Refuse as well the finite
+    values that make NaN of every output and that no training writes: a negative running variance of batch norm
+    (the square root of it), a weight-norm direction (``parametrizations.<weight>.original1``) with a row of zeros
+    (divided by its norm)."""
     if not isinstance(state_dict, dict):
         return  # the model's own load_state_dict says what it expected
     for name, value in state_dict.items():
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            continue
+        if not bool(torch.isfinite(value).all()):
             raise CheckpointError(
                 f"{where}: its weights hold NaN or inf (state_dict.{name}), as a run that diverged saves them: use "
                 "an earlier checkpoint (a best-*.ckpt of the run), or train again with a lower --model.lr"
             )
+        if str(name).endswith("running_var") and bool((value < 0).any()):
+            raise corrupt_checkpoint(where, f"its state_dict.{name} holds a negative variance")
+        if str(name).endswith(".original1") and value.dim() >= 2 and bool((value.flatten(1) == 0).all(1).any()):
+            raise corrupt_checkpoint(where, f"its state_dict.{name} (a weight norm's direction) has a row of zeros")
 
 
 def check_hyper_parameters(hparams: object, where: str) -> None:

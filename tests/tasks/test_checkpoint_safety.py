@@ -359,6 +359,45 @@ BROKEN: dict[str, tuple[Callable[[Path, Path], object] | None, str]] = {
 }
 
 
+@pytest.mark.parametrize(
+    ("norm", "key", "expected"),
+    [
+        (
+            "batch",
+            "norm_hh_l0.running_var",
+            "its state_dict.model.rnn.norm_hh_l0.running_var holds a negative variance",
+        ),
+        (
+            "weight",
+            "parametrizations_l0.weight_hh.original1",
+            "its state_dict.model.rnn.parametrizations_l0.weight_hh.original1 (a weight norm's direction) has a row",
+        ),
+    ],
+)
+def test_finite_weights_that_make_every_output_nan_are_refused(
+    tmp_path: Path, norm: str, key: str, expected: str
+) -> None:
+    """No training writes them, and a test run on them reported ``test/loss nan`` and exited 0."""
+    import seqnorm
+
+    layer = seqnorm.LSTM(3, 4, norm=norm).eval()
+    state = layer.state_dict()
+    state[key][1] = -1.0 if norm == "batch" else 0.0
+    layer.load_state_dict(state)
+    assert torch.isnan(layer(torch.randn(5, 2, 3))[0][-1]).all()  # what evaluating them gives (from step 2)
+    path = tmp_path / "nan_maker.ckpt"
+    torch.save(
+        {"state_dict": {f"model.rnn.{name}": value for name, value in state.items()}, "hyper_parameters": {}}, path
+    )
+    with pytest.raises(CheckpointError, match=re.escape(f"--ckpt_path {path}: a corrupt checkpoint: {expected}")):
+        checkpoint_io.read_checkpoint(path)
+    state[key][1] = 1.0  # the same with the row made sound again: read
+    torch.save(
+        {"state_dict": {f"model.rnn.{name}": value for name, value in state.items()}, "hyper_parameters": {}}, path
+    )
+    checkpoint_io.read_checkpoint(path)
+
+
 def _edited(
     trained: Path,
     path: Path,
