@@ -18,6 +18,7 @@ crafted file — be built unchecked, and jsonargparse would import the class it 
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
 import re
@@ -175,7 +176,67 @@ def read_checkpoint(path: str | os.PathLike[str], flag: str = "--ckpt_path") -> 
     check_hyper_parameters(checkpoint["hyper_parameters"], where)
     check_data_hyper_parameters(checkpoint.get(DATA_HPARAMS_KEY), where)
     _check_finite_weights(checkpoint["state_dict"], where)
+    _check_training_state(checkpoint, where)
     return checkpoint
+
+
+LOOPS = ("fit_loop", "validate_loop", "test_loop", "predict_loop")
+"""The loops whose state Lightning saves under ``loops`` and restores by name."""
+
+
+def _shown(value: object) -> str:
+    return repr(value) if len(repr(value)) <= 80 else f"a {type(value).__name__}"
+
+
+def _non_finite(value: object) -> bool:
+    """Whether ``value`` (an optimizer's state: tensors, numbers, containers of them) holds a NaN or an inf."""
+    if isinstance(value, torch.Tensor):
+        return value.is_floating_point() and not bool(torch.isfinite(value).all())
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, dict):
+        return any(_non_finite(item) for item in value.values())
+    if isinstance(value, list | tuple):
+        return any(_non_finite(item) for item in value)
+    return False
+
+
+def _check_training_state(checkpoint: dict[str, Any], where: str) -> None:
+    """Refuse the state Lightning restores beside the weights where it is not of the kind Lightning writes, or the
+    optimizer's holds NaN or inf: each was a traceback from deep in Lightning's restore (``KeyError: 'test_loop'``,
+    an ``AttributeError`` of a string, a ``KeyError`` in the migration of a version-0.9 file), and a NaN Adam moment
+    trained the weights to NaN and saved them."""
+
+    def refuse(key: str, expected: str) -> CheckpointError:
+        return corrupt_checkpoint(where, f"expected its {key} to be {expected}, got {_shown(checkpoint[key])}")
+
+    def dicts(value: object) -> bool:
+        return isinstance(value, list) and all(isinstance(item, dict) for item in value)
+
+    version = checkpoint.get("pytorch-lightning_version")
+    if version is not None:
+        major = re.match(r"(\d+)\.\d+", version) if isinstance(version, str) else None
+        if major is None or int(major.group(1)) < 2:
+            raise refuse("pytorch-lightning_version", "a version of Lightning 2 or later, which seqnorm fit writes")
+    for key in ("epoch", "global_step"):
+        value = checkpoint.get(key, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise refuse(key, "a count")
+    loops = checkpoint.get("loops")
+    if "loops" in checkpoint and not (isinstance(loops, dict) and all(isinstance(loops.get(n), dict) for n in LOOPS)):
+        raise refuse("loops", f"a dict of the states of {', '.join(LOOPS)}")
+    callbacks = checkpoint.get("callbacks", {})
+    if not isinstance(callbacks, dict) or not all(isinstance(state, dict) for state in callbacks.values()):
+        raise refuse("callbacks", "a dict of the callbacks' states")
+    optimizers = checkpoint.get("optimizer_states", [])
+    if not dicts(optimizers) or not all(
+        isinstance(state.get("state"), dict) and dicts(state.get("param_groups")) for state in optimizers
+    ):
+        raise refuse("optimizer_states", "a list of optimizer states (each its state and param_groups)")
+    if _non_finite(optimizers):
+        raise corrupt_checkpoint(where, "its optimizer_states hold NaN or inf, from which training makes NaN weights")
+    if not dicts(checkpoint.get("lr_schedulers", [])):
+        raise refuse("lr_schedulers", "a list of the schedulers' states")
 
 
 PAST_HPARAMS_KEYS = ("hparams", "module_arguments")

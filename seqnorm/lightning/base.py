@@ -400,13 +400,41 @@ class TaskModule(pl.LightningModule):
                     RANDOM_STATE_KEY, f"states torch, Python and numpy restore ({error})", states
                 ) from None
         settle_restart_totals(self.trainer.fit_loop)
+        self._check_optimizer_state()
+
+    def _check_optimizer_state(self) -> None:
+        """Refuse a restored optimizer state whose per-parameter tensors (Adam's moments) do not have their
+        parameter's shape: torch restores them unchecked, and the first step failed deep inside ``Adam.step``."""
+        for optimizer in self.trainer.optimizers:
+            for group in optimizer.param_groups:
+                for parameter in group["params"]:
+                    for name, value in optimizer.state.get(parameter, {}).items():
+                        if name in PER_PARAMETER_STATE and value.shape != parameter.shape:
+                            got = (
+                                f"{name} of shape {list(value.shape)} for a parameter of shape {list(parameter.shape)}"
+                            )
+                            raise corrupt_checkpoint(
+                                self._saved_at(),
+                                f"expected its optimizer_states to fit the model's parameters, got {got}",
+                            )
 
     def _corrupt(self, key: str, expected: str, got: object) -> CheckpointError:
         """The error for a resume state this module wrote, found unusable in the checkpoint being loaded."""
-        trainer = self._trainer
-        where = f"--ckpt_path {trainer.ckpt_path}" if trainer is not None and trainer.ckpt_path else "the checkpoint"
         shown = repr(got) if len(repr(got)) <= 80 else f"a {type(got).__name__}"
-        return corrupt_checkpoint(where, f"expected its {key} to be {expected}, got {shown}")
+        return corrupt_checkpoint(self._saved_at(), f"expected its {key} to be {expected}, got {shown}")
+
+    def _saved_at(self) -> str:
+        """The checkpoint being loaded, as errors name it."""
+        trainer = self._trainer
+        return f"--ckpt_path {trainer.ckpt_path}" if trainer is not None and trainer.ckpt_path else "the checkpoint"
+
+
+PER_PARAMETER_STATE = frozenset(
+    {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta", "sum", "exp_inf"}
+    | {"grad_avg", "prev", "step_size", "ax"}
+)
+"""The state torch's optimizers keep per parameter in the parameter's shape (Adam's moments, SGD's momentum, ...);
+not Adafactor's factored variances, nor the scalars (``step``)."""
 
 
 def _same_state(first: object, second: object) -> bool:

@@ -15,6 +15,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
+from seqnorm.checkpoint_io import corrupt_checkpoint
 from seqnorm.lightning.atomic_io import AtomicCheckpointIO, atomic_copy, is_disk_full, local_path
 
 __all__ = ["ResumableCheckpoint"]
@@ -74,6 +75,7 @@ class ResumableCheckpoint(ModelCheckpoint):
         self._restoring_to_fit = trainer.state.fn == TrainerFn.FITTING
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._check_saved(state_dict)
         if not self._restoring_to_fit:
             # validate/test/predict save nothing: only best_model_path (ckpt_path="best") matters, and Lightning's
             # warning that the other state is not reloaded from another run's folder would only puzzle
@@ -85,6 +87,38 @@ class ResumableCheckpoint(ModelCheckpoint):
             state_dict = {key: _rebased(value, str(saved), here) for key, value in state_dict.items()}
         super().load_state_dict(state_dict)
         self._forget_foreign_files()
+
+    def _check_saved(self, state: dict[str, Any]) -> None:
+        """Refuse a saved state whose entries are not of the kinds ModelCheckpoint writes: a missing
+        ``best_model_path`` was a ``KeyError`` traceback, a score saved as a string a ``TypeError`` at the first
+        comparison, steps into the resumed run."""
+        where = f"--ckpt_path {self._restoring_from}" if self._restoring_from else "the checkpoint"
+
+        def score(value: object) -> bool:
+            if isinstance(value, Tensor):
+                return value.numel() == 1 and not value.dtype.is_complex
+            return value is None or (isinstance(value, int | float) and not isinstance(value, bool))
+
+        best = state.get("best_k_models", {})
+        checks = [
+            ("best_model_path", "a path", isinstance(state.get("best_model_path"), str)),
+            ("kth_best_model_path", "a path", isinstance(state.get("kth_best_model_path", ""), str)),
+            ("last_model_path", "a path", isinstance(state.get("last_model_path", ""), str)),
+            ("dirpath", "a folder or None", state.get("dirpath") is None or isinstance(state.get("dirpath"), str)),
+            ("best_model_score", "a score", score(state.get("best_model_score"))),
+            ("kth_value", "a score", score(state.get("kth_value"))),
+            (
+                "best_k_models",
+                "a dict of paths to scores",
+                isinstance(best, dict) and all(isinstance(path, str) and score(value) for path, value in best.items()),
+            ),
+        ]
+        for key, expected, fits in checks:
+            if not fits:
+                got = state.get(key, "nothing")
+                shown = repr(got) if len(repr(got)) <= 80 else f"a {type(got).__name__}"
+                what = f"expected the {type(self).__name__} state's {key} to be {expected}, got {shown}"
+                raise corrupt_checkpoint(where, what)
 
     def _owns(self, filepath: str) -> bool:
         """Whether ``filepath`` is inside ``dirpath`` (a file, or a sharded checkpoint's folder, at any depth, as

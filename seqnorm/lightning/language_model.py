@@ -234,7 +234,11 @@ class LanguageModel(TaskModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
-        saved = checkpoint.get(STREAM_STATE_KEY, {}).get("train")
+        streams = checkpoint.get(STREAM_STATE_KEY, {})
+        saved = streams.get("train") if isinstance(streams, dict) else None
+        if not isinstance(streams, dict) or not (saved is None or _is_state(saved)):
+            expected = "a dict whose 'train' holds the carried 'h' (and an LSTM's 'c'), 3-D tensors of one shape"
+            raise self._corrupt(STREAM_STATE_KEY, expected, streams)
         self.carried = {} if saved is None else {"train": _from_dict(saved)}
         # Every stream of the split (_every_stream): each process takes its own rows at its first window.
         self._carried_streams = {} if saved is None else {"train": (0, _rows(self.carried["train"]))}
@@ -289,6 +293,14 @@ def _rows_of(state: Any, held: tuple[int, int], wanted: tuple[int, int], rows: i
 def _as_dict(state: Any) -> dict[str, Tensor]:
     # Plain tensors under names: checkpoints are read with weights_only=True.
     return {"h": state} if isinstance(state, Tensor) else {"h": state[0], "c": state[1]}
+
+
+def _is_state(saved: object) -> bool:
+    """Whether ``saved`` is a carried state as :func:`_as_dict` writes it."""
+    if not isinstance(saved, dict) or not set(saved) <= {"h", "c"} or not isinstance(saved.get("h"), Tensor):
+        return False
+    shape = saved["h"].shape
+    return len(shape) == 3 and all(isinstance(t, Tensor) and t.shape == shape for t in saved.values())
 
 
 def _from_dict(saved: dict[str, Tensor]) -> Any:

@@ -440,6 +440,13 @@ def test_unusable_ckpt_path_is_one_message(
         # a NaN there was logged as train/loss, the run exiting 0
         ({"seqnorm_recent_losses": [(float("nan"), 10)]}, "expected its seqnorm_recent_losses to be a list of"),
         ({"seqnorm_fallback_total": -3}, "expected its seqnorm_fallback_total to be a count, got -3"),
+        # each was a traceback from deep in Lightning's restore, or from the first step
+        ({"pytorch-lightning_version": "0.9.0"}, "expected its pytorch-lightning_version to be a version of Light"),
+        ({"loops": {"fit_loop": "x"}}, "expected its loops to be a dict of the states of fit_loop, validate_loop"),
+        ({"global_step": "4"}, "expected its global_step to be a count, got '4'"),
+        ({"optimizer_states": [{"state": {}}]}, "expected its optimizer_states to be a list of optimizer states"),
+        ({"callbacks": {"ResumableCheckpoint": "x"}}, "expected its callbacks to be a dict of the callbacks' states"),
+        ({"seqnorm_stream_state": []}, "expected its seqnorm_stream_state to be a dict whose 'train' holds"),
     ],
 )
 def test_corrupt_resume_state_is_one_message(
@@ -454,6 +461,50 @@ def test_corrupt_resume_state_is_one_message(
 
 
 @pytest.mark.parametrize("command", ["fit", "test"])
+def _callback_state(checkpoint: dict) -> dict:
+    (key,) = [key for key in checkpoint["callbacks"] if key.startswith("ResumableCheckpoint")]
+    return checkpoint["callbacks"][key]
+
+
+def _adam_moment(checkpoint: dict) -> dict:
+    return checkpoint["optimizer_states"][0]["state"][0]
+
+
+EDITS: dict[str, tuple[Callable[[dict], object], str]] = {
+    "no best_model_path": (
+        lambda checkpoint: _callback_state(checkpoint).pop("best_model_path"),
+        "expected the ResumableCheckpoint state's best_model_path to be a path, got 'nothing'",
+    ),
+    "a score in words": (
+        lambda checkpoint: _callback_state(checkpoint).update(best_k_models={"a.ckpt": "low"}),
+        "expected the ResumableCheckpoint state's best_k_models to be a dict of paths to scores",
+    ),
+    "a NaN moment": (  # it trained the weights to NaN and saved them, exit 0
+        lambda checkpoint: _adam_moment(checkpoint)["exp_avg"].fill_(float("nan")),
+        "its optimizer_states hold NaN or inf",
+    ),
+    "a moment of another shape": (  # a RuntimeError from inside Adam.step, after training had begun
+        lambda checkpoint: _adam_moment(checkpoint).update(exp_avg=torch.zeros(2, 2)),
+        "expected its optimizer_states to fit the model's parameters, got exp_avg of shape [2, 2] for a parameter",
+    ),
+}
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_corrupt_training_state_is_one_message(
+    story: Path, trained: Path, capsys: pytest.CaptureFixture, edit: str
+) -> None:
+    change, expected = EDITS[edit]
+    checkpoint = torch.load(trained, weights_only=True)
+    change(checkpoint)
+    path = story.parent / "corrupt_training_state.ckpt"
+    torch.save(checkpoint, path)
+    args = _commands(path, story)["fit"]
+    args[args.index("--trainer.max_steps") + 1] = "8"
+    error = _fails(capsys, args)
+    assert f"--ckpt_path {path}: a corrupt checkpoint: {expected}" in error
+
+
 def test_a_second_data_state_unlike_the_checked_one_is_refused(
     story: Path, trained: Path, capsys: pytest.CaptureFixture, command: str
 ) -> None:
