@@ -460,7 +460,6 @@ def test_corrupt_resume_state_is_one_message(
     assert f"--ckpt_path {path}: a corrupt checkpoint: {expected}" in error
 
 
-@pytest.mark.parametrize("command", ["fit", "test"])
 def _callback_state(checkpoint: dict) -> dict:
     (key,) = [key for key in checkpoint["callbacks"] if key.startswith("ResumableCheckpoint")]
     return checkpoint["callbacks"][key]
@@ -505,6 +504,7 @@ def test_corrupt_training_state_is_one_message(
     assert f"--ckpt_path {path}: a corrupt checkpoint: {expected}" in error
 
 
+@pytest.mark.parametrize("command", ["fit", "test"])
 def test_a_second_data_state_unlike_the_checked_one_is_refused(
     story: Path, trained: Path, capsys: pytest.CaptureFixture, command: str
 ) -> None:
