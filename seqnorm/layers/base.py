@@ -219,14 +219,41 @@ class RecurrentLayer(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            match = TORCH_KEY.fullmatch(name)
-            if match is None or match["rest"]:
+            held = self._torch_named(name)
+            if held is None:
                 raise
-            index = int(match["layer"]) * self.num_directions + (1 if match["reverse"] else 0)
-            cells = self._modules["cells"]
-            if index >= len(cells) or (match["reverse"] and not self.bidirectional):
+            value = getattr(*held)
+            if value is None:  # as torch's: no weight_hr_l0 without proj_size, no bias_ih_l0 without bias
                 raise
-            return getattr(cells[index], match["name"])
+            return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # `lstm.weight_hh_l0 = nn.Parameter(...)` replaces the cell's weight, as in torch.nn.LSTM (it set a new
+        # attribute of the layer that the cells never read); functional_call and parametrizations rely on it.
+        held = self._torch_named(name) if name not in self.__dict__ else None
+        if held is None:
+            super().__setattr__(name, value)
+        else:
+            setattr(*held, value)
+
+    def __delattr__(self, name: str) -> None:
+        held = self._torch_named(name)
+        if held is None:
+            super().__delattr__(name)
+        else:
+            delattr(*held)
+
+    def _torch_named(self, name: str) -> tuple[RecurrentCell, str] | None:
+        """The cell and attribute that torch's name ``name`` (``weight_ih_l0``, ``bias_hh_l1_reverse``) stands for;
+        ``None`` for any other name, or one past the layers and directions there are."""
+        match = TORCH_KEY.fullmatch(name)
+        cells = self.__dict__.get("_modules", {}).get("cells")
+        if match is None or match["rest"] or cells is None:
+            return None
+        index = int(match["layer"]) * self.num_directions + (1 if match["reverse"] else 0)
+        if index >= len(cells) or (match["reverse"] and not self.bidirectional):
+            return None
+        return cells[index], match["name"]
 
     # --- whole sequences -----------------------------------------------------------------------------------------
 

@@ -155,6 +155,29 @@ def test_torch_attribute_names_resolve_to_cells() -> None:
 
 
 @pytest.mark.parametrize("kind", TORCH_KINDS)
+def test_torch_attribute_names_are_what_torch_has_and_assign_the_cells_weights(kind: str) -> None:
+    """An assignment under torch's name set a new attribute of the layer that read back while the cells went on
+    with the old weight; a projection or bias that is not there read as None (``hasattr`` said it was)."""
+    reference = TORCH_LAYERS[kind][0](3, 4, num_layers=2, bias=False, dtype=torch.float64)
+    layer = LAYERS[kind](3, 4, num_layers=2, bias=False, dtype=torch.float64)
+    for name in ("bias_ih_l0", "weight_hr_l0"):
+        assert hasattr(layer, name) is hasattr(reference, name) is False
+    for name, value in reference.named_parameters():
+        setattr(layer, name, nn.Parameter(value.detach().clone()))
+        assert getattr(layer, name) is dict(layer.named_parameters())[_ours(layer, name)]
+    x = torch.randn(5, 2, 3, dtype=torch.float64)
+    assert_close(layer(x), reference(x), rtol=1e-12, atol=1e-12)
+    with pytest.raises(TypeError, match=r"torch\.nn\.Parameter or None expected"):  # as torch says of a plain tensor
+        layer.weight_hh_l1 = torch.zeros(layer.weight_hh_l1.shape, dtype=torch.float64)
+
+
+def _ours(layer: nn.Module, torch_name: str) -> str:
+    """The name in ``layer.named_parameters()`` of the weight torch calls ``torch_name``."""
+    owner, attribute = layer._torch_named(torch_name)
+    return next(f"{prefix}.{attribute}" for prefix, cell in layer.named_modules() if cell is owner)
+
+
+@pytest.mark.parametrize("kind", TORCH_KINDS)
 @pytest.mark.parametrize(("bias", "proj_size"), [(True, 0), (False, 0), (True, 2)])
 def test_torch_layer_api_for_drop_in_code(kind: str, bias: bool, proj_size: int) -> None:
     """``all_weights`` lists torch's tensors in torch's order; ``flatten_parameters()`` runs; dropout with one layer
