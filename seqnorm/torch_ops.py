@@ -21,6 +21,7 @@ __all__ = [
     "SEQUENCE_KERNELS",
     "batch_norm_backward",
     "batch_norm_with_stats",
+    "functorch_transforming",
     "without_parametrization_hooks",
 ]
 
@@ -54,3 +55,9 @@ def without_parametrization_hooks(hooks: Mapping[int, Any]) -> OrderedDict[int, 
         for key, hook in hooks.items()
         if getattr(getattr(hook, "hook", hook), "__module__", None) != parametrizations.__name__
     )
+
+
+# Whether a torch.func transform (grad, vmap, jvp, functional_call under grad) is running: the compiled kernels'
+# autograd Function predates setup_context, which those transforms require, so the plan takes a torch-op path then.
+# The tensors' own dispatch keys would say it of each input; this asks once, for the whole call.
+functorch_transforming: Callable[[], bool] = torch._C._are_functorch_transforms_active

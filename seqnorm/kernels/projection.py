@@ -52,11 +52,19 @@ def _multiply(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None
 
 
 class _Projection(torch.autograd.Function):
+    # forward and setup_context apart, with a generated vmap rule: torch.func's transforms (grad, vmap) take
+    # only such Functions (an old-style one ended torch.func.grad of any normalized layer)
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    def forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        return _multiply(x, weight, bias)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor, Tensor, Tensor | None], output: Tensor) -> None:
+        x, weight, bias = inputs
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return _multiply(x, weight, bias)
 
     @staticmethod
     @torch.autograd.function.once_differentiable

@@ -47,6 +47,7 @@ from torch.nn.utils.parametrize import type_before_parametrizations
 
 from seqnorm import kernels
 from seqnorm.kernels import NO_NORM, KernelNorm
+from seqnorm.torch_ops import functorch_transforming
 
 if TYPE_CHECKING:
     from seqnorm.cells.base import RecurrentCell
@@ -204,6 +205,8 @@ def _compiled_blocker(
 ) -> str | None:
     if torch.compiler.is_compiling() or torch.compiler.is_exporting():  # opaque to both; the plain path traces
         return "torch.compile or torch.export is tracing"
+    if functorch_transforming():
+        return "a torch.func transform (grad, vmap, jvp) is running"
     backend = kernels.native(device)  # asked last: the first miss warns why
     if backend is None:
         return f"no compiled kernels for {device!r} ({kernels.status(device)})"
@@ -306,6 +309,8 @@ def _torch_kernel_blocker(layer: Layer, cells: list[RecurrentCell], x: Tensor) -
         return "random masks that torch's kernel would draw differently"
     if torch.is_autocast_enabled(x.device.type):
         return "autocast"
+    if functorch_transforming():  # torch.func.vmap has no batching rule for it
+        return "a torch.func transform (grad, vmap, jvp) is running"
     return None
 
 

@@ -99,6 +99,28 @@ def test_fast_equals_reference(kind: str, norm: str, training: bool) -> None:
 
 @pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("kind", TORCH_KINDS)
+def test_torch_func_grad_and_vmap_equal_autograd(kind: str, norm: str) -> None:
+    """torch.func's transforms took no normalized layer: the input projection's and the kernels' autograd Functions
+    were of the old style, which they refuse ("must override the setup_context staticmethod"). In eval mode: batch
+    norms in training update running statistics in place, which torch.func refuses of torch's own BatchNorm too."""
+    _, layer = _pair(kind, norm, num_layers=2)
+    layer.eval()
+    x = torch.randn(5, 2, 3, dtype=torch.float64)
+
+    def loss(parameters: dict[str, torch.Tensor], inputs: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(layer, parameters, (inputs,))[0].square().sum()
+
+    parameters = {name: p.detach() for name, p in layer.named_parameters()}
+    by_func = torch.func.grad(loss, argnums=(0, 1))(parameters, x)
+    inputs = x.clone().requires_grad_()
+    expected = torch.autograd.grad(layer(inputs)[0].square().sum(), [*layer.parameters(), inputs])
+    assert_close([*by_func[0].values(), by_func[1]], list(expected), **TOLERANCE)
+    batched = torch.randn(3, 5, 2, 3, dtype=torch.float64)
+    assert_close(torch.func.vmap(lambda one: layer(one)[0])(batched), torch.stack([layer(one)[0] for one in batched]))
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("kind", TORCH_KINDS)
 def test_fast_equals_reference_with_dropout(kind: str, norm: str) -> None:
     reference, fast = _pair(kind, norm, num_layers=2, dropout=0.3, recurrent_dropout=0.2, batch_first=True)
     assert choose_path(fast, None, 5) in HOISTED  # random masks keep even norm="none" off torch's kernel
