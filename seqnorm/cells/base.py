@@ -135,11 +135,11 @@ class RecurrentCell(PicklableParametrizations):
         self.norm = self.norm_spec.name  # the registry name, as before specs (paths and reprs read it)
         if forget_bias is not None:  # checked before the no-effect warning: a NaN is wrong whatever the cell
             check_finite(owner, "forget_bias", forget_bias)
-        if forget_bias is None and self.norm != "none" and self.forget_gate is not None:
-            forget_bias = 1.0
-        if forget_bias is not None and (self.forget_gate is None or not bias):
+        if forget_bias is not None and (self.forget_gate is None or not bias):  # one the user passed
             warnings.warn(f"{owner}: forget_bias={forget_bias} has no effect without a forget gate bias", stacklevel=2)
             forget_bias = None
+        elif forget_bias is None and self.norm != "none" and self.forget_gate is not None and bias:
+            forget_bias = 1.0
         self.forget_bias = forget_bias
         self.build(device, dtype)
         if self.scheme.weight_norm and not parametrize.is_parametrized(self):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -117,6 +119,17 @@ def test_forget_bias() -> None:
     assert torch.equal(untouched.bias_ih, reference.bias_ih)
     with pytest.warns(UserWarning, match="forget_bias"):
         seqnorm.GRUCell(3, 4, forget_bias=1.0)
+    with pytest.warns(UserWarning, match="forget_bias=2.0 has no effect"):
+        seqnorm.LSTMCell(3, 4, norm="layer", bias=False, forget_bias=2.0)
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms", "batch"])
+def test_no_bias_gets_no_warning_about_a_forget_bias_not_passed(norm: str) -> None:
+    """A normalized LSTM's default forget bias of 1 was set, then warned of, where there is no bias to hold it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer = seqnorm.LSTM(3, 4, norm=norm, bias=False)
+    assert layer.cells[0].forget_bias is None and layer.cells[0].bias_ih is None
 
 
 def test_reset_parameters_restores_running_statistics() -> None:
