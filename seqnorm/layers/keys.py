@@ -93,11 +93,24 @@ def from_torch(cls: type[LayerT], module: nn.Module, expected: type[nn.Module], 
     }
     layer = cls(**options)
     # With a norm, its own parameters keep their initial values; every weight of `module` must still land.
-    missing, unexpected = layer.load_state_dict(module.state_dict(), strict=options["norm"] == "none")
-    if unexpected or any(not key.startswith("norm_") for key in missing):  # torch's names: norm_ih_l0.weight
+    overridden = sorted(name for name in structure if name in kwargs and kwargs[name] != structure[name])
+    because = f" (overridden: {', '.join(f'{n}={kwargs[n]!r}' for n in overridden)})" if overridden else ""
+    try:
+        missing, unexpected = layer.load_state_dict(module.state_dict(), strict=False)
+    except RuntimeError as error:  # weights of other shapes (a hidden_size overridden)
+        detail = " ".join(str(error).split())
+        what = f"expected the torch module's weights to fit{because}"
+        raise ValueError(f"{cls.__name__}.from_torch: {what}: {detail}") from None
+    missing = [key for key in missing if not key.startswith("norm_")]  # torch's names: norm_ih_l0.weight
+    if not unexpected and not missing:
+        return layer
+    if any(key.startswith("parametrizations") for key in missing):  # weight norm's g and v, for torch's W
         raise ValueError(
             f"{cls.__name__}.from_torch: expected a norm under which torch's weights stay parameters as they are "
             f"(any but 'weight', whose W = g v / |v| is a parametrization), got norm={options['norm']!r}; build "
             f"seqnorm.{cls.__name__}(..., norm={options['norm']!r}) and train it instead"
         )
-    return layer
+    raise ValueError(
+        f"{cls.__name__}.from_torch: expected the torch module's weights to be this layer's{because}, got missing "
+        f"keys {missing} and unexpected keys {sorted(unexpected)}"
+    )

@@ -226,3 +226,30 @@ def test_from_torch_with_a_norm_keeps_the_weights(ours_cls: type, torch_cls: typ
 def test_from_torch_refuses_weight_norm_clearly() -> None:
     with pytest.raises(ValueError, match=r"LSTM.from_torch: expected a norm under which torch's weights stay"):
         seqnorm.LSTM.from_torch(nn.LSTM(3, 4), norm="weight")
+
+
+@pytest.mark.parametrize("norm", ["none", "layer"])
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        (
+            {"num_layers": 2},
+            "(overridden: num_layers=2), got missing keys ['weight_ih_l1', 'weight_hh_l1', 'bias_ih_l1'",
+        ),
+        (
+            {"bias": False},
+            "(overridden: bias=False), got missing keys [] and unexpected keys ['bias_hh_l0', 'bias_ih_l0']",
+        ),
+        (
+            {"hidden_size": 5},
+            "to fit (overridden: hidden_size=5): Error(s) in loading state_dict for LSTM: size mismatch",
+        ),
+    ],
+)
+def test_from_torch_names_the_override_that_leaves_weights_out(norm: str, override: dict, expected: str) -> None:
+    """With a norm, any leftover key was blamed on the norm ("expected a norm under which torch's weights stay
+    parameters ... got norm='layer'"), a norm under which they do; without one, torch's multi-line RuntimeError."""
+    with pytest.raises(ValueError) as caught:
+        seqnorm.LSTM.from_torch(nn.LSTM(3, 4), norm=norm, **override)
+    assert str(caught.value).startswith("LSTM.from_torch: expected the torch module's weights to ")
+    assert expected in str(caught.value) and "\n" not in str(caught.value)
