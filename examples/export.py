@@ -8,7 +8,8 @@
   the loop unrolled for one length and be silently wrong for others).
 
 Export in ``eval()`` mode: a model whose norms use batch statistics is refused in training mode, since a graph does
-not carry the running-statistics updates. The README's "Export" section has the whole table.
+not carry the running-statistics updates. The guide's "Export" section (docs/guide/cells-and-layers.md) has the
+whole table.
 
 Run: ``python examples/export.py`` (writes ``model.onnx`` into a temporary directory).
 """

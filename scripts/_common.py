@@ -89,6 +89,7 @@ def _number(kind: type, low: float, strict: bool, what: str) -> Callable[[str], 
 positive_int = _number(int, 0, True, "an int >= 1")
 non_negative_int = _number(int, 0, False, "an int >= 0")
 positive_float = _number(float, 0.0, True, "a number > 0")
+at_least_two = _number(int, 2, False, "an int >= 2")
 
 # Every norm gets the same forget-gate bias, the plain LSTM included: a different one for normalized cells (the
 # library's default: 1 for them, torch's U(-1/sqrt(H), 1/sqrt(H)) for norm="none") would mix initialization into
@@ -132,23 +133,32 @@ def forget_bias_text(args: argparse.Namespace) -> str:
     return f"forget bias {value:g} for every norm (plain LSTM included)"
 
 
-def make_parser(description: str, name: str) -> argparse.ArgumentParser:
-    """A parser with the options every experiment script shares; ``name`` sets the default ``--out``."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+def make_parser(description: str, name: str, text: bool = True) -> argparse.ArgumentParser:
+    """A parser with the options every experiment script shares; ``name`` sets the default ``--out``. ``text``:
+    with the options of the text a script reads (``--text``, ``--dataset``, ...); ``False`` for a script that
+    reads none (the init study's inputs are noise), which then refuses them rather than ignore them."""
+    # no abbreviations: `--lr` (a flag of before the protocol's grid) ran as whichever flag it was short for
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--quick", action="store_true", help="small settings that run in a minute or two on 2 CPUs")
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--text", metavar="FILE", help="your own text file (train/val/test carved 80/10/10)")
-    source.add_argument(
-        "--dataset", metavar="NAME", choices=sorted(DATASETS), help=f"a registered corpus: {', '.join(DATASETS)}"
-    )
-    parser.add_argument(
-        "--text-format",
-        choices=TEXT_FORMATS,
-        help="how --text is read, as the seqnorm command's --data.text_format: plain, or ptb_char (characters "
-        "separated by spaces, '_' between words; the separators dropped). Default: plain text, and a file that "
-        "looks like PTB-char is refused (its separators would make bpc falsely good)",
-    )
-    parser.add_argument("--cache-dir", help="where --dataset downloads go (default $SEQNORM_CACHE or ~/.cache/seqnorm)")
+    if text:
+        source = parser.add_mutually_exclusive_group()
+        source.add_argument("--text", metavar="FILE", help="your own text file (train/val/test carved 80/10/10)")
+        source.add_argument(
+            "--dataset", metavar="NAME", choices=sorted(DATASETS), help=f"a registered corpus: {', '.join(DATASETS)}"
+        )
+        parser.add_argument(
+            "--text-format",
+            choices=TEXT_FORMATS,
+            help="how --text is read, as the seqnorm command's --data.text_format: plain, or ptb_char (characters "
+            "separated by spaces, '_' between words; the separators dropped). Default: plain text, and a file "
+            "that looks like PTB-char is refused (its separators would make bpc falsely good)",
+        )
+        parser.add_argument("--encoding", default="utf-8", help="the text encoding of --text (default utf-8)")
+        parser.add_argument(
+            "--cache-dir", help="where --dataset downloads go (default $SEQNORM_CACHE or ~/.cache/seqnorm)"
+        )
     parser.add_argument("--out", type=Path, default=Path("results") / name, help="output directory")
     parser.add_argument("--seed", type=non_negative_int, default=0)
     add_forget_bias(parser)
@@ -169,12 +179,26 @@ def resolve(args: argparse.Namespace, quick: Mapping[str, Any], full: Mapping[st
             setattr(args, key, value)
     text = getattr(args, "text", None)
     if text is not None and not Path(text).is_file():  # else the library's message names its own --data.path
-        raise SystemExit(f"error: --text {text}: no such file")
+        raise SystemExit(f"error: --text {text}: {'not a regular file' if Path(text).exists() else 'no such file'}")
+    out = getattr(args, "out", None)
+    if out is not None:
+        writable_folder(out, "--out")  # now, not after hours of training
     torch.set_num_threads(args.threads)
     # The same seed gives the same numbers in every process: the compiled kernels then take one fixed matmul route,
     # not the one measured fastest under whatever load the machine had (each rounds differently).
     torch.use_deterministic_algorithms(True)
     return args
+
+
+def writable_folder(folder: str | Path, flag: str) -> None:
+    """Create ``folder`` (and its parents) if needed, or end the script with one line naming ``flag`` where it
+    cannot be created or written: a script found it out when it wrote its tables, after all its training."""
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise SystemExit(f"error: {flag} {folder}: cannot create the folder ({error.strerror or error})") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise SystemExit(f"error: {flag} {folder}: cannot write there")
 
 
 # --- model and training ---------------------------------------------------------------------------------------------

@@ -20,8 +20,11 @@ Three ways to cut the same text (``--unit``):
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import math
-from collections.abc import Sequence
+import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +53,47 @@ SCRIPT_FLAGS = {
     "--data.text_format": "--text-format",
     "--data.dataset": "--dataset",
     "--data.cache_dir": "--cache-dir",
+    "--data.encoding": "--encoding",
 }
+
+SCRIPT_ADVICE = [
+    # the scripts carve validation and test from --text at the library's fractions, and take no split files
+    (r"raise --data\.\w+_fraction, pass --data\.\w+_path or add text", "add text (10% of it is each split's)"),
+    (r"--data\.val_fraction (\S+) and --data\.test_fraction (\S+)", r"a validation fraction \1 and a test fraction \2"),
+    (r"; lower them or add text", "; add text"),
+    (r"\(--data\.(val|test)_fraction (\S+)\)", r"(a fraction \2)"),
+]
+"""The library's advice about flags the scripts do not have, in the scripts' words (after :data:`SCRIPT_FLAGS`)."""
+
+
+def script_words(text: str) -> str:
+    """``text`` (a data error or notice of the library's) naming the scripts' flags (:data:`SCRIPT_FLAGS`) and
+    giving their advice (:data:`SCRIPT_ADVICE`) where the library names the ``seqnorm`` command's flags."""
+    for library_flag, script_flag in SCRIPT_FLAGS.items():
+        text = text.replace(library_flag, script_flag)
+    for pattern, replacement in SCRIPT_ADVICE:
+        text = re.sub(pattern, replacement, text)
+    return text
+
+
+class _ScriptWords(logging.Filter):
+    """The library's notices (``TextCorpus: carved from the end of --data.path ...``) in the scripts' words."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = script_words(record.getMessage()), None
+        return True
+
+
+@contextlib.contextmanager
+def _notices_in_script_words() -> Iterator[None]:
+    """The library's notices in the scripts' words (:class:`_ScriptWords`) while the block runs, and only then: the
+    process may run the ``seqnorm`` command too (the tests do)."""
+    logger, words = logging.getLogger("lightning.pytorch.utilities.rank_zero"), _ScriptWords()
+    logger.addFilter(words)
+    try:
+        yield
+    finally:
+        logger.removeFilter(words)
 
 
 @dataclass
@@ -122,10 +165,7 @@ def _stack(sequences: list[Tensor]) -> Sequences:
 def script_message(error: DataError) -> str:
     """``error``'s message as one line naming the scripts' flags (``--text``, ``--text-format``) where the library
     names the ``seqnorm`` command's (``--data.path``, ``--data.text_format``)."""
-    message = " ".join(str(error).split())
-    for library_flag, script_flag in SCRIPT_FLAGS.items():
-        message = message.replace(library_flag, script_flag)
-    return f"error: {message}"
+    return f"error: {script_words(' '.join(str(error).split()))}"
 
 
 def open_corpus(
@@ -135,19 +175,21 @@ def open_corpus(
     says, its datasets built; a data error (a PTB-char file read as plain text, say) ends the script with one line
     naming the file and the scripts' flag (:func:`script_message`), not a traceback whose advice names the CLI's."""
     try:
-        corpus = TextCorpus(
-            path=args.text,
-            dataset=args.dataset,
-            unit=unit,  # type: ignore[arg-type]
-            window_length=window_length,
-            batch_size=1,  # batching happens in the scripts' own loop
-            text_format=getattr(args, "text_format", None),
-            seed=args.seed,
-            cache_dir=args.cache_dir,
-        )
-        if vocab_from is not None:
-            corpus.load_state_dict(vocab_from.state_dict())
-        corpus.datasets  # noqa: B018 -- reads, checks and encodes the text now, inside this handler
+        with _notices_in_script_words():
+            corpus = TextCorpus(
+                path=args.text,
+                dataset=args.dataset,
+                unit=unit,  # type: ignore[arg-type]
+                window_length=window_length,
+                batch_size=1,  # batching happens in the scripts' own loop
+                text_format=getattr(args, "text_format", None),
+                seed=args.seed,
+                cache_dir=args.cache_dir,
+                encoding=getattr(args, "encoding", "utf-8"),
+            )
+            if vocab_from is not None:
+                corpus.load_state_dict(vocab_from.state_dict())
+            corpus.datasets  # noqa: B018 -- reads, checks and encodes the text now, inside this handler
     except DataError as error:
         raise SystemExit(script_message(error)) from None
     return corpus

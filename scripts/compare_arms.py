@@ -118,6 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--names", nargs=2, default=("first", "second"), help="what to call the two arms")
     parser.add_argument("--out", type=Path, default=None, help="write comparison.md and comparison.csv here")
     args = parser.parse_args(argv)
+    if args.out is not None:
+        _common.writable_folder(args.out, "--out")
     rows = compare(args.first, args.second, args.names)
     if not rows:
         parser.error(
@@ -126,7 +128,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = table(rows, args.names)
     print(text)
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
         command = " ".join(["python scripts/compare_arms.py", *sys.argv[1:]]) if argv is None else ""
         (args.out / "comparison.md").write_text(f"{text}\n\nCommand: `{command}`\n" if command else f"{text}\n")
         _common.write_csv(args.out / "comparison.csv", rows, [key for key in rows[0] if key != "texts"])

@@ -28,7 +28,7 @@ in, and finished cells are skipped. Two processes can share the work (one per co
 run back and writes the complete tables and plots.
 
     python scripts/convergence.py --quick                                     # tiny, the embedded corpus
-    python scripts/convergence.py --text data/tinyshakespeare.txt            # the full grid (hours)
+    python scripts/convergence.py --text tinyshakespeare.txt --out docs/results/convergence  # the full grid (hours)
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ from torch import nn
 import seqnorm
 
 NAME = "convergence"
-OUT = Path("docs") / "results" / NAME
 QUICK = {
     **_protocol.QUICK,
     "norms": ["none", "layer", "batch"],
@@ -98,8 +97,7 @@ def updates_item(text: str) -> tuple[int | None, int]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = _common.make_parser(__doc__, NAME)
-    parser.set_defaults(out=OUT)
+    parser = _common.make_parser(__doc__, NAME)  # --out results/convergence, as every script's (never docs/)
     parser.add_argument("--norms", nargs="+", choices=list(seqnorm.NORMS), help="norms to compare")
     parser.add_argument("--batch-sizes", nargs="+", type=_common.positive_int, help="batch sizes")
     parser.add_argument("--seq-lens", nargs="+", type=_common.positive_int, help="window lengths T (time steps)")
@@ -121,7 +119,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--val-tokens", type=_common.positive_int, help="validation tokens (default: the whole validation split)"
     )
     parser.add_argument("--evaluations", type=_common.positive_int, help="validation points along each run")
-    parser.add_argument("--grad-points", type=_common.positive_int, help="gradient profiles along each run (>= 2)")
+    parser.add_argument(  # at least the start and the end
+        "--grad-points", type=_common.at_least_two, help="gradient profiles along each run (>= 2)"
+    )
     parser.add_argument("--grad-rows", type=_common.positive_int, help="validation windows per gradient profile")
     parser.add_argument(
         "--report",
@@ -146,7 +146,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"argument --select-fraction: expected a number in (0, 1], got {args.select_fraction}")
     if args.trials_cache is None:
         args.trials_cache = args.out / "runs.jsonl"
-    args.grad_points = max(args.grad_points, 2)  # at least the start and the end
     return args
 
 

@@ -93,7 +93,9 @@ def what_a_short_run_shows(rows: Sequence[dict[str, Any]], value: str) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("results/demo"), help="where the experiments write")
-    parser.add_argument("--fit-steps", type=int, default=60, help="training steps of each TensorBoard run")
+    parser.add_argument(  # validated every half of them: at least 2
+        "--fit-steps", type=_common.at_least_two, default=60, help="training steps of each TensorBoard run (>= 2)"
+    )
     args = parser.parse_args(argv)
     started = time.perf_counter()
     sweep_rows: list[dict[str, Any]] = []

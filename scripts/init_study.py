@@ -35,7 +35,7 @@ SATURATED = 0.05  # a sigmoid gate below 0.05 or above 0.95 passes (almost) no g
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = _common.make_parser(__doc__, NAME)
+    parser = _common.make_parser(__doc__, NAME, text=False)  # its inputs are N(0, 1) noise, not text
     parser.add_argument("--norms", nargs="+", choices=list(seqnorm.NORMS), default=list(seqnorm.NORMS))
     parser.add_argument("--inits", nargs="+", choices=list(seqnorm.INITS), default=list(seqnorm.INITS))
     parser.add_argument("--cell", choices=["lstm", "gru"], default="lstm")

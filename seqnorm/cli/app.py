@@ -360,6 +360,12 @@ class SeqnormCLI(LightningCLI):
             # a writer, predict would compute every prediction and write none.
             callbacks.append(PredictionWriter())
         config["callbacks"] = [*callbacks, RunProgress()]  # a run failing before its first step leaves no folder
+        interval = config.get("val_check_interval")
+        if isinstance(interval, int) and not isinstance(interval, bool) and interval == 0:  # Lightning divides by it
+            raise MisconfigurationException(
+                "--trainer.val_check_interval 0: expected a number of training steps (1 or more) or a fraction of an "
+                "epoch (0.0 to 1.0)"
+            )
         try:
             trainer = super().instantiate_trainer(**config)
         except TypeError as error:  # Lightning's word for a setting of the wrong kind (`--trainer.devices -3`)

@@ -76,7 +76,15 @@ def in_command_line_words(message: str, models: Iterable[type]) -> str:
 
     # a spec's option the models take as their own argument: norm=BatchNormSpec(small_batch="running")
     message = re.sub(r'\bnorm=[A-Z]\w*Spec\(([a-z_][a-z0-9_]*)="([^"\s]*)"\)', flag, message)
-    return re.sub(r'\b([a-z_][a-z0-9_]*)="([^"\s]*)"', flag, message)
+    message = re.sub(r'\b([a-z_][a-z0-9_]*)="([^"\s]*)"', flag, message)
+
+    def setting(match: re.Match[str]) -> str:
+        word, name, value = match.group(1), match.group(2), match.group(3)
+        shown = value.lower() if value in ("True", "False") else value  # as the flag takes it (YAML)
+        return f"{word} --model.{name} {shown}" if name in names else match.group(0)
+
+    # a number or switch to set: "set embedding_dim=8 or tie_weights=False"
+    return re.sub(r"\b(set|or) ([a-z_][a-z0-9_]*)=(True|False|-?\d+(?:\.\d+)?)\b", setting, message)
 
 
 def show_generated(text: str, prompt_length: int, file: TextIO | None = None) -> None:

@@ -63,7 +63,7 @@ class RNNLanguageModel(nn.Module):
             what = "proj_size" if output_size != hidden_size else "hidden_size"
             raise ValueError(
                 f"RNNLanguageModel: expected embedding_dim == {what} with tie_weights, got {embedding_dim} and "
-                f"{output_size}"
+                f"{output_size}: set embedding_dim={output_size} or tie_weights=False"
             )
         self.dropout = nn.Dropout(dropout)
         self.projection = nn.Linear(output_size, vocab_size)

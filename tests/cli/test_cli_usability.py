@@ -153,6 +153,28 @@ def test_a_value_not_of_a_flags_type_is_one_line_saying_what_it_takes(
     assert lines == [f"seqnorm {args[0]}: error: {expected}"]
 
 
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (  # a ZeroDivisionError traceback from Lightning's training loop, at its first step
+            ["--trainer.val_check_interval", "0"],
+            "--trainer.val_check_interval 0: expected a number of training steps (1 or more) or a fraction of an "
+            "epoch (0.0 to 1.0)",
+        ),
+        (  # it named the constructor's arguments and no way out
+            ["--model.tie_weights", "true"],
+            "RNNLanguageModel: expected embedding_dim == hidden_size with tie_weights, got 8 and 16: set "
+            "--model.embedding_dim 16 or --model.tie_weights false",
+        ),
+    ],
+)
+def test_settings_refused_before_training_are_one_line_in_flags(
+    capsys: pytest.CaptureFixture[str], args: list[str], expected: str
+) -> None:
+    lines = cli_usage_error(capsys, ["fit", *SMALL_LM, *args]).strip().splitlines()
+    assert lines[-1] == f"seqnorm fit: error: {expected}"
+
+
 def test_a_value_of_the_wrong_type_in_a_config_file_is_one_line_with_the_value(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

@@ -133,3 +133,12 @@ def test_the_demo_says_what_its_short_run_cannot_show() -> None:
     said = demo.what_a_short_run_shows(rows, "val_bpc")
     assert "\n  B=1: LN behind no norm by 0.021 (seed std up to 0.031)\n  B=32: LN ahead of no norm by 0.037" in said
     assert "per-timestep BN cannot train at batch size 1" in said and "docs/results.md" in said
+
+
+def test_the_demo_refuses_fewer_fit_steps_than_it_validates_at(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--fit-steps 1`` ran every experiment, then ended in Lightning's ZeroDivisionError (validation every half)."""
+    import demo
+
+    with pytest.raises(SystemExit) as stopped:
+        demo.main(["--fit-steps", "1"])
+    assert stopped.value.code == 2 and "argument --fit-steps: expected an int >= 2, got '1'" in capsys.readouterr().err

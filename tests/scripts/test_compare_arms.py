@@ -84,3 +84,11 @@ def test_another_scripts_folder_is_one_line(tmp_path: Path) -> None:
     (other / "trials.csv").write_text("norm,seed,status\nlayer,0,ok\n")
     with pytest.raises(SystemExit, match=r"results\.csv of a batch_size_sweep\.py --out folder, .*without batch_size$"):
         compare_arms.compare(arm, other, ("a", "b"))
+
+
+def test_an_out_folder_that_cannot_be_made_is_one_line(tmp_path: Path) -> None:
+    arm = _arm(tmp_path / "sweep", {"none": [1.0], "layer": [1.0], "batch": [1.0]}, [0.0])
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit, match=r"^error: --out .*a_file/sub: cannot create the folder \(Not a directory\)$"):
+        compare_arms.main([str(arm), str(arm), "--out", str(blocker / "sub")])

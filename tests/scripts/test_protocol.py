@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import statistics
@@ -258,6 +259,13 @@ def test_stream_training_runs_in_order_and_detaches(tmp_path) -> None:  # type: 
         ("online_training", ["--evaluations", "0"], "argument --evaluations: expected an int >= 1, got '0'"),
         ("length_generalization", ["--steps", "x"], "argument --steps: expected an int >= 1, got 'x'"),
         ("init_study", ["--seed", "-1"], "argument --seed: expected an int >= 0, got '-1'"),
+        # raised to 2 unsaid
+        ("convergence", ["--grad-points", "1"], "argument --grad-points: expected an int >= 2, got '1'"),
+        # read and ignored: the init study's inputs are noise
+        ("init_study", ["--text", "my.txt"], "unrecognized arguments: --text my.txt"),
+        # ran as --lrs, or was ambiguous between it and --lr-extensions: no abbreviations
+        ("batch_size_sweep", ["--lr", "1e-2"], "unrecognized arguments: --lr 1e-2"),
+        ("online_training", ["--hid", "8"], "unrecognized arguments: --hid 8"),
     ],
 )
 def test_bad_flags_are_refused_by_name(
@@ -275,6 +283,50 @@ def test_bad_flags_are_refused_by_name(
 def test_a_missing_text_file_is_named_by_the_scripts_flag(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match=r"^error: --text .*nowhere.txt: no such file$"):
         __import__("batch_size_sweep").parse_args(["--quick", "--text", str(tmp_path / "nowhere.txt")])
+
+
+def test_a_folder_given_as_text_is_not_called_missing(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match=rf"^error: --text {tmp_path}: not a regular file$"):
+        __import__("batch_size_sweep").parse_args(["--quick", "--text", str(tmp_path)])
+
+
+@pytest.mark.parametrize("script", ["batch_size_sweep", "convergence", "online_training"])
+def test_an_out_folder_that_cannot_be_made_stops_the_script_before_it_trains(script: str, tmp_path: Path) -> None:
+    """It was a NotADirectoryError traceback when the tables were written, after every run had trained."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(
+        SystemExit, match=rf"^error: --out {blocker}/sub: cannot create the folder \(Not a directory\)$"
+    ):
+        __import__(script).parse_args(["--quick", "--out", str(blocker / "sub")])
+
+
+def test_convergence_writes_where_every_script_does_not_into_the_docs() -> None:
+    """Its default --out was docs/results/convergence: a quick run overwrote the committed results there."""
+    assert __import__("convergence").parse_args(["--quick"]).out == Path("results") / "convergence"
+
+
+def test_the_librarys_data_messages_name_the_scripts_flags(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """They named the seqnorm command's --data.val_fraction / --data.val_path / --data.encoding, which the scripts
+    do not have; so did the notice of the carved splits."""
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("ab\n")
+    args = __import__("batch_size_sweep").parse_args(["--quick", "--text", str(tiny), "--out", str(tmp_path / "o")])
+    with pytest.raises(SystemExit) as stopped, caplog.at_level(logging.INFO):
+        _data.open_corpus(args, "window", 4)
+    assert str(stopped.value) == (
+        f"error: {tiny}: the val split has fewer than 2 tokens, nothing to predict: add text (10% of it is each "
+        "split's)"
+    )
+    assert any(message.startswith(f"TextCorpus: carved from the end of --text {tiny}") for message in caplog.messages)
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("caf\xe9 au lait\n".encode("latin-1") * 40)
+    args.text = str(latin)
+    with pytest.raises(SystemExit, match=r"pass --encoding with the file's real encoding \(e\.g\. --encoding latin-1"):
+        _data.open_corpus(args, "window", 4)
+    args.encoding = "latin-1"
+    assert "é" in _data.open_corpus(args, "window", 4).vocab.tokens
+    assert not any("--data." in message for message in caplog.messages)
 
 
 def test_the_trials_cache_is_keyed_on_the_texts_content(tmp_path: Path) -> None:
