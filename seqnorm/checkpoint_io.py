@@ -262,8 +262,7 @@ def _check_lightning_keys(checkpoint: dict[str, Any], where: str) -> None:
     for key in HPARAMS_NAME_KEYS:
         name = checkpoint.get(key, "kwargs")
         if name not in ("kwargs", None):
-            shown = repr(name) if len(repr(name)) <= 80 else f"a {type(name).__name__}"
-            raise corrupt_checkpoint(where, f"expected its {key} to be 'kwargs', got {shown}")
+            raise corrupt_checkpoint(where, f"expected its {key} to be 'kwargs', got {_shown(name)}")
 
 
 def _check_finite_weights(state_dict: object, where: str) -> None:

@@ -229,7 +229,7 @@ class RecurrentLayer(nn.Module):
 
     def __setattr__(self, name: str, value: Any) -> None:
         # `lstm.weight_hh_l0 = nn.Parameter(...)` replaces the cell's weight, as in torch.nn.LSTM (it set a new
-        # attribute of the layer that the cells never read); functional_call and parametrizations rely on it.
+        # attribute of the layer that the cells never read, silently).
         held = self._torch_named(name) if name not in self.__dict__ else None
         if held is None:
             super().__setattr__(name, value)
