@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from types import TracebackType
@@ -21,7 +23,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_only
 
-from seqnorm.checkpoint_io import DATA_HPARAMS_KEY, corrupt_checkpoint, names_class
+from seqnorm.checkpoint_io import DATA_HPARAMS_KEY, check_hyper_parameters, corrupt_checkpoint, names_class
 from seqnorm.cli.runs import checkpoint_run_dir
 from seqnorm.data.base import from_checkpoint
 from seqnorm.data.formats import TEXT_FORMATS, checked_format
@@ -37,6 +39,7 @@ __all__ = [
     "apply_checkpoint_data",
     "apply_checkpoint_hparams",
     "apply_checkpoint_text_format",
+    "check_config_classes",
     "check_config_files",
     "check_config_not_taken",
     "check_data_matches",
@@ -332,6 +335,88 @@ def check_config_files(argv: list[str]) -> None:
         if not isinstance(config, dict):
             got = "an empty file" if config is None else f"a {type(config).__name__}"
             raise ValueError(f"{where}: expected a YAML mapping of sections (model:, data:, trainer:, ...), got {got}")
+        check_config_classes(_with_included(config, [Path(value).parent, Path.cwd()]), where)
+
+
+TRUSTED_ROOTS = ("seqnorm", "torch", "lightning")
+"""The packages whose classes a ``--config`` file may name (``class_path``): seqnorm and the libraries it runs on.
+``$SEQNORM_TRUSTED_MODULES`` (top-level names, comma-separated) adds packages of your own."""
+
+# Where a config names a class by a plain dotted string (`optimizer: torch.optim.AdamW`), as jsonargparse reads it.
+_CLASS_KEYS = frozenset(
+    {"model", "data", "optimizer", "lr_scheduler"}
+    | {f"trainer.{key}" for key in ("callbacks", "callbacks+", "logger", "strategy", "plugins", "profiler")}
+)
+_DOTTED = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
+
+
+def trusted_roots() -> tuple[str, ...]:
+    """:data:`TRUSTED_ROOTS` and those ``$SEQNORM_TRUSTED_MODULES`` adds."""
+    extra = os.environ.get("SEQNORM_TRUSTED_MODULES", "")
+    return TRUSTED_ROOTS + tuple(name.strip() for name in extra.split(",") if name.strip())
+
+
+def _named_classes(config: Any, path: str = "") -> Iterator[tuple[str, str]]:
+    """``(key, class)`` for every class ``config`` names: each ``class_path``, and each dotted string where the
+    sections of :data:`_CLASS_KEYS` take a class."""
+    items = config.items() if isinstance(config, dict) else enumerate(config) if isinstance(config, list) else ()
+    for key, value in items:
+        where = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
+        if key == "class_path":
+            yield where, value if isinstance(value, str) else repr(value)
+        elif isinstance(value, str):  # `optimizer: torch.optim.AdamW`, an item of `trainer.callbacks`
+            if (where in _CLASS_KEYS or path in _CLASS_KEYS) and _DOTTED.fullmatch(value):
+                yield where, value
+        else:
+            yield from _named_classes(value, where)
+
+
+_CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def _with_included(config: Any, folders: list[Path], depth: int = 0, top: bool = True) -> Any:
+    """``config`` with every config file it names in its place, as jsonargparse reads them (``trainer: more.yaml``:
+    a section, or a class's arguments, from another file), so that their classes are checked too. A file is one
+    of YAML or JSON (or a top-level section's value), found beside the file naming it or in the working folder."""
+    if isinstance(config, dict):
+        return {key: _with_included(value, folders, depth, top=False) for key, value in config.items()}
+    if isinstance(config, list):
+        return [_with_included(item, folders, depth, top=False) for item in config]
+    if not isinstance(config, str) or depth >= 8 or not (top or config.endswith(_CONFIG_SUFFIXES)):
+        return config
+    for folder in folders:
+        path = folder / config
+        try:
+            if not path.is_file() or path.stat().st_size > 1 << 20:
+                continue
+            included = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError, yaml.YAMLError):  # unreadable: jsonargparse's report then says so
+            continue
+        if isinstance(included, dict | list):
+            return _with_included(included, [path.parent, *folders], depth + 1, top=False)
+    return config
+
+
+def check_config_classes(config: dict[str, Any], where: str) -> None:
+    """Refuse a ``--config`` file that would make jsonargparse import a module outside :func:`trusted_roots` (to
+    build a class it names: importing runs the module's code), or build a class from a model argument, which is a
+    plain value (an ``Any``, such as ``rnn_options``, would build whatever it names). A config from elsewhere then
+    runs no code of its own; a class of your own is named on the command line (``--trainer.callbacks+=my.Callback``),
+    or its package is trusted with ``$SEQNORM_TRUSTED_MODULES``."""
+    roots = trusted_roots()
+    for key, named in _named_classes(config):
+        root = named.partition(".")[0]
+        if "." in named and root not in roots:
+            raise ValueError(
+                f"{where}: refused: {key} names {named!r}, outside {', '.join(roots)}; a config file imports no other "
+                f"module (it would run that module's code): name the class on the command line, or trust its package "
+                f"with SEQNORM_TRUSTED_MODULES={root}"
+            )
+    model = config.get("model")
+    arguments = model.get("init_args", model) if isinstance(model, dict) else None
+    if isinstance(arguments, dict):
+        plain = {name: value for name, value in arguments.items() if name not in ("class_path", "init_args", "norm")}
+        check_hyper_parameters(plain, f"{where}: model")
 
 
 def check_writable_dir(value: str | None, flag: str = "--trainer.default_root_dir") -> None:

@@ -18,6 +18,7 @@ import torch
 import yaml
 
 import seqnorm.cli.app
+import seqnorm.cli.checks
 import seqnorm.lightning.base
 from seqnorm import checkpoint_io
 from seqnorm.checkpoint_io import CheckpointError
@@ -212,6 +213,58 @@ def test_an_hparams_name_other_than_kwargs_is_refused(story: Path, trained: Path
     torch.save(checkpoint, path)
     with pytest.raises(CheckpointError, match="expected its hparams_name to be 'kwargs', got 'rnn_options'"):
         LanguageModel.load_from_checkpoint(path)
+
+
+CONFIGS_NAMING = {
+    "a callback": (
+        "trainer:\n  callbacks:\n    - class_path: config_module.Thing\n",
+        "trainer.callbacks[0].class_path",
+    ),
+    "an optimizer by name": ("optimizer: config_module.Thing\n", "optimizer"),
+    "a section in another file": ("trainer: more.yaml\n", "trainer.callbacks[0].class_path"),
+    "the model": ("model:\n  class_path: config_module.Thing\n", "model.class_path"),
+}
+
+
+@pytest.mark.parametrize("case", list(CONFIGS_NAMING))
+def test_a_config_file_naming_a_class_outside_seqnorm_torch_and_lightning_is_refused_before_its_import(
+    story: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """jsonargparse imported the module a --config file named (its code ran: a file from elsewhere could run
+    anything); the file and every file it names are checked first."""
+    marker = _marker_module(story.parent, "config_module", "Thing", monkeypatch)
+    text, key = CONFIGS_NAMING[case]
+    (story.parent / "more.yaml").write_text("callbacks:\n  - class_path: config_module.Thing\n", encoding="utf-8")
+    config = story.parent / "from_elsewhere.yaml"
+    config.write_text(text, encoding="utf-8")
+    args = ["fit", *([] if case == "the model" else LM), "--data.path", str(story), *TINY, "--config", str(config)]
+    error = _fails(capsys, args)
+    assert f"--config {config}: refused: {key} names 'config_module.Thing', outside seqnorm, torch, lightning" in error
+    assert "SEQNORM_TRUSTED_MODULES=config_module" in error
+    assert not marker.exists() and "config_module" not in sys.modules
+    if case == "a callback":  # its package trusted: jsonargparse imports it (and refuses a class of no Callback)
+        monkeypatch.setenv("SEQNORM_TRUSTED_MODULES", "config_module")
+        with pytest.raises(SystemExit):
+            main(args)
+        assert marker.exists()
+
+
+def test_a_config_file_builds_no_class_from_a_model_argument(story: Path, capsys: pytest.CaptureFixture) -> None:
+    """``rnn_options`` is an Any: jsonargparse built any class_path there (torch's PackageImporter unpickles)."""
+    config = story.parent / "any.yaml"
+    config.write_text(
+        "model:\n  init_args:\n    rnn_options:\n      init:\n        class_path: torch.package.PackageImporter\n"
+    )
+    error = _fails(capsys, ["fit", *LM, "--data.path", str(story), *TINY, "--config", str(config)])
+    assert f"--config {config}: model: refused: its hyper_parameters.rnn_options.init names the class" in error
+
+
+def test_the_shipped_configs_and_a_runs_own_config_name_only_trusted_classes(trained: Path) -> None:
+    for config in [
+        *Path(seqnorm.cli.app.__file__).parents[2].glob("configs/**/*.yaml"),
+        trained.parents[1] / "config.yaml",
+    ]:
+        seqnorm.cli.checks.check_config_files(["--config", str(config)])
 
 
 def _string_spec_checkpoint(
