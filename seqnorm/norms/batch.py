@@ -356,8 +356,8 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
         """The compiled CPU kernels where a training step of ``count`` real rows of ``batch`` may run them
         (:meth:`_kernel_step`, where :meth:`_kernel_step_args` also finds the instance within the form): this class
         itself declares the ``"kernel"`` form, ``x`` is a CPU tensor in γ's dtype, float32 or float64, no
-        small-batch error is to be raised, and the kernels are loaded (not switched off by
-        :func:`seqnorm.kernels.disabled`); else ``None``."""
+        small-batch error is to be raised, and the C++ kernels are loaded (not switched off by
+        :func:`seqnorm.kernels.disabled`, nor replaced by Triton's interpreter); else ``None``."""
         weight = self.weight
         if (
             "kernel" not in type(self).__dict__.get("fast_forms", ())
@@ -368,7 +368,10 @@ class TimestepBatchNorm(BatchNormPieces, nn.Module):
             or self.raises_small_batch(batch, count)
         ):
             return None
-        return kernels.native("cpu")
+        backend = kernels.native("cpu")
+        # the C++ backend's one-node step; the CPU's backend may be Triton's interpreter (SEQNORM_BACKEND=triton),
+        # which has none: the step then runs its torch-op form
+        return backend if getattr(backend, "norm_step", None) is not None else None
 
     def _steps_by_pieces(self, x: Tensor, batch: int, count: int) -> bool:
         """Whether a training step of ``count`` real rows of ``batch`` may run :func:`step_node`: this class itself

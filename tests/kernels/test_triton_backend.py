@@ -129,6 +129,36 @@ def test_triton_backend_matches_the_plain_path(kind: str, norm: str, case: str, 
         torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance * scale)
 
 
+@pytest.mark.parametrize("norm", ["none", "weight"])
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_triton_backend_without_recurrent_norms_over_more_steps_than_rows(kind: str, norm: str) -> None:
+    """The loops handed a norm that keeps no statistics the row of a (B, H) scratch at each step: an IndexError
+    from the third step at batch 2, wherever a gradient was wanted (the plan takes this path when torch's fused
+    kernel is declined: input dropout, autocast)."""
+    torch.manual_seed(3)
+    layer = seqnorm.LAYERS[kind](2, 3, norm=norm, impl="triton", dtype=torch.float64)
+    x = torch.randn(5, 2, 2, dtype=torch.float64)
+    output, state = layer(x)
+    weights = [torch.randn_like(t) for t in (output, *(state if isinstance(state, tuple) else (state,)))]
+    reference = seqnorm.LAYERS[kind](2, 3, norm=norm, impl="reference", dtype=torch.float64)
+    reference.load_state_dict(layer.state_dict())
+    torch.testing.assert_close(_run(layer, x, None, weights), _run(reference, x, None, weights), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("norm", ["batch", "batch_renorm"])
+def test_a_batch_norm_step_outside_the_recurrence_runs_on_the_triton_backend(norm: str) -> None:
+    """A training step of per-timestep BN outside the kernels' recurrence (the reference loop, the loop path, a cell
+    in one's own loop) asked the CPU's backend for the C++ kernels' norm_step: with Triton's interpreter as the
+    CPU's backend, an AttributeError."""
+    cell = seqnorm.LSTMCell(2, 3, norm=norm)
+    x, state = torch.randn(4, 2), (torch.zeros(4, 3), torch.zeros(4, 3))
+    expected = copy.deepcopy(cell)
+    h, _ = cell(x, state, step=0)
+    with kernels.disabled():
+        torch.testing.assert_close(h, expected(x, state, step=0)[0])
+    torch.testing.assert_close(cell.norm_hh.running_var, expected.norm_hh.running_var)
+
+
 @pytest.mark.parametrize("norm", KERNEL_NORMS)
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_triton_backend_gradcheck(kind: str, norm: str) -> None:

@@ -74,8 +74,7 @@ def lstm_forward_loop(
             scratch, scratch, param(hh_weight, scratch), param(hh_shift, scratch),
             param(c_weight, scratch), param(c_shift, scratch),
             hs[t], cs[c_slot], acts[slot], tanh_cs[slot],
-            *(stat[slot] for stat in hh_stats or (scratch, scratch)),
-            *(stat[slot] for stat in c_stats or (scratch, scratch)), product.operand(t),
+            *_at(hh_stats, slot, scratch), *_at(c_stats, slot, scratch), product.operand(t),
             hidden, 0.0, hh_eps, c_eps,
             IH=0, IH_SHIFT=False, HH=hh, HH_SHIFT=hh_shift is not None,
             C=c_norm, C_SHIFT=c_shift is not None, HAS_MASK=mask is not None, SAVE=save, HALF=half is not None,
@@ -188,7 +187,7 @@ def gru_forward_loop(
             recurrence.gru_step, (rows,),
             terms[t], raw[slot], h_prev, mask_arg(None if mask is None else mask[t], scratch),
             scratch, scratch, param(hh_weight, scratch), param(hh_shift, scratch),
-            hs[t], acts[slot], us[slot], *(stat[slot] for stat in hh_stats or (scratch, scratch)), product.operand(t),
+            hs[t], acts[slot], us[slot], *_at(hh_stats, slot, scratch), product.operand(t),
             hidden, 0.0, hh_eps,
             IH=0, IH_SHIFT=False, HH=hh, HH_SHIFT=hh_shift is not None, HAS_MASK=mask is not None, SAVE=save,
             HALF=half is not None, BLOCK=block(hidden),
@@ -252,6 +251,12 @@ def gru_backward_loop(
 
 
 # --- the generation step ---
+
+
+def _at(stats: list[Tensor], slot: int, scratch: Tensor) -> tuple[Tensor, Tensor]:
+    """A norm's mean and 1/std rows of step ``slot`` for the kernel to write, or ``scratch`` twice where the norm
+    keeps none (not indexed: a scratch of ``rows`` rows indexed by the step failed past ``rows`` steps)."""
+    return (stats[0][slot], stats[1][slot]) if stats else (scratch, scratch)
 
 
 def _step_norm(norm: KernelNorm, step: int) -> tuple[int, Tensor | None, Tensor | None]:
