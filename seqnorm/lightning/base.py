@@ -32,6 +32,7 @@ from seqnorm.lightning.old_hparams import current_hparams
 from seqnorm.lightning.resume import (
     RANDOM_STATE_KEY,
     random_states,
+    resumed_epoch,
     rewind_finished_epoch,
     rewind_unfinished_batch,
     rewind_unfinished_validation,
@@ -55,6 +56,9 @@ FALLBACK_TOTAL_KEY = "seqnorm_fallback_total"
 """Checkpoint key of the run's count of BN fallback steps (``norm/fallback_total`` continues after a resume)."""
 RECENT_LOSSES_KEY = "seqnorm_recent_losses"
 """Checkpoint key of the window ``train/loss`` averages (so the first points after a resume are the same)."""
+EPOCH_LOSS_KEY = "seqnorm_epoch_loss"
+"""Checkpoint key of the epoch's weighted loss sum and weight so far (``train/loss_epoch`` of a resumed epoch covers
+all of it, not the steps after the resume)."""
 EVAL_STAGES = ("val", "test")
 RNN_ARGUMENTS = {
     "norm": "norm",
@@ -242,7 +246,18 @@ class TaskModule(pl.LightningModule):
         total = torch.stack(weighted).sum()
         mean = total / sum(count for _, count in self._recent_losses)
         self.log("train/loss", mean, on_step=True, on_epoch=False, prog_bar=True, batch_size=weight, sync_dist=True)
-        self.log("train/loss_epoch", loss, on_step=False, on_epoch=True, batch_size=weight, sync_dist=True)
+        # The epoch's sum is kept here, not by `self.log(on_epoch=True)`, whose sum no checkpoint holds: after a
+        # resume it averaged the steps since the resume only.
+        total_so_far, weight_so_far = getattr(self, "_epoch_loss", None) or (0.0, 0)  # a step outside fit's epochs
+        self._epoch_loss = (total_so_far + loss.detach().double() * weight, weight_so_far + weight)
+
+    def on_train_epoch_start(self) -> None:  # not called for an epoch a resumed run continues (on_train_start)
+        self._epoch_loss = (torch.zeros((), dtype=torch.float64, device=self.device), 0)
+
+    def on_train_epoch_end(self) -> None:
+        total, weight = self._epoch_loss
+        if weight:
+            self.log("train/loss_epoch", (total / weight).float(), on_step=False, on_epoch=True, sync_dist=True)
 
     def _init_metrics(self, *names: str) -> None:
         self.epoch_metrics = nn.ModuleDict({f"{stage}_{name}": MeanMetric() for stage in EVAL_STAGES for name in names})
@@ -293,10 +308,13 @@ class TaskModule(pl.LightningModule):
         checkpoint[RANDOM_STATE_KEY] = random_states()
         checkpoint[FALLBACK_TOTAL_KEY] = getattr(self, "fallback_total", 0)
         checkpoint[RECENT_LOSSES_KEY] = _as_floats(getattr(self, "_recent_losses", None) or ())
+        epoch_loss = getattr(self, "_epoch_loss", None)
         trainer = self._trainer
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING and "loops" in checkpoint:
             rewind_finished_epoch(checkpoint["loops"])
-            self._rewind_unfinished(trainer, checkpoint)
+            if self._rewind_unfinished(trainer, checkpoint):
+                epoch_loss = self._epoch_loss_at_step_start  # the redone step adds its loss again
+        checkpoint[EPOCH_LOSS_KEY] = _epoch_entry(resumed_epoch(checkpoint, self.current_epoch), epoch_loss)
 
     def _rewind_unfinished(self, trainer: pl.Trainer, checkpoint: dict[str, Any]) -> bool:
         """A save on an exception inside a training step or a validation: make the resume redo it exactly once.
@@ -340,6 +358,7 @@ class TaskModule(pl.LightningModule):
         optimization = epoch_loop.automatic_optimization.optim_progress.state_dict()
         self._step_start = (epoch_loop.batch_progress.total.ready, snapshot_random_states(), optimization)
         self._losses_at_step_start = list(getattr(self, "_recent_losses", None) or ())
+        self._epoch_loss_at_step_start = getattr(self, "_epoch_loss", None)
         # The buffers too (per-timestep BN's running statistics), copied into the same tensors every step: cheap
         # next to the step (docs/performance.md).
         buffers = list(self.buffers())
@@ -383,6 +402,10 @@ class TaskModule(pl.LightningModule):
             raise self._corrupt(RECENT_LOSSES_KEY, "a list of (loss, token count) pairs", recent)
         self.fallback_total = fallback_total
         self._recent_losses = deque(recent)  # _log_train_loss sets its length
+        epoch_loss = checkpoint.get(EPOCH_LOSS_KEY)
+        if epoch_loss is not None and not _is_epoch_entry(epoch_loss):
+            raise self._corrupt(EPOCH_LOSS_KEY, "an (epoch, loss sum, weight) triple", epoch_loss)
+        self._epoch_loss_restored = epoch_loss
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         key = type(datamodule).__qualname__  # where Lightning saves the DataModule's state, restored after this hook
         saved = checkpoint.get(key) if datamodule is not None and DATA_STATE_KEY in checkpoint else None
@@ -400,6 +423,9 @@ class TaskModule(pl.LightningModule):
                     RANDOM_STATE_KEY, f"states torch, Python and numpy restore ({error})", states
                 ) from None
         settle_restart_totals(self.trainer.fit_loop)
+        restored, self._epoch_loss_restored = getattr(self, "_epoch_loss_restored", None), None
+        if restored is not None and restored[0] == self.current_epoch:  # the epoch the checkpoint stopped in
+            self._epoch_loss = (torch.tensor(restored[1], dtype=torch.float64, device=self.device), restored[2])
         self._check_optimizer_state()
 
     def _check_optimizer_state(self) -> None:
@@ -456,6 +482,19 @@ def _is_loss_entry(entry: object) -> bool:
     loss, weight = entry
     number = isinstance(loss, float | int) and not isinstance(loss, bool)
     return number and math.isfinite(loss) and _is_count(weight)  # a NaN there was logged as train/loss
+
+
+def _epoch_entry(epoch: int, epoch_loss: tuple[Tensor, int] | None) -> tuple[int, float, int]:
+    """The checkpoint's record of the epoch's loss so far (:data:`EPOCH_LOSS_KEY`): plain numbers."""
+    total, weight = epoch_loss if epoch_loss is not None else (0.0, 0)
+    return (int(epoch), float(total), int(weight))
+
+
+def _is_epoch_entry(entry: object) -> bool:
+    if not isinstance(entry, list | tuple) or len(entry) != 3:
+        return False
+    epoch, total, weight = entry
+    return _is_count(epoch) and isinstance(total, float) and math.isfinite(total) and _is_count(weight)
 
 
 def _as_floats(losses: Any) -> list[tuple[float, int]]:

@@ -21,6 +21,7 @@ import torch
 __all__ = [
     "RANDOM_STATE_KEY",
     "random_states",
+    "resumed_epoch",
     "rewind_finished_epoch",
     "rewind_unfinished_batch",
     "rewind_unfinished_validation",
@@ -96,6 +97,15 @@ def rewind_finished_epoch(loops: dict[str, Any]) -> None:
         counters["completed"] -= 1
     # Lightning adds one back when it resumes from `on_train_batch_end` (it was saved before its increment).
     fit["epoch_loop.state_dict"]["_batches_that_stepped"] -= 1
+
+
+def resumed_epoch(checkpoint: dict[str, Any], current_epoch: int) -> int:
+    """The epoch a run resumed from ``checkpoint`` continues in (its ``current_epoch`` at ``on_train_start``): the
+    fit loop's completed epochs, as the rewinds above left them (a stop after an epoch's last step counts that epoch
+    as unfinished); ``current_epoch`` for a checkpoint without them."""
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
+    completed = progress.get("completed")
+    return completed if isinstance(completed, int) else current_epoch
 
 
 def rewind_unfinished_batch(loops: dict[str, Any], *, lightning_adds_step: bool, rewindable: list[bool]) -> bool:
