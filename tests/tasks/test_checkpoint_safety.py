@@ -493,6 +493,7 @@ def test_unusable_ckpt_path_is_one_message(
         # a NaN there was logged as train/loss, the run exiting 0
         ({"seqnorm_recent_losses": [(float("nan"), 10)]}, "expected its seqnorm_recent_losses to be a list of"),
         ({"seqnorm_fallback_total": -3}, "expected its seqnorm_fallback_total to be a count, got -3"),
+        ({"seqnorm_epoch_loss": (0, float("nan"), 3)}, "expected its seqnorm_epoch_loss to be an (epoch, loss sum"),
         # each was a traceback from deep in Lightning's restore, or from the first step
         ({"pytorch-lightning_version": "0.9.0"}, "expected its pytorch-lightning_version to be a version of Light"),
         ({"loops": {"fit_loop": "x"}}, "expected its loops to be a dict of the states of fit_loop, validate_loop"),
