@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
+from seqnorm.norms import TimestepBatchNorm
 from seqnorm.norms.population import update_bn
 
 __all__ = ["PreciseBN"]
@@ -25,7 +26,9 @@ class PreciseBN(pl.Callback):
     mode without gradients through the task module's ``population_forward`` (stream windows carry their state as in
     training); the random number generators are forked, so the training run draws exactly what it would without the
     callback. Training itself normalizes with batch statistics, so the new running statistics change only what reads
-    them: steps that fall back to them (``small_batch="tail"``) and batch renorm's correction.
+    them: steps that fall back to them (``small_batch="tail"``) and batch renorm's correction. The checkpoint written
+    at the end of ``fit`` holds the population statistics and, in this callback's state, the running averages they
+    replaced: a fit resumed from it restores those, and trains on exactly as the run that did not stop.
 
     From the CLI: ``seqnorm fit ... --trainer.callbacks+=seqnorm.lightning.PreciseBN
     --trainer.callbacks.init_args.num_batches 100``.
@@ -41,13 +44,41 @@ class PreciseBN(pl.Callback):
             raise ValueError(f"PreciseBN: expected num_batches >= 1 or None, got {num_batches}")
         self.num_batches = num_batches
         self._updated_at: int | None = None
+        self._before_final: dict[str, torch.Tensor] | None = None  # the running statistics the end of fit replaced
+        self._to_restore: dict[str, torch.Tensor] | None = None
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
             self._update(trainer, pl_module)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The last checkpoint holds the population statistics (what evaluating it reads), and beside them, in this
+        # callback's state, the running averages they replaced: a fit resumed from it trains on with those, as the
+        # run that never stopped does (it had not updated them at that step).
+        if self._updated_at != trainer.global_step:
+            self._before_final = {name: buffer.clone() for name, buffer in _running_statistics(pl_module)}
         self._update(trainer, pl_module)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {} if self._before_final is None else {"running_before_final_update": self._before_final}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._to_restore = state_dict.get("running_before_final_update")
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        restore, self._to_restore = self._to_restore, None
+        if not restore:
+            return
+        buffers = dict(_running_statistics(pl_module))
+        if set(restore) != set(buffers) or not all(_fits(restore[name], buffer) for name, buffer in buffers.items()):
+            raise ValueError(
+                f"PreciseBN: expected the checkpoint's running statistics before its final update to be the model's "
+                f"({len(buffers)} buffers), got {len(restore)} others: resume without PreciseBN, or from another "
+                "checkpoint"
+            )
+        with torch.no_grad():
+            for name, buffer in buffers.items():
+                buffer.copy_(restore[name])
 
     def _update(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._updated_at == trainer.global_step:  # nothing trained since the last update
@@ -65,6 +96,22 @@ class PreciseBN(pl.Callback):
         with torch.random.fork_rng(devices=forked), trainer.precision_plugin.forward_context():
             update_bn(batches, pl_module, device, forward=_task_forward)
         self._updated_at = trainer.global_step
+
+
+def _fits(saved: object, buffer: torch.Tensor) -> bool:
+    """Whether ``saved`` can stand for the running moments ``buffer``: a finite tensor of its shape."""
+    return isinstance(saved, torch.Tensor) and saved.shape == buffer.shape and bool(torch.isfinite(saved).all())
+
+
+def _running_statistics(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers :func:`~seqnorm.update_bn` may replace: every per-timestep batch norm's running moments."""
+    return [
+        (f"{name}.{buffer_name}", buffer)
+        for name, norm in module.named_modules()
+        if isinstance(norm, TimestepBatchNorm)
+        for buffer_name, buffer in norm.named_buffers(recurse=False)
+        if buffer_name in ("running_mean", "running_var")
+    ]
 
 
 def _task_forward(module: Any, batch: dict[str, torch.Tensor]) -> Any:

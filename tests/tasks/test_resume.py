@@ -294,6 +294,31 @@ def test_the_epoch_train_loss_covers_the_whole_resumed_epoch(
     assert reference == EPOCH_LOSSES
 
 
+@pytest.mark.parametrize("bucket", [True, False], ids=["bucketed", "unbucketed"])
+def test_precise_bn_at_the_end_of_a_stopped_fit_leaves_the_resume_exact(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, bucket: bool
+) -> None:
+    """PreciseBN replaces BN's running averages when fit ends, before last.ckpt is written; the run that never
+    stopped trains on with the averages, which the padded tails' steps read: weights 3e-3 apart after the resume.
+    The checkpoint keeps the population statistics (for evaluating it) and the averages (for resuming it)."""
+    precise = ["--model.norm", "batch", "--trainer.callbacks+=seqnorm.lightning.PreciseBN"]
+    precise += ["--trainer.callbacks.num_batches", "2"]
+    reference, reference_parameters = _uninterrupted(bucket, tmp_path_factory, *precise)
+    write_story(tmp_path / "story.txt")
+    first, _ = _fit(tmp_path / "first", bucket, "--trainer.max_steps", "5", *precise)
+    last = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    stopped = torch.load(last, weights_only=True)
+    state = next(value for key, value in stopped["callbacks"].items() if key.startswith("PreciseBN"))
+    saved = list(stopped["state_dict"].values())
+    averages = state["running_before_final_update"]
+    assert any(not any(torch.equal(value, weight) for weight in saved) for value in averages.values())  # replaced
+    resumed, parameters = _fit(
+        tmp_path / "resumed", bucket, "--trainer.max_steps", str(TOTAL), *precise, "--ckpt_path", str(last)
+    )
+    assert first + resumed == reference
+    assert [name for name, value in parameters.items() if not torch.equal(value, reference_parameters[name])] == []
+
+
 def test_resume_twice_after_interrupts_inside_steps(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """A resumed run's own checkpoints resume exactly too, the loop counters included."""
     reference, reference_parameters = _uninterrupted(True, tmp_path_factory)
