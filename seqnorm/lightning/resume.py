@@ -68,7 +68,8 @@ def set_random_states(states: dict[str, Any]) -> None:
 
 
 def rewind_finished_epoch(loops: dict[str, Any]) -> None:
-    """Make a checkpoint written after the fit loop closed its epoch look like one written after the last step.
+    """Make a checkpoint written after the fit loop closed its epoch look like one written after the last step, and
+    one written in the validation at an epoch's end like one written before that epoch's end.
 
     When training stops (``max_steps``, ``max_epochs``) the fit loop counts the current epoch as done, even in the
     middle of it, and keeps the epoch's batch counters. A run resumed from that state (Lightning 2.6) starts the
@@ -88,6 +89,17 @@ def rewind_finished_epoch(loops: dict[str, Any]) -> None:
     current = epochs["current"]
     closed = current["ready"] == current["started"] == current["processed"] == current["completed"]
     trained = batches["current"]["completed"] == batches["current"]["processed"] > 0
+    # Saved by the validation at the end of an epoch: every batch trained, the epoch counted processed but its end
+    # (the epoch-end hooks, the schedulers' epoch step) still to come. Lightning resumed it by counting the epoch
+    # processed a second time (the next epoch's sampler order was the one after it) and adding one to
+    # `_batches_that_stepped`; uncounted, the resumed run runs that epoch end (as the stopped run did after the
+    # save) and goes on exactly.
+    closing = current["ready"] == current["started"] == current["processed"] == current["completed"] + 1
+    if closing and trained and batches.get("is_last_batch"):
+        for counters in (epochs["total"], epochs["current"]):
+            counters["processed"] -= 1
+        fit["epoch_loop.state_dict"]["_batches_that_stepped"] -= 1
+        return
     if not (closed and trained and current["completed"] > 0):
         return
     for counters in (epochs["total"], epochs["current"]):

@@ -294,6 +294,30 @@ def test_the_epoch_train_loss_covers_the_whole_resumed_epoch(
     assert reference == EPOCH_LOSSES
 
 
+def test_a_stop_at_an_epochs_end_that_validated_resumes_exactly(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Validation at each epoch's end (Lightning's default), a stop after the epoch's last step: the checkpoint,
+    written in that validation, resumed into the next epoch in another order (its sampler counted the epoch twice)
+    with the logging steps one ahead; with ``max_epochs`` it trained nothing. An epoch-end scheduler step keeps its
+    place (the resumed run runs the epoch end the stopped run ran after the save)."""
+    extra = ["--trainer.val_check_interval", "1.0", "--optimizer", "Adam", "--optimizer.lr", "0.01"]
+    extra += ["--lr_scheduler", "StepLR", "--lr_scheduler.step_size", "1", "--lr_scheduler.gamma", "0.5"]
+    reference, reference_parameters = _uninterrupted(False, tmp_path_factory, *extra)
+    write_story(tmp_path / "story.txt")
+    first, _ = _fit(tmp_path / "first", False, "--trainer.max_steps", str(EPOCH), *extra)
+    last = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    resumed, parameters = _fit(
+        tmp_path / "resumed", False, "--trainer.max_steps", str(TOTAL), *extra, "--ckpt_path", str(last)
+    )
+    assert first + resumed == reference
+    assert [name for name, value in parameters.items() if not torch.equal(value, reference_parameters[name])] == []
+    _fit(tmp_path / "by_epochs", False, "--trainer.max_epochs", "2", *extra, "--ckpt_path", str(last))
+    assert (
+        torch.load(tmp_path / "by_epochs" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2 * EPOCH
+    )
+
+
 @pytest.mark.parametrize("bucket", [True, False], ids=["bucketed", "unbucketed"])
 def test_precise_bn_at_the_end_of_a_stopped_fit_leaves_the_resume_exact(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, bucket: bool
