@@ -66,15 +66,18 @@ class PreciseBN(pl.Callback):
         self._to_restore = state_dict.get("running_before_final_update")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        restore, self._to_restore = self._to_restore, None
-        if not restore:
+        restore, self._to_restore, self._before_final = self._to_restore, None, None  # a fit of its own
+        if restore is None:
             return
         buffers = dict(_running_statistics(pl_module))
-        if set(restore) != set(buffers) or not all(_fits(restore[name], buffer) for name, buffer in buffers.items()):
+        if (
+            not isinstance(restore, dict)
+            or set(restore) != set(buffers)
+            or not all(_fits(restore[name], buffer) for name, buffer in buffers.items())
+        ):
             raise ValueError(
                 f"PreciseBN: expected the checkpoint's running statistics before its final update to be the model's "
-                f"({len(buffers)} buffers), got {len(restore)} others: resume without PreciseBN, or from another "
-                "checkpoint"
+                f"({len(buffers)} buffers), got others: resume without PreciseBN, or from another checkpoint"
             )
         with torch.no_grad():
             for name, buffer in buffers.items():

@@ -315,8 +315,8 @@ def test_the_librarys_data_messages_name_the_scripts_flags(tmp_path: Path, caplo
     with pytest.raises(SystemExit) as stopped, caplog.at_level(logging.INFO):
         _data.open_corpus(args, "window", 4)
     assert str(stopped.value) == (
-        f"error: {tiny}: the val split has fewer than 2 tokens, nothing to predict: add text (10% of it is each "
-        "split's)"
+        f"error: {tiny}: the val split has fewer than 2 tokens, nothing to predict: add text (validation and test "
+        "take 10% of it each)"
     )
     assert any(message.startswith(f"TextCorpus: carved from the end of --text {tiny}") for message in caplog.messages)
     latin = tmp_path / "latin.txt"
