@@ -58,7 +58,10 @@ SCRIPT_FLAGS = {
 
 SCRIPT_ADVICE = [
     # the scripts carve validation and test from --text at the library's fractions, and take no split files
-    (r"raise --data\.\w+_fraction, pass --data\.\w+_path or add text", "add text (validation and test take 10% of it each)"),
+    (
+        r"raise --data\.\w+_fraction, pass --data\.\w+_path or add text",
+        "add text (validation and test take 10% of it each)",
+    ),
     (r"--data\.val_fraction (\S+) and --data\.test_fraction (\S+)", r"a validation fraction \1 and a test fraction \2"),
     (r"; lower them or add text", "; add text"),
     (r"\(--data\.(val|test)_fraction (\S+)\)", r"(a fraction \2)"),
