@@ -27,8 +27,7 @@ from seqnorm.norms.sync import local_statistics
 
 __all__ = ["CellSummary", "Observation", "ObservedCell", "find_cells", "logged_statistics", "train_eval_gap"]
 
-GATE_NAMES = {4: ("i", "f", "g", "o"), 3: ("r", "z", "n")}
-TANH_GATE = 2  # LSTM g and GRU n are the tanh gates; every other gate is a sigmoid
+TANH_GATES = {"lstm": 2, "gru": 2}  # LSTM g and GRU n, by the cell's torch_kernel; every other gate is a sigmoid
 SIGMOID_BAND = (0.05, 0.95)
 TANH_LIMIT = 0.95
 HISTOGRAM_VALUES_PER_STEP = 2048  # strided subsample per tensor and step: a distribution needs no more
@@ -70,7 +69,16 @@ def find_cells(module: nn.Module) -> list[ObservedCell]:
 
 
 def _gate_names(cell: RecurrentCell) -> tuple[str, ...]:
-    return GATE_NAMES.get(cell.num_gates, tuple(f"gate{k}" for k in range(cell.num_gates)))
+    """The cell's ``gate_layout`` where it declares one of its ``num_gates`` blocks, else ``gate0``, ``gate1``, ..."""
+    layout = tuple(getattr(cell, "gate_layout", ()))
+    return layout if len(layout) == cell.num_gates else tuple(f"gate{k}" for k in range(cell.num_gates))
+
+
+def _tanh_gate(cell: RecurrentCell) -> int | None:
+    """The block of the tanh gate (saturated past ``|x| > TANH_LIMIT``) for torch's LSTM and GRU layouts; ``None``
+    for a cell of another layout, whose gates are all counted as sigmoids (a custom cell's third block is no tanh
+    gate of its own: two blocks were an IndexError, and three miscounted)."""
+    return TANH_GATES.get(getattr(cell, "torch_kernel", None) or "")
 
 
 def _moment_sources(cell: RecurrentCell) -> dict[str, str]:
@@ -213,7 +221,9 @@ class _CellRecorder:
             gates = stacked("gates").unflatten(2, (len(self.gates), cell.hidden_size))  # (N, B, G, H)
             low, high = SIGMOID_BAND
             saturated = (gates < low) | (gates > high)
-            saturated[:, :, TANH_GATE] = gates[:, :, TANH_GATE].abs() > TANH_LIMIT
+            tanh = _tanh_gate(cell)
+            if tanh is not None:
+                saturated[:, :, tanh] = gates[:, :, tanh].abs() > TANH_LIMIT
             counts = (saturated & real.unsqueeze(3)).sum((1, 3))  # (N, G)
             for gate_index, gate in enumerate(self.gates):
                 _scatter(sums, f"{gate}_sat", index, counts[:, gate_index], steps)

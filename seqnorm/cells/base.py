@@ -66,12 +66,16 @@ class StepObserver(nn.Module):
     (``W_ih x`` and ``W_hh h`` before their norms), ``input_term`` / ``recurrent_term`` (after norm and bias; with
     ``norm_placement="joint"``, ``input_term`` is the normalized sum plus both biases and ``recurrent_term`` ``None``),
     ``gates`` (the activated gates, ``(B, G*H)`` in torch's gate order), ``h`` and, for LSTMs, ``c`` and
-    ``c_out`` (the cell state as it enters the output ``tanh``, after ``norm_c``). Without hooks the cell builds
-    no record at all, and layers may use faster paths that never call the cell step by step.
+    ``c_out`` (the cell state as it enters the output ``tanh``, after ``norm_c``): a gated cell's record. A cell of
+    one's own whose step hands over none gets one from :meth:`RecurrentCell.observed_step`: ``step``, ``mask``,
+    ``h`` (and ``c``). Without hooks the cell builds no record at all, and layers may use faster paths that never
+    call the cell step by step.
     """
 
+    records = 0  # records handed over so far (observed_step: whether a step handed one)
+
     def forward(self, record: dict[str, Any]) -> None:
-        return None
+        self.records += 1
 
     @property
     def active(self) -> bool:
@@ -248,7 +252,21 @@ class RecurrentCell(PicklableParametrizations):
             raise ValueError(f"{self._owner}: expected state to be a tuple (h, c), got {type(state).__name__}")
         else:
             state = (self.check_state_tensor("h", state[0], batch, x), self.check_state_tensor("c", state[1], batch, x))
-        return self.step_unchecked(x, state, step, mask)
+        return self.observed_step(x, state, step, mask)
+
+    def observed_step(self, x: Tensor, state: Any, step: int, mask: Tensor | None) -> Any:
+        """:meth:`step_unchecked`, and where the step handed its hooked :attr:`observer` no record of its own (a
+        cell of one's own that builds none) the record of its result: ``step``, ``mask``, ``h`` (and ``c``). The
+        layers' reference loop and :meth:`forward` call this."""
+        observer = self.observer
+        if not observer.active:
+            return self.step_unchecked(x, state, step, mask)
+        handed = observer.records
+        new = self.step_unchecked(x, state, step, mask)
+        if observer.records == handed:
+            h, c = (new, None) if isinstance(new, Tensor) else new
+            self.observer({"step": step, "mask": mask, "h": h, **({"c": c} if c is not None else {})})
+        return new
 
     def step_unchecked(self, x: Tensor, state: Any, step: int, mask: Tensor | None) -> Any:
         """One step without input checks: :meth:`forward` and the layers' loops call it.

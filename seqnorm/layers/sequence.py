@@ -301,7 +301,7 @@ def run_direction(
             elif normed is not None:
                 state = cell.step_terms(x_t, state, step, masks[index], input_normed=normed[index])  # type: ignore[attr-defined]
             else:
-                state = cell.step_unchecked(x_t, state, step, masks[index])
+                state = cell.observed_step(x_t, state, step, masks[index])
             outputs.append(state if isinstance(state, Tensor) else state[0])
     _check_regularizers_read(layer, cell, dropped.recurrent is not None, dropped.weight_hh is not None, drawn)
     return torch.stack(outputs), state
@@ -342,7 +342,7 @@ def step_cell(
         kernel = CELL_KERNELS[cell_kernel(cell)]  # type: ignore[index]
         state = kernel(x, state, cell.weight_ih, cell.weight_hh, cell.bias_ih, cell.bias_hh)
     else:
-        state = cell.step_unchecked(x, state, step, None)
+        state = cell.observed_step(x, state, step, None)
     if isinstance(state, Tensor):
         return state.unsqueeze(0), None
     return state[0].unsqueeze(0), state[1].unsqueeze(0)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from seqnorm import GatedCell, RecurrentLayer
 from seqnorm.callbacks.observe import Observation, find_cells, train_eval_gap
 from seqnorm.norms import BatchNormSpec
 from tests.conftest import BATCH_NORMS, KINDS, LAYERS, NORMS, running_fallback
@@ -126,3 +127,37 @@ def test_placement_switches_are_observed(switches: dict, expected: set) -> None:
     summary = _observe(layer, _padded_input(0.0))["l0"]
     assert expected <= set(summary.scalars)
     assert all(math.isfinite(value) for value in summary.scalars.values())
+
+
+class _MGUCell(GatedCell):
+    """A minimal gated unit (Zhou et al. 2016): two gate blocks, a forget gate and a tanh candidate, declared as
+    ``gate_layout`` ("f", "n"); its step hands the observer its record as the library's gated cells do."""
+
+    num_gates = 2
+    gate_layout = ("f", "n")
+
+    def step_terms(self, x, state, step, mask, *, input_normed=None, input_term=None):  # type: ignore[no-untyped-def]
+        record: dict | None = {} if self.observer.active else None
+        a, u = self.gate_terms(x, self.recurrent_input(state), step, mask, record, input_normed, input_term)
+        (fa, na), (fu, nu) = a.chunk(2, 1), u.chunk(2, 1)
+        f = torch.sigmoid(fa + fu)
+        n = torch.tanh(na + f * nu)
+        h = self.settle((1 - f) * state + f * n, state, mask, self.zoneout_h)
+        if record is not None:
+            record.update(gates=torch.cat([f, n], 1), h=h)
+            self.observer(record)
+        return h
+
+
+class _MGU(RecurrentLayer):
+    cell_class = _MGUCell
+
+
+def test_a_gated_cell_of_another_layout_is_observed_by_its_own_gate_names() -> None:
+    """Two gate blocks ended in an IndexError (the LSTM's and GRU's tanh block, 2, was marked in every cell), and a
+    third block of another layout would have been counted saturated as a tanh."""
+    torch.manual_seed(0)
+    layer = _MGU(3, 4, norm="layer")
+    (summary,) = _observe(layer, _padded_input(0.0)).values()
+    assert {("gates", "f_sat"), ("gates", "n_sat")} <= set(summary.scalars)
+    assert not any(name.startswith(("g_", "gate")) for _, name in summary.scalars)

@@ -183,3 +183,19 @@ def test_hidden_state_stats_refuses_it_by_name() -> None:
         ValueError, match=r"^HiddenStateStats: expected cells with gate blocks .* got IndRNNCell at 'l0'$"
     ):
         find_cells(IndRNN(3, 4, norm="layer"))
+
+
+def test_an_observer_hooked_to_the_cell_sees_every_step() -> None:
+    """The observer is the supported way to watch every step, and hooking it moved the layer to the reference
+    loop; but a cell of one's own builds no record, and the hook was never called."""
+    torch.manual_seed(0)
+    layer = IndRNN(3, 4, norm="layer")
+    records: list[dict] = []
+    layer.cells[0].observer.register_forward_hook(lambda module, args, output: records.append(args[0]))
+    x, lengths = torch.randn(5, 2, 3), torch.tensor([5, 3])
+    output, _ = layer(x, lengths=lengths)
+    assert [record["step"] for record in records] == [0, 1, 2, 3, 4]
+    assert torch.equal(torch.stack([record["h"] for record in records])[:, 0], output[:, 0])
+    assert records[4]["mask"].tolist() == [True, False]
+    layer.cells[0](x[0], step=0)  # the cell called directly
+    assert len(records) == 6
