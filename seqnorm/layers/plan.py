@@ -354,15 +354,17 @@ def _step_plan(layer: Layer, x: Tensor) -> Plan:
     if torch.compiler.is_exporting():
         return Plan("reference", "torch.export is capturing: the cells' own steps", ("reference",) * len(cells))
     autocast = torch.is_autocast_enabled(x.device.type)
+    lean = None
     if not torch.is_grad_enabled() and not autocast:
-        blocker = _lean_blocker(layer, cells, x)
-        if blocker is None:
+        lean = _lean_blocker(layer, cells, x)
+        if lean is None:
             routes = tuple(_lean_route(cell, x) for cell in cells)
             return Plan("lean_step", "no gradient: each cell's step prepared once and cached", routes)
     routes = tuple(_cell_step_route(cell, autocast) for cell in cells)
     path: Path = "torch_kernel" if all(route == "torch_kernel" for route in routes) else "reference"
     reason = "torch's cell kernel: nothing normalized" if path == "torch_kernel" else "the cells' own steps"
-    return Plan(path, reason, routes)
+    # without gradients, why not the lean step (a norm that declares no "generation" form, say)
+    return Plan(path, reason if lean is None else f"{reason}; not the lean step: {lean}", routes)
 
 
 def _cell_step_route(cell: RecurrentCell, autocast: bool) -> Path:

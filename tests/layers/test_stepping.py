@@ -13,6 +13,7 @@ from torch.testing import assert_close
 from seqnorm import kernels
 from seqnorm.layers import stepping
 from seqnorm.layers.stepping import lean_layer_step
+from seqnorm.norms import LayerNormSpec
 from tests.conftest import LAYERS, NORMS, TORCH_KINDS, perturb_norm_parameters
 
 TOLERANCE = {"rtol": 1e-12, "atol": 1e-12}
@@ -142,6 +143,17 @@ def test_lean_step_only_without_gradients_and_batch_norm_only_in_eval(norm: str)
         assert lean_layer_step(layer, x) is None  # an observer sees every step of the cell itself
         handle.remove()
         assert lean_layer_step(layer, x) is not None
+
+
+def test_a_step_plan_without_gradients_says_why_it_is_not_the_lean_step() -> None:
+    """It said only "the cells' own steps", where the reason (a norm's missing γ, say) was known and kept back."""
+    layer = LAYERS["lstm"](3, 4, norm=LayerNormSpec(affine=False))
+    x = torch.randn(2, 3)
+    with torch.no_grad():
+        assert str(layer.plan(x)) == (
+            "reference: the cells' own steps; not the lean step: LayerNorm without γ (affine=False)"
+        )
+    assert str(layer.plan(x)) == "reference: the cells' own steps"  # with gradients the lean step is not asked
 
 
 def test_layers_made_in_inference_mode_step_without_the_cache() -> None:
