@@ -47,6 +47,7 @@ __all__ = [
     "read_checkpoint",
     "read_hparams_file",
     "refuse_unsafe_load",
+    "shown",
     "subclasses",
     "task_class",
 ]
@@ -184,7 +185,8 @@ LOOPS = ("fit_loop", "validate_loop", "test_loop", "predict_loop")
 """The loops whose state Lightning saves under ``loops`` and restores by name."""
 
 
-def _shown(value: object) -> str:
+def shown(value: object) -> str:
+    """``value`` as an error quotes what it got: its ``repr``, or its type where that runs past 80 characters."""
     return repr(value) if len(repr(value)) <= 80 else f"a {type(value).__name__}"
 
 
@@ -208,7 +210,7 @@ def _check_training_state(checkpoint: dict[str, Any], where: str) -> None:
     trained the weights to NaN and saved them."""
 
     def refuse(key: str, expected: str) -> CheckpointError:
-        return corrupt_checkpoint(where, f"expected its {key} to be {expected}, got {_shown(checkpoint[key])}")
+        return corrupt_checkpoint(where, f"expected its {key} to be {expected}, got {shown(checkpoint[key])}")
 
     def dicts(value: object) -> bool:
         return isinstance(value, list) and all(isinstance(item, dict) for item in value)
@@ -262,7 +264,7 @@ def _check_lightning_keys(checkpoint: dict[str, Any], where: str) -> None:
     for key in HPARAMS_NAME_KEYS:
         name = checkpoint.get(key, "kwargs")
         if name not in ("kwargs", None):
-            raise corrupt_checkpoint(where, f"expected its {key} to be 'kwargs', got {_shown(name)}")
+            raise corrupt_checkpoint(where, f"expected its {key} to be 'kwargs', got {shown(name)}")
 
 
 def _check_finite_weights(state_dict: object, where: str) -> None:

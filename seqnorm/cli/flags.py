@@ -175,8 +175,12 @@ def _members(cls: type, name: str) -> tuple[Any, ...] | None:
         return None
     if hint is None:
         return None
-    members = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
-    return tuple(member for member in members if member is not type(None))
+    return tuple(member for member in _union_members(hint) if member is not type(None))
+
+
+def _union_members(hint: Any) -> tuple[Any, ...]:
+    """The types of a union hint (``int | None``: ``int`` and ``NoneType``), or the hint alone."""
+    return typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
 
 
 def _choices(cls: type, name: str) -> tuple[str, ...] | None:
@@ -263,7 +267,7 @@ _KINDS = {bool: "true, false", int: "an integer", float: "a finite number", type
 def _expected(hint: Any) -> tuple[str, list[str]] | None:
     """What a flag of type ``hint`` takes, in words (``"an integer >= 0 or null"``), and its choices where it has
     some (a ``Literal``); ``None`` for a type described no simpler than jsonargparse does (a class, a path, a list)."""
-    members = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    members = _union_members(hint)
     kinds: list[str] = []
     choices: list[str] = []
     for member in members:

@@ -23,6 +23,7 @@ from seqnorm.checkpoint_io import (
     read_checkpoint,
     read_hparams_file,
     refuse_unsafe_load,
+    shown,
     subclasses,
     task_class,
 )
@@ -446,8 +447,7 @@ class TaskModule(pl.LightningModule):
 
     def _corrupt(self, key: str, expected: str, got: object) -> CheckpointError:
         """The error for a resume state this module wrote, found unusable in the checkpoint being loaded."""
-        shown = repr(got) if len(repr(got)) <= 80 else f"a {type(got).__name__}"
-        return corrupt_checkpoint(self._saved_at(), f"expected its {key} to be {expected}, got {shown}")
+        return corrupt_checkpoint(self._saved_at(), f"expected its {key} to be {expected}, got {shown(got)}")
 
     def _saved_at(self) -> str:
         """The checkpoint being loaded, as errors name it."""

@@ -15,7 +15,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
-from seqnorm.checkpoint_io import corrupt_checkpoint
+from seqnorm.checkpoint_io import corrupt_checkpoint, shown
 from seqnorm.lightning.atomic_io import AtomicCheckpointIO, atomic_copy, is_disk_full, local_path
 
 __all__ = ["ResumableCheckpoint"]
@@ -115,10 +115,8 @@ class ResumableCheckpoint(ModelCheckpoint):
         ]
         for key, expected, fits in checks:
             if not fits:
-                got = state.get(key, "nothing")
-                shown = repr(got) if len(repr(got)) <= 80 else f"a {type(got).__name__}"
-                what = f"expected the {type(self).__name__} state's {key} to be {expected}, got {shown}"
-                raise corrupt_checkpoint(where, what)
+                what = f"expected the {type(self).__name__} state's {key} to be {expected}, got "
+                raise corrupt_checkpoint(where, what + shown(state.get(key, "nothing")))
 
     def _owns(self, filepath: str) -> bool:
         """Whether ``filepath`` is inside ``dirpath`` (a file, or a sharded checkpoint's folder, at any depth, as
